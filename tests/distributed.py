@@ -1,0 +1,90 @@
+"""Run a function on real gloo ranks spawned from pytest.
+
+Every distributed test goes through `run_on_ranks`: each rank is a fresh spawned process (Lightning's own
+launcher would re-execute pytest), joined into a gloo process group on a free localhost port, with one thread
+per rank so that several ranks share the 2 CPU cores without thrashing. A rank's exception comes back to the
+parent with its traceback; a rank that hangs (say, in a collective another rank never joined) fails the test
+after `timeout` seconds instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing is listening on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Runs `fn(rank, world_size, *args)` on `world_size` gloo ranks and returns each rank's result, by rank.
+
+    `fn` must be importable (a module-level function) and its result picklable. Raises `RuntimeError` with the
+    failing rank's traceback, or `TimeoutError` naming the ranks that never reported.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, timeout), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
+            if status == "error":
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
+            outputs[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [outputs[rank] for rank in range(world_size)]
