@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -71,13 +72,19 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180
     for proc in procs:
         proc.start()
     outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(outputs) < world_size:
             try:
-                rank, status, payload = results.get(timeout=timeout)
+                rank, status, payload = results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(outputs))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
+                dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
+                if dead:  # died without reporting (killed, or crashed before running fn)
+                    raise RuntimeError(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
+                continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             outputs[rank] = payload

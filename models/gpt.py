@@ -1,0 +1,133 @@
+"""A small GPT in plain single-device PyTorch (after nanoGPT).
+
+Nothing here knows about parallelism. The one concession to tensor parallelism is that attention infers its
+head count from the projection width (`view(B, T, -1, head_dim)`), so the same forward runs on all heads or on
+a rank's local heads; the sharding plan itself is data, `GPT.tp_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304  # tokenizer vocabulary (GPT-2's 50257 padded up to a multiple of 64)
+    block_size: int = 1024  # longest sequence the position embedding covers
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block
+    n_embd: int = 768  # residual stream width; a multiple of n_head
+    dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
+    bias: bool = True  # biases in Linear layers and LayerNorms
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if config.n_embd % config.n_head:
+            raise ValueError(f"n_embd={config.n_embd} must be a multiple of n_head={config.n_head}")
+        self.head_dim = config.n_embd // config.n_head
+        self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Heads come from the projection width, so the forward also runs on a subset of heads.
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * head_dim)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    # Megatron's column-then-row split of each block, as data: q/k/v and fc are split by output features (heads),
+    # proj by input features, so each block needs one all-reduce forward and one backward per sub-block.
+    # The tied embedding/head pair is split along the vocabulary.
+    tp_plan = {
+        "tok_emb": "embedding_rowwise",
+        "blocks.*.attn": "attention",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "lm_head": "colwise_gather_output",
+    }
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # weight tying
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Returns logits (B, T, vocab_size), or (logits, loss) when `targets` (B, T) are given."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, n_embd)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, loss

@@ -1,0 +1,78 @@
+"""The parity pattern, shared by the whole-model tests: build the unsharded reference with a fixed seed, shard a
+deep copy, and measure how far the sharded model's logits, gradients, losses and weights are from the reference.
+Runs inside a rank (see `tests.distributed.run_on_ranks`)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tp_train
+from tp_train.sharding import ceil_div
+
+
+def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
+
+
+def parity_errors(reference, forward, vocab_size: int, steps: int = 3, seq_len: int = 16) -> dict[str, float]:
+    """Max-abs errors of a sharded copy of `reference` against it, over `steps` SGD-with-momentum steps.
+
+    Not Adam: some parameters have an exactly-zero true gradient (a key bias: softmax ignores a shift common to
+    all keys), so both models hold only ~1e-9 round-off there, which Adam would normalise into lr-sized updates.
+
+    `forward(model, idx)` returns logits. Keys: `logits`, `grad:<param>` (first step, every parameter, sharded ones
+    gathered), `loss_step<k>`, `param:<param>` (after the last step); plus `shard_fraction`, the rank's share of the
+    sharded parameters' elements (about 1/tp).
+    """
+    group = dist.group.WORLD
+    model = tp_train.parallelize(copy.deepcopy(reference))
+    generator = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, vocab_size, (2, seq_len), generator=generator) for _ in range(steps)]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_params = dict(reference.named_parameters())
+    errors: dict[str, float] = {}
+    for step, idx in enumerate(batches):
+        ref_logits, logits = forward(reference, idx), forward(model, idx)
+        ref_loss, loss = next_token_loss(ref_logits, idx), next_token_loss(logits, idx)
+        ref_loss.backward()
+        loss.backward()
+        errors[f"loss_step{step}"] = (ref_loss - loss).abs().item()
+        if step == 0:
+            errors["logits"] = (ref_logits - logits).abs().max().item()
+            for name, grad in _full_tensors(model, group, grads=True).items():
+                errors[f"grad:{name}"] = (ref_params[name].grad - grad).abs().max().item()
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    for name, param in _full_tensors(model, group, grads=False).items():
+        errors[f"param:{name}"] = (ref_params[name].detach() - param).abs().max().item()
+    errors["shard_fraction"] = _shard_fraction(model, dist.get_world_size(group))
+    return errors
+
+
+def _full_tensors(model, group, grads: bool) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) of the sharded model, gathered to full size where sharded."""
+    specs = {name: spec for name, _, spec in tp_train.named_sharded_parameters(model)}
+    out = {}
+    for name, param in model.named_parameters():
+        tensor = param.grad if grads else param.detach()
+        out[name] = tp_train.unshard_tensor(tensor, specs[name], group) if name in specs else tensor
+    return out
+
+
+def _shard_fraction(model, tp: int) -> float:
+    """Elements this rank holds of the sharded parameters, over their full (unpadded) element count."""
+    local = full = 0
+    for _, param, spec in tp_train.named_sharded_parameters(model):
+        local += param.numel()
+        other = param.numel() // param.shape[spec.dim]
+        full += other * sum(spec.sections)
+        if spec.padded:  # a padded vocab: each rank holds ceil(V / tp) rows
+            assert param.shape[spec.dim] == ceil_div(spec.sections[0], tp)
+    return local / full

@@ -1,0 +1,195 @@
+"""Parity of the tensor-parallel layers and the vocab-parallel loss with their unsharded references.
+
+Every rank builds the full `nn.Linear` / `nn.Embedding` from a fixed seed, fills the parallel layer with its shard
+(`shard_tensor`), runs both on the same input and output gradient, and compares outputs, input gradients and
+parameter gradients (sharded gradients gathered with `unshard_tensor`). All checks for one tp run in a single spawn.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.distributed import run_on_ranks
+from tp_train.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tp_train.sharding import ShardSpec, shard_tensor, unshard_tensor
+
+TOKENS = (2, 6)  # (batch, sequence)
+IN_FEATURES, OUT_FEATURES = 6, 8
+VOCAB = 37  # not divisible by 2 or 4
+PADDED_VOCAB = 40  # a sharded logits width with padding past VOCAB at every tested tp
+PADDING_IDX = 12
+# Linear configs x (output, input, weight, bias) + row x 4 + embedding x 2 + losses x (loss, grad) + all-ignored.
+CHECKS = 5 * 4 + 4 + 2 + 4 * 2 + 1 + 4 + 2  # ... + gathered fused column + negative padding_idx
+ATOL = 1e-5
+
+
+def _randn(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    return (actual - expected).abs().max().item()
+
+
+def _fill(layer: nn.Module, reference: nn.Module, rank: int, world_size: int, shard_rank: int | None = None):
+    """Copies the reference's parameters into `layer`: sharded ones as this rank's shard, the rest whole."""
+    source_rank = rank if shard_rank is None else shard_rank
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            full = getattr(reference, name).detach()
+            spec = layer.shard_specs.get(name)
+            param.copy_(full if spec is None else shard_tensor(full, spec, source_rank, world_size))
+
+
+def _parameter_grad_errors(errors: dict, prefix: str, layer: nn.Module, reference: nn.Module, group):
+    for name, param in layer.named_parameters():
+        spec = layer.shard_specs.get(name)
+        grad = param.grad if spec is None else unshard_tensor(param.grad, spec, group)
+        errors[f"{prefix}/{name}_grad"] = _error(grad, getattr(reference, name).grad)
+
+
+def _reference_linear(in_features: int, out_features: int) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(in_features, out_features)
+
+
+def _column_errors(errors, name, rank, world_size, group, out_features, **kwargs):
+    reference = _reference_linear(IN_FEATURES, out_features)
+    layer = ColumnParallelLinear(IN_FEATURES, out_features, group, **kwargs)
+    _fill(layer, reference, rank, world_size)
+    x, grad = _randn(1, *TOKENS, IN_FEATURES), _randn(2, *TOKENS, out_features)
+    reference_x = x.clone().requires_grad_()
+    expected = reference(reference_x)
+    expected.backward(grad)
+    expected = expected.detach()
+    if not layer.gather_output:
+        # This rank's slice of the full output, in the weight's sharded layout (sections, padding).
+        weight_spec = layer.shard_specs["weight"]
+        output_spec = ShardSpec(dim=len(TOKENS), sections=weight_spec.sections, padded=weight_spec.padded)
+        expected = shard_tensor(expected, output_spec, rank, world_size)
+        grad = shard_tensor(grad, output_spec, rank, world_size)
+    x.requires_grad_()
+    out = layer(x)
+    out.backward(grad)
+    errors[f"{name}/output"] = _error(out.detach(), expected)
+    errors[f"{name}/input_grad"] = _error(x.grad, reference_x.grad)
+    _parameter_grad_errors(errors, name, layer, reference, group)
+
+
+def _row_errors(errors, rank, world_size, group):
+    reference = _reference_linear(OUT_FEATURES, IN_FEATURES)
+    layer = RowParallelLinear(OUT_FEATURES, IN_FEATURES, group)
+    _fill(layer, reference, rank, world_size)
+    x, grad = _randn(3, *TOKENS, OUT_FEATURES), _randn(4, *TOKENS, IN_FEATURES)
+    reference_x = x.clone().requires_grad_()
+    expected = reference(reference_x)
+    expected.backward(grad)
+    input_spec = ShardSpec(dim=len(TOKENS), sections=(OUT_FEATURES,))
+    local_x = shard_tensor(x, input_spec, rank, world_size).requires_grad_()
+    out = layer(local_x)
+    out.backward(grad)
+    errors["row/output"] = _error(out.detach(), expected.detach())  # a bias added per rank would show here
+    errors["row/input_grad"] = _error(unshard_tensor(local_x.grad, input_spec, group), reference_x.grad)
+    _parameter_grad_errors(errors, "row", layer, reference, group)
+
+
+def _embedding_errors(errors, name, rank, world_size, group, padding_idx):
+    torch.manual_seed(0)
+    reference = nn.Embedding(VOCAB, 5, padding_idx=padding_idx)
+    layer = VocabParallelEmbedding(VOCAB, 5, group, padding_idx=padding_idx)
+    _fill(layer, reference, rank, world_size)
+    # Every id once (so every rank's range), then repeats, the padding row among them.
+    repeats = torch.tensor([0, 36, 12, 12, 19, 20, 9, 10, 29, 30, 12])
+    ids = torch.cat([torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5)), repeats]).view(2, 24)
+    grad = _randn(6, 2, 24, 5)
+    expected = reference(ids)
+    expected.backward(grad)
+    out = layer(ids)
+    out.backward(grad)
+    errors[f"{name}/output"] = _error(out.detach(), expected.detach())
+    _parameter_grad_errors(errors, name, layer, reference, group)
+
+
+def _cross_entropy_errors(errors, name, rank, world_size, group, vocab_size, ignore=False, label_smoothing=0.0):
+    logits = 3 * _randn(7, *TOKENS, PADDED_VOCAB)
+    logits[..., vocab_size:] += 5  # padding columns large, so counting any of them changes the loss
+    # Targets in every rank's range at tp=4, including the last real id.
+    target = torch.tensor([0, 9, 10, 19, 20, 29, 30, vocab_size - 1, 5, 14, 25, 33]).view(TOKENS)
+    if ignore:
+        target.view(-1)[[2, 8, 11]] = -100
+    reference_logits = logits.clone().requires_grad_()
+    flat = reference_logits[..., :vocab_size].flatten(0, -2)
+    expected = F.cross_entropy(flat, target.flatten(), label_smoothing=label_smoothing)
+    (1.5 * expected).backward()  # a grad_output other than one
+    # The reference never saw the padding columns, so their expected gradient is zero.
+    expected_grad = reference_logits.grad.chunk(world_size, dim=-1)[rank]
+    local = logits.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(
+        local,
+        target,
+        group,
+        vocab_size=None if vocab_size == PADDED_VOCAB else vocab_size,
+        label_smoothing=label_smoothing,
+    )
+    (1.5 * loss).backward()
+    errors[f"{name}/loss"] = _error(loss.detach(), expected.detach())
+    errors[f"{name}/logits_grad"] = _error(local.grad, expected_grad)
+
+
+def _layer_checks(rank: int, world_size: int):
+    group = dist.group.WORLD
+    errors = {}
+    _column_errors(errors, "column", rank, world_size, group, OUT_FEATURES)
+    _column_errors(errors, "column_gathered", rank, world_size, group, OUT_FEATURES, gather_output=True)
+    _column_errors(errors, "column_sections", rank, world_size, group, 24, sections=(4, 12, 8))
+    _column_errors(errors, "column_padded", rank, world_size, group, 10, pad_output=True)
+    _column_errors(errors, "column_padded_gathered", rank, world_size, group, 10, pad_output=True, gather_output=True)
+    _row_errors(errors, rank, world_size, group)
+    _embedding_errors(errors, "embedding", rank, world_size, group, PADDING_IDX)
+    _cross_entropy_errors(errors, "cross_entropy", rank, world_size, group, PADDED_VOCAB)
+    _cross_entropy_errors(errors, "cross_entropy_ignore_index", rank, world_size, group, PADDED_VOCAB, ignore=True)
+    _cross_entropy_errors(
+        errors, "cross_entropy_label_smoothing", rank, world_size, group, PADDED_VOCAB, ignore=True, label_smoothing=0.1
+    )
+    _cross_entropy_errors(
+        errors, "cross_entropy_padded_vocab", rank, world_size, group, VOCAB, ignore=True, label_smoothing=0.1
+    )
+    all_ignored = vocab_parallel_cross_entropy(
+        _randn(8, 4, PADDED_VOCAB).chunk(world_size, dim=-1)[rank], torch.full((4,), -100), group
+    )
+    errors["cross_entropy_all_ignored/loss_is_nan"] = 0.0 if all_ignored.isnan() else float("inf")
+
+    _column_errors(
+        errors, "column_sections_gathered", rank, world_size, group, 24, sections=(4, 12, 8), gather_output=True
+    )
+    _embedding_errors(errors, "embedding_negative_padding_idx", rank, world_size, group, padding_idx=-1)
+
+    # The comparison must be able to fail: a column layer holding the next rank's shard.
+    reference = _reference_linear(IN_FEATURES, OUT_FEATURES)
+    layer = ColumnParallelLinear(IN_FEATURES, OUT_FEATURES, group)
+    _fill(layer, reference, rank, world_size, shard_rank=(rank + 1) % world_size)
+    x = _randn(1, *TOKENS, IN_FEATURES)
+    expected = reference(x).chunk(world_size, dim=-1)[rank]
+    return errors, _error(layer(x).detach(), expected.detach())
+
+
+@functools.cache
+def _results(tp: int):
+    """One spawn per tp, shared by every test below."""
+    return run_on_ranks(_layer_checks, tp, timeout=120)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_layers_and_loss_match_unsharded_reference(tp):
+    for rank, (errors, misordered_error) in enumerate(_results(tp)):
+        assert len(errors) == CHECKS, sorted(errors)
+        bad = {name: error for name, error in errors.items() if not error < ATOL}
+        assert not bad, f"rank {rank} of {tp}: {bad}"
+        if tp > 1:
+            assert misordered_error > 0.1, f"rank {rank}: a column layer holding the wrong shard went unnoticed"

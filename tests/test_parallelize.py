@@ -1,0 +1,136 @@
+"""Whole models sharded by `tp_train.parallelize` compute the same function as unsharded, at tp in {1, 2, 4}."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models import GPT, GPTConfig
+from tests.distributed import run_on_ranks
+from tests.parity import parity_errors
+
+ATOL = 1e-5
+VOCAB = 101  # not a multiple of 2 or 4: exercises vocabulary padding
+
+
+class SwiGLUModel(nn.Module):
+    """A model written here, not in models/: separate q/k/v, a packed [gate; up] SwiGLU, RMSNorm, and only a
+    `tp_plan` attribute to tell tp_train how to shard it."""
+
+    tp_plan = {
+        "embed": "embedding_rowwise",
+        "layers.*.attn.q": "colwise",
+        "layers.*.attn.k": "colwise",
+        "layers.*.attn.v": "colwise",
+        "layers.*.attn.out": "rowwise",
+        "layers.*.mlp.gate_up": "packed_colwise",
+        "layers.*.mlp.down": "rowwise",
+        "head": "colwise_gather_output",
+    }
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, hidden: int = 48, n_layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_SwiGLUBlock(dim, heads, hidden) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class _SwiGLUBlock(nn.Module):
+    def __init__(self, dim, heads, hidden):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attn = nn.Module()
+        self.attn.q, self.attn.k, self.attn.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.attn.out = nn.Linear(dim, dim, bias=False)
+        self.head_dim = dim // heads
+        self.mlp = nn.Module()
+        self.mlp.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.mlp.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (p(h).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.attn.q, self.attn.k, self.attn.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.attn.out(y)
+        gate, up = self.mlp.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.mlp.down(F.silu(gate) * up)
+
+
+def _gpt():
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.0))
+
+
+def _hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _logits(model, idx):
+    return model(idx)
+
+
+def _hf_logits(model, idx):
+    return model(input_ids=idx).logits
+
+
+MODELS = {
+    "gpt": (_gpt, _logits),
+    "hf_gpt2": (_hf_gpt2, _hf_logits),
+    "hf_llama_gqa": (_hf_llama, _hf_logits),
+    "custom_tp_plan": (SwiGLUModel, _logits),
+}
+
+
+def _all_models_parity(rank, world_size):
+    results = {}
+    for name, (build, forward) in MODELS.items():
+        torch.manual_seed(0)
+        results[name] = parity_errors(build(), forward, VOCAB)
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda tp: f"tp{tp}")
+def parity_results(request):
+    """One spawn per tp runs every model (spawning ranks dominates the cost); each model is its own test."""
+    return request.param, run_on_ranks(_all_models_parity, request.param, timeout=300)
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_sharded_model_matches_unsharded(parity_results, model_name):
+    tp, per_rank = parity_results
+    for rank, results in enumerate(per_rank):
+        errors = results[model_name]
+        shard_fraction = errors.pop("shard_fraction")
+        assert {"logits", "loss_step0", "loss_step2"} <= errors.keys()
+        assert any(key.startswith("grad:") for key in errors) and any(key.startswith("param:") for key in errors)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < ATOL, f"rank {rank}: {worst} differs by {errors[worst]:.3g}"
+        # Each rank holds 1/tp of every sharded parameter (a padded vocabulary rounds up slightly).
+        assert math.isclose(shard_fraction, 1 / tp, rel_tol=0.05), shard_fraction

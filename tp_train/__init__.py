@@ -1,0 +1,36 @@
+"""tp_train: Megatron-style tensor parallelism for PyTorch Lightning."""
+
+from tp_train.comm import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from tp_train.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tp_train.parallelize import parallelize
+from tp_train.random import TensorParallelRNG
+from tp_train.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ShardSpec",
+    "TensorParallelRNG",
+    "VocabParallelEmbedding",
+    "copy_to_tensor_parallel_region",
+    "full_state_dict",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "named_sharded_parameters",
+    "parallelize",
+    "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_parallel_region",
+    "unshard_tensor",
+    "vocab_parallel_cross_entropy",
+]

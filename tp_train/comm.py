@@ -1,0 +1,126 @@
+"""Autograd-aware collectives for a tensor-parallel process group.
+
+These are Megatron-LM's conjugate operators (Shoeybi et al., arXiv 1909.08053, section 3): `f` =
+`copy_to_tensor_parallel_region` and `g` = `reduce_from_tensor_parallel_region`. A column-then-row block is
+`f -> ColumnParallelLinear -> nonlinearity -> RowParallelLinear -> g`, so it costs one all-reduce in forward
+(`g`) and one in backward (`f`). The rest move activations between replicated, hidden-sharded (last dim) and
+sequence-sharded (dim 1 of a (batch, seq, hidden) tensor) layouts.
+
+Every function takes the process group explicitly. With a group of one rank they are identities.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous chunk of `x` along `dim`."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    if x.size(dim) % world_size:
+        raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by tensor parallel size {world_size}")
+    return x.chunk(world_size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Concatenation of every rank's `x` along `dim`, in rank order."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Sum over ranks of `x`, of which this rank keeps its chunk along `dim`."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    if x.size(dim) % world_size:
+        raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by tensor parallel size {world_size}")
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.size(0) // world_size, *x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return x
+
+
+def _sum(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return _all_reduce(x.clone(), group)
+
+
+class _ConjugatePair(torch.autograd.Function):
+    """Applies `forward_op` to the input and `backward_op` to the gradient; each op is `(tensor, dim, group)`."""
+
+    @staticmethod
+    def forward(ctx, x, forward_op, backward_op, dim, group):
+        ctx.backward_op, ctx.dim, ctx.group = backward_op, dim, group
+        return forward_op(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Megatron's `f`. Forward: identity (the replicated input enters a sharded region).
+    Backward: all-reduce, summing the partial input gradients of every rank's shard."""
+    return _ConjugatePair.apply(x, _identity, _sum, -1, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Megatron's `g`. Forward: all-reduce (sum) of every rank's partial output.
+    Backward: identity (the gradient of a replicated output is already replicated)."""
+    return _ConjugatePair.apply(x, _sum, _identity, -1, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the last dim of a replicated tensor.
+    Backward: all-gather the gradient chunks along the last dim."""
+    return _ConjugatePair.apply(x, _split, _all_gather, -1, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: all-gather a last-dim-sharded tensor into the full, replicated tensor.
+    Backward: keep this rank's chunk of the gradient's last dim (no communication)."""
+    return _ConjugatePair.apply(x, _all_gather, _split, -1, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the sequence dim of a replicated (batch, seq, hidden) tensor.
+    Backward: all-gather the gradient chunks along the sequence dim."""
+    return _ConjugatePair.apply(x, _split, _all_gather, SEQUENCE_DIM, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sequence parallelism's replacement for `f`. Forward: all-gather the sequence shards into the full sequence.
+    Backward: reduce-scatter, summing the partial gradients and keeping this rank's sequence chunk."""
+    return _ConjugatePair.apply(x, _all_gather, _reduce_scatter, SEQUENCE_DIM, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sequence parallelism's replacement for `g`. Forward: reduce-scatter, summing every rank's partial output and
+    keeping this rank's sequence chunk. Backward: all-gather the gradient along the sequence dim."""
+    return _ConjugatePair.apply(x, _reduce_scatter, _all_gather, SEQUENCE_DIM, group)

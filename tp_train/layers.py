@@ -1,0 +1,192 @@
+"""Tensor-parallel layers (Megatron-LM, arXiv 1909.08053): each holds one rank's shard of a weight.
+
+All three keep the ordinary `weight` / `bias` parameter names and `nn.Linear` / `nn.Embedding` layouts, so a
+sharded model's `state_dict` keys are the unsharded model's. `shard_specs` on each layer records how every
+sharded parameter maps to the full tensor (see `tp_train.sharding`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from tp_train.comm import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+)
+from tp_train.sharding import ShardSpec, ceil_div
+
+
+class SharedInputRegion:
+    """One `copy_to_tensor_parallel_region` shared by sibling column-parallel layers that read the same input.
+
+    Separate q, k and v projections (or gate and up) all read one replicated tensor. Entering the parallel region
+    once for all of them makes autograd sum their partial input gradients first, so the backward pass needs one
+    all-reduce instead of one per projection (Megatron's minimum, which fused projections get for free). The
+    cache lives for one forward of the parent module: `reset` runs before and after it.
+    """
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self.reset()
+
+    def reset(self) -> None:
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def copy_to(self, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x:
+            self._input, self._output = x, copy_to_tensor_parallel_region(x, self.group)
+        return self._output
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features): rank r computes Y_r = X A_r + b_r.
+
+    Forward: the replicated input enters through `copy_to_tensor_parallel_region` (identity), the output is
+    sharded along its last dim, or all-gathered back to the full width when `gather_output`. Backward: the
+    input gradient is all-reduced (the `f` of Megatron's pair).
+
+    Args:
+        in_features: input width (replicated).
+        out_features: full output width. Split into `sections` (default: one section of all of it), each split
+            evenly across ranks; with `pad_output` a single section is padded up to a multiple of the world size
+            (a vocabulary) and the gathered output is trimmed back.
+        group: the tensor-parallel process group.
+        gather_output: return the full (replicated) output instead of this rank's shard.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: ProcessGroup,
+        bias: bool = True,
+        gather_output: bool = False,
+        sections: tuple[int, ...] | None = None,
+        pad_output: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.group = group
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        self.input_region: SharedInputRegion | None = None  # set when siblings share one input (see plan)
+        spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output)
+        local_out = sum(spec.local_sections(dist.get_world_size(group)))
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
+        self.shard_specs = {"weight": spec}
+        if bias:
+            self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_region is not None:
+            x = self.input_region.copy_to(x)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
+        if not self.gather_output:
+            return y
+        y = gather_from_tensor_parallel_region(y, self.group)  # (..., tp * local): rank-major
+        sections = self.shard_specs["weight"].sections
+        if len(sections) > 1:  # [q0 k0 v0 | q1 k1 v1] -> [q0 q1 | k0 k1 | v0 v1]
+            world_size = dist.get_world_size(self.group)
+            local = [size // world_size for size in sections]
+            per_rank = [chunk.split(local, dim=-1) for chunk in y.chunk(world_size, dim=-1)]
+            y = torch.cat([piece[i] for i in range(len(sections)) for piece in per_rank], dim=-1)
+        return y[..., : self.out_features]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features): rank r computes the partial sum X_r A_r.
+
+    Forward: the input is already sharded along its last dim (the output of a `ColumnParallelLinear`); the
+    partial outputs are all-reduced by `reduce_from_tensor_parallel_region` (the `g` of Megatron's pair) and the
+    replicated bias is added once, after the reduction. Backward: identity for the output gradient; every rank
+    computes its own input-shard gradient with no communication.
+
+    Args:
+        in_features: full input width, split evenly across ranks.
+        out_features: output width (replicated).
+        group: the tensor-parallel process group.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, group: ProcessGroup, bias: bool = True, device=None, dtype=None
+    ):
+        super().__init__()
+        self.group = group
+        self.in_features = in_features
+        self.out_features = out_features
+        world_size = dist.get_world_size(group)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // world_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.shard_specs = {"weight": ShardSpec(dim=1, sections=(in_features,))}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split along the vocabulary: rank r holds rows [r * V/tp, (r+1) * V/tp) of the table,
+    the vocabulary padded up to a multiple of tp with zero rows.
+
+    Forward: ids outside this rank's range look up nothing (their rows are zeroed), and the partial embeddings
+    are all-reduced, so exactly one rank contributes each token's row. Backward: identity; each rank's
+    gradient lands only on its own rows.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: ProcessGroup,
+        padding_idx: int | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.group = group
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        if padding_idx is not None and padding_idx < 0:  # as nn.Embedding: counted from the end
+            padding_idx += num_embeddings
+        self.padding_idx = padding_idx
+        per_rank = ceil_div(num_embeddings, dist.get_world_size(group))
+        self.vocab_start = dist.get_rank(group) * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
+        self.shard_specs = {"weight": ShardSpec(dim=0, sections=(num_embeddings,), padded=True)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        local_padding_idx = None
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            local_padding_idx = self.padding_idx - self.vocab_start
+        out = F.embedding(local_ids, self.weight, padding_idx=local_padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, local rows [{self.vocab_start}, {self.vocab_end})"

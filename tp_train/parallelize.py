@@ -1,0 +1,55 @@
+"""`parallelize`: shard an already-built model across a tensor-parallel group, in place."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from tp_train.plan import apply_plan, match_plan, resolve_plan
+from tp_train.random import TensorParallelRNG
+
+
+def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup:
+    """A process group from a ProcessGroup, a 1-D DeviceMesh, or None (the whole world)."""
+    if tp_group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("parallelize needs torch.distributed initialised (or an explicit tp_group)")
+        return dist.group.WORLD
+    if isinstance(tp_group, DeviceMesh):
+        if tp_group.ndim != 1:
+            raise ValueError(f"tp_group must be a 1-D DeviceMesh, got mesh_dim_names={tp_group.mesh_dim_names}")
+        return tp_group.get_group()
+    return tp_group
+
+
+def parallelize(
+    model: nn.Module,
+    tp_group: ProcessGroup | DeviceMesh | None = None,
+    plan: dict[str, str] | None = None,
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
+
+    Every rank must call this with the same model (same weights) and plan. Each planned module is replaced by
+    its tensor-parallel counterpart holding this rank's slice of the existing weights (see `tp_train.plan` for
+    the styles). The plan is, in order: `plan`, `model.tp_plan`, the Hugging Face model's `base_model_tp_plan`,
+    a built-in preset. A pattern that matches nothing, or a dimension tp does not divide, raises `ValueError`
+    before any weight changes.
+
+    Args:
+        model: the unsharded model, on the device it will run on.
+        tp_group: a ProcessGroup, a 1-D DeviceMesh, or None for the whole world.
+        plan: {module-name pattern: style}; `*` matches one name component.
+        loss_parallel: keep `colwise_gather_output` heads sharded along the vocabulary, for
+            `vocab_parallel_cross_entropy`; by default they gather, and the model returns full logits.
+    """
+    group = as_process_group(tp_group)
+    resolved, _source = resolve_plan(model, plan)
+    planned = match_plan(model, resolved, dist.get_world_size(group))
+    device = next(model.parameters()).device
+    rng = TensorParallelRNG(group, device)
+    apply_plan(model, planned, group, rng, loss_parallel=loss_parallel)
+    model.tp_rng = rng
+    return model

@@ -1,0 +1,296 @@
+"""The one reader of tensor-parallel plans.
+
+A plan maps module-name patterns to style names. Patterns are dotted module names in which `*` stands for any
+one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's vocabulary where it has one:
+
+| style                   | module              | what happens                                                     |
+|-------------------------|---------------------|------------------------------------------------------------------|
+| `colwise`               | Linear / HF Conv1D  | `ColumnParallelLinear`, output sharded (heads, MLP hidden)       |
+| `colwise_gather_output` | Linear / HF Conv1D  | `ColumnParallelLinear`, output gathered (an LM head); vocab padded |
+| `rowwise`               | Linear / HF Conv1D  | `RowParallelLinear`, input sharded, output all-reduced           |
+| `packed_colwise`        | Linear / HF Conv1D  | column split of a packed `[gate; up]` projection, half by half   |
+| `fused_qkv_colwise`     | Linear / HF Conv1D  | column split of a fused `[q; k; v]` projection, head-aware       |
+| `embedding_rowwise`     | Embedding           | `VocabParallelEmbedding`, vocab rows sharded and padded          |
+| `attention`             | attention module    | head-count attributes set to the local heads; its dropout draws  |
+|                         |                     | from the per-rank (sharded) random stream                        |
+| `replicated_rng`        | any module          | dropout inside draws from the replicated stream again            |
+| `replicate`             | any module          | left as it is (every rank holds it whole)                        |
+
+`colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
+
+Reading a plan is two passes: `match_plan` resolves and validates everything (raising `ValueError` before any
+weight changes), then `apply_plan` swaps the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from tp_train.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
+from tp_train.presets import preset_plan
+from tp_train.random import REPLICATED, SHARDED, TensorParallelRNG
+from tp_train.sharding import ShardSpec, shard_tensor
+
+LINEAR_STYLES = {"colwise", "colwise_gather_output", "rowwise", "packed_colwise", "fused_qkv_colwise"}
+STYLES = LINEAR_STYLES | {"embedding_rowwise", "attention", "replicated_rng", "replicate"}
+ALIASES = {"colwise_rep": "colwise_gather_output"}
+PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
+
+# Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim).
+HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim")
+# Config fields that hold head counts, checked whenever a model with such a config is sharded.
+CONFIG_HEAD_FIELDS = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES
+
+
+@dataclass
+class PlannedModule:
+    name: str
+    module: nn.Module
+    style: str
+    pattern: str
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """The plan to use and where it came from: the `plan` argument, the model's `tp_plan`, the Hugging Face
+    plan (`base_model_tp_plan` and the head's `_tp_plan`, as transformers merges them), or a built-in preset."""
+    if plan:
+        return dict(plan), "the plan argument"
+    # transformers models expose their merged plan as both `tp_plan` (a property) and `_tp_plan`.
+    hugging_face_plan = getattr(model, "_tp_plan", None)
+    own_plan = getattr(model, "tp_plan", None)
+    if own_plan and own_plan != hugging_face_plan:
+        return dict(own_plan), f"{type(model).__name__}.tp_plan"
+    if hugging_face_plan:
+        return dict(hugging_face_plan), f"{type(model).__name__}'s Hugging Face base_model_tp_plan"
+    preset = preset_plan(model)
+    if preset:
+        return preset, f"the built-in preset for model_type '{model.config.model_type}'"
+    raise ValueError(
+        f"no tensor-parallel plan for {type(model).__name__}: pass plan={{pattern: style}} or give the model a "
+        f"`tp_plan` attribute, e.g. {{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}}"
+    )
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names, strict=True))
+
+
+def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedModule]:
+    """Every module the plan names, with its style, after checking that the plan applies at this tp."""
+    _check_config_heads(model, tp)
+    planned: dict[str, PlannedModule] = {}
+    for pattern, style in plan.items():
+        style = ALIASES.get(style, style)
+        if style not in STYLES:
+            raise ValueError(
+                f"plan entry '{pattern}': unknown style '{style}'; known styles: {', '.join(sorted(STYLES))}"
+            )
+        matches = [(name, module) for name, module in model.named_modules() if pattern_matches(pattern, name)]
+        if not matches:
+            raise ValueError(
+                f"plan entry '{pattern}' matches no module of {type(model).__name__}; "
+                f"module names look like {_example_names(model)}"
+            )
+        for name, module in matches:
+            if name in planned and planned[name].style != style:
+                raise ValueError(
+                    f"module '{name}' is planned twice: '{planned[name].style}' by '{planned[name].pattern}' "
+                    f"and '{style}' by '{pattern}'; keep one"
+                )
+            _check_module(name, module, style, pattern, tp)
+            planned[name] = PlannedModule(name, module, style, pattern)
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    return sorted(planned.values(), key=lambda entry: order[entry.name])
+
+
+def apply_plan(
+    model: nn.Module,
+    planned: list[PlannedModule],
+    group: ProcessGroup,
+    rng: TensorParallelRNG,
+    loss_parallel: bool = False,
+) -> None:
+    """Swaps each planned module for its tensor-parallel counterpart, holding this rank's slice of its weights."""
+    shared: dict[int, tuple[ShardSpec, nn.Parameter]] = {}  # tied parameters are sharded once and shared
+    for entry in planned:
+        module, style = entry.module, entry.style
+        if style in LINEAR_STYLES:
+            _set_submodule(model, entry.name, _parallel_linear(module, style, group, shared, loss_parallel))
+        elif style == "embedding_rowwise":
+            _set_submodule(model, entry.name, _parallel_embedding(module, group, shared))
+        elif style == "attention":
+            _localize_heads(module, dist.get_world_size(group))
+            rng.run_in(module, SHARDED)
+        elif style == "replicated_rng":
+            rng.run_in(module, REPLICATED)
+    _share_sibling_inputs(model, planned, group)
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _check_config_heads(model: nn.Module, tp: int) -> None:
+    config = getattr(model, "config", None)
+    for field in CONFIG_HEAD_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value % tp:
+            raise ValueError(
+                f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
+                f"heads; use a tensor_parallel_size in {_divisors(value)}"
+            )
+
+
+def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of an nn.Linear or a Hugging Face Conv1D, else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: int) -> None:
+    where = f"plan entry '{pattern}': module '{name}' ({type(module).__name__})"
+    if style in LINEAR_STYLES:
+        shape = _linear_shape(module)
+        if shape is None:
+            raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Linear or a Conv1D")
+        in_features, out_features = shape
+        if style == "rowwise":
+            _check_divisible(where, "in_features", in_features, tp)
+        elif style in PACKED_SECTIONS:
+            sections = PACKED_SECTIONS[style]
+            if out_features % sections:
+                raise ValueError(f"{where}: out_features={out_features} does not split into {sections} sections")
+            _check_divisible(where, f"out_features/{sections}", out_features // sections, tp)
+        elif style == "colwise":
+            _check_divisible(where, "out_features", out_features, tp)
+    elif style == "embedding_rowwise":
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
+        if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+            raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
+    elif style == "attention":
+        for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if isinstance(value, int):
+                _check_divisible(where, attribute, value, tp)
+
+
+def _check_divisible(where: str, dimension: str, value: int, tp: int) -> None:
+    if value % tp:
+        raise ValueError(
+            f"{where}: {dimension}={value} is not divisible by tensor_parallel_size={tp}; "
+            f"use a tensor_parallel_size in {_divisors(value)}"
+        )
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
+
+
+def _example_names(model: nn.Module) -> str:
+    names = [name for name, _ in model.named_modules() if name][:4]
+    return ", ".join(f"'{name}'" for name in names) + ", ..."
+
+
+# ---------------------------------------------------------------------------------------------- application
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _shard_into(
+    target: nn.Parameter, source: nn.Parameter, spec: ShardSpec, group: ProcessGroup, shared: dict
+) -> nn.Parameter:
+    """Fills `target` with this rank's shard of `source`; a source already sharded (tied) returns that shard."""
+    if id(source) in shared:
+        previous_spec, previous = shared[id(source)]
+        if replace(previous_spec, transposed=spec.transposed) != spec or previous.shape != target.shape:
+            raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
+        return previous
+    full = source.detach().t() if spec.transposed else source.detach()
+    with torch.no_grad():
+        target.copy_(shard_tensor(full, spec, dist.get_rank(group), dist.get_world_size(group)))
+    target.requires_grad_(source.requires_grad)
+    shared[id(source)] = (spec, target)
+    return target
+
+
+def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool):
+    in_features, out_features = _linear_shape(module)
+    transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
+    kwargs = dict(bias=module.bias is not None, device=module.weight.device, dtype=module.weight.dtype)
+    if style == "rowwise":
+        layer = RowParallelLinear(in_features, out_features, group, **kwargs)
+    else:
+        sections = PACKED_SECTIONS.get(style, 1)
+        layer = ColumnParallelLinear(
+            in_features,
+            out_features,
+            group,
+            gather_output=style == "colwise_gather_output" and not loss_parallel,
+            sections=(out_features // sections,) * sections,
+            pad_output=style == "colwise_gather_output",
+            **kwargs,
+        )
+    for name in list(layer.shard_specs):
+        layer.shard_specs[name] = replace(layer.shard_specs[name], transposed=transposed and name == "weight")
+    layer.weight = _shard_into(layer.weight, module.weight, layer.shard_specs["weight"], group, shared)
+    if module.bias is not None:
+        if "bias" in layer.shard_specs:
+            layer.bias = _shard_into(layer.bias, module.bias, layer.shard_specs["bias"], group, shared)
+        else:
+            with torch.no_grad():
+                layer.bias.copy_(module.bias)
+            layer.bias.requires_grad_(module.bias.requires_grad)
+    return layer
+
+
+def _parallel_embedding(module: nn.Embedding, group: ProcessGroup, shared: dict) -> VocabParallelEmbedding:
+    layer = VocabParallelEmbedding(
+        module.num_embeddings,
+        module.embedding_dim,
+        group,
+        padding_idx=module.padding_idx,
+        device=module.weight.device,
+        dtype=module.weight.dtype,
+    )
+    layer.weight = _shard_into(layer.weight, module.weight, layer.shard_specs["weight"], group, shared)
+    return layer
+
+
+def _share_sibling_inputs(model: nn.Module, planned: list[PlannedModule], group: ProcessGroup) -> None:
+    """Gives column-parallel siblings (q/k/v, gate/up) one shared entry into the parallel region per parent call."""
+    siblings: dict[str, list[ColumnParallelLinear]] = {}
+    for entry in planned:
+        layer = model.get_submodule(entry.name)
+        if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
+            siblings.setdefault(entry.name.rpartition(".")[0], []).append(layer)
+    for parent_name, layers in siblings.items():
+        if len(layers) < 2:
+            continue
+        region = SharedInputRegion(group)
+        for layer in layers:
+            layer.input_region = region
+        parent = model.get_submodule(parent_name) if parent_name else model
+        parent.register_forward_pre_hook(lambda *_, region=region: region.reset())
+        parent.register_forward_hook(lambda *_, region=region: region.reset(), always_call=True)
+
+
+def _localize_heads(module: nn.Module, tp: int) -> None:
+    """Rewrites an attention module's head counts and head widths to this rank's share."""
+    for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
+        value = getattr(module, attribute, None)
+        if isinstance(value, int):
+            setattr(module, attribute, value // tp)

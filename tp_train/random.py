@@ -1,0 +1,87 @@
+"""Dropout randomness under tensor parallelism, on CPU and CUDA.
+
+Two random streams, as in Megatron-LM's RNG tracker:
+- the *replicated* stream (the default generator) draws dropout masks for activations every rank of the TP group
+  holds in full (embeddings, residual branches). It must be identical across the group, or the replicas silently
+  drift apart, so `TensorParallelRNG` broadcasts the generator state from the group's first rank;
+- the *sharded* stream draws masks for activations each rank holds a different part of (attention probabilities
+  of the local heads). It is seeded per TP rank, so each head gets an independent mask, as in the unsharded model.
+
+Modules are put in a region with forward hooks; regions nest (a replicated dropout inside a sharded attention
+module switches back to the replicated stream for its own forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+REPLICATED, SHARDED = "replicated", "sharded"
+_SHARDED_SEED_OFFSET = 2718  # Megatron's offset between the data-parallel and model-parallel seeds
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class TensorParallelRNG:
+    """The two dropout streams of one TP group on one device. Creating it is a collective over `group`."""
+
+    def __init__(self, group: ProcessGroup, device: torch.device):
+        self.device = device
+        self.sync_replicated(group)
+        seed = torch.tensor([torch.initial_seed()], dtype=torch.int64)
+        dist.broadcast(seed, group=group, group_src=0)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            self._manual_seed(int(seed) + _SHARDED_SEED_OFFSET + dist.get_rank(group))
+            self._states = {SHARDED: _get_state(device)}
+        self._stack = [REPLICATED]
+
+    def _manual_seed(self, seed: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def sync_replicated(self, group: ProcessGroup) -> None:
+        """Makes the replicated stream (the default generator) identical on every rank of `group`."""
+        state = _get_state(self.device)
+        dist.broadcast(state, group=group, group_src=0)
+        _set_state(self.device, state)
+
+    def enter(self, region: str) -> None:
+        """Switches the default generator to `region`'s stream until the matching `exit`."""
+        current = self._stack[-1]
+        self._stack.append(region)
+        if region != current:
+            self._states[current] = _get_state(self.device)
+            _set_state(self.device, self._states[region])
+
+    def exit(self) -> None:
+        region = self._stack.pop()
+        previous = self._stack[-1]
+        if region != previous:
+            self._states[region] = _get_state(self.device)
+            _set_state(self.device, self._states[previous])
+
+    def states(self) -> dict[str, torch.Tensor]:
+        """Both streams' generator states (for checkpoints and activation recomputation)."""
+        return {**self._states, self._stack[-1]: _get_state(self.device)}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = dict(states)
+        _set_state(self.device, self._states[self._stack[-1]])
+
+    def run_in(self, module: nn.Module, region: str) -> None:
+        """Runs every forward of `module` in `region`'s stream."""
+        module.register_forward_pre_hook(lambda *_: self.enter(region))
+        module.register_forward_hook(lambda *_: self.exit(), always_call=True)
