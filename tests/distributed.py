@@ -10,6 +10,7 @@ after `timeout` seconds instead of hanging CI.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -47,8 +48,8 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
-        out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle bytes: torch's queue would pass tensors by shared memory, gone once this process exits.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -87,7 +88,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     finally:
         for proc in procs:
             proc.join(timeout=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
@@ -24,11 +25,19 @@ def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup
     return tp_group
 
 
+def _default_device(model: nn.Module) -> torch.device:
+    real = [p.device for p in model.parameters() if not p.is_meta]
+    if real:
+        return real[0]
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def parallelize(
     model: nn.Module,
     tp_group: ProcessGroup | DeviceMesh | None = None,
     plan: dict[str, str] | None = None,
     loss_parallel: bool = False,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -44,12 +53,15 @@ def parallelize(
         plan: {module-name pattern: style}; `*` matches one name component.
         loss_parallel: keep `colwise_gather_output` heads sharded along the vocabulary, for
             `vocab_parallel_cross_entropy`; by default they gather, and the model returns full logits.
+        device: where to materialise a model built on the meta device (each rank allocates only its shards, and
+            the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
+            else CPU.
     """
     group = as_process_group(tp_group)
     resolved, _source = resolve_plan(model, plan)
     planned = match_plan(model, resolved, dist.get_world_size(group))
-    device = next(model.parameters()).device
-    rng = TensorParallelRNG(group, device)
-    apply_plan(model, planned, group, rng, loss_parallel=loss_parallel)
+    device = torch.device(device) if device is not None else _default_device(model)
+    rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
+    apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
     model.tp_rng = rng
     return model

@@ -116,22 +116,64 @@ def apply_plan(
     planned: list[PlannedModule],
     group: ProcessGroup,
     rng: TensorParallelRNG,
+    device: torch.device,
     loss_parallel: bool = False,
 ) -> None:
-    """Swaps each planned module for its tensor-parallel counterpart, holding this rank's slice of its weights."""
-    shared: dict[int, tuple[ShardSpec, nn.Parameter]] = {}  # tied parameters are sharded once and shared
-    for entry in planned:
-        module, style = entry.module, entry.style
-        if style in LINEAR_STYLES:
-            _set_submodule(model, entry.name, _parallel_linear(module, style, group, shared, loss_parallel))
-        elif style == "embedding_rowwise":
-            _set_submodule(model, entry.name, _parallel_embedding(module, group, shared))
-        elif style == "attention":
+    """Swaps each planned module for its tensor-parallel counterpart, holding this rank's slice of its weights.
+
+    Modules are visited in `named_modules` order. Tensors still on the meta device are materialised on `device`
+    on the way, one module at a time, by the module's own `reset_parameters()`; a planned module is materialised
+    whole, sliced, and dropped, so peak memory is the shards plus one full layer, and the random numbers drawn
+    (hence the initial weights) are the same at every tp.
+    """
+    by_name = {entry.name: entry for entry in planned}
+    shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
+    materialized: dict[int, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once
+    for name, module in list(model.named_modules()):
+        entry = by_name.get(name)
+        style = entry.style if entry else None
+        if style in LINEAR_STYLES or style == "embedding_rowwise":
+            module.tp_origins = dict(module.named_parameters(recurse=False))  # what ties are keyed by
+            if not all(id(param) in shared for param in module.tp_origins.values()):
+                _materialize(name, module, device, {})  # its full tensors die once sliced
+            if style == "embedding_rowwise":
+                layer = _parallel_embedding(module, group, shared)
+            else:
+                layer = _parallel_linear(module, style, group, shared, loss_parallel)
+            _set_submodule(model, name, layer)
+            module._parameters.update(module.tp_origins)  # the dropped module lets go of its full tensors
+            continue
+        _materialize(name, module, device, materialized)
+        if style == "attention":
             _localize_heads(module, dist.get_world_size(group))
             rng.run_in(module, SHARDED)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
     _share_sibling_inputs(model, planned, group)
+
+
+def _materialize(name: str, module: nn.Module, device: torch.device, materialized: dict[int, torch.Tensor]) -> None:
+    """Gives `module`'s own meta-device tensors storage on `device` and initialises them with `reset_parameters`."""
+    fresh = False
+    for tensors in (module._parameters, module._buffers):
+        for key, tensor in tensors.items():
+            if tensor is None or not tensor.is_meta:
+                continue
+            if id(tensor) not in materialized:
+                real = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, nn.Parameter):
+                    real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+                materialized[id(tensor)] = real
+                fresh = True
+            tensors[key] = materialized[id(tensor)]
+    if not fresh:
+        return
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(
+            f"module '{name}' ({type(module).__name__}) was built on the meta device but has no reset_parameters() "
+            f"to initialise it; define one, or build the model on a real device"
+        )
+    module.reset_parameters()
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -210,12 +252,18 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _shard_into(
-    target: nn.Parameter, source: nn.Parameter, spec: ShardSpec, group: ProcessGroup, shared: dict
-) -> nn.Parameter:
-    """Fills `target` with this rank's shard of `source`; a source already sharded (tied) returns that shard."""
-    if id(source) in shared:
-        previous_spec, previous = shared[id(source)]
+def _device_of(module: nn.Module) -> torch.device:
+    """Where a module's tensors live; a tied module still pointing at meta takes its twin's (see _shard_into)."""
+    devices = [t.device for t in module.parameters(recurse=False) if not t.is_meta]
+    return devices[0] if devices else torch.device("meta")
+
+
+def _shard_into(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):
+    """Fills `target` with this rank's shard of `module`'s parameter `name`. A parameter tied to one sharded
+    before returns that shard; ties are keyed by the original parameter (held, so its id is never reused)."""
+    origin, source = module.tp_origins[name], getattr(module, name)
+    if id(origin) in shared:
+        _, previous_spec, previous = shared[id(origin)]
         if replace(previous_spec, transposed=spec.transposed) != spec or previous.shape != target.shape:
             raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
         return previous
@@ -223,14 +271,14 @@ def _shard_into(
     with torch.no_grad():
         target.copy_(shard_tensor(full, spec, dist.get_rank(group), dist.get_world_size(group)))
     target.requires_grad_(source.requires_grad)
-    shared[id(source)] = (spec, target)
+    shared[id(origin)] = (origin, spec, target)
     return target
 
 
 def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool):
     in_features, out_features = _linear_shape(module)
     transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
-    kwargs = dict(bias=module.bias is not None, device=module.weight.device, dtype=module.weight.dtype)
+    kwargs = dict(bias=module.bias is not None, device=_device_of(module), dtype=module.weight.dtype)
     if style == "rowwise":
         layer = RowParallelLinear(in_features, out_features, group, **kwargs)
     else:
@@ -246,10 +294,10 @@ def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared:
         )
     for name in list(layer.shard_specs):
         layer.shard_specs[name] = replace(layer.shard_specs[name], transposed=transposed and name == "weight")
-    layer.weight = _shard_into(layer.weight, module.weight, layer.shard_specs["weight"], group, shared)
+    layer.weight = _shard_into(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
     if module.bias is not None:
         if "bias" in layer.shard_specs:
-            layer.bias = _shard_into(layer.bias, module.bias, layer.shard_specs["bias"], group, shared)
+            layer.bias = _shard_into(layer.bias, module, "bias", layer.shard_specs["bias"], group, shared)
         else:
             with torch.no_grad():
                 layer.bias.copy_(module.bias)
@@ -263,10 +311,10 @@ def _parallel_embedding(module: nn.Embedding, group: ProcessGroup, shared: dict)
         module.embedding_dim,
         group,
         padding_idx=module.padding_idx,
-        device=module.weight.device,
+        device=_device_of(module),
         dtype=module.weight.dtype,
     )
-    layer.weight = _shard_into(layer.weight, module.weight, layer.shard_specs["weight"], group, shared)
+    layer.weight = _shard_into(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
     return layer
 
 

@@ -1,0 +1,67 @@
+"""A model built on the meta device is materialised shard by shard: the same initial weights at every tp for the
+same seed, and each rank's peak memory near its shards plus one full layer, not the full model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tp_train
+from models import GPT, GPTConfig
+from tests.distributed import run_on_ranks
+
+SMALL = GPTConfig(vocab_size=101, block_size=16, n_layer=2, n_head=4, n_embd=32)
+# ~26M parameters (105 MB fp32), its largest layer ~3M: the shards plus one layer are well under the model at tp=2.
+LARGE = GPTConfig(vocab_size=4096, block_size=64, n_layer=8, n_head=8, n_embd=512)
+
+
+def _initial_weights(rank, world_size):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(SMALL)
+    tp_train.parallelize(model, device="cpu")
+    state = tp_train.full_state_dict(model, dist.group.WORLD)
+    return state if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def weights_at_tp1():
+    return run_on_ranks(_initial_weights, 1)[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_meta_init_gives_the_same_weights_at_every_tp(tp, weights_at_tp1):
+    sharded = run_on_ranks(_initial_weights, tp)[0]
+    assert sharded.keys() == weights_at_tp1.keys()
+    for name, tensor in weights_at_tp1.items():
+        assert torch.equal(sharded[name], tensor), name
+    # Not all zeros or a constant: the weights were really initialised.
+    assert weights_at_tp1["blocks.0.mlp.fc.weight"].std() > 0
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def _init_peak(rank, world_size):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(LARGE)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # reset the peak resident set size to the current one
+    before = _peak_rss_bytes()
+    tp_train.parallelize(model, device="cpu")
+    return _peak_rss_bytes() - before, full_bytes
+
+
+def test_meta_init_peak_memory_per_rank_is_below_the_model_size(monkeypatch):
+    # A fixed mmap threshold: glibc otherwise raises it after large frees and keeps freed tensors' pages in its
+    # heap, so resident memory would overstate what is alive.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    growth_tp2, full_bytes = run_on_ranks(_init_peak, 2)[0]
+    # Shards are half the model; one full layer is ~12% more.
+    assert growth_tp2 < 0.75 * full_bytes, (growth_tp2 / 2**20, full_bytes / 2**20)
