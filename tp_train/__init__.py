@@ -1,5 +1,8 @@
 """tp_train: Megatron-style tensor parallelism for PyTorch Lightning."""
 
+from lightning.pytorch.strategies import StrategyRegistry
+
+from tp_train.clipping import clip_grad_norm_, global_grad_norm
 from tp_train.comm import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -12,18 +15,26 @@ from tp_train.comm import (
 from tp_train.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.parallelize import parallelize
+from tp_train.precision import TensorParallelMixedPrecision
 from tp_train.random import TensorParallelRNG
 from tp_train.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
+from tp_train.strategy import TensorParallelStrategy
+
+TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor_parallel"
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ShardSpec",
+    "TensorParallelMixedPrecision",
     "TensorParallelRNG",
+    "TensorParallelStrategy",
     "VocabParallelEmbedding",
+    "clip_grad_norm_",
     "copy_to_tensor_parallel_region",
     "full_state_dict",
     "gather_from_sequence_parallel_region",
+    "global_grad_norm",
     "gather_from_tensor_parallel_region",
     "named_sharded_parameters",
     "parallelize",

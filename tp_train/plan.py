@@ -57,11 +57,9 @@ class PlannedModule:
     pattern: str
 
 
-def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
-    """The plan to use and where it came from: the `plan` argument, the model's `tp_plan`, the Hugging Face
-    plan (`base_model_tp_plan` and the head's `_tp_plan`, as transformers merges them), or a built-in preset."""
-    if plan:
-        return dict(plan), "the plan argument"
+def find_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
+    """The model's own plan and where it came from: its `tp_plan`, the Hugging Face plan (`base_model_tp_plan`
+    and the head's `_tp_plan`, as transformers merges them), or a built-in preset; None when it has none."""
     # transformers models expose their merged plan as both `tp_plan` (a property) and `_tp_plan`.
     hugging_face_plan = getattr(model, "_tp_plan", None)
     own_plan = getattr(model, "tp_plan", None)
@@ -72,10 +70,35 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> tuple[
     preset = preset_plan(model)
     if preset:
         return preset, f"the built-in preset for model_type '{model.config.model_type}'"
-    raise ValueError(
-        f"no tensor-parallel plan for {type(model).__name__}: pass plan={{pattern: style}} or give the model a "
-        f"`tp_plan` attribute, e.g. {{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}}"
-    )
+    return None
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`)."""
+    if plan:
+        return dict(plan), "the plan argument"
+    found = find_plan(model)
+    if found is None:
+        raise ValueError(
+            f"no tensor-parallel plan for {type(model).__name__}: pass plan={{pattern: style}} or give the model a "
+            f"`tp_plan` attribute, e.g. {{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}}"
+        )
+    return found
+
+
+def modules_with_plans(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules under (and including) `root` that carry a plan of their own, by name."""
+    found = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if find_plan(module) is not None:
+            found.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", root)
+    return found
 
 
 def pattern_matches(pattern: str, name: str) -> bool:

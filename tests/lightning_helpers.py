@@ -1,0 +1,105 @@
+"""A LightningModule around a model written in the tests (only a `tp_plan` tells tp_train how to shard it), and a
+Trainer runner that records what every step did. Used inside ranks started by `run_on_ranks`, which sets
+LOCAL_RANK / RANK / WORLD_SIZE as torchrun would, so Lightning joins the existing process group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.parity import next_token_loss
+from tests.test_parallelize import VOCAB, SwiGLUModel
+from tp_train import TensorParallelStrategy
+
+SEQ_LEN = 16
+GLOBAL_BATCH = 4
+
+
+class LitLM(L.LightningModule):
+    def __init__(self, lr: float = 1e-2, build_in_configure_model: bool = False):
+        super().__init__()
+        self.lr = lr
+        self.build_in_configure_model = build_in_configure_model
+        self.model = None if build_in_configure_model else SwiGLUModel()
+
+    def configure_model(self):
+        if self.model is None:
+            with self.trainer.init_module(empty_init=True):
+                self.model = SwiGLUModel()
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        return next_token_loss(self.model(idx), idx)
+
+    def validation_step(self, batch, batch_idx):
+        (idx,) = batch
+        loss = next_token_loss(self.model(idx), idx)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def token_data(steps: int, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randint(0, VOCAB, (steps * GLOBAL_BATCH, SEQ_LEN), generator=generator))
+
+
+class StepRecorder(L.Callback):
+    """Per step: the loss averaged over all ranks (the global batch's loss), the global gradient norm the strategy
+    clipped by, and a plain norm of this rank's gradients before clipping."""
+
+    def __init__(self):
+        self.losses, self.clip_norms, self.local_norms, self.scales, self.skipped = [], [], [], [], []
+        self._checksum = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._checksum = sum(p.detach().double().sum().item() for p in pl_module.parameters())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.local_norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"].detach().float().clone()
+        dist.all_reduce(loss)
+        self.losses.append(loss.item() / dist.get_world_size())
+        norm = trainer.strategy.precision_plugin.last_grad_norm
+        self.clip_norms.append(None if norm is None else norm.item())
+        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        self.scales.append(None if scaler is None else scaler.get_scale())
+        self.skipped.append(self._checksum == sum(p.detach().double().sum().item() for p in pl_module.parameters()))
+
+
+def fit(
+    tensor_parallel_size: int,
+    steps: int,
+    module_kwargs: dict | None = None,
+    callbacks: list | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[L.Trainer, StepRecorder]:
+    """Trains a LitLM(**module_kwargs), built after seeding 0, on the world set up by run_on_ranks."""
+    torch.manual_seed(0)
+    module = LitLM(**(module_kwargs or {}))
+    recorder = StepRecorder()
+    dp = dist.get_world_size() // tensor_parallel_size
+    trainer = L.Trainer(
+        strategy=TensorParallelStrategy(tensor_parallel_size=tensor_parallel_size),
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder, *(callbacks or [])],
+        **trainer_kwargs,
+    )
+    trainer.fit(module, DataLoader(token_data(steps), batch_size=GLOBAL_BATCH // dp))
+    return trainer, recorder
