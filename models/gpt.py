@@ -36,6 +36,7 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.proj.residual_projection = True  # initialised smaller (see GPT._init_weights)
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +55,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.proj.residual_projection = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -102,17 +104,24 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
+        """Initialises every module with `_init_weights`, in `modules()` order."""
+        for module in self.modules():
+            self._init_weights(module)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 initialisation of one module: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer).
+
+        Per module, as in Hugging Face models, so a model built on the meta device can be initialised one module
+        at a time (tp_train does this when it materialises each rank's shards)."""
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tp_train
-from tp_train.sharding import ceil_div
+from tp_train.sharding import ceil_div, full_numel
 
 
 def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -71,8 +71,7 @@ def _shard_fraction(model, tp: int) -> float:
     local = full = 0
     for _, param, spec in tp_train.named_sharded_parameters(model):
         local += param.numel()
-        other = param.numel() // param.shape[spec.dim]
-        full += other * sum(spec.sections)
+        full += full_numel(param, spec)
         if spec.padded:  # a padded vocab: each rank holds ceil(V / tp) rows
             assert param.shape[spec.dim] == ceil_div(spec.sections[0], tp)
     return local / full

@@ -145,10 +145,12 @@ def apply_plan(
     """Swaps each planned module for its tensor-parallel counterpart, holding this rank's slice of its weights.
 
     Modules are visited in `named_modules` order. Tensors still on the meta device are materialised on `device`
-    on the way, one module at a time, by the module's own `reset_parameters()`; a planned module is materialised
-    whole, sliced, and dropped, so peak memory is the shards plus one full layer, and the random numbers drawn
-    (hence the initial weights) are the same at every tp.
+    on the way, one module at a time, and initialised by the model's per-module `_init_weights(module)` where it
+    has one (Hugging Face's convention), else by the module's own `reset_parameters()`. A planned module is
+    materialised whole, sliced, and dropped, so peak memory is the shards plus one full layer, and the random
+    numbers drawn (hence the initial weights) are the same at every tp.
     """
+    init_weights = getattr(model, "_init_weights", None)
     by_name = {entry.name: entry for entry in planned}
     shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
     materialized: dict[int, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once
@@ -158,7 +160,7 @@ def apply_plan(
         if style in LINEAR_STYLES or style == "embedding_rowwise":
             module.tp_origins = dict(module.named_parameters(recurse=False))  # what ties are keyed by
             if not all(id(param) in shared for param in module.tp_origins.values()):
-                _materialize(name, module, device, {})  # its full tensors die once sliced
+                _materialize(name, module, device, {}, init_weights)  # its full tensors die once sliced
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(module, group, shared)
             else:
@@ -166,7 +168,7 @@ def apply_plan(
             _set_submodule(model, name, layer)
             module._parameters.update(module.tp_origins)  # the dropped module lets go of its full tensors
             continue
-        _materialize(name, module, device, materialized)
+        _materialize(name, module, device, materialized, init_weights)
         if style == "attention":
             _localize_heads(module, dist.get_world_size(group))
             rng.run_in(module, SHARDED)
@@ -175,8 +177,9 @@ def apply_plan(
     _share_sibling_inputs(model, planned, group)
 
 
-def _materialize(name: str, module: nn.Module, device: torch.device, materialized: dict[int, torch.Tensor]) -> None:
-    """Gives `module`'s own meta-device tensors storage on `device` and initialises them with `reset_parameters`."""
+def _materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
+    """Gives `module`'s own meta-device tensors storage on `device` and initialises them: `init_weights(module)`
+    when given, else `module.reset_parameters()`."""
     fresh = False
     for tensors in (module._parameters, module._buffers):
         for key, tensor in tensors.items():
@@ -190,6 +193,9 @@ def _materialize(name: str, module: nn.Module, device: torch.device, materialize
                 fresh = True
             tensors[key] = materialized[id(tensor)]
     if not fresh:
+        return
+    if init_weights is not None:
+        init_weights(module)
         return
     if not hasattr(module, "reset_parameters"):
         raise ValueError(

@@ -65,6 +65,11 @@ def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) ->
     return full.t() if spec.transposed else full
 
 
+def full_numel(local: torch.Tensor, spec: ShardSpec) -> int:
+    """Elements of the full (unsharded, unpadded) tensor that `local` is a shard of."""
+    return local.numel() // local.shape[spec.dim] * sum(spec.sections)
+
+
 def named_sharded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, ShardSpec]]:
     """Yields (name, parameter, spec) for every tensor-parallel shard in `model`, each shared parameter once."""
     seen = set()
