@@ -1,8 +1,9 @@
 """Run a function on real gloo ranks spawned from pytest.
 
-Every distributed test goes through `run_on_ranks`: each rank is a fresh spawned process (Lightning's own
-launcher would re-execute pytest), joined into a gloo process group on a free localhost port, with one thread
-per rank so that several ranks share the 2 CPU cores without thrashing. A rank's exception comes back to the
+Every distributed test goes through `run_on_ranks`: each rank is a fresh process forked from a fork server (a
+clean process that imported torch, Lightning and tp_train once; never pytest itself, whose sys.argv Lightning's
+launcher would re-execute), joined into a gloo process group on a free localhost port, with one thread per rank
+so that several ranks share the 2 CPU cores without thrashing. A rank's exception comes back to the
 parent with its traceback; a rank that hangs (say, in a collective another rank never joined) fails the test
 after `timeout` seconds instead of hanging CI.
 """
@@ -57,13 +58,24 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
             dist.destroy_process_group()
 
 
+# Imported once by the fork server, so each rank starts in well under a second instead of importing them again.
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "transformers", "tp_train", "models"]
+
+
+def _context():
+    """A fork server: a clean process (not pytest) that imports the heavy modules once and forks every rank."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """Runs `fn(rank, world_size, *args)` on `world_size` gloo ranks and returns each rank's result, by rank.
 
     `fn` must be importable (a module-level function) and its result picklable. Raises `RuntimeError` with the
     failing rank's traceback, or `TimeoutError` naming the ranks that never reported.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
