@@ -76,30 +76,54 @@ class StepRecorder(L.Callback):
         self.skipped.append(self._checksum == sum(p.detach().double().sum().item() for p in pl_module.parameters()))
 
 
-def fit(
-    tensor_parallel_size: int,
-    steps: int,
-    module_kwargs: dict | None = None,
-    callbacks: list | None = None,
-    **trainer_kwargs: Any,
-) -> tuple[L.Trainer, StepRecorder]:
-    """Trains a LitLM(**module_kwargs), built after seeding 0, on the world set up by run_on_ranks."""
-    torch.manual_seed(0)
-    module = LitLM(**(module_kwargs or {}))
-    recorder = StepRecorder()
-    dp = dist.get_world_size() // tensor_parallel_size
-    trainer = L.Trainer(
-        strategy=TensorParallelStrategy(tensor_parallel_size=tensor_parallel_size),
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        max_steps=steps,
+def make_trainer(tensor_parallel_size: int, callbacks: list | None = None, **trainer_kwargs: Any) -> L.Trainer:
+    defaults = dict(
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[recorder, *(callbacks or [])],
-        **trainer_kwargs,
     )
-    trainer.fit(module, DataLoader(token_data(steps), batch_size=GLOBAL_BATCH // dp))
+    return L.Trainer(
+        strategy=TensorParallelStrategy(tensor_parallel_size=tensor_parallel_size),
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        callbacks=callbacks,
+        **{**defaults, **trainer_kwargs},
+    )
+
+
+def loader(tensor_parallel_size: int, steps: int, seed: int = 0) -> DataLoader:
+    """`steps` global batches, split over the data-parallel ranks."""
+    dp = dist.get_world_size() // tensor_parallel_size
+    return DataLoader(token_data(steps, seed), batch_size=GLOBAL_BATCH // dp)
+
+
+def fit(
+    tensor_parallel_size: int,
+    steps: int,
+    module_kwargs: dict | None = None,
+    callbacks: list | None = None,
+    data_steps: int | None = None,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[L.Trainer, StepRecorder]:
+    """Trains a LitLM(**module_kwargs), built after seeding 0, for `steps` steps on `data_steps` batches (default:
+    as many as steps), optionally resuming from `ckpt_path` and saving to `save_to`."""
+    torch.manual_seed(0)
+    module = LitLM(**(module_kwargs or {}))
+    recorder = StepRecorder()
+    trainer = make_trainer(tensor_parallel_size, [recorder, *(callbacks or [])], max_steps=steps, **trainer_kwargs)
+    trainer.fit(module, loader(tensor_parallel_size, data_steps or steps), ckpt_path=ckpt_path)
+    if save_to:
+        trainer.save_checkpoint(save_to)
     return trainer, recorder
+
+
+def validate(tensor_parallel_size: int, ckpt_path: str) -> float:
+    """The validation loss of the checkpoint at `ckpt_path`, on a fixed held-out set, at this dp x tp."""
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    trainer = make_trainer(tensor_parallel_size)
+    (metrics,) = trainer.validate(LitLM(), loader(tensor_parallel_size, 3, seed=99), ckpt_path=ckpt_path, verbose=False)
+    return metrics["val_loss"]

@@ -83,3 +83,21 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
         assert all(torch.isfinite(torch.tensor(losses)))
         assert losses[-1] < losses[0]  # 16-mixed trains at tp=2
     assert results[0][1] == results[1][1]
+
+
+def _bf16(rank, world_size, precision, build_in_configure_model):
+    trainer, recorder = fit(
+        2, STEPS, module_kwargs=dict(lr=3e-3, build_in_configure_model=build_in_configure_model), precision=precision
+    )
+    dtypes = {str(p.dtype) for p in trainer.lightning_module.parameters()}
+    return recorder.losses, dtypes
+
+
+@pytest.mark.parametrize(
+    "precision,build_in_configure_model,dtype",
+    [("bf16-mixed", False, "torch.float32"), ("bf16-true", True, "torch.bfloat16")],
+)
+def test_bf16_trains_at_tp2(precision, build_in_configure_model, dtype):
+    for losses, dtypes in run_on_ranks(_bf16, 2, precision, build_in_configure_model, timeout=300):
+        assert dtypes == {dtype}
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses

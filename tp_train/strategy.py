@@ -11,8 +11,10 @@ see the same batch. Models built under `trainer.init_module(empty_init=True)` ar
 
 from __future__ import annotations
 
+import shutil
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
 from typing_extensions import override
 
+from tp_train import checkpoint as checkpoint_io
+from tp_train.launch import HydraJobLauncher
 from tp_train.parallelize import parallelize
 from tp_train.plan import modules_with_plans
 from tp_train.precision import tensor_parallel_precision
@@ -122,6 +126,8 @@ class TensorParallelStrategy(DDPStrategy):
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._start_method)
+        else:
+            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     # --------------------------------------------------------------------------------------------------- model
 
@@ -179,6 +185,56 @@ class TensorParallelStrategy(DDPStrategy):
         plugin = self.precision_plugin
         plugin.tensor_parallel_group = self.tensor_parallel_group
         plugin.sharded_parameters = frozenset(id(param) for _, param, _ in named_sharded_parameters(root))
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    # A checkpoint is a directory written by every rank in parallel with torch.distributed.checkpoint (each rank
+    # its shards, with optimizer state) and loads at any dp x tp; Lightning's own metadata (loops, callbacks,
+    # schedulers) goes alongside. See tp_train.checkpoint.
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the sharded model and its optimizers
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint already did
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the model is saved shard by shard in save_checkpoint
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}  # likewise
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("TensorParallelStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        checkpoint_io.save(path, self.lightning_module, self.optimizers, self.device_mesh, extra=checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return checkpoint_io.load(path, self.lightning_module, self.optimizers, self.device_mesh)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the shards in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
 
     # -------------------------------------------------------------------------------------------- registration
 

@@ -1,0 +1,43 @@
+"""Ways to start the ranks: the spawn start method, and torchrun (as on a cluster). Each runs in a subprocess
+with a timeout, so a launch that hangs fails the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(command: list[str], timeout: float = 300, **env: str) -> str:
+    result = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_spawn_start_method_trains_and_the_main_process_survives():
+    out = _run([sys.executable, "tests/scripts/fit_spawn.py"])
+    losses = json.loads(next(line for line in out.splitlines() if line.startswith("LOSSES"))[len("LOSSES ") :])
+    assert len(losses) == 3 and all(loss > 0 for loss in losses)
+
+
+@pytest.mark.slow
+def test_torchrun_launches_train_py(tmp_path):
+    run_dir = tmp_path / "run"
+    _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
+         "experiment=smoke", "tp=2", "trainer.max_steps=4", "trainer.val_check_interval=4", "logger=none",
+         f"hydra.run.dir={run_dir}"],
+        TP_TRAIN_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and len(summary["peak_memory_mib_per_rank"]) == 2
