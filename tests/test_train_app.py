@@ -1,0 +1,94 @@
+"""The training app as users run it: `python train.py ...` in a subprocess (Lightning re-launches the script once
+per rank), a tiny model for a few dozen steps, W&B offline. Marked slow: each run starts real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERIES = [
+    "train/loss",
+    "val/loss",
+    "val/ppl",
+    "lr",
+    "throughput/tokens_per_sec",
+    "throughput/samples_per_sec",
+    "throughput/flops_per_sec",
+    "memory/peak_mib",
+    "memory/params_mib",
+]
+
+
+def run_train(*overrides: str, cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "TP_TRAIN_CACHE": str(cache), "HYDRA_FULL_ERROR": "1"}
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def wandb_records(run_dir: Path) -> tuple[dict, list[dict]]:
+    """(summary, history rows) of the offline W&B run under `run_dir`, as `wandb leet inspect` reads them."""
+    wandb_file = next(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    inspect = [sys.executable, "-m", "wandb", "leet", "inspect"]
+    summary = json.loads(subprocess.run([*inspect, "--summary", "--json", str(wandb_file)], **_capture()).stdout)
+    lines = subprocess.run([*inspect, "--json", str(wandb_file)], **_capture()).stdout.splitlines()
+    history = [json.loads(line) for line in lines if '"type":"history"' in line.replace(" ", "")]
+    return summary, history
+
+
+def _capture() -> dict:
+    return dict(capture_output=True, text=True, check=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_smoke_training_tp2_fp16_logs_to_wandb_and_reuses_the_data_cache(tmp_path):
+    cache = tmp_path / "cache"
+    run_dir = tmp_path / "run"
+    run_train("experiment=smoke", "tp=2", "precision=16", f"hydra.run.dir={run_dir}", cache=cache)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 40
+    assert summary["train_loss"] < summary["first_train_loss"] - 0.3, summary  # the loss fell
+    assert len(summary["peak_memory_mib_per_rank"]) == 2
+    assert Path(summary["checkpoint"]).exists()
+
+    wandb_summary, history = wandb_records(run_dir)
+    text = json.dumps(wandb_summary)
+    for key in SERIES:
+        assert f'"{key}"' in text, key
+    # Series, not one value: the throughput and memory keys appear in several history rows, all positive.
+    for key in ("throughput/tokens_per_sec", "memory/peak_mib", "train/loss"):
+        values = [_history_value(row, key) for row in history]
+        values = [v for v in values if v is not None]
+        assert len(values) >= 3 and all(v > 0 for v in values), (key, values)
+
+    # The same data again: the tokenizer and the packed blocks are reused, not rebuilt.
+    blocks = {path: path.stat().st_mtime_ns for path in cache.rglob("*") if path.is_file() and "hf" not in path.parts}
+    run_train("experiment=smoke", "tp=1", "trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path / 'again'}",
+              cache=cache)  # fmt: skip
+    assert blocks and all(path.stat().st_mtime_ns == mtime for path, mtime in blocks.items())
+
+
+def _history_value(row: dict, key: str) -> float | None:
+    value = row["history"]["item"].get(key)
+    return None if value is None else float(value)
+
+
+@pytest.mark.slow
+def test_multirun_over_tp_runs_each_job_once(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_train(
+        "-m", "tp=1,2", "experiment=smoke", "trainer.max_steps=4", "trainer.val_check_interval=4", "logger=none",
+        f"hydra.sweep.dir={sweep}", cache=tmp_path / "cache",
+    )  # fmt: skip
+    summaries = [json.loads((sweep / str(job) / "summary.json").read_text()) for job in (0, 1)]
+    assert [s["steps"] for s in summaries] == [4, 4]
+    assert [len(s["peak_memory_mib_per_rank"]) for s in summaries] == [1, 2]

@@ -1,0 +1,100 @@
+"""Train a language model with tensor parallelism: `python train.py tp=2 precision=16`.
+
+Hydra composes conf/train.yaml; everything is built from its `_target_` entries, trained with Lightning, and the
+run ends with a short summary (also written to `summary.json` in the run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from tp_train import TensorParallelMixedPrecision
+from tp_train.callbacks import TrainingMetrics, peak_memory_mib
+from tp_train.config import lightning_precision, register_resolvers
+from tp_train.module import CausalLMModule
+
+register_resolvers()
+
+
+def build_trainer(cfg: DictConfig) -> L.Trainer:
+    precision = lightning_precision(cfg.precision)
+    plugins = []
+    if precision == "16-mixed" and not torch.cuda.is_available():
+        # Lightning would silently train in bf16 on CPU; fp16 with a TP-aware loss scaler is what was asked for.
+        plugins.append(TensorParallelMixedPrecision("16-mixed", "cpu"))
+        precision = None
+    callbacks = [instantiate(callback) for callback in (cfg.get("callbacks") or {}).values()]
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    return instantiate(cfg.trainer, precision=precision, plugins=plugins, callbacks=callbacks, logger=logger)
+
+
+def summarize(trainer: L.Trainer) -> dict | None:
+    """The run's outcome, on rank 0 (every rank must call: peak memory is gathered)."""
+    peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mib(trainer.strategy.root_device)))
+    if not trainer.is_global_zero:
+        return None
+    metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
+    monitor = next((c for c in trainer.callbacks if isinstance(c, TrainingMetrics)), None)
+    wandb_dir = None
+    if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger):
+        wandb_dir = str(Path(trainer.logger.experiment.dir).parent)
+    return {
+        "steps": trainer.global_step,
+        "first_train_loss": monitor.first_loss if monitor else None,
+        "train_loss": metrics.get("train/loss"),
+        "val_loss": metrics.get("val/loss"),
+        "val_ppl": metrics.get("val/ppl"),
+        "tokens_per_sec": monitor.tokens_per_sec if monitor else None,
+        "peak_memory_mib_per_rank": [round(p, 1) for p in peaks.reshape(-1).tolist()],
+        "checkpoint": trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else None,
+        "wandb_run": wandb_dir,
+    }
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    # A multirun (-m tp=1,2) runs its jobs in this one process: each job starts from the same environment and
+    # leaves no process group behind (Lightning's launcher sets rank variables in os.environ).
+    environ = dict(os.environ)
+    try:
+        return run(cfg)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def run(cfg: DictConfig) -> float | None:
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    module = CausalLMModule(
+        model=instantiate(cfg.model),
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+    )
+    trainer = build_trainer(cfg)
+    if trainer.logger:
+        trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    summary = summarize(trainer)
+    if summary is None:
+        return None
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    width = max(len(key) for key in summary)
+    print("\n".join(["", "run summary:", *(f"  {key:<{width}}  {value}" for key, value in summary.items())]))
+    return summary["val_loss"]
+
+
+if __name__ == "__main__":
+    main()
