@@ -39,7 +39,8 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
 
 def summarize(trainer: L.Trainer) -> dict | None:
     """The run's outcome, on rank 0 (every rank must call: peak memory is gathered)."""
-    peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mib(trainer.strategy.root_device)))
+    device = trainer.strategy.root_device
+    peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mib(device), device=device))
     if not trainer.is_global_zero:
         return None
     metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}

@@ -64,6 +64,9 @@ PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "transformers", "t
 
 def _context():
     """A fork server: a clean process (not pytest) that imports the heavy modules once and forks every rank."""
+    # A fixed mmap threshold (glibc raises it after large frees and then keeps freed tensors' pages in its heap),
+    # so a rank's resident memory tracks its live tensors; the fork server passes it on to every rank.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -102,8 +105,9 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             outputs[rank] = pickle.loads(payload)
     finally:
+        grace = 10 if len(outputs) == world_size else 1  # after a failure, the others need not finish
         for proc in procs:
-            proc.join(timeout=10)
+            proc.join(timeout=grace)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

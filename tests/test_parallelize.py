@@ -61,7 +61,10 @@ class _SwiGLUBlock(nn.Module):
     def forward(self, x):
         B, T, _ = x.shape
         h = self.attn_norm(x)
-        q, k, v = (p(h).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.attn.q, self.attn.k, self.attn.v))
+        q, k, v = (p(h).view(B, T, -1, self.head_dim) for p in (self.attn.q, self.attn.k, self.attn.v))
+        if hasattr(self.attn, "q_norm"):  # QKNormModel
+            q = self.attn.q_norm(q)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
         x = x + self.attn.out(y)
         gate, up = self.mlp.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
@@ -134,3 +137,67 @@ def test_sharded_model_matches_unsharded(parity_results, model_name):
         assert errors[worst] < ATOL, f"rank {rank}: {worst} differs by {errors[worst]:.3g}"
         # Each rank holds 1/tp of every sharded parameter (a padded vocabulary rounds up slightly).
         assert math.isclose(shard_fraction, 1 / tp, rel_tol=0.05), shard_fraction
+
+
+def _loss_parallel_parity(rank, world_size):
+    """GPT with a vocabulary tp does not divide, its head kept vocab-sharded, and the vocab-parallel loss."""
+    import copy
+
+    import torch.distributed as dist
+
+    import tp_train
+    from tests.parity import _full_tensors
+
+    torch.manual_seed(0)
+    reference = _gpt()
+    model = tp_train.parallelize(copy.deepcopy(reference), loss_parallel=True)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    inputs, targets = idx[:, :-1], idx[:, 1:].flatten()
+    ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets)
+    logits = model(inputs)  # (B, T, padded vocab / tp)
+    loss = tp_train.vocab_parallel_cross_entropy(logits.flatten(0, 1), targets, dist.group.WORLD, vocab_size=VOCAB)
+    ref_loss.backward()
+    loss.backward()
+    ref_params = dict(reference.named_parameters())
+    grads = _full_tensors(model, dist.group.WORLD, grads=True)
+    grad_error = max((ref_params[name].grad - grad).abs().max().item() for name, grad in grads.items())
+    return logits.shape[-1], (ref_loss - loss).abs().item(), grad_error
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_loss_parallel_matches_full_logits_loss_with_a_padded_vocabulary(tp):
+    for width, loss_error, grad_error in run_on_ranks(_loss_parallel_parity, tp):
+        assert width == -(-VOCAB // tp)  # the head stayed sharded (and padded)
+        assert loss_error < ATOL and grad_error < ATOL, (loss_error, grad_error)
+
+
+class QKNormModel(SwiGLUModel):
+    """SwiGLUModel whose attention normalises q over head_dim (as Qwen3 and OLMo2 do): one norm weight, applied on
+    every rank to that rank's local heads only, so its gradient must be summed over the TP group."""
+
+    tp_plan = {**SwiGLUModel.tp_plan, "layers.*.attn.q_norm": "replicated_with_grad_allreduce"}
+
+    def __init__(self):
+        super().__init__()
+        for layer in self.layers:
+            layer.attn.q_norm = nn.RMSNorm(layer.head_dim)
+            with torch.no_grad():
+                layer.attn.q_norm.weight.uniform_(0.5, 1.5)
+
+
+def _qk_norm_parity(rank, world_size, with_grad_allreduce):
+    torch.manual_seed(0)
+    model = QKNormModel()
+    if not with_grad_allreduce:  # the negative control: the same model, the norm left plainly replicated
+        model.tp_plan = SwiGLUModel.tp_plan
+    errors = parity_errors(model, _logits, VOCAB, steps=1)
+    return {key: value for key, value in errors.items() if "q_norm" in key or key == "logits"}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_norm_over_local_heads_needs_and_gets_its_gradient_summed(tp):
+    for errors in run_on_ranks(_qk_norm_parity, tp, True):
+        assert len(errors) == 5 and max(errors.values()) < ATOL, errors  # logits, 2 grads, 2 params
+    without = run_on_ranks(_qk_norm_parity, tp, False)[0]
+    assert without["logits"] < ATOL  # the forward is right either way...
+    assert max(v for k, v in without.items() if k.startswith("grad:")) > 1e-3  # ...the gradient is not

@@ -33,9 +33,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tp_train.parallelize import TENSOR_PARALLEL  # the mesh dimension a 2-D mesh shards over
 from tp_train.sharding import ShardSpec, named_sharded_parameters
 
-TENSOR_PARALLEL = "tensor_parallel"  # the mesh dimension a 2-D mesh shards over (the other one replicates)
 META_FILE = "meta.pt"  # the caller's `extra` metadata, beside DCP's files
 
 

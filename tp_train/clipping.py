@@ -28,11 +28,13 @@ def global_grad_norm(
     """
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"norm_type={norm_type} is not supported with tensor parallelism; use 2.0 or inf")
+    parameters = list(parameters)
     shard_grads, replicated_grads = [], []
     for p in parameters:
         if p.grad is not None:
             (shard_grads if id(p) in sharded else replicated_grads).append(p.grad.detach())
-    device = (shard_grads + replicated_grads)[0].device if shard_grads or replicated_grads else torch.device("cpu")
+    # Where the reduction runs: with the parameters (NCCL needs the GPU), even on a rank with no gradients.
+    device = parameters[0].device if parameters else torch.device("cpu")
 
     def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:

@@ -84,6 +84,12 @@ class _ConjugatePair(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
+def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Not autograd: the sum over the group of a parameter's partial gradients (a gradient hook), for a replicated
+    parameter that each rank applies to its own shard only (e.g. a norm over head_dim inside attention)."""
+    return _all_reduce(grad.clone(), group)
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Megatron's `f`. Forward: identity (the replicated input enters a sharded region).
     Backward: all-reduce, summing the partial input gradients of every rank's shard."""

@@ -73,7 +73,7 @@ def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     group: ProcessGroup,
-    vocab_size: int | None = None,
+    vocab_size: int,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
@@ -84,12 +84,17 @@ def vocab_parallel_cross_entropy(
             `ColumnParallelLinear` head without `gather_output`.
         target: (...) token ids in [0, vocab_size), or `ignore_index`.
         group: the tensor-parallel process group the logits are sharded over.
-        vocab_size: the real vocabulary size, when the sharded width includes padding. Default: no padding.
+        vocab_size: the real vocabulary size. Required: `parallelize` pads the vocabulary to a multiple of tp, and
+            padding columns must not enter the softmax.
         ignore_index: targets with this value do not count towards the mean.
         label_smoothing: as in `F.cross_entropy`.
     """
-    if vocab_size is None:
-        vocab_size = logits.size(-1) * dist.get_world_size(group)
+    width = logits.size(-1) * dist.get_world_size(group)
+    if not width - logits.size(-1) < vocab_size <= width:
+        raise ValueError(
+            f"vocab_size={vocab_size} does not fit logits sharded {logits.size(-1)} wide over "
+            f"{dist.get_world_size(group)} ranks; pass the model's real vocabulary size"
+        )
     out_dtype = logits.dtype
     loss = _VocabParallelCrossEntropy.apply(
         logits.flatten(0, -2), target.flatten(), group, vocab_size, ignore_index, label_smoothing

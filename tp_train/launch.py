@@ -13,6 +13,7 @@ from unittest import mock
 
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
 
 
 def _hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -39,6 +40,7 @@ def _hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 class HydraJobLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess launcher, with children that re-run the current Hydra job only."""
 
+    @override
     def _call_children_scripts(self) -> None:
         with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", _hydra_job_command):
             super()._call_children_scripts()

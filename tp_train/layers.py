@@ -138,7 +138,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
-        return y + self.bias if self.bias is not None else y
+        return y + self.bias.to(y.dtype) if self.bias is not None else y  # as nn.Linear under autocast
 
     def extra_repr(self) -> str:
         return (

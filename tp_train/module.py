@@ -22,7 +22,8 @@ class CausalLMModule(L.LightningModule):
             under `trainer.init_module(empty_init=True)`, so with `TensorParallelStrategy` the full model is never
             materialised: each rank allocates only its shards. A built `nn.Module` is accepted too.
         optimizer: a factory taking parameter groups (e.g. `functools.partial(torch.optim.AdamW, lr=3e-4)`).
-            Weight decay applies to matrices only; biases, norms and embeddings of rank < 2 are exempt.
+            Weight decay applies to parameters with two or more dimensions (matrices, embeddings); biases and
+            norm weights are exempt.
         scheduler: an optional factory `(optimizer, total_steps=...)` returning a per-step LR scheduler.
     """
 
@@ -50,7 +51,9 @@ class CausalLMModule(L.LightningModule):
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         logits = self(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax in fp32
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

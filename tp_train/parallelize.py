@@ -25,6 +25,10 @@ def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup
     return tp_group
 
 
+# The strategy's 2-D mesh: data parallelism across replicas, tensor parallelism within one.
+DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
+
+
 def _default_device(model: nn.Module) -> torch.device:
     real = [p.device for p in model.parameters() if not p.is_meta]
     if real:

@@ -14,6 +14,8 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `attention`             | attention module    | head-count attributes set to the local heads; its dropout draws  |
 |                         |                     | from the per-rank (sharded) random stream                        |
 | `replicated_rng`        | any module          | dropout inside draws from the replicated stream again            |
+| `replicated_with_grad_allreduce` | any module | its parameters stay whole; their gradients are summed over the TP |
+|                         |                     | group (a norm applied to each rank's local heads, e.g. QK-norm)  |
 | `replicate`             | any module          | left as it is (every rank holds it whole)                        |
 
 `colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
@@ -31,13 +33,20 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+from tp_train.comm import all_reduce_gradient
 from tp_train.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
 from tp_train.presets import preset_plan
 from tp_train.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.sharding import ShardSpec, shard_tensor
 
 LINEAR_STYLES = {"colwise", "colwise_gather_output", "rowwise", "packed_colwise", "fused_qkv_colwise"}
-STYLES = LINEAR_STYLES | {"embedding_rowwise", "attention", "replicated_rng", "replicate"}
+STYLES = LINEAR_STYLES | {
+    "embedding_rowwise",
+    "attention",
+    "replicated_rng",
+    "replicated_with_grad_allreduce",
+    "replicate",
+}
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 
@@ -174,6 +183,9 @@ def apply_plan(
             rng.run_in(module, SHARDED)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
+        elif style == "replicated_with_grad_allreduce":
+            for param in module.parameters(recurse=False):
+                param.register_hook(lambda grad: all_reduce_gradient(grad, group))
     _share_sibling_inputs(model, planned, group)
 
 

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from typing_extensions import override
 
 from tp_train.clipping import clip_grad_norm_
 
@@ -28,6 +29,7 @@ class _TensorParallelClipping:
     sharded_parameters: frozenset[int] = frozenset()
     last_grad_norm: torch.Tensor | None = None
 
+    @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         if self.tensor_parallel_group is None:
             raise RuntimeError("the tensor-parallel precision plugin was used before the strategy's setup()")
@@ -84,5 +86,12 @@ def tensor_parallel_precision(plugin: Precision) -> Precision:
     converted.__dict__.update(plugin.__dict__)
     scaler = getattr(converted, "scaler", None)
     if scaler is not None and not isinstance(scaler, ShardedGradScaler):
-        converted.scaler = ShardedGradScaler(device=converted.device, init_scale=scaler.get_scale())
+        converted.scaler = ShardedGradScaler(
+            device=converted.device,
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
     return converted

@@ -39,7 +39,7 @@ class TensorParallelRNG:
     def __init__(self, group: ProcessGroup, device: torch.device):
         self.device = device
         self.sync_replicated(group)
-        seed = torch.tensor([torch.initial_seed()], dtype=torch.int64)
+        seed = torch.tensor([torch.initial_seed()], dtype=torch.int64, device=device)
         dist.broadcast(seed, group=group, group_src=0)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self._manual_seed(int(seed) + _SHARDED_SEED_OFFSET + dist.get_rank(group))
@@ -54,9 +54,9 @@ class TensorParallelRNG:
 
     def sync_replicated(self, group: ProcessGroup) -> None:
         """Makes the replicated stream (the default generator) identical on every rank of `group`."""
-        state = _get_state(self.device)
+        state = _get_state(self.device).to(self.device)  # generator states live on the CPU; NCCL needs the device
         dist.broadcast(state, group=group, group_src=0)
-        _set_state(self.device, state)
+        _set_state(self.device, state.cpu())
 
     def enter(self, region: str) -> None:
         """Switches the default generator to `region`'s stream until the matching `exit`."""
@@ -72,14 +72,6 @@ class TensorParallelRNG:
         if region != previous:
             self._states[region] = _get_state(self.device)
             _set_state(self.device, self._states[previous])
-
-    def states(self) -> dict[str, torch.Tensor]:
-        """Both streams' generator states (for checkpoints and activation recomputation)."""
-        return {**self._states, self._stack[-1]: _get_state(self.device)}
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self._states = dict(states)
-        _set_state(self.device, self._states[self._stack[-1]])
 
     def run_in(self, module: nn.Module, region: str) -> None:
         """Runs every forward of `module` in `region`'s stream."""

@@ -11,8 +11,9 @@ see the same batch. Models built under `trainer.init_module(empty_init=True)` ar
 
 from __future__ import annotations
 
+import inspect
 import shutil
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from tp_train import checkpoint as checkpoint_io
 from tp_train.launch import HydraJobLauncher
-from tp_train.parallelize import parallelize
+from tp_train.parallelize import DATA_PARALLEL, TENSOR_PARALLEL, parallelize
 from tp_train.plan import modules_with_plans
 from tp_train.precision import tensor_parallel_precision
 from tp_train.sharding import named_sharded_parameters
-
-DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
 
 
 class TensorParallelStrategy(DDPStrategy):
@@ -49,7 +49,6 @@ class TensorParallelStrategy(DDPStrategy):
         tensor_parallel_size: ranks per tensor-parallel group; must divide devices x num_nodes.
         plan: an explicit plan for the whole LightningModule (names relative to it). By default every submodule
             with a plan of its own is sharded.
-        sequence_parallel: reserved; not implemented yet.
         process_group_backend: "nccl" on GPUs, "gloo" on CPU by default.
         timeout: collective timeout, so a rank that died fails the job instead of hanging it.
         start_method: "popen" (re-run the script per rank), or "spawn" / "fork" (e.g. from a notebook or pytest).
@@ -69,6 +68,12 @@ class TensorParallelStrategy(DDPStrategy):
     ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        unknown = sorted(set(kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
+        if unknown:  # checked here: at dp=1 there is no DDP to reject them
+            raise TypeError(
+                f"TensorParallelStrategy got unknown arguments {unknown}; other keyword arguments go to torch's "
+                f"DistributedDataParallel (e.g. bucket_cap_mb, gradient_as_bucket_view)"
+            )
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )
@@ -135,13 +140,16 @@ class TensorParallelStrategy(DDPStrategy):
     @override
     def tensor_init_context(self, empty_init: bool | None = None):
         # With empty_init the model is built on the meta device; `setup` materialises each rank's shards only.
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
             yield
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
+        if not any(t.is_meta for t in self.lightning_module.parameters()):
+            self.model_to_device()  # shard on the device: the collectives below run on it
         self._shard(self.lightning_module)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
