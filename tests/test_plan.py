@@ -24,6 +24,16 @@ def _gpt(**overrides):
     return GPT(GPTConfig(**{**config, **overrides}))
 
 
+def _hf_llama_kv(kv_heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=kv_heads, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 class _NoPlan(nn.Module):
     def __init__(self):
         super().__init__()
@@ -60,6 +70,12 @@ BAD_PLANS = {
         "module 'up' (Linear): out_features=10 is not divisible by tensor_parallel_size=4",
     ),
     "indivisible_heads": (lambda: _gpt(n_head=2), None, "config.n_head=2 is not divisible by tensor_parallel_size=4"),
+    "kv_heads_fewer_than_tp": (
+        lambda: _hf_llama_kv(2),
+        None,
+        "config.num_key_value_heads=2 is not divisible by tensor_parallel_size=4: each rank must hold whole heads "
+        "(replicating kv heads is not supported); use a tensor_parallel_size in [1, 2]",
+    ),
     "indivisible_fused_sections": (
         _NoPlan,
         {"up": "fused_qkv_colwise"},

@@ -225,9 +225,10 @@ def _check_config_heads(model: nn.Module, tp: int) -> None:
     for field in CONFIG_HEAD_FIELDS:
         value = getattr(config, field, None)
         if isinstance(value, int) and value % tp:
+            replication = " (replicating kv heads is not supported)" if field in KV_HEAD_ATTRIBUTES else ""
             raise ValueError(
                 f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
-                f"heads; use a tensor_parallel_size in {_divisors(value)}"
+                f"heads{replication}; use a tensor_parallel_size in {_divisors(value)}"
             )
 
 
