@@ -193,3 +193,36 @@ def test_layers_and_loss_match_unsharded_reference(tp):
         assert not bad, f"rank {rank} of {tp}: {bad}"
         if tp > 1:
             assert misordered_error > 0.1, f"rank {rank}: a column layer holding the wrong shard went unnoticed"
+
+
+def _direct_construction(rank, world_size):
+    """Layers built directly (not by parallelize) start as slices of the unsharded layer's default init."""
+    group = dist.group.WORLD
+    errors = {}
+    pairs = {
+        "column": (lambda: nn.Linear(8, 12), lambda: ColumnParallelLinear(8, 12, group)),
+        "column_padded": (lambda: nn.Linear(8, 10), lambda: ColumnParallelLinear(8, 10, group, pad_output=True)),
+        "row": (lambda: nn.Linear(12, 8), lambda: RowParallelLinear(12, 8, group)),
+        "embedding": (lambda: nn.Embedding(37, 4, padding_idx=3), lambda: VocabParallelEmbedding(37, 4, group, 3)),
+    }
+    for name, (build_reference, build_layer) in pairs.items():
+        torch.manual_seed(0)
+        reference = build_reference()
+        torch.manual_seed(0)
+        layer = build_layer()
+        for param_name, param in layer.named_parameters():
+            spec = layer.shard_specs.get(param_name)
+            full = unshard_tensor(param.detach(), spec, group) if spec is not None else param.detach()
+            errors[f"{name}/{param_name}"] = (getattr(reference, param_name).detach() - full).abs().max().item()
+    try:
+        RowParallelLinear(9, 8, group)
+        errors["row_indivisible_raises"] = float("inf") if world_size in (2, 4) else 0.0
+    except ValueError as error:
+        errors["row_indivisible_raises"] = 0.0 if "in_features=9 is not divisible" in str(error) else float("inf")
+    return errors
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_directly_built_layers_start_as_slices_of_the_unsharded_init(tp):
+    for errors in run_on_ranks(_direct_construction, tp):
+        assert len(errors) == 8 and max(errors.values()) == 0.0, errors

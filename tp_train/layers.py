@@ -7,6 +7,8 @@ sharded parameter maps to the full tensor (see `tp_train.sharding`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -18,7 +20,7 @@ from tp_train.comm import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
 )
-from tp_train.sharding import ShardSpec, ceil_div
+from tp_train.sharding import ShardSpec, ceil_div, shard_tensor
 
 
 class SharedInputRegion:
@@ -79,12 +81,21 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.input_region: SharedInputRegion | None = None  # set when siblings share one input (see plan)
         spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output)
+        if not pad_output:
+            for size in spec.sections:
+                _check_divisible("ColumnParallelLinear", "out_features (per section)", size, dist.get_world_size(group))
         local_out = sum(spec.local_sections(dist.get_world_size(group)))
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
         self.shard_specs = {"weight": spec}
         if bias:
             self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """This rank's slice of `nn.Linear`'s initialisation of the full layer (the same random numbers as
+        `nn.Linear(in_features, out_features)` draws, so every TP rank must share the generator state)."""
+        _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_region is not None:
@@ -132,9 +143,15 @@ class RowParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         world_size = dist.get_world_size(group)
+        _check_divisible("RowParallelLinear", "in_features", in_features, world_size)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.shard_specs = {"weight": ShardSpec(dim=1, sections=(in_features,))}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """This rank's slice of `nn.Linear`'s initialisation of the full layer (see ColumnParallelLinear)."""
+        _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
@@ -177,6 +194,17 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
         self.shard_specs = {"weight": ShardSpec(dim=0, sections=(num_embeddings,), padded=True)}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """This rank's rows of `nn.Embedding`'s initialisation of the full table (N(0, 1), padding row zero)."""
+
+        def init(weight, _):
+            nn.init.normal_(weight)
+            if self.padding_idx is not None:
+                weight[self.padding_idx].zero_()
+
+        _init_from_full(self, (self.num_embeddings, self.embedding_dim), init)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
@@ -190,3 +218,37 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, local rows [{self.vocab_start}, {self.vocab_end})"
+
+
+def _check_divisible(layer: str, dimension: str, size: int, world_size: int) -> None:
+    if size % world_size:
+        raise ValueError(f"{layer}: {dimension}={size} is not divisible by tensor_parallel_size={world_size}")
+
+
+def _linear_init(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    """`nn.Linear.reset_parameters`, on full-size tensors."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+@torch.no_grad()
+def _init_from_full(layer: nn.Module, weight_shape: tuple[int, int], init) -> None:
+    """Initialises full-size tensors with `init(weight, bias)` and copies this rank's shard of each into `layer`.
+
+    Full tensors are built one layer at a time, so every rank draws the same numbers as the unsharded layer would."""
+    if layer.weight.is_meta:
+        return  # materialised later
+    rank, world_size = dist.get_rank(layer.group), dist.get_world_size(layer.group)
+    options = dict(device=layer.weight.device, dtype=layer.weight.dtype)
+    bias = getattr(layer, "bias", None)
+    full_weight = torch.empty(weight_shape, **options)
+    full_bias = torch.empty(weight_shape[0], **options) if bias is not None else None
+    init(full_weight, full_bias)
+    for name, full in (("weight", full_weight), ("bias", full_bias)):
+        if full is None:
+            continue
+        target = getattr(layer, name)
+        spec = layer.shard_specs.get(name)
+        target.copy_(shard_tensor(full, spec, rank, world_size) if spec is not None else full)

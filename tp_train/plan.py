@@ -294,15 +294,10 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _device_of(module: nn.Module) -> torch.device:
-    """Where a module's tensors live; a tied module still pointing at meta takes its twin's (see _shard_into)."""
-    devices = [t.device for t in module.parameters(recurse=False) if not t.is_meta]
-    return devices[0] if devices else torch.device("meta")
-
-
-def _shard_into(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):
-    """Fills `target` with this rank's shard of `module`'s parameter `name`. A parameter tied to one sharded
-    before returns that shard; ties are keyed by the original parameter (held, so its id is never reused)."""
+def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):
+    """A new parameter holding this rank's shard of `module`'s parameter `name`, shaped like `target` (the layer's
+    meta placeholder). A parameter tied to one sharded before gives that shard; ties are keyed by the original
+    parameter (held in `shared`, so its id is never reused)."""
     origin, source = module.tp_origins[name], getattr(module, name)
     if id(origin) in shared:
         _, previous_spec, previous = shared[id(origin)]
@@ -310,17 +305,18 @@ def _shard_into(target: nn.Parameter, module: nn.Module, name: str, spec: ShardS
             raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
         return previous
     full = source.detach().t() if spec.transposed else source.detach()
-    with torch.no_grad():
-        target.copy_(shard_tensor(full, spec, dist.get_rank(group), dist.get_world_size(group)))
-    target.requires_grad_(source.requires_grad)
-    shared[id(origin)] = (origin, spec, target)
-    return target
+    shard = nn.Parameter(
+        shard_tensor(full, spec, dist.get_rank(group), dist.get_world_size(group)), requires_grad=source.requires_grad
+    )
+    shared[id(origin)] = (origin, spec, shard)
+    return shard
 
 
 def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool):
     in_features, out_features = _linear_shape(module)
     transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
-    kwargs = dict(bias=module.bias is not None, device=_device_of(module), dtype=module.weight.dtype)
+    # Built on meta, with no initialisation of its own: its parameters are the slices of the module's.
+    kwargs = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
     if style == "rowwise":
         layer = RowParallelLinear(in_features, out_features, group, **kwargs)
     else:
@@ -336,14 +332,12 @@ def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared:
         )
     for name in list(layer.shard_specs):
         layer.shard_specs[name] = replace(layer.shard_specs[name], transposed=transposed and name == "weight")
-    layer.weight = _shard_into(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
+    layer.weight = _shard_of(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
     if module.bias is not None:
         if "bias" in layer.shard_specs:
-            layer.bias = _shard_into(layer.bias, module, "bias", layer.shard_specs["bias"], group, shared)
-        else:
-            with torch.no_grad():
-                layer.bias.copy_(module.bias)
-            layer.bias.requires_grad_(module.bias.requires_grad)
+            layer.bias = _shard_of(layer.bias, module, "bias", layer.shard_specs["bias"], group, shared)
+        else:  # a row-parallel bias is replicated
+            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
     return layer
 
 
@@ -353,10 +347,10 @@ def _parallel_embedding(module: nn.Embedding, group: ProcessGroup, shared: dict)
         module.embedding_dim,
         group,
         padding_idx=module.padding_idx,
-        device=_device_of(module),
+        device="meta",
         dtype=module.weight.dtype,
     )
-    layer.weight = _shard_into(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
+    layer.weight = _shard_of(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
     return layer
 
 
