@@ -5,6 +5,7 @@ Runs inside a rank (see `tests.distributed.run_on_ranks`)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -75,3 +76,15 @@ def _shard_fraction(model, tp: int) -> float:
         if spec.padded:  # a padded vocab: each rank holds ceil(V / tp) rows
             assert param.shape[spec.dim] == ceil_div(spec.sections[0], tp)
     return local / full
+
+
+def assert_parity(errors: dict[str, float], tp: int, rank: int, atol: float = 1e-5) -> None:
+    """`parity_errors` of one rank are all within `atol`, cover logits, losses, gradients and parameters, and the
+    rank held 1/tp of every sharded parameter (a padded vocabulary rounds up slightly)."""
+    errors = dict(errors)
+    shard_fraction = errors.pop("shard_fraction")
+    assert {"logits", "loss_step0", "loss_step2"} <= errors.keys()
+    assert any(key.startswith("grad:") for key in errors) and any(key.startswith("param:") for key in errors)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < atol, f"rank {rank}: {worst} differs by {errors[worst]:.3g}"
+    assert math.isclose(shard_fraction, 1 / tp, rel_tol=0.05), shard_fraction

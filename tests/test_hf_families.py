@@ -3,13 +3,11 @@ GPT-Neo, OPT, Falcon): tiny randomly initialised models, sharded at tp 1, 2 and 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from tests.distributed import run_on_ranks
-from tests.parity import parity_errors
+from tests.parity import assert_parity, parity_errors
 from tests.test_parallelize import ATOL, VOCAB, _hf_logits
 
 
@@ -105,15 +103,7 @@ def parity_results(request):
 def test_preset_sharded_model_matches_unsharded(parity_results, family):
     tp, per_rank = parity_results
     for rank, results in enumerate(per_rank):
-        errors = dict(results[family])
-        shard_fraction = errors.pop("shard_fraction")
-        assert {"logits", "loss_step0", "loss_step2"} <= errors.keys()
-        assert any(key.startswith("grad:") for key in errors) and any(key.startswith("param:") for key in errors)
-        worst = max(errors, key=errors.get)
-        print(f"{family} tp={tp} rank={rank}: max error {errors[worst]:.3g} ({worst})")
-        assert errors[worst] < ATOL, f"rank {rank}: {worst} differs by {errors[worst]:.3g}"
-        # Each rank holds 1/tp of every sharded parameter (a padded vocabulary rounds up slightly).
-        assert math.isclose(shard_fraction, 1 / tp, rel_tol=0.05), shard_fraction
+        assert_parity(results[family], tp, rank, ATOL)
 
 
 def _wrong_falcon_split(rank, world_size):

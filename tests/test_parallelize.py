@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
@@ -11,7 +9,7 @@ import torch.nn.functional as F
 
 from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
-from tests.parity import parity_errors
+from tests.parity import assert_parity, parity_errors
 
 ATOL = 1e-5
 VOCAB = 101  # not a multiple of 2 or 4: exercises vocabulary padding
@@ -129,14 +127,7 @@ def parity_results(request):
 def test_sharded_model_matches_unsharded(parity_results, model_name):
     tp, per_rank = parity_results
     for rank, results in enumerate(per_rank):
-        errors = results[model_name]
-        shard_fraction = errors.pop("shard_fraction")
-        assert {"logits", "loss_step0", "loss_step2"} <= errors.keys()
-        assert any(key.startswith("grad:") for key in errors) and any(key.startswith("param:") for key in errors)
-        worst = max(errors, key=errors.get)
-        assert errors[worst] < ATOL, f"rank {rank}: {worst} differs by {errors[worst]:.3g}"
-        # Each rank holds 1/tp of every sharded parameter (a padded vocabulary rounds up slightly).
-        assert math.isclose(shard_fraction, 1 / tp, rel_tol=0.05), shard_fraction
+        assert_parity(results[model_name], tp, rank, ATOL)
 
 
 def _loss_parallel_parity(rank, world_size):
