@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -17,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from tp_train import TensorParallelMixedPrecision
+from tp_train import TensorParallelMixedPrecision, preflight
 from tp_train.callbacks import TrainingMetrics, peak_memory_mib
 from tp_train.config import lightning_precision, register_resolvers
 from tp_train.module import CausalLMModule
@@ -76,6 +77,11 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def run(cfg: DictConfig) -> float | None:
+    try:
+        preflight.check(cfg, lambda: instantiate(cfg.model))
+    except preflight.ConfigError as error:  # a user error: one line, no traceback, status 2
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = CausalLMModule(

@@ -1,0 +1,81 @@
+"""Checks a training config in the launching process, before any rank starts or any weight loads.
+
+Each problem is one `ConfigError` naming the config key, its value and what would work; `train.py` prints it as
+one line and exits with status 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+
+import torch
+from omegaconf import DictConfig
+
+from tp_train.config import lightning_precision
+from tp_train.plan import match_plan, resolve_plan
+
+
+class ConfigError(ValueError):
+    """A user error in the training config (exit status 2)."""
+
+
+def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
+    """Raises `ConfigError` for the first problem found in `cfg`; `build_model()` builds the model's factory."""
+    try:
+        lightning_precision(cfg.precision)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    tp = cfg.tp
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp={tp} must be a positive integer (the tensor-parallel size), e.g. tp=2")
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    if isinstance(devices, int) and (devices * nodes) % tp:
+        fits = [n * tp for n in range(1, 5)]
+        raise ConfigError(
+            f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
+            f"tp={tp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp)"
+        )
+    _check_data_source(cfg.data)
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+            model = build_model()()
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"model: {error}") from None
+    try:
+        match_plan(model, resolve_plan(model)[0], tp)
+    except ValueError as error:
+        raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
+    context = _context_length(model)
+    block_size = cfg.data.get("block_size")
+    if context is not None and block_size is not None and block_size > context:
+        raise ConfigError(
+            f"data.block_size={block_size} exceeds the model's context of {context} tokens; "
+            f"use data.block_size<={context} or a model with a longer context"
+        )
+
+
+def _check_data_source(data: DictConfig) -> None:
+    source = str(data.get("source", ""))
+    looks_local = (
+        source.startswith((".", "/", "~"))
+        or any(char in source for char in "*?[")
+        or source.endswith((".txt", ".json", ".jsonl", ".md", ".py"))
+    )  # otherwise a hub name such as "owner/name", which the data module checks
+    if source == "python_stdlib" or not looks_local:
+        return  # the stdlib, or a hub name (the data module reports an unreachable hub)
+    if not glob.glob(os.path.expanduser(source)):
+        raise ConfigError(
+            f"data.source={source}: no such file or directory, or no files match it; "
+            f"use a local file, directory or glob, or data.source=python_stdlib"
+        )
+
+
+def _context_length(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for field in ("block_size", "max_position_embeddings", "n_positions"):
+        value = getattr(config, field, None)
+        if isinstance(value, int):
+            return value
+    return None
