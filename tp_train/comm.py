@@ -29,13 +29,17 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x
 
 
+def _check_divisible(x: torch.Tensor, dim: int, world_size: int) -> None:
+    if x.size(dim) % world_size:
+        raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by tensor parallel size {world_size}")
+
+
 def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """This rank's contiguous chunk of `x` along `dim`."""
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return x
-    if x.size(dim) % world_size:
-        raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by tensor parallel size {world_size}")
+    _check_divisible(x, dim, world_size)
     return x.chunk(world_size, dim=dim)[dist.get_rank(group)].contiguous()
 
 
@@ -55,8 +59,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return x
-    if x.size(dim) % world_size:
-        raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by tensor parallel size {world_size}")
+    _check_divisible(x, dim, world_size)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.size(0) // world_size, *x.shape[1:]))
     _reduce_scatter_single(out, x, group=group)
