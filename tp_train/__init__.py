@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from tp_train.autoplan import infer_plan
 from tp_train.callbacks import TrainingMetrics
 from tp_train.checkpoint import load as load_checkpoint
 from tp_train.checkpoint import save as save_checkpoint
@@ -25,12 +26,14 @@ from tp_train.random import TensorParallelRNG
 from tp_train.schedulers import cosine_with_warmup
 from tp_train.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
 from tp_train.strategy import TensorParallelStrategy
+from tp_train.verify import PlanVerificationError, verify_parallelized
 
 TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor_parallel"
 
 __all__ = [
     "CausalLMModule",
     "ColumnParallelLinear",
+    "PlanVerificationError",
     "RowParallelLinear",
     "ShardSpec",
     "TensorParallelMixedPrecision",
@@ -45,6 +48,7 @@ __all__ = [
     "full_state_dict",
     "gather_from_sequence_parallel_region",
     "global_grad_norm",
+    "infer_plan",
     "load_checkpoint",
     "gather_from_tensor_parallel_region",
     "named_sharded_parameters",
@@ -55,5 +59,6 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_parallel_region",
     "unshard_tensor",
+    "verify_parallelized",
     "vocab_parallel_cross_entropy",
 ]

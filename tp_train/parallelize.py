@@ -8,8 +8,10 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from tp_train.autoplan import INFERRED_SOURCE, format_plan
 from tp_train.plan import apply_plan, match_plan, resolve_plan
 from tp_train.random import TensorParallelRNG
+from tp_train.verify import unsharded_reference, unsharded_skeleton, verify_parallelized
 
 
 def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup:
@@ -42,14 +44,15 @@ def parallelize(
     plan: dict[str, str] | None = None,
     loss_parallel: bool = False,
     device: torch.device | str | None = None,
+    verify: bool | None = None,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
     Every rank must call this with the same model (same weights) and plan. Each planned module is replaced by
     its tensor-parallel counterpart holding this rank's slice of the existing weights (see `tp_train.plan` for
     the styles). The plan is, in order: `plan`, `model.tp_plan`, the Hugging Face model's `base_model_tp_plan`,
-    a built-in preset. A pattern that matches nothing, or a dimension tp does not divide, raises `ValueError`
-    before any weight changes.
+    a built-in preset, else the auto-planner's (`tp_train.autoplan`; printed on rank 0). A pattern that matches
+    nothing, or a dimension tp does not divide, raises `ValueError` before any weight changes.
 
     Args:
         model: the unsharded model, on the device it will run on.
@@ -60,12 +63,21 @@ def parallelize(
         device: where to materialise a model built on the meta device (each rank allocates only its shards, and
             the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
             else CPU.
+        verify: check the sharded model against the unsharded one on a probe batch, outputs and gradients, and
+            raise `PlanVerificationError` if they differ (`tp_train.verify`; holds a full copy on each rank while
+            it runs). Default: on for a plan inferred by the auto-planner, off otherwise.
     """
     group = as_process_group(tp_group)
-    resolved, _source = resolve_plan(model, plan)
+    resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
+    if source == INFERRED_SOURCE and dist.get_rank() == 0:
+        print(format_plan(resolved, source), flush=True)
     planned = match_plan(model, resolved, dist.get_world_size(group))
+    verify = source == INFERRED_SOURCE if verify is None else verify
+    skeleton = unsharded_skeleton(model) if verify else None  # on the meta device: no memory
     device = torch.device(device) if device is not None else _default_device(model)
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
     model.tp_rng = rng
+    if skeleton is not None:
+        verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
     return model

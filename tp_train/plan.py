@@ -82,16 +82,26 @@ def find_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
     return None
 
 
-def resolve_plan(model: nn.Module, plan: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
-    """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`)."""
+def resolve_plan(
+    model: nn.Module, plan: dict[str, str] | None = None, tensor_parallel_size: int | None = None
+) -> tuple[dict[str, str], str]:
+    """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`), else the
+    auto-planner's, checked at `tensor_parallel_size` (`tp_train.autoplan`)."""
     if plan:
         return dict(plan), "the plan argument"
     found = find_plan(model)
     if found is None:
-        raise ValueError(
-            f"no tensor-parallel plan for {type(model).__name__}: pass plan={{pattern: style}} or give the model a "
-            f"`tp_plan` attribute, e.g. {{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}}"
-        )
+        from tp_train.autoplan import INFERRED_SOURCE, infer_plan  # imported here: it reads this module
+
+        if tensor_parallel_size:
+            _check_config_heads(model, tensor_parallel_size)
+        try:
+            return infer_plan(model, tensor_parallel_size), INFERRED_SOURCE
+        except ValueError as error:
+            raise ValueError(
+                f"no tensor-parallel plan for {type(model).__name__}, and {error} (a `tp_plan` attribute or "
+                f"plan= looks like {{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}})"
+            ) from None
     return found
 
 

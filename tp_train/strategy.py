@@ -52,6 +52,8 @@ class TensorParallelStrategy(DDPStrategy):
         process_group_backend: "nccl" on GPUs, "gloo" on CPU by default.
         timeout: collective timeout, so a rank that died fails the job instead of hanging it.
         start_method: "popen" (re-run the script per rank), or "spawn" / "fork" (e.g. from a notebook or pytest).
+        verify_plan: check each sharded model against the unsharded one on a probe batch before training (see
+            `tp_train.parallelize`'s `verify`). Default None: on for plans inferred by the auto-planner only.
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis.
     """
 
@@ -64,6 +66,7 @@ class TensorParallelStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
+        verify_plan: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -79,6 +82,7 @@ class TensorParallelStrategy(DDPStrategy):
         )
         self.tensor_parallel_size = tensor_parallel_size
         self._plan = plan
+        self._verify_plan = verify_plan
         self._device_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------------------------------------ topology
@@ -185,7 +189,8 @@ class TensorParallelStrategy(DDPStrategy):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)
             for _, module in targets:
-                parallelize(module, self.tensor_parallel_group, plan=self._plan, device=self.root_device)
+                group, device = self.tensor_parallel_group, self.root_device
+                parallelize(module, group, plan=self._plan, device=device, verify=self._verify_plan)
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
                 _materialize_distributed_module(root, self.root_device)
