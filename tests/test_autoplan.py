@@ -1,0 +1,233 @@
+"""The auto-planner: it finds the hand-written plans (models.GPT, the Hugging Face presets, HF Llama's own plan, the
+test models), refuses in one line what it cannot be sure of, and a model planned by it alone matches the unsharded
+model at tp 2 and 4 (with verification on, as it is by default for inferred plans). Also the README's worked
+example, run as written."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tp_train
+from models import GPT, GPTConfig
+from tests.distributed import run_on_ranks
+from tests.parity import assert_parity, parity_errors
+from tests.test_hf_families import FAMILIES
+from tests.test_parallelize import ATOL, VOCAB, QKNormModel, SwiGLUModel, _gpt, _hf_gpt2, _hf_llama, _logits
+from tests.test_plan import _hf_llama_kv
+from tp_train.plan import ALIASES, find_plan, pattern_matches, resolve_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HAND_WRITTEN = {
+    "gpt": _gpt,
+    "hf_gpt2": _hf_gpt2,
+    "hf_llama_gqa": _hf_llama,
+    "custom_tp_plan": SwiGLUModel,
+    "qk_norm": QKNormModel,
+    **FAMILIES,
+}
+# Entries the auto-planner adds that the hand-written plan leaves out. HF's Llama plan has no `attention` entry
+# (its forward takes head counts from shapes); the style is harmless there and gives dropout the sharded stream.
+EXTRA = {"hf_llama_gqa": {"model.layers.*.self_attn": "attention"}}
+
+
+def _per_module(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The plan resolved to the module names it matches."""
+    names = [name for name, _ in model.named_modules()]
+    styles = {}
+    for pattern, style in plan.items():
+        styles.update({name: ALIASES.get(style, style) for name in names if pattern_matches(pattern, name)})
+    return styles
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", list(HAND_WRITTEN))
+def test_the_auto_planner_finds_the_hand_written_plan(name, tp):
+    torch.manual_seed(0)
+    model = HAND_WRITTEN[name]()
+    hand_written, _ = find_plan(model)
+    inferred = tp_train.infer_plan(model, tensor_parallel_size=tp)
+    expected = _per_module(model, {**hand_written, **EXTRA.get(name, {})})
+    assert _per_module(model, inferred) == expected
+
+
+def test_a_meta_model_is_planned_on_a_probe_copy_and_left_untouched():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    rng = torch.random.get_rng_state()
+    assert tp_train.infer_plan(model, tensor_parallel_size=2) == GPT.tp_plan
+    assert all(param.is_meta for param in model.parameters())
+    assert torch.equal(rng, torch.random.get_rng_state())  # same initial weights with or without the planner
+
+
+class StridedHeads(nn.Module):
+    """A fused qkv whose heads are strided (head h owns features h, h + H, ...): no contiguous, packed or [q; k; v]
+    split gives a rank whole heads."""
+
+    def __init__(self, vocab=VOCAB, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([nn.Module()])
+        self.layers[0].qkv, self.layers[0].out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.embed(idx)
+        q, k, v = (t.view(B, T, -1, self.heads).permute(0, 3, 1, 2) for t in self.layers[0].qkv(x).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(0, 2, 3, 1).reshape(B, T, -1)
+        return self.head(x + self.layers[0].out(y))
+
+
+class ScaledHidden(nn.Module):
+    """An MLP whose hidden units are scaled by a learned vector: a parameter over the features a split would divide."""
+
+    def __init__(self, vocab=VOCAB, dim=32, hidden=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([nn.Module()])
+        self.blocks[0].fc, self.blocks[0].proj = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.blocks[0].scale = nn.Parameter(torch.ones(hidden))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        block = self.blocks[0]
+        x = self.embed(idx)
+        return self.head(x + block.proj(F.gelu(block.fc(x)) * block.scale))
+
+
+class Unplanned(nn.Module):
+    """Any model, wrapped so that no plan is found (no `tp_plan`, config or preset): the auto-planner plans it."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids):
+        out = self.inner(input_ids)
+        return getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
+
+
+class _NoForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.up = nn.Embedding(VOCAB, 8), nn.Linear(8, 8)
+
+
+REFUSALS = {
+    "strided_heads": (
+        StridedHeads,
+        2,
+        "the auto-planner cannot plan 'layers.0.qkv' (Linear 32->96): no split of 'layers.0.qkv' (colwise, "
+        "packed_colwise, fused_qkv_colwise) at tp=2 gives each rank a share of its output that feeds only that rank's "
+        "share of 'layers.0.out'",
+    ),
+    "parameter_on_split_features": (
+        ScaledHidden,
+        2,
+        "the auto-planner cannot plan 'blocks.0.proj': parameter of 'blocks.0' (shape (64,)) acts on the features "
+        "split between ['blocks.0.fc'] and it",
+    ),
+    "kv_heads_fewer_than_tp": (
+        lambda: Unplanned(_hf_llama_kv(2)),
+        4,
+        "the auto-planner cannot plan 'inner.model.layers.0.self_attn.q_proj' (Linear 64->64): no split of "
+        "'inner.model.layers.0.self_attn.k_proj' (colwise, packed_colwise, fused_qkv_colwise) at tp=4",
+    ),
+    "cannot_run": (_NoForward, 2, "the auto-planner could not run _NoForward on a probe batch of shape (1, 8)"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_what_the_auto_planner_cannot_be_sure_of_is_refused_in_one_line(name):
+    build, tp, expected = REFUSALS[name]
+    with pytest.raises(ValueError) as refusal:
+        resolve_plan(build(), tensor_parallel_size=tp)
+    message = str(refusal.value)
+    assert expected in message and "give the model a `tp_plan`" in message and "\n" not in message, message
+
+
+def _readme_example() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return re.search(r"<!-- readme-example: custom-model -->\n```python\n(.*?)```", readme, re.S).group(1)
+
+
+def _readme_model() -> nn.Module:
+    namespace = {"__name__": "readme_example"}
+    exec(compile(_readme_example(), "README.md", "exec"), namespace)
+    return namespace["TinyLM"](vocab=VOCAB)
+
+
+def _without_plan(build):
+    def unplanned():
+        model = build()
+        return Unplanned(model)
+
+    return unplanned
+
+
+AUTO_PLANNED = {
+    "qk_norm": _without_plan(QKNormModel),  # packed gate/up, a norm over local heads
+    "hf_gpt2": _without_plan(_hf_gpt2),  # fused [q; k; v] Conv1D, tied head
+    "hf_llama_gqa": _without_plan(_hf_llama),  # 8 q / 4 kv heads, gate/up, rotary
+    "falcon_grouped_kv": _without_plan(FAMILIES["falcon_grouped_kv"]),  # fused, grouped per kv head
+    "readme_tiny_lm": _without_plan(_readme_model),
+}
+
+
+def _auto_planned_parity(rank, world_size):
+    results = {}
+    for name, build in AUTO_PLANNED.items():
+        torch.manual_seed(0)
+        model = build()
+        assert find_plan(model) is None  # the auto-planner is what is being tested
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            results[name] = parity_errors(model, _logits, VOCAB)
+        results[name]["printed"] = printed.getvalue()
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")
+def auto_planned_results(request):
+    return request.param, run_on_ranks(_auto_planned_parity, request.param, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(AUTO_PLANNED))
+def test_a_model_planned_by_the_auto_planner_alone_matches_unsharded(auto_planned_results, name):
+    tp, per_rank = auto_planned_results
+    for rank, results in enumerate(per_rank):
+        errors = dict(results[name])
+        printed = errors.pop("printed")
+        assert ("tensor-parallel plan (inferred by the auto-planner):" in printed) == (rank == 0), printed
+        assert_parity(errors, tp, rank, ATOL)
+
+
+def test_the_readme_example_plan_is_what_the_auto_planner_finds():
+    model = _readme_model()
+    assert tp_train.infer_plan(model, tensor_parallel_size=2) == type(model).tp_plan
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_under_torchrun(tmp_path):
+    script = tmp_path / "tiny_lm.py"
+    script.write_text(_readme_example())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: logits (2, 16, 256), 32 of q's 64 rows" in result.stdout, result.stdout
