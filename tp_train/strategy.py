@@ -48,7 +48,7 @@ class TensorParallelStrategy(DDPStrategy):
     Args:
         tensor_parallel_size: ranks per tensor-parallel group; must divide devices x num_nodes.
         plan: an explicit plan for the whole LightningModule (names relative to it). By default every submodule
-            with a plan of its own is sharded.
+            with a plan of its own is sharded; with none, the auto-planner plans the LightningModule.
         process_group_backend: "nccl" on GPUs, "gloo" on CPU by default.
         timeout: collective timeout, so a rank that died fails the job instead of hanging it.
         start_method: "popen" (re-run the script per rank), or "spawn" / "fork" (e.g. from a notebook or pytest).
@@ -179,12 +179,8 @@ class TensorParallelStrategy(DDPStrategy):
         """Shards every planned module of `root` once (setup runs again for validate/test after fit)."""
         if not getattr(root, "_tp_sharded", False):
             targets = [("", root)] if self._plan is not None else modules_with_plans(root)
-            if not targets:
-                raise ValueError(
-                    f"TensorParallelStrategy found no module with a tensor-parallel plan in {type(root).__name__}: "
-                    f"give your model a `tp_plan` attribute (e.g. {{'layers.*.mlp.up': 'colwise', "
-                    f"'layers.*.mlp.down': 'rowwise'}}) or pass TensorParallelStrategy(plan=...)"
-                )
+            # No plan anywhere: the auto-planner plans the LightningModule through its forward (ids -> logits).
+            targets = targets or [("", root)]
             if not any(t.is_meta for t in root.parameters()):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)

@@ -99,35 +99,18 @@ def verify_parallelized(
     model.eval(), reference.eval()
     try:
         ref_output, ref_modules = _forward(reference, inputs)
-        output, modules = _forward(model, inputs)
-        if output.shape[-1] != ref_output.shape[-1]:  # vocab-sharded logits (loss_parallel)
-            output = gather_from_tensor_parallel_region(output, group)[..., : ref_output.shape[-1]]
         weight = torch.randn(ref_output.shape, generator=torch.Generator().manual_seed(0)).to(ref_output)
         (ref_output.float() * weight).sum().backward()
-        (output.float() * weight).sum().backward()
-        gradients = _gradients(model, group)
+        errors, problem = _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance)
+        if problem is None:
+            errors["gradient"], problem = _compare_gradients(model, reference, group, tolerance)
     finally:
         for module, mode in modes.items():
             module.train(mode)
-    output_error = _relative(output, ref_output)
-    gradient_errors = _gradient_errors(gradients, dict(reference.named_parameters()))
-    model.zero_grad(set_to_none=True)
-    problem = None
-    if output_error > tolerance:
-        differing = (name for name, ref in ref_modules.items() if _relative(modules.get(name, ref), ref) > tolerance)
-        suspect = next(differing, None)
-        problem = (
-            f"the sharded model's output differs from the unsharded model's by {output_error:.3g} (relative; "
-            f"tolerance {tolerance:.0e}) on a probe batch; first module whose output differs: '{suspect}'"
-            f"{_entries_near(suspect, planned)}"
-        )
-    elif gradient_errors and max(gradient_errors.values()) > tolerance:
-        name = next(name for name, error in gradient_errors.items() if error > tolerance)
-        problem = (
-            f"the outputs agree but the gradient of '{name}' differs from the unsharded model's by "
-            f"{gradient_errors[name]:.3g} (relative; tolerance {tolerance:.0e}) (a parameter used on local heads "
-            f"may need 'replicated_with_grad_allreduce'){_entries_near(name.rpartition('.')[0], planned)}"
-        )
+        model.zero_grad(set_to_none=True)
+    if problem is not None:
+        text, suspect = problem
+        problem = f"{text}{_entries_near(suspect, planned)}"
     problems: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
     reported = next((rank, text) for rank, text in enumerate(problems + ["ok"]) if text)
@@ -136,7 +119,54 @@ def verify_parallelized(
             f"tensor-parallel plan verification failed (rank {reported[0]}): {reported[1]}; fix the plan, or pass "
             f"verify=False to skip this check"
         )
-    return {"output": output_error, "gradient": max(gradient_errors.values(), default=0.0)}
+    return errors
+
+
+# What differs, as a message, and the module it points to.
+Problem = tuple[str, str | None]
+
+
+def _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance) -> tuple[dict, Problem | None]:
+    """Runs the sharded model forward and backward; its output error, and what is wrong with it if anything."""
+    try:
+        output, modules = _forward(model, inputs)
+        if output.shape[:-1] == ref_output.shape[:-1] and output.shape[-1] < ref_output.shape[-1]:
+            output = gather_from_tensor_parallel_region(output, group)[..., : ref_output.shape[-1]]  # loss_parallel
+        if output.shape != ref_output.shape:
+            shapes = f"{tuple(output.shape)}, the unsharded model's {tuple(ref_output.shape)}"
+            return {}, (f"the sharded model's output has shape {shapes}", None)
+        (output.float() * weight).sum().backward()
+    except Exception as error:  # noqa: BLE001 - a plan that breaks the forward is reported like a wrong one
+        return {}, (f"the sharded model fails on a probe batch ({type(error).__name__}: {_first_line(error)})", None)
+    output_error = _relative(output, ref_output)
+    if output_error <= tolerance:
+        return {"output": output_error}, None
+    differing = (name for name, ref in ref_modules.items() if _relative(modules.get(name, ref), ref) > tolerance)
+    suspect = next(differing, None)
+    return {}, (
+        f"the sharded model's output differs from the unsharded model's by {output_error:.3g} (relative; tolerance "
+        f"{tolerance:.0e}) on a probe batch; first module whose output differs: '{suspect}'",
+        suspect,
+    )
+
+
+def _compare_gradients(model, reference, group, tolerance) -> tuple[float, Problem | None]:
+    """The largest relative gradient difference over all parameters, and the first parameter beyond tolerance."""
+    errors = _gradient_errors(_gradients(model, group), dict(reference.named_parameters()))
+    worst = max(errors.values(), default=0.0)
+    if worst <= tolerance:
+        return worst, None
+    name = next(name for name, error in errors.items() if error > tolerance)
+    return worst, (
+        f"the outputs agree but the gradient of '{name}' differs from the unsharded model's by {errors[name]:.3g} "
+        f"(relative; tolerance {tolerance:.0e}) (a parameter used on local heads may need "
+        f"'replicated_with_grad_allreduce')",
+        name.rpartition(".")[0],
+    )
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
 def _first_tensor(output) -> torch.Tensor | None:
