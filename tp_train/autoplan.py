@@ -101,7 +101,7 @@ class _Planner:
         producers_of = {id(self.calls[name].output.grad_fn): name for name in self.linears + self.embeddings}
         producers_of.pop(id(None), None)
         self.producers = {name: _producers(self.calls[name].input, producers_of) for name in self.linears}
-        self._cache: dict[tuple, str | None] = {}
+        self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
         self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
 
     def _called(self) -> list[str]:
@@ -204,6 +204,12 @@ class _Planner:
 
     def _mixes_tokens(self, pair: _Pair) -> bool:
         """Whether a perturbation of the columns at the first token moves the row input at later tokens."""
+        key = ("tokens", _generic(pair.row), tuple(_generic(name) for name in pair.columns))
+        if key not in self._cache:
+            self._cache[key] = self._perturbed_first_token_moves_later_ones(pair)
+        return self._cache[key]
+
+    def _perturbed_first_token_moves_later_ones(self, pair: _Pair) -> bool:
         base = self._row_input(pair.row, {})
         if base.dim() < 3 or base.shape[-2] < 2:
             return False
