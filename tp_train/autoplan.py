@@ -22,8 +22,13 @@ structure off what happened, not off class names:
    maps to that vocabulary, is `colwise_gather_output`.
 
 Every Linear inside a repeated block (a numbered child, `layers.0`) must end up column or row; otherwise the
-planner refuses with a one-line `ValueError` naming the module (give the model a `tp_plan`). Analysis of
-repeated blocks is done once per distinct block shape. Names are returned as patterns (`layers.*.mlp.up`).
+planner refuses with a one-line `ValueError` naming the module (give the model a `tp_plan`). Names are returned as
+patterns (`layers.*.mlp.up`).
+
+Limits: perturbations are run once per distinct block shape (by generic name and widths), and a model on the meta
+device is probed on a full copy on the CPU; the structure between a column and a row layer is checked, the code
+that runs it on local shapes is not (a hard-coded head count): that is what verification (`tp_train.verify`),
+on by default for inferred plans, is for.
 """
 
 from __future__ import annotations
