@@ -1,7 +1,9 @@
 """Plan verification: a wrong plan that still runs (a fused [q; k; v] split as one matrix, Falcon's per-head layout
 split as [q; k; v], a hidden layer split in halves, a norm over local heads without its gradient sum) or that breaks
 the forward (a row layer marked colwise_gather_output) is a one-line `PlanVerificationError` naming where; right
-plans pass, for models built on a device or on the meta device, with full or vocab-sharded logits; and in a
+plans pass, for models built on a device or on the meta device, with full or vocab-sharded logits; it is on by
+default for an inferred plan (a model whose attention hard-codes its head count is caught) and off for given
+ones; and in a
 Lightning Trainer, `TensorParallelStrategy(verify_plan=True)` stops a wrong plan before training while a model
 with no plan at all is planned, verified and trained."""
 
@@ -12,6 +14,8 @@ import io
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import tp_train
 from models import GPT, GPTConfig
@@ -20,6 +24,27 @@ from tests.test_hf_families import _hf_falcon
 from tests.test_parallelize import VOCAB, QKNormModel, SwiGLUModel, _gpt, _hf_gpt2
 
 TINY_GPT = GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=32)
+
+
+class HardCodedHeads(nn.Module):
+    """Attention that views its heads with a head count kept under a name the `attention` style does not know:
+    the structure the auto-planner reads is right, the code on local shapes is not (it runs, with wrong heads)."""
+
+    def __init__(self, vocab=VOCAB, dim=32, heads=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([nn.Module()])
+        attention = self.layers[0].attention = nn.Module()
+        attention.q, attention.k, attention.v, attention.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.heads = heads
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x, attention = self.embed(idx), self.layers[0].attention
+        q, k, v = (p(x).view(B, T, self.heads, -1).transpose(1, 2) for p in (attention.q, attention.k, attention.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        return self.head(x + attention.out(y))
 
 
 def _meta_gpt():
@@ -83,6 +108,13 @@ def _verify_cases(rank, world_size):
     torch.manual_seed(0)
     model = tp_train.parallelize(_gpt(), loss_parallel=True, verify=True)  # vocab-sharded logits, gathered to check
     results["right_loss_parallel"] = model.training
+    torch.manual_seed(0)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            tp_train.parallelize(HardCodedHeads())  # an inferred plan: verified by default
+        results["inferred_plan_verified_by_default"] = "no error"
+    except tp_train.PlanVerificationError as error:
+        results["inferred_plan_verified_by_default"] = str(error)
     # Off unless asked for, for a plan that is not inferred: the wrong split goes through silently (test_plan shows
     # it computes another function).
     torch.manual_seed(0)
@@ -111,10 +143,12 @@ def test_verification_catches_wrong_plans_and_passes_right_ones(verified, name):
 
 
 @pytest.mark.slow
-def test_verification_passes_vocab_sharded_logits_and_is_off_for_given_plans(verified):
+def test_verification_is_on_by_default_for_inferred_plans_only_and_gathers_vocab_sharded_logits(verified):
     for result in verified:
         assert result["right_loss_parallel"] is True
         assert result["silent_without_verify"] is True
+        message = result["inferred_plan_verified_by_default"]
+        assert "output differs" in message and "first module whose output differs: 'layers.0.attention.out'" in message
 
 
 def _train_with_strategy(rank, world_size, case):
