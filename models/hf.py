@@ -26,7 +26,9 @@ SIZE_FIELDS = (
 SIZE_ALIASES = {"intermediate_size": ("n_inner", "ffn_dim")}  # GPT-2 / GPT-J, OPT
 
 
-def hugging_face_causal_lm(type: str | None = "llama", path: str | None = None, config: dict | None = None) -> nn.Module:
+def hugging_face_causal_lm(
+    type: str | None = "llama", path: str | None = None, config: dict | None = None
+) -> nn.Module:
     """A Hugging Face `AutoModelForCausalLM` built from a family's config, or from a local directory.
 
     Args:
