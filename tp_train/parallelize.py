@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -9,6 +11,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.plan import apply_plan, match_plan, resolve_plan
+from tp_train.pretrained import load_pretrained_modules
 from tp_train.random import TensorParallelRNG
 
 
@@ -42,6 +45,7 @@ def parallelize(
     plan: dict[str, str] | None = None,
     loss_parallel: bool = False,
     device: torch.device | str | None = None,
+    weights: str | Path | None = None,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -60,6 +64,9 @@ def parallelize(
         device: where to materialise a model built on the meta device (each rank allocates only its shards, and
             the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
             else CPU.
+        weights: pretrained safetensors weights (a file, or a `save_pretrained` directory) to fill the sharded
+            model from, each rank reading only its slices (`tp_train.load_pretrained`). Default: submodules that
+            record a `pretrained_weights` path (a `model=hf model.path=...` built on meta) are filled from it.
     """
     group = as_process_group(tp_group)
     resolved, _source = resolve_plan(model, plan)
@@ -67,5 +74,6 @@ def parallelize(
     device = torch.device(device) if device is not None else _default_device(model)
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
+    load_pretrained_modules(model, group, weights)
     model.tp_rng = rng
     return model
