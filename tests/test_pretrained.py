@@ -127,3 +127,30 @@ def test_weights_the_model_does_not_fit_are_refused(tmp_path):
         pretrained.load_pretrained(_hf_llama(), tmp_path)
     with pytest.raises(FileNotFoundError, match="neither a .safetensors file nor a directory"):
         pretrained.load_pretrained(_hf_llama(), tmp_path / "nothing")
+
+
+def _strategy_loads(rank, world_size, directory):
+    """The path `python train.py model=hf model.path=...` takes: built on meta in configure_model, sharded and
+    filled by TensorParallelStrategy."""
+    from functools import partial
+
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    from tests.lightning_helpers import make_trainer, token_data
+
+    torch.manual_seed(100 + rank)
+    module = tp_train.CausalLMModule(
+        model=partial(hugging_face_causal_lm, path=directory), optimizer=partial(torch.optim.SGD, lr=0.0)
+    )
+    make_trainer(world_size).validate(module, DataLoader(token_data(1), batch_size=4), verbose=False)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(directory)(input_ids=idx).logits
+        return (module(idx) - expected).abs().max().item()
+
+
+@pytest.mark.slow
+def test_the_strategy_fills_a_model_built_from_a_directory_after_sharding(directories):
+    for error in run_on_ranks(_strategy_loads, 2, directories["llama"], timeout=300):
+        assert error < ATOL, error
