@@ -143,7 +143,8 @@ def _strategy_loads(rank, world_size, directory):
     module = tp_train.CausalLMModule(
         model=partial(hugging_face_causal_lm, path=directory), optimizer=partial(torch.optim.SGD, lr=0.0)
     )
-    make_trainer(world_size).validate(module, DataLoader(token_data(1), batch_size=4), verbose=False)
+    blocks = token_data(1).tensors[0]  # CausalLMModule takes plain (B, T) batches
+    make_trainer(world_size).validate(module, DataLoader(blocks, batch_size=4), verbose=False)
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(directory)(input_ids=idx).logits
