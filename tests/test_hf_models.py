@@ -61,3 +61,17 @@ def _wrong_neox_split(rank, world_size):
 def test_a_wrong_split_of_neox_fused_projection_is_caught():
     error = run_on_ranks(_wrong_neox_split, 2)[0]
     assert error > 1e-3, error  # it runs, but computes something else
+
+
+def test_a_directory_built_off_the_meta_device_is_loaded_whole(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    _hf_gpt_neox().save_pretrained(tmp_path)
+    model = hugging_face_causal_lm(path=str(tmp_path))
+    assert not hasattr(model, "pretrained_weights")  # nothing left for tp_train to fill
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="path=.*: no config.json there; use a directory written by save_pretrained"):
+        hugging_face_causal_lm(path=str(tmp_path / "missing"))

@@ -67,7 +67,11 @@ def _load_sharded(rank, world_size, directories):
             with torch.device("meta"):
                 model = hugging_face_causal_lm(path=directory)
             _CountingSafeOpen.elements = 0
-            tp_train.parallelize(model, device="cpu")
+            if name == "llama":  # the explicit argument, rather than the path the model recorded
+                del model.pretrained_weights
+                tp_train.parallelize(model, device="cpu", weights=directory)
+            else:
+                tp_train.parallelize(model, device="cpu")
             read = _CountingSafeOpen.elements
             reference = AutoModelForCausalLM.from_pretrained(directory)
             idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -118,6 +122,19 @@ def test_sharded_loading_equals_from_pretrained_and_each_rank_reads_only_its_sli
         total = sum(result["read"] for result in results)
         assert total == tp * (results[0]["in_files"] - results[0]["sharded"]) + results[0]["sharded"], (name, results)
         print(f"{name}: each rank read {[r['read'] for r in results]} of {results[0]['in_files']} elements")
+
+
+def test_a_base_models_file_loads_into_a_model_with_a_head(tmp_path):
+    """Keys without the `transformer.` prefix (saved from GPT2Model) fill GPT2LMHeadModel; its tied head follows."""
+    torch.manual_seed(0)
+    source = _hf_gpt2()
+    source.transformer.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    model = _hf_gpt2()
+    read = pretrained.load_pretrained(model, tmp_path / pretrained.SINGLE_FILE)  # a file, not a directory
+    assert read == sum(t.numel() for t in source.transformer.state_dict().values())  # unsharded: everything, once
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
 
 
 def test_weights_the_model_does_not_fit_are_refused(tmp_path):
