@@ -27,7 +27,7 @@ def parity_errors(reference, forward, vocab_size: int, steps: int = 3, seq_len: 
 
     `forward(model, idx)` returns logits. Keys: `logits`, `grad:<param>` (first step, every parameter, sharded ones
     gathered), `loss_step<k>`, `param:<param>` (after the last step); plus `shard_fraction`, the rank's share of the
-    sharded parameters' elements (about 1/tp).
+    sharded parameters' elements (about 1/tp), and `block_fraction`, its share of the block matrices.
     """
     group = dist.group.WORLD
     model = tp_train.parallelize(copy.deepcopy(reference))
@@ -54,6 +54,7 @@ def parity_errors(reference, forward, vocab_size: int, steps: int = 3, seq_len: 
     for name, param in _full_tensors(model, group, grads=False).items():
         errors[f"param:{name}"] = (ref_params[name].detach() - param).abs().max().item()
     errors["shard_fraction"] = _shard_fraction(model, dist.get_world_size(group))
+    errors["block_fraction"] = _block_fraction(model)
     return errors
 
 
@@ -78,13 +79,28 @@ def _shard_fraction(model, tp: int) -> float:
     return local / full
 
 
+def _block_fraction(model) -> float:
+    """Elements this rank holds of the matrices inside the transformer blocks (parameters of two or more dims
+    under a numbered layer), over their full count: 1/tp when every block matrix is sharded."""
+    specs = {id(param): spec for _, param, spec in tp_train.named_sharded_parameters(model)}
+    local = full = 0
+    for name, param in model.named_parameters():
+        if param.dim() >= 2 and any(part.isdigit() for part in name.split(".")):
+            local += param.numel()
+            full += full_numel(param, specs[id(param)]) if id(param) in specs else param.numel()
+    return local / full
+
+
 def assert_parity(errors: dict[str, float], tp: int, rank: int, atol: float = 1e-5) -> None:
     """`parity_errors` of one rank are all within `atol`, cover logits, losses, gradients and parameters, and the
-    rank held 1/tp of every sharded parameter (a padded vocabulary rounds up slightly)."""
+    rank held 1/tp of every sharded parameter (a padded vocabulary rounds up slightly) and exactly 1/tp of the
+    transformer blocks' matrices."""
     errors = dict(errors)
     shard_fraction = errors.pop("shard_fraction")
+    block_fraction = errors.pop("block_fraction")
     assert {"logits", "loss_step0", "loss_step2"} <= errors.keys()
     assert any(key.startswith("grad:") for key in errors) and any(key.startswith("param:") for key in errors)
     worst = max(errors, key=errors.get)
     assert errors[worst] < atol, f"rank {rank}: {worst} differs by {errors[worst]:.3g}"
     assert math.isclose(shard_fraction, 1 / tp, rel_tol=0.05), shard_fraction
+    assert math.isclose(block_fraction, 1 / tp), f"rank {rank} holds {block_fraction:.3f} of the block matrices"

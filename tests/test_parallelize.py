@@ -93,6 +93,17 @@ def _hf_llama():
     return LlamaForCausalLM(config)
 
 
+def _hf_gpt_neox():
+    """GPT-NeoX fuses query_key_value per head, [q_h; k_h; v_h]: HF's plain "colwise" split keeps heads whole."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPTNeoXForCausalLM(config)
+
+
 def _logits(model, idx):
     return model(idx)
 
@@ -105,6 +116,7 @@ MODELS = {
     "gpt": (_gpt, _logits),
     "hf_gpt2": (_hf_gpt2, _hf_logits),
     "hf_llama_gqa": (_hf_llama, _hf_logits),
+    "hf_gpt_neox": (_hf_gpt_neox, _hf_logits),
     "custom_tp_plan": (SwiGLUModel, _logits),
 }
 

@@ -18,10 +18,12 @@ from tp_train.comm import (
 )
 from tp_train.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.data import TextDataModule
+from tp_train.export import export_hugging_face
 from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.module import CausalLMModule
 from tp_train.parallelize import parallelize
 from tp_train.precision import TensorParallelMixedPrecision
+from tp_train.pretrained import load_pretrained
 from tp_train.random import TensorParallelRNG
 from tp_train.schedulers import cosine_with_warmup
 from tp_train.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
@@ -45,11 +47,13 @@ __all__ = [
     "clip_grad_norm_",
     "copy_to_tensor_parallel_region",
     "cosine_with_warmup",
+    "export_hugging_face",
     "full_state_dict",
     "gather_from_sequence_parallel_region",
     "global_grad_norm",
     "infer_plan",
     "load_checkpoint",
+    "load_pretrained",
     "gather_from_tensor_parallel_region",
     "named_sharded_parameters",
     "parallelize",

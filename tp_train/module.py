@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint's copy of its Hugging Face model's config
 
 
 class CausalLMModule(L.LightningModule):
@@ -72,6 +73,11 @@ class CausalLMModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        config = getattr(self.model, "config", None)
+        if hasattr(config, "to_dict"):  # a Hugging Face model: what `tp_train.export` rebuilds it from
+            checkpoint[HUGGING_FACE_CONFIG_KEY] = config.to_dict()
 
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -10,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.autoplan import INFERRED_SOURCE, format_plan
 from tp_train.plan import apply_plan, match_plan, resolve_plan
+from tp_train.pretrained import load_pretrained_modules
 from tp_train.random import TensorParallelRNG
 from tp_train.verify import unsharded_reference, unsharded_skeleton, verify_parallelized
 
@@ -45,6 +48,7 @@ def parallelize(
     loss_parallel: bool = False,
     device: torch.device | str | None = None,
     verify: bool | None = None,
+    weights: str | Path | None = None,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -66,6 +70,9 @@ def parallelize(
         verify: check the sharded model against the unsharded one on a probe batch, outputs and gradients, and
             raise `PlanVerificationError` if they differ (`tp_train.verify`; holds a full copy on each rank while
             it runs). Default: on for a plan inferred by the auto-planner, off otherwise.
+        weights: pretrained safetensors weights (a file, or a `save_pretrained` directory) to fill the sharded
+            model from, each rank reading only its slices (`tp_train.load_pretrained`). Default: submodules that
+            record a `pretrained_weights` path (a `model=hf model.path=...` built on meta) are filled from it.
     """
     group = as_process_group(tp_group)
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
@@ -77,6 +84,7 @@ def parallelize(
     device = torch.device(device) if device is not None else _default_device(model)
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
+    load_pretrained_modules(model, group, weights)
     model.tp_rng = rng
     if skeleton is not None:
         verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)

@@ -47,6 +47,12 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         match_plan(model, resolve_plan(model)[0], tp)
     except ValueError as error:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
+    vocab, data_vocab = getattr(getattr(model, "config", None), "vocab_size", None), cfg.data.get("vocab_size")
+    if isinstance(vocab, int) and isinstance(data_vocab, int) and data_vocab > vocab:  # e.g. a model from model.path
+        raise ConfigError(
+            f"data.vocab_size={data_vocab} exceeds the model's vocabulary of {vocab} tokens; "
+            f"use data.vocab_size<={vocab} or a model with a larger vocabulary"
+        )
     context = _context_length(model)
     block_size = cfg.data.get("block_size")
     if context is not None and block_size is not None and block_size > context:

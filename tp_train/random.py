@@ -39,7 +39,8 @@ class TensorParallelRNG:
     def __init__(self, group: ProcessGroup, device: torch.device):
         self.device = device
         self.sync_replicated(group)
-        seed = torch.tensor([torch.initial_seed()], dtype=torch.int64, device=device)
+        # An unseeded process's initial seed is any 64-bit value: fold it into int64's range.
+        seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
         dist.broadcast(seed, group=group, group_src=0)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self._manual_seed(int(seed) + _SHARDED_SEED_OFFSET + dist.get_rank(group))

@@ -1,0 +1,84 @@
+"""Hugging Face causal LMs as config choices: any family built from its config (random init, nothing downloaded),
+or a model saved in a local directory (`config.json` + safetensors weights). Nothing here knows about parallelism.
+
+Configs name sizes in Hugging Face's generic vocabulary (`hidden_size`, `num_attention_heads`, ...); each family's
+`attribute_map` translates them (GPT-2's `hidden_size` is `n_embd`), so one set of defaults fits most families.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+# Generic size fields: each is set where the family has it (directly or through its `attribute_map`, or under a
+# name in SIZE_ALIASES) and skipped where it has none (GPT-2 has no kv heads). Any other key must be a field.
+SIZE_FIELDS = (
+    "vocab_size",
+    "max_position_embeddings",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+SIZE_ALIASES = {"intermediate_size": ("n_inner", "ffn_dim")}  # GPT-2 / GPT-J, OPT
+
+
+def hugging_face_causal_lm(
+    type: str | None = "llama", path: str | None = None, config: dict | None = None
+) -> nn.Module:
+    """A Hugging Face `AutoModelForCausalLM` built from a family's config, or from a local directory.
+
+    Args:
+        type: the family's `model_type` (`llama`, `gpt2`, `gpt_neox`, `mistral`, `qwen2`, `opt`, ...); the model
+            is built from that family's default config updated with `config`, randomly initialised.
+        path: a local directory written by `save_pretrained` (ignores `type` and `config`). Built under the meta
+            device (`trainer.init_module(empty_init=True)`), the model is left empty and records the directory as
+            `pretrained_weights`: tp_train fills each rank's shards from it after sharding. Built anywhere else, it
+            is loaded with `from_pretrained`.
+        config: fields of the family's config; the generic size fields (`SIZE_FIELDS`) are skipped where the family
+            has no such field, any other key must be one of the family's fields.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if path is not None:
+        directory = Path(path).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ValueError(f"path={path}: no config.json there; use a directory written by save_pretrained")
+        if not torch.empty(0).is_meta:
+            return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, local_files_only=True))
+        model.pretrained_weights = str(directory)
+        return model
+    fields = _config_fields(type, dict(config or {}))
+    try:
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(type, **fields))
+    except ValueError as error:  # the family's own validation (GPT-Neo's attention_types), or no causal LM head
+        raise ValueError(f"type={type}: {' '.join(str(error).split())}") from None
+
+
+def _config_fields(model_type: str | None, config: dict) -> dict:
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"type={model_type} is not a Hugging Face model_type; use one of llama, gpt2, gpt_neox, mistral, qwen2, "
+            f"opt, gptj, ... (or path=DIR for a saved model)"
+        )
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class()  # resolves the family's attribute_map: hasattr(GPT2Config(), "hidden_size")
+    fields = {}
+    for key, value in config.items():
+        name = key if hasattr(defaults, key) else None
+        if name is None:
+            name = next((alias for alias in SIZE_ALIASES.get(key, ()) if hasattr(defaults, alias)), None)
+        if name is not None:
+            fields[name] = value
+        elif key not in SIZE_FIELDS:
+            raise ValueError(
+                f"config.{key}={value}: {config_class.__name__} has no field '{key}'; "
+                f"its fields include {', '.join(sorted(defaults.to_diff_dict())[:8])}, ..."
+            )
+    return fields

@@ -1,0 +1,77 @@
+"""`model=hf`: Hugging Face causal LMs built from a family's config by `models.hugging_face_causal_lm`, sharded with
+HF's own `base_model_tp_plan` or a preset. (GPT-NeoX parity at tp 1, 2, 4 is in tests/test_parallelize.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import hugging_face_causal_lm
+from tests.distributed import run_on_ranks
+from tests.parity import parity_errors
+from tests.test_parallelize import VOCAB, _hf_gpt_neox, _hf_logits
+from tp_train.plan import find_plan, match_plan
+
+TINY = dict(
+    vocab_size=VOCAB, max_position_embeddings=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model_type, plan_source",
+    [
+        ("llama", "base_model_tp_plan"),
+        ("gpt_neox", "base_model_tp_plan"),
+        ("qwen2", "base_model_tp_plan"),
+        ("gpt2", "preset"),
+        ("opt", "preset"),
+    ],
+)
+def test_one_set_of_generic_sizes_builds_each_family_on_meta_with_a_plan_that_applies(model_type, plan_source):
+    with torch.device("meta"):
+        model = hugging_face_causal_lm(model_type, config=TINY)
+    config = model.config
+    assert all(p.is_meta for p in model.parameters())
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 2, 4)  # attribute_map
+    assert config.vocab_size == VOCAB and config.max_position_embeddings == 32
+    assert getattr(config, "num_key_value_heads", 2) == 2  # set where the family has kv heads
+    plan, source = find_plan(model)
+    assert plan_source in source
+    assert match_plan(model, plan, 2)  # what preflight checks
+
+
+def test_a_config_key_the_family_does_not_have_is_a_one_line_error():
+    with pytest.raises(ValueError, match="config.hiden_size=64: LlamaConfig has no field 'hiden_size'") as error:
+        hugging_face_causal_lm("llama", config={"hiden_size": 64})
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="type=lama is not a Hugging Face model_type; use one of llama"):
+        hugging_face_causal_lm("lama")
+
+
+def _wrong_neox_split(rank, world_size):
+    """The negative control: NeoX's per-head [q_h; k_h; v_h] projection split as if it were [q; k; v]."""
+    torch.manual_seed(0)
+    model = _hf_gpt_neox()
+    model._tp_plan["gpt_neox.layers.*.attention.query_key_value"] = "fused_qkv_colwise"
+    return parity_errors(model, _hf_logits, VOCAB, steps=1)["logits"]
+
+
+@pytest.mark.slow
+def test_a_wrong_split_of_neox_fused_projection_is_caught():
+    error = run_on_ranks(_wrong_neox_split, 2)[0]
+    assert error > 1e-3, error  # it runs, but computes something else
+
+
+def test_a_directory_built_off_the_meta_device_is_loaded_whole(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    _hf_gpt_neox().save_pretrained(tmp_path)
+    model = hugging_face_causal_lm(path=str(tmp_path))
+    assert not hasattr(model, "pretrained_weights")  # nothing left for tp_train to fill
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="path=.*: no config.json there; use a directory written by save_pretrained"):
+        hugging_face_causal_lm(path=str(tmp_path / "missing"))
