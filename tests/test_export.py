@@ -14,8 +14,8 @@ from tests.distributed import run_on_ranks
 from tests.parity import next_token_loss
 from tests.test_parallelize import ATOL, VOCAB, _hf_gpt2, _hf_gpt_neox, _hf_llama
 from tests.test_train_app import run_train
-from tp_train.export import export_hugging_face
 from tp_train.export import main as export_main
+from tp_train.export_hf import export_hugging_face
 
 # GPT-2: tied embeddings, a padded vocabulary, Conv1D weights and a fused [q; k; v] (saved as sections).
 # GPT-NeoX: saved by transformers as `embed_out`. Llama: grouped kv heads.
