@@ -75,3 +75,22 @@ def test_a_directory_built_off_the_meta_device_is_loaded_whole(tmp_path):
         assert torch.equal(model.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="path=.*: no config.json there; use a directory written by save_pretrained"):
         hugging_face_causal_lm(path=str(tmp_path / "missing"))
+
+
+def test_preflight_builds_model_hf_on_meta_and_refuses_what_cannot_run(tmp_path):
+    from hydra.utils import instantiate
+
+    from tests.test_configs import _compose
+    from tp_train import preflight
+
+    def check(*overrides):
+        cfg = _compose(tmp_path, ["model=hf", "data.vocab_size=512", *overrides])
+        preflight.check(cfg, lambda: instantiate(cfg.model))
+
+    check("tp=2")
+    with pytest.raises(preflight.ConfigError, match="data.vocab_size=512 exceeds the model's vocabulary of 300"):
+        check("tp=2", "model.config.vocab_size=300")
+    with pytest.raises(preflight.ConfigError, match="config.num_key_value_heads=2 is not divisible by .*=4"):
+        check("tp=4")
+    with pytest.raises(preflight.ConfigError, match="model: config.n_layer=2: LlamaConfig has no field 'n_layer'"):
+        check("experiment=smoke")  # the smoke preset sizes models.GPT

@@ -19,7 +19,6 @@ CASES = {
     "model_rejects_config": (["model.config.n_head=3", "tp=1"], "model: n_embd=64 must be a multiple of n_head=3"),
     "missing_data_path": (["data.source=./no/such/*.txt"], "data.source=./no/such/*.txt: no such file"),
     "sequence_longer_than_context": (["model.config.block_size=32"], "data.block_size=64 exceeds the model's context"),
-    "tokens_outside_the_vocabulary": (["model.config.vocab_size=300"], "data.vocab_size=512 exceeds the model's vocab"),
 }
 
 

@@ -18,7 +18,7 @@ from tp_train.comm import (
 )
 from tp_train.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.data import TextDataModule
-from tp_train.export import export_hugging_face
+from tp_train.export_hf import export_hugging_face
 from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.module import CausalLMModule
 from tp_train.parallelize import parallelize
