@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from tp_train.comm import CommunicationCounter
 from tp_train.plan import apply_plan, match_plan, resolve_plan
 from tp_train.random import TensorParallelRNG
 
@@ -49,7 +50,8 @@ def parallelize(
     its tensor-parallel counterpart holding this rank's slice of the existing weights (see `tp_train.plan` for
     the styles). The plan is, in order: `plan`, `model.tp_plan`, the Hugging Face model's `base_model_tp_plan`,
     a built-in preset. A pattern that matches nothing, or a dimension tp does not divide, raises `ValueError`
-    before any weight changes.
+    before any weight changes. `model.tp_comm_counter` (a `CommunicationCounter`) then counts the bytes its
+    tensor-parallel collectives move.
 
     Args:
         model: the unsharded model, on the device it will run on.
@@ -68,4 +70,17 @@ def parallelize(
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
     model.tp_rng = rng
+    model.tp_comm_counter = _count_communication(model)
     return model
+
+
+def _count_communication(model: nn.Module) -> CommunicationCounter:
+    """One counter for every parallel layer of `model` (and their shared input regions); it counts from now on."""
+    counter = CommunicationCounter()
+    for module in model.modules():
+        if hasattr(type(module), "comm_counter"):
+            module.comm_counter = counter
+            region = getattr(module, "input_region", None)
+            if region is not None:
+                region.comm_counter = counter
+    return counter
