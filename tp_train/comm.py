@@ -48,10 +48,12 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return x
-    x = x.movedim(dim, 0).contiguous()
+    x = x.contiguous()
     out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
     _all_gather_single(out, x, group=group)
-    return out.movedim(0, dim)
+    if dim % x.dim() == 0:
+        return out
+    return torch.cat(out.chunk(world_size), dim=dim)  # one copy, and the result is contiguous
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -71,6 +73,8 @@ def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 
 def _sum(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x  # nothing to sum, so no copy to protect the argument either
     return _all_reduce(x.clone(), group)
 
 

@@ -163,7 +163,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In place: the matmul's output is this layer's own, and its backward does not read it.
         y = reduce_from_tensor_parallel_region_(F.linear(x, self.weight), self.group, self.comm_counter)
-        return y + self.bias.to(y.dtype) if self.bias is not None else y  # as nn.Linear under autocast
+        return y.add_(self.bias.to(y.dtype)) if self.bias is not None else y  # y is ours; dtype as nn.Linear's
 
     def extra_repr(self) -> str:
         return (
