@@ -18,10 +18,14 @@ with b the micro-batch, s the sequence length, h the hidden width, f the MLP wid
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+import torch
 import torch.nn as nn
+from omegaconf import DictConfig
 
+from tp_train.config import lightning_precision
 from tp_train.plan import PACKED_SECTIONS, match_plan, resolve_plan
 from tp_train.sharding import ceil_div
 
@@ -29,8 +33,8 @@ MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
 # Bytes per element of (parameters, activations) for each precision setting.
 PRECISION_BYTES = {
-    "64": (8, 8),
-    "32": (4, 4),
+    "64-true": (8, 8),
+    "32-true": (4, 4),
     "16-mixed": (4, 2),
     "bf16-mixed": (4, 2),
     "16-true": (2, 2),
@@ -128,7 +132,7 @@ def estimate_memory(
     seq_len: int,
     tp: int = 1,
     dp: int = 1,
-    precision: str = "32",
+    precision: str = "32-true",
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
     plan: dict[str, str] | None = None,
@@ -139,7 +143,7 @@ def estimate_memory(
         model: the unsharded model; built on the meta device is enough.
         micro_batch_size: sequences per micro-batch on one data-parallel rank.
         seq_len: tokens per sequence.
-        precision: one of Lightning's names ("32", "16-mixed", "bf16-mixed", "bf16-true", ...).
+        precision: one of Lightning's names ("32-true", "16-mixed", "bf16-mixed", "bf16-true", ...).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
@@ -171,3 +175,28 @@ def tensor_parallel_bytes_per_step(
     tokens = micro_batch_size * seq_len
     elements = (4 * layers + 2) * tokens * hidden + tokens * ceil_div(vocab, tp) * tp
     return elements * bytes_per_element
+
+
+def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> MemoryEstimate:
+    """`estimate_memory` for a training config (conf/train.yaml): the model `build_model()()` builds on the meta
+    device, `data.batch_size` x `data.block_size` micro-batches, `tp`, the data-parallel size the trainer's devices
+    leave, `precision`, and `sequence_parallel` / `activation_checkpointing` (top level or on the strategy)."""
+    with torch.device("meta"):
+        model = build_model()()
+    strategy = cfg.trainer.get("strategy") or {}
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    dp = devices * nodes // cfg.tp if isinstance(devices, int) else cfg.get("dp", 1)
+
+    def flag(name: str) -> bool:
+        return bool(cfg.get(name) or (strategy.get(name) if hasattr(strategy, "get") else False))
+
+    return estimate_memory(
+        model,
+        micro_batch_size=cfg.data.batch_size,
+        seq_len=cfg.data.block_size,
+        tp=cfg.tp,
+        dp=dp,
+        precision=lightning_precision(cfg.precision),
+        sequence_parallel=flag("sequence_parallel"),
+        activation_checkpointing=flag("activation_checkpointing"),
+    )
