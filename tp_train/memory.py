@@ -10,10 +10,11 @@ block without dropout and with fused attention, which keeps no (seq x seq) score
                + (4 * h + 2 * f) * b*s / tp  (q, k, v, attention output; MLP hidden before and after the activation)
     with activation checkpointing per block: only the block input, b*s*h (/ tp with sequence parallelism), plus
         one block's full activations while it is recomputed
-    after the blocks: the final norm's input and output (2 * b*s*h) and the log-probabilities of the loss (b*s*V),
-        plus the logits the model returns (b*s*V)
+    after the blocks: the final norm's input and output (2 * b*s*h) and, at the start of the backward pass, the
+        logits, their log-probabilities and the gradients of both (4 * b*s*V): that is when a step peaks
 
-with b the micro-batch, s the sequence length, h the hidden width, f the MLP width and V the vocabulary.
+with b the micro-batch, s the sequence length, h the hidden width, f the MLP width and V the vocabulary. Gradients
+appear as the activations are freed, so the peak is parameters + optimizer states + the larger of the two.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ class MemoryEstimate:
     gradients: int
     optimizer_states: int
     gradient_buckets: int  # DDP's flat gradient buckets, with data parallelism
-    activations: int  # kept for backward, per micro-batch, including the returned logits
+    activations: int  # kept for backward, per micro-batch, with the loss's logits and their gradients
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, field.name) for field in fields(self))
+        """The peak: gradients are allocated while the backward pass frees the activations."""
+        return self.parameters + self.optimizer_states + self.gradient_buckets + max(self.gradients, self.activations)
 
     @property
     def model_states(self) -> int:
@@ -63,7 +65,7 @@ class MemoryEstimate:
 
     def table(self, title: str = "predicted memory per rank") -> str:
         rows = [(field.name.replace("_", " "), getattr(self, field.name)) for field in fields(self)]
-        rows.append(("total", self.total))
+        rows.append(("peak", self.total))
         width = max(len(name) for name, _ in rows)
         return "\n".join([f"{title}:", *(f"  {name:<{width}}  {value / MIB:10.1f} MiB" for name, value in rows)])
 
@@ -123,7 +125,7 @@ def activation_elements(
     replicated = tokens * hidden // (tp if sequence_parallel else 1)
     block = 4 * replicated + (4 * hidden + 2 * mlp) * tokens // tp
     blocks = layers * replicated + block if activation_checkpointing else layers * block
-    return blocks + 2 * replicated + 2 * tokens * vocab
+    return blocks + 2 * replicated + 4 * tokens * vocab
 
 
 def estimate_memory(

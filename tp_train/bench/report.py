@@ -11,8 +11,8 @@ COLLECTIVES_OUTSIDE_BLOCKS = 3
 
 def table(results: list[dict]) -> str:
     header = (
-        f"{'size':<7} {'contender':<22} {'step ms':>8} {'tokens/s':>9} {'vs plain':>8} {'native/ours':>11} "
-        f"{'peak MiB':>8} {'predicted':>9} {'state MiB':>9} {'coll/block':>10}"
+        f"{'size':<7} {'contender':<22} {'step ms':>8} {'min ms':>7} {'tokens/s':>9} {'vs plain':>8} "
+        f"{'native/ours':>11} {'peak MiB':>8} {'predicted':>9} {'state MiB':>9} {'coll/block':>10}"
     )
     lines = [header, "-" * len(header)]
     for result in results:
@@ -22,7 +22,8 @@ def table(results: list[dict]) -> str:
             native = rows.get(f"native tp={row['tp']}") if row["kind"] == "ours" else None
             speedup = f"{native['step_s'] / row['step_s']:.2f}x" if native else ""
             lines.append(
-                f"{size['name']:<7} {name:<22} {1000 * row['step_s']:8.1f} {row['tokens_per_s']:9.0f} "
+                f"{size['name']:<7} {name:<22} {1000 * row['step_s']:8.1f} {1000 * row['step_s_min']:7.1f} "
+                f"{row['tokens_per_s']:9.0f} "
                 f"{row['step_s'] / plain:7.2f}x {speedup:>11} {row['peak_mib']:8.1f} "
                 f"{row['predicted_peak_mib']:9.1f} {row['model_state_mib']:9.2f} {_per_block(row, size):>10}"
             )

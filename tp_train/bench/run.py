@@ -12,13 +12,21 @@ import gc
 import math
 import statistics
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from models import GPT
 from tp_train.bench.contenders import Contender, Size, build
-from tp_train.bench.measure import collectives_per_step, group_max, intra_op_threads, peak_bytes, seconds_per_step
+from tp_train.bench.measure import (
+    collectives_per_step,
+    group_max,
+    intra_op_threads,
+    peak_bytes,
+    profile_table,
+    seconds_per_step,
+)
 from tp_train.memory import estimate_memory, tensor_parallel_bytes_per_step
 
 MIB = 2**20
@@ -33,8 +41,17 @@ def contenders_for(size: Size, tps: list[int], largest: bool) -> list[Contender]
     return contenders
 
 
-def benchmark(rank: int, sizes: list[Size], tps: list[int], repeats: int, seconds: float, device: torch.device):
-    """Runs every size; returns the results on rank 0 (None elsewhere)."""
+def benchmark(
+    rank: int,
+    sizes: list[Size],
+    tps: list[int],
+    repeats: int,
+    seconds: float,
+    device: torch.device,
+    profile_dir: Path | None = None,
+):
+    """Runs every size; returns the results on rank 0 (None elsewhere). With `profile_dir`, rank 0 also writes
+    a profiler table of one step of every contender there."""
     groups = {tp: dist.new_group(list(range(tp))) for tp in sorted(set(tps) | {1})}
     results = []
     for index, size in enumerate(sizes):
@@ -78,6 +95,7 @@ def benchmark(rank: int, sizes: list[Size], tps: list[int], repeats: int, second
                 "threads": contender.threads,
                 "step_s": statistics.median(times[contender]),
                 "step_s_repeats": times[contender],
+                "step_s_min": min(times[contender]),
                 "tokens_per_s": size.batch * size.seq / statistics.median(times[contender]),
                 "peak_mib": group_max(peak_bytes(step, device), group, device) / MIB,
                 "model_state_mib": group_max(step.model_state_bytes(), group, device) / MIB,
@@ -90,6 +108,10 @@ def benchmark(rank: int, sizes: list[Size], tps: list[int], repeats: int, second
                     meta_model, size.batch, size.seq, contender.tp
                 )
             rows[contender.name] = row
+            if profile_dir is not None:
+                table = profile_table(step)
+                if rank == 0:
+                    (profile_dir / f"{size.name}-{contender.name.replace(' ', '_')}.txt").write_text(table)
         results.append({"size": asdict(size), "steps_per_timing": per_timing, "contenders": rows})
         del steps
         gc.collect()
