@@ -16,11 +16,13 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from tp_train import TensorParallelMixedPrecision, preflight
 from tp_train.callbacks import TrainingMetrics, peak_memory_mib
 from tp_train.config import lightning_precision, register_resolvers
+from tp_train.memory import estimate_for_config
 from tp_train.module import CausalLMModule
 
 register_resolvers()
@@ -82,6 +84,11 @@ def run(cfg: DictConfig) -> float | None:
     except preflight.ConfigError as error:  # a user error: one line, no traceback, status 2
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
+        estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
+        print(estimate.table(f"predicted memory per rank (tp={cfg.tp}, precision={cfg.precision})"), flush=True)
+    if cfg.get("dry_run"):
+        return None
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = CausalLMModule(

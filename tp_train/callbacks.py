@@ -39,7 +39,8 @@ def _compute_dtype(trainer: L.Trainer) -> torch.dtype:
 
 class TrainingMetrics(L.Callback):
     """Logs `throughput/{tokens,samples,flops}_per_sec`, `throughput/mfu` (where the device's peak is known),
-    `memory/peak_mib`, `memory/params_mib` and `train/grad_norm` (when clipping by norm).
+    `memory/peak_mib`, `memory/params_mib`, `train/grad_norm` (when clipping by norm) and `comm/tp_bytes_per_step`
+    (what the tensor-parallel collectives of the step moved, from each sharded model's `tp_comm_counter`).
 
     Args:
         window_size: batches in the moving window the rates are averaged over.
@@ -78,6 +79,10 @@ class TrainingMetrics(L.Callback):
                 }
             )
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        for counter in _comm_counters(pl_module):
+            counter.reset()  # count this step only, not validation or the previous step
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()  # time what ran, not what was queued
@@ -108,6 +113,9 @@ class TrainingMetrics(L.Callback):
             logged["throughput/flops_per_sec"] = metrics["flops_per_sec"]
         if "device/mfu" in metrics:
             logged["throughput/mfu"] = metrics["device/mfu"]
+        counters = _comm_counters(pl_module)
+        if counters:
+            logged["comm/tp_bytes_per_step"] = float(sum(counter.bytes for counter in counters))
         grad_norm = getattr(trainer.strategy.precision_plugin, "last_grad_norm", None)
         if grad_norm is not None:
             logged["train/grad_norm"] = grad_norm.item()
@@ -136,3 +144,9 @@ class TrainingMetrics(L.Callback):
             return getattr(out, "logits", out)
 
         return int(measure_flops(model, forward, lambda logits: logits.sum()))
+
+
+def _comm_counters(module: torch.nn.Module) -> list:
+    """The communication counters `parallelize` attached to the sharded models inside `module`, each once."""
+    found = (getattr(m, "tp_comm_counter", None) for m in module.modules())
+    return list({id(counter): counter for counter in found if counter is not None}.values())

@@ -48,10 +48,12 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return x
-    x = x.movedim(dim, 0).contiguous()
+    x = x.contiguous()
     out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
     _all_gather_single(out, x, group=group)
-    return out.movedim(0, dim)
+    if dim % x.dim() == 0:
+        return out
+    return torch.cat(out.chunk(world_size), dim=dim)  # one copy, and the result is contiguous
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -71,20 +73,59 @@ def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 
 def _sum(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x  # nothing to sum, so no copy to protect the argument either
     return _all_reduce(x.clone(), group)
 
 
+def _sum_in_place(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return _all_reduce(x, group)
+
+
+_COMMUNICATING = (_sum, _sum_in_place, _all_gather, _reduce_scatter)
+
+
+class CommunicationCounter:
+    """Bytes and calls of the collectives made through this module on behalf of one model.
+
+    Passed explicitly (`parallelize` attaches one to the model as `model.tp_comm_counter` and to each of its
+    parallel layers). A collective counts the size of the full tensor it assembles: the all-reduced tensor, the
+    gathered output, or the reduce-scatter's full input. Nothing is counted at a tensor-parallel size of one.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+    def record(self, op, x: torch.Tensor, y: torch.Tensor, group: ProcessGroup) -> None:
+        if op in _COMMUNICATING and dist.get_world_size(group) > 1:
+            self.bytes += max(x.numel(), y.numel()) * x.element_size()
+            self.calls += 1
+
+
 class _ConjugatePair(torch.autograd.Function):
-    """Applies `forward_op` to the input and `backward_op` to the gradient; each op is `(tensor, dim, group)`."""
+    """Applies `forward_op` to the input and `backward_op` to the gradient; each op is `(tensor, dim, group)`.
+    An optional `CommunicationCounter` records both."""
 
     @staticmethod
-    def forward(ctx, x, forward_op, backward_op, dim, group):
-        ctx.backward_op, ctx.dim, ctx.group = backward_op, dim, group
-        return forward_op(x, dim, group)
+    def forward(ctx, x, forward_op, backward_op, dim, group, counter=None):
+        ctx.backward_op, ctx.dim, ctx.group, ctx.counter = backward_op, dim, group, counter
+        y = forward_op(x, dim, group)
+        if forward_op is _sum_in_place and y is x:
+            ctx.mark_dirty(x)
+        if counter is not None:
+            counter.record(forward_op, x, y, group)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
+        grad_input = ctx.backward_op(grad, ctx.dim, ctx.group)
+        if ctx.counter is not None:
+            ctx.counter.record(ctx.backward_op, grad, grad_input, ctx.group)
+        return grad_input, None, None, None, None, None
 
 
 def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -93,43 +134,66 @@ def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor
     return _all_reduce(grad.clone(), group)
 
 
-def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def copy_to_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
     """Megatron's `f`. Forward: identity (the replicated input enters a sharded region).
     Backward: all-reduce, summing the partial input gradients of every rank's shard."""
-    return _ConjugatePair.apply(x, _identity, _sum, -1, group)
+    return _ConjugatePair.apply(x, _identity, _sum, -1, group, counter)
 
 
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def reduce_from_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
     """Megatron's `g`. Forward: all-reduce (sum) of every rank's partial output.
     Backward: identity (the gradient of a replicated output is already replicated)."""
-    return _ConjugatePair.apply(x, _sum, _identity, -1, group)
+    return _ConjugatePair.apply(x, _sum, _identity, -1, group, counter)
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def reduce_from_tensor_parallel_region_(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """`reduce_from_tensor_parallel_region` that all-reduces `x` in place instead of a copy of it, for a layer
+    that owns `x` (a fresh output that nothing saved for backward). Forward: in-place all-reduce (sum), returns `x`.
+    Backward: identity."""
+    return _ConjugatePair.apply(x, _sum_in_place, _identity, -1, group, counter)
+
+
+def scatter_to_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
     """Forward: keep this rank's chunk of the last dim of a replicated tensor.
     Backward: all-gather the gradient chunks along the last dim."""
-    return _ConjugatePair.apply(x, _split, _all_gather, -1, group)
+    return _ConjugatePair.apply(x, _split, _all_gather, -1, group, counter)
 
 
-def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def gather_from_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
     """Forward: all-gather a last-dim-sharded tensor into the full, replicated tensor.
     Backward: keep this rank's chunk of the gradient's last dim (no communication)."""
-    return _ConjugatePair.apply(x, _all_gather, _split, -1, group)
+    return _ConjugatePair.apply(x, _all_gather, _split, -1, group, counter)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
     """Forward: keep this rank's chunk of the sequence dim of a replicated (batch, seq, hidden) tensor.
     Backward: all-gather the gradient chunks along the sequence dim."""
-    return _ConjugatePair.apply(x, _split, _all_gather, SEQUENCE_DIM, group)
+    return _ConjugatePair.apply(x, _split, _all_gather, SEQUENCE_DIM, group, counter)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
     """Sequence parallelism's replacement for `f`. Forward: all-gather the sequence shards into the full sequence.
     Backward: reduce-scatter, summing the partial gradients and keeping this rank's sequence chunk."""
-    return _ConjugatePair.apply(x, _all_gather, _reduce_scatter, SEQUENCE_DIM, group)
+    return _ConjugatePair.apply(x, _all_gather, _reduce_scatter, SEQUENCE_DIM, group, counter)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
     """Sequence parallelism's replacement for `g`. Forward: reduce-scatter, summing every rank's partial output and
     keeping this rank's sequence chunk. Backward: all-gather the gradient along the sequence dim."""
-    return _ConjugatePair.apply(x, _reduce_scatter, _all_gather, SEQUENCE_DIM, group)
+    return _ConjugatePair.apply(x, _reduce_scatter, _all_gather, SEQUENCE_DIM, group, counter)

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from tp_train.comm import (
+    CommunicationCounter,
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region_,
 )
 from tp_train.sharding import ShardSpec, ceil_div, shard_tensor
 
@@ -32,6 +33,8 @@ class SharedInputRegion:
     cache lives for one forward of the parent module: `reset` runs before and after it.
     """
 
+    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+
     def __init__(self, group: ProcessGroup):
         self.group = group
         self.reset()
@@ -42,7 +45,7 @@ class SharedInputRegion:
 
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x:
-            self._input, self._output = x, copy_to_tensor_parallel_region(x, self.group)
+            self._input, self._output = x, copy_to_tensor_parallel_region(x, self.group, self.comm_counter)
         return self._output
 
 
@@ -61,6 +64,8 @@ class ColumnParallelLinear(nn.Module):
         group: the tensor-parallel process group.
         gather_output: return the full (replicated) output instead of this rank's shard.
     """
+
+    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
 
     def __init__(
         self,
@@ -101,11 +106,11 @@ class ColumnParallelLinear(nn.Module):
         if self.input_region is not None:
             x = self.input_region.copy_to(x)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)
+            x = copy_to_tensor_parallel_region(x, self.group, self.comm_counter)
         y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
         if not self.gather_output:
             return y
-        y = gather_from_tensor_parallel_region(y, self.group)  # (..., tp * local): rank-major
+        y = gather_from_tensor_parallel_region(y, self.group, self.comm_counter)  # (..., tp * local): rank-major
         sections = self.shard_specs["weight"].sections
         if len(sections) > 1:  # [q0 k0 v0 | q1 k1 v1] -> [q0 q1 | k0 k1 | v0 v1]
             world_size = dist.get_world_size(self.group)
@@ -135,6 +140,8 @@ class RowParallelLinear(nn.Module):
         group: the tensor-parallel process group.
     """
 
+    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+
     def __init__(
         self, in_features: int, out_features: int, group: ProcessGroup, bias: bool = True, device=None, dtype=None
     ):
@@ -154,8 +161,9 @@ class RowParallelLinear(nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
-        return y + self.bias.to(y.dtype) if self.bias is not None else y  # as nn.Linear under autocast
+        # In place: the matmul's output is this layer's own, and its backward does not read it.
+        y = reduce_from_tensor_parallel_region_(F.linear(x, self.weight), self.group, self.comm_counter)
+        return y.add_(self.bias.to(y.dtype)) if self.bias is not None else y  # y is ours; dtype as nn.Linear's
 
     def extra_repr(self) -> str:
         return (
@@ -172,6 +180,8 @@ class VocabParallelEmbedding(nn.Module):
     are all-reduced, so exactly one rank contributes each token's row. Backward: identity; each rank's
     gradient lands only on its own rows.
     """
+
+    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
 
     def __init__(
         self,
@@ -213,8 +223,10 @@ class VocabParallelEmbedding(nn.Module):
         if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
             local_padding_idx = self.padding_idx - self.vocab_start
         out = F.embedding(local_ids, self.weight, padding_idx=local_padding_idx)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel_region(out, self.group)
+        # In place on the lookup's own output, which the embedding's backward does not read: no copies.
+        if dist.get_world_size(self.group) > 1:
+            out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region_(out, self.group, self.comm_counter)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, local rows [{self.vocab_start}, {self.vocab_end})"

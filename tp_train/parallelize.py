@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.autoplan import INFERRED_SOURCE, format_plan
+from tp_train.comm import CommunicationCounter
 from tp_train.plan import apply_plan, match_plan, resolve_plan
 from tp_train.pretrained import load_pretrained_modules
 from tp_train.random import TensorParallelRNG
@@ -57,6 +58,7 @@ def parallelize(
     the styles). The plan is, in order: `plan`, `model.tp_plan`, the Hugging Face model's `base_model_tp_plan`,
     a built-in preset, else the auto-planner's (`tp_train.autoplan`; printed on rank 0). A pattern that matches
     nothing, or a dimension tp does not divide, raises `ValueError` before any weight changes.
+    `model.tp_comm_counter` (a `CommunicationCounter`) then counts the bytes its tensor-parallel collectives move.
 
     Args:
         model: the unsharded model, on the device it will run on.
@@ -88,4 +90,17 @@ def parallelize(
     model.tp_rng = rng
     if skeleton is not None:
         verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
+    model.tp_comm_counter = _count_communication(model)  # after verification: it counts training from here on
     return model
+
+
+def _count_communication(model: nn.Module) -> CommunicationCounter:
+    """One counter for every parallel layer of `model` (and their shared input regions); it counts from now on."""
+    counter = CommunicationCounter()
+    for module in model.modules():
+        if hasattr(type(module), "comm_counter"):
+            module.comm_counter = counter
+            region = getattr(module, "input_region", None)
+            if region is not None:
+                region.comm_counter = counter
+    return counter

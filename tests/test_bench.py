@@ -1,0 +1,37 @@
+"""A tiny run of the benchmark (`python -m tp_train.bench`), end to end: every contender is timed and measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train_app import ROOT
+
+CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=2", "plain tp=1 x2 threads"]
+
+
+@pytest.mark.slow
+def test_bench_smoke_writes_every_contender(tmp_path):
+    output = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "tp_train.bench", "--sizes", "small", "--tp", "1,2", "--repeats", "1",
+               "--seconds", "0", "--output", str(output)]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "targets:" in result.stdout and "native/ours" in result.stdout
+    report = json.loads(output.read_text())
+    (size,) = report["results"]
+    rows = size["contenders"]
+    assert sorted(rows) == sorted(CONTENDERS)
+    for name, row in rows.items():
+        assert 0 < row["step_s"] < 60 and row["tokens_per_s"] > 0, (name, row)
+        assert 0 < row["model_state_mib"] < row["peak_mib"] < 1000, (name, row)
+        assert row["predicted_peak_mib"] > 0
+    n_layer = size["size"]["n_layer"]
+    assert rows["ours tp=2"]["collectives_per_step"] == 4 * n_layer + 3
+    assert rows["ours tp=1"]["collectives_per_step"] == 0
+    assert rows["ours tp=2"]["tp_bytes_per_step"] == rows["ours tp=2"]["analytic_tp_bytes_per_step"] > 0
+    assert rows["ours tp=2"]["model_state_mib"] < 0.55 * rows["ours tp=1"]["model_state_mib"]
+    assert {check["target"] for check in report["targets"]} and report["machine"]["cpus"] >= 1

@@ -1,0 +1,104 @@
+"""The memory estimator: parameter and optimizer bytes exactly those of the sharded tensors on real gloo ranks,
+activations what autograd really keeps, and `train.py ... dry_run=true` printing the estimate without training."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tp_train
+from models import GPT, GPTConfig
+from tests.distributed import run_on_ranks
+from tests.test_parallelize import VOCAB, SwiGLUModel, _hf_gpt2, _hf_llama
+from tests.test_train_app import ROOT
+from tp_train.memory import ADAMW_STATES, MemoryEstimate, activation_elements, estimate_memory, parameters_per_rank
+
+BUILDERS = {
+    "gpt": lambda: GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=32)),
+    "hf_gpt2": _hf_gpt2,  # Conv1D (transposed) weights
+    "hf_llama": _hf_llama,  # grouped kv heads
+    "swiglu": SwiGLUModel,  # a packed [gate; up] projection
+}
+
+
+def _actual_bytes(rank, world_size):
+    """Per model: (estimated, actual) bytes of parameters and of AdamW's states on this rank."""
+    out = {}
+    for name, build in BUILDERS.items():
+        torch.manual_seed(0)
+        if name == "swiglu":  # no config to read activation shapes from: parameters only
+            parameters = 4 * parameters_per_rank(build(), world_size)
+            estimate = MemoryEstimate(parameters, parameters, ADAMW_STATES * parameters, 0, 0)
+        else:
+            estimate = estimate_memory(build(), micro_batch_size=2, seq_len=8, tp=world_size)
+        model = tp_train.parallelize(build())
+        params = list({id(p): p for p in model.parameters()}.values())
+        optimizer = torch.optim.AdamW(params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        states = sum(
+            t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items() if k != "step"
+        )
+        out[name] = {
+            "parameters": (estimate.parameters, sum(p.numel() * p.element_size() for p in params)),
+            "optimizer_states": (estimate.optimizer_states, states),
+        }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_parameter_and_optimizer_bytes_are_exact(tp):
+    for rank, result in enumerate(run_on_ranks(_actual_bytes, tp, timeout=180)):
+        for model, pairs in result.items():
+            for kind, (estimated, actual) in pairs.items():
+                assert estimated == actual, (tp, rank, model, kind, estimated, actual)
+
+
+def test_activations_are_what_autograd_keeps():
+    """Bytes of the tensors saved for backward (parameters aside) with the logits and the gradients at the loss's
+    backward, against the formula."""
+    batch, seq = 4, 16
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=3, n_head=4, n_embd=64))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    idx = torch.randint(0, VOCAB, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits, _ = model(idx, idx)
+    # At the loss's backward the logits and log-probabilities (saved) have their gradients beside them.
+    measured = sum(saved.values()) + 3 * logits.numel() * logits.element_size()
+    predicted = 4 * activation_elements(model, batch, seq)
+    assert abs(predicted / measured - 1) < 0.03, (predicted, measured)
+    # Fewer with tensor parallelism, sequence parallelism and checkpointing, in that order.
+    sharded = [
+        activation_elements(model, batch, seq, tp=2),
+        activation_elements(model, batch, seq, tp=2, sequence_parallel=True),
+        activation_elements(model, batch, seq, tp=2, sequence_parallel=True, activation_checkpointing=True),
+    ]
+    assert predicted / 4 > sharded[0] > sharded[1] > sharded[2], sharded
+
+
+def test_dry_run_prints_the_estimate_and_exits_without_training(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "train.py", "experiment=smoke", "tp=2", "dry_run=true", "logger=none",
+         f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "predicted memory per rank (tp=2" in result.stdout, result.stdout
+    for line in ("parameters", "gradients", "optimizer states", "activations", "peak"):
+        assert line in result.stdout
+    assert "run summary" not in result.stdout and not (tmp_path / "summary.json").exists()
+    assert not (tmp_path / "checkpoints").exists()

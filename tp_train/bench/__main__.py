@@ -1,0 +1,95 @@
+"""`python -m tp_train.bench`: training-step time and memory of tp_train against PyTorch's DTensor tensor parallelism
+and the plain model, in one run (see tp_train/bench/run.py). Prints a table and its targets, writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tp_train.bench.contenders import SIZES
+from tp_train.bench.report import table, targets, targets_text
+from tp_train.bench.run import benchmark
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tp_train.bench", description=__doc__)
+    parser.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, from {sorted(SIZES)}")
+    parser.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5, help="timings per contender (the median is reported)")
+    parser.add_argument("--seconds", type=float, default=0.5, help="about how long one timing runs (>= 1 step)")
+    parser.add_argument("--output", default="bench.json", help="where the JSON results go")
+    parser.add_argument("--profile", type=Path, default=None, help="a directory for per-contender profiler tables")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.sizes.split(",") if name not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
+    args.tp = sorted({int(tp) for tp in args.tp.split(",")})
+    return args
+
+
+def machine() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, info: dict) -> None:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=5),
+    )
+    try:
+        start = time.perf_counter()
+        if args.profile is not None and rank == 0:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        sizes = [SIZES[name] for name in args.sizes.split(",")]
+        results = benchmark(rank, sizes, args.tp, args.repeats, args.seconds, device, args.profile)
+        if rank == 0:
+            info = {**info, "load_average_at_end": os.getloadavg(), "seconds": time.perf_counter() - start}
+            checks = targets(results)
+            Path(args.output).write_text(json.dumps({"machine": info, "results": results, "targets": checks}, indent=1))
+            print(f"machine: {info}")
+            print(table(results))
+            print("targets:")
+            print(targets_text(checks))
+            print(f"wrote {args.output}")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    world_size = max(args.tp)
+    mp.start_processes(_rank, (world_size, port, args, machine()), nprocs=world_size, start_method="fork")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
