@@ -17,10 +17,17 @@ from torch.distributed import ProcessGroup
 
 from tp_train.comm import (
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from tp_train.sharding import ShardSpec, ceil_div, shard_tensor
+
+# How the input of a column-parallel layer is laid out, which decides how it enters the parallel region:
+# replicated (Megatron's `f`), sharded along the sequence (all-gathered, as under sequence parallelism), or already
+# gathered by the enclosing attention / MLP module under sequence parallelism (nothing to do).
+REPLICATED_INPUT, SEQUENCE_SHARDED_INPUT, GATHERED_INPUT = "replicated", "sequence_sharded", "gathered"
 
 
 class SharedInputRegion:
@@ -34,6 +41,7 @@ class SharedInputRegion:
 
     def __init__(self, group: ProcessGroup):
         self.group = group
+        self.input_layout = REPLICATED_INPUT  # set by tp_train.sequence_parallel
         self.reset()
 
     def reset(self) -> None:
@@ -42,8 +50,19 @@ class SharedInputRegion:
 
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x:
-            self._input, self._output = x, copy_to_tensor_parallel_region(x, self.group)
+            self._input, self._output = x, enter_column_parallel(x, self.group, self.input_layout)
         return self._output
+
+
+def enter_column_parallel(x: torch.Tensor, group: ProcessGroup, input_layout: str) -> torch.Tensor:
+    """A column-parallel layer's input, by `input_layout`: `f` (identity forward, all-reduce backward), or the
+    all-gather of the sequence shards (reduce-scatter backward), or as it is (the gather that made it sums the
+    partial gradients in its backward)."""
+    if input_layout == SEQUENCE_SHARDED_INPUT:
+        return gather_from_sequence_parallel_region(x, group)
+    if input_layout == GATHERED_INPUT:
+        return x
+    return copy_to_tensor_parallel_region(x, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -80,6 +99,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = out_features
         self.gather_output = gather_output
         self.input_region: SharedInputRegion | None = None  # set when siblings share one input (see plan)
+        self.input_layout = REPLICATED_INPUT  # see enter_column_parallel; set by tp_train.sequence_parallel
         spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output)
         if not pad_output:
             for size in spec.sections:
@@ -101,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
         if self.input_region is not None:
             x = self.input_region.copy_to(x)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)
+            x = enter_column_parallel(x, self.group, self.input_layout)
         y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
         if not self.gather_output:
             return y
@@ -147,6 +167,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.shard_specs = {"weight": ShardSpec(dim=1, sections=(in_features,))}
+        self.sequence_parallel = False  # output reduce-scattered along the sequence (tp_train.sequence_parallel)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -154,7 +175,10 @@ class RowParallelLinear(nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        if self.sequence_parallel:  # each rank keeps its sequence chunk of the sum; the bias is added to it
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         return y + self.bias.to(y.dtype) if self.bias is not None else y  # as nn.Linear under autocast
 
     def extra_repr(self) -> str:

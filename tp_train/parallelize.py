@@ -8,8 +8,11 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from tp_train.activation_checkpointing import checkpoint_blocks
+from tp_train.blocks import block_layout
 from tp_train.plan import apply_plan, match_plan, resolve_plan
 from tp_train.random import TensorParallelRNG
+from tp_train.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
 
 
 def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup:
@@ -42,6 +45,8 @@ def parallelize(
     plan: dict[str, str] | None = None,
     loss_parallel: bool = False,
     device: torch.device | str | None = None,
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -60,12 +65,28 @@ def parallelize(
         device: where to materialise a model built on the meta device (each rank allocates only its shards, and
             the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
             else CPU.
+        sequence_parallel: shard the residual stream between the blocks along the sequence (norms, dropout and
+            residual adds on 1/tp of the tokens; each sub-block's all-reduce becomes all-gather + reduce-scatter).
+            Needs the blocks in one nn.ModuleList and a `colwise_gather_output` head; the sequence length must be
+            a multiple of tp. See `tp_train.sequence_parallel`.
+        activation_checkpointing: recompute each block's forward in backward instead of keeping its activations
+            (dropout replays the same masks). See `tp_train.activation_checkpointing`.
     """
     group = as_process_group(tp_group)
     resolved, _source = resolve_plan(model, plan)
     planned = match_plan(model, resolved, dist.get_world_size(group))
+    layout = None
+    if sequence_parallel or activation_checkpointing:
+        feature = "sequence_parallel" if sequence_parallel else "activation_checkpointing"
+        layout = block_layout(model, planned, feature)
+        if sequence_parallel:
+            check_sequence_parallel(model, layout)
     device = torch.device(device) if device is not None else _default_device(model)
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
+    if sequence_parallel:
+        apply_sequence_parallel(model, layout, group, rng)
+    if activation_checkpointing:
+        checkpoint_blocks(model, layout, rng)
     model.tp_rng = rng
     return model
