@@ -42,7 +42,7 @@ class TensorParallelRNG:
     def __init__(self, group: ProcessGroup, device: torch.device):
         self.device = device
         self.sync_replicated(group)
-        seed = torch.tensor([torch.initial_seed()], dtype=torch.int64, device=device)
+        seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)  # a uint64 unseeded
         dist.broadcast(seed, group=group, group_src=0)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self._manual_seed(int(seed) + _SHARDED_SEED_OFFSET + dist.get_rank(group))
