@@ -58,8 +58,8 @@ def enter_column_parallel(x: torch.Tensor, group: ProcessGroup, input_layout: st
     """A column-parallel layer's input, by `input_layout`: `f` (identity forward, all-reduce backward), or the
     all-gather of the sequence shards (reduce-scatter backward), or as it is (the gather that made it sums the
     partial gradients in its backward)."""
-    if input_layout == SEQUENCE_SHARDED_INPUT:
-        return gather_from_sequence_parallel_region(x, group)
+    if input_layout == SEQUENCE_SHARDED_INPUT:  # contiguous: one copy here, not one per matmul that folds it
+        return gather_from_sequence_parallel_region(x, group).contiguous()
     if input_layout == GATHERED_INPUT:
         return x
     return copy_to_tensor_parallel_region(x, group)

@@ -152,12 +152,18 @@ def _gather_input(module: nn.Module, group: ProcessGroup) -> None:
 
     def hook(module, args, kwargs):
         if args:
-            return (gather_from_sequence_parallel_region(args[0], group), *args[1:]), kwargs
+            return (_gather(args[0], group), *args[1:]), kwargs
         if first in kwargs:
-            return args, {**kwargs, first: gather_from_sequence_parallel_region(kwargs[first], group)}
+            return args, {**kwargs, first: _gather(kwargs[first], group)}
         raise ValueError(
             f"sequence_parallel: {type(module).__name__} was called without its input '{first}'; "
             f"sequence parallelism gathers a sub-block's first argument"
         )
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    # Contiguous once here: each of q, k and v would otherwise copy the strided gather to fold it into a matmul,
+    # and keep its own copy for backward.
+    return gather_from_sequence_parallel_region(x, group).contiguous()
