@@ -153,7 +153,8 @@ def test_norm_weight_gradients_are_summed_over_the_sequence_shards():
 
 
 def _dropout_run(rank, world_size, sequence_parallel, activation_checkpointing, replay=True):
-    """Losses over 2 steps and the first step's gathered gradients of a GPT with dropout, from seed 0."""
+    """Losses over 2 steps, the first step's gathered gradients and first residual dropout mask of a GPT with
+    dropout, from seed 0."""
     if not replay:  # the negative control: recompute with whatever the streams hold by then
         from contextlib import nullcontext
 
@@ -161,6 +162,8 @@ def _dropout_run(rank, world_size, sequence_parallel, activation_checkpointing, 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.2))
     tp_train.parallelize(model, sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing)
+    masks = []
+    model.blocks[0].dropout.register_forward_hook(lambda module, args, out: masks.append((out == 0).to(torch.uint8)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(7)
     losses, grads = [], None
@@ -173,7 +176,7 @@ def _dropout_run(rank, world_size, sequence_parallel, activation_checkpointing, 
             grads = _full_tensors(model, dist.group.WORLD, grads=True)
         opt.step()
         opt.zero_grad()
-    return losses, grads
+    return losses, grads, masks[0]
 
 
 def _dropout_replay(rank, world_size):
@@ -182,13 +185,16 @@ def _dropout_replay(rank, world_size):
         off = _dropout_run(rank, world_size, sequence_parallel, False)
         on = _dropout_run(rank, world_size, sequence_parallel, True)
         out[sequence_parallel] = _difference(off, on)
+        masks = [torch.empty_like(off[2]) for _ in range(world_size)]
+        dist.all_gather(masks, off[2])
+        out["same_masks_on_every_rank", sequence_parallel] = all(torch.equal(masks[0], m) for m in masks)
     without_replay = _dropout_run(rank, world_size, False, True, replay=False)
     out["no_replay"] = _difference(_dropout_run(rank, world_size, False, False), without_replay)
     return out
 
 
 def _difference(a, b):
-    (losses_a, grads_a), (losses_b, grads_b) = a, b
+    (losses_a, grads_a, _), (losses_b, grads_b, _) = a, b
     return max(
         max(abs(x - y) for x, y in zip(losses_a, losses_b, strict=True)),
         max((grads_a[name] - grads_b[name]).abs().max().item() for name in grads_a),
@@ -200,6 +206,8 @@ def test_recomputed_blocks_replay_the_same_dropout_masks():
     for result in run_on_ranks(_dropout_replay, 2, timeout=240):
         assert result[False] < 1e-6 and result[True] < 1e-6, result  # AC on == AC off, with and without SP
         assert result["no_replay"] > 1e-3, result  # without the replay, the recomputed masks differ
+        # Dropout on the residual stream: one mask for the replicated stream, a mask per rank for its tokens.
+        assert result["same_masks_on_every_rank", False] and not result["same_masks_on_every_rank", True]
 
 
 # ------------------------------------------------------------------------------------------------- refusals
@@ -264,7 +272,7 @@ def _fit_causal_lm(rank, world_size, tp, sequence_parallel, activation_checkpoin
         strategy=strategy, accelerator="cpu", devices=world_size, max_steps=5, callbacks=[recorder], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(module, DataLoader(blocks, batch_size=4))
+    trainer.fit(module, DataLoader(blocks, batch_size=4 // (world_size // tp)))  # a global batch of 4
     checkpointed = type(module.model.blocks[0].forward).__name__ == "_CheckpointedForward"
     return recorder.losses, checkpointed
 
