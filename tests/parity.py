@@ -19,7 +19,9 @@ def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
 
 
-def parity_errors(reference, forward, vocab_size: int, steps: int = 3, seq_len: int = 16) -> dict[str, float]:
+def parity_errors(
+    reference, forward, vocab_size: int, steps: int = 3, seq_len: int = 16, parallelize_kwargs: dict | None = None
+) -> dict[str, float]:
     """Max-abs errors of a sharded copy of `reference` against it, over `steps` SGD-with-momentum steps.
 
     Not Adam: some parameters have an exactly-zero true gradient (a key bias: softmax ignores a shift common to
@@ -28,9 +30,10 @@ def parity_errors(reference, forward, vocab_size: int, steps: int = 3, seq_len: 
     `forward(model, idx)` returns logits. Keys: `logits`, `grad:<param>` (first step, every parameter, sharded ones
     gathered), `loss_step<k>`, `param:<param>` (after the last step); plus `shard_fraction`, the rank's share of the
     sharded parameters' elements (about 1/tp), and `block_fraction`, its share of the block matrices.
+    `parallelize_kwargs` go to `tp_train.parallelize`.
     """
     group = dist.group.WORLD
-    model = tp_train.parallelize(copy.deepcopy(reference))
+    model = tp_train.parallelize(copy.deepcopy(reference), **(parallelize_kwargs or {}))
     generator = torch.Generator().manual_seed(1234)
     batches = [torch.randint(0, vocab_size, (2, seq_len), generator=generator) for _ in range(steps)]
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)

@@ -19,6 +19,10 @@ CASES = {
     "model_rejects_config": (["model.config.n_head=3", "tp=1"], "model: n_embd=64 must be a multiple of n_head=3"),
     "missing_data_path": (["data.source=./no/such/*.txt"], "data.source=./no/such/*.txt: no such file"),
     "sequence_longer_than_context": (["model.config.block_size=32"], "data.block_size=64 exceeds the model's context"),
+    "sequence_not_divisible_by_tp": (
+        ["tp=2", "sequence_parallel=true", "data.block_size=63"],
+        "data.block_size=63 is not a multiple of 2; use data.block_size=62",
+    ),
 }
 
 

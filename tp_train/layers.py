@@ -18,10 +18,17 @@ from torch.distributed import ProcessGroup
 from tp_train.comm import (
     CommunicationCounter,
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region_,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from tp_train.sharding import ShardSpec, ceil_div, shard_tensor
+
+# How the input of a column-parallel layer is laid out, which decides how it enters the parallel region:
+# replicated (Megatron's `f`), sharded along the sequence (all-gathered, as under sequence parallelism), or already
+# gathered by the enclosing attention / MLP module under sequence parallelism (nothing to do).
+REPLICATED_INPUT, SEQUENCE_SHARDED_INPUT, GATHERED_INPUT = "replicated", "sequence_sharded", "gathered"
 
 
 class SharedInputRegion:
@@ -37,6 +44,7 @@ class SharedInputRegion:
 
     def __init__(self, group: ProcessGroup):
         self.group = group
+        self.input_layout = REPLICATED_INPUT  # set by tp_train.sequence_parallel
         self.reset()
 
     def reset(self) -> None:
@@ -45,8 +53,21 @@ class SharedInputRegion:
 
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x:
-            self._input, self._output = x, copy_to_tensor_parallel_region(x, self.group, self.comm_counter)
+            self._input, self._output = x, enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
         return self._output
+
+
+def enter_column_parallel(
+    x: torch.Tensor, group: ProcessGroup, input_layout: str, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """A column-parallel layer's input, by `input_layout`: `f` (identity forward, all-reduce backward), or the
+    all-gather of the sequence shards (reduce-scatter backward), or as it is (the gather that made it sums the
+    partial gradients in its backward)."""
+    if input_layout == SEQUENCE_SHARDED_INPUT:  # contiguous: one copy here, not one per matmul that folds it
+        return gather_from_sequence_parallel_region(x, group, counter).contiguous()
+    if input_layout == GATHERED_INPUT:
+        return x
+    return copy_to_tensor_parallel_region(x, group, counter)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -85,6 +106,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = out_features
         self.gather_output = gather_output
         self.input_region: SharedInputRegion | None = None  # set when siblings share one input (see plan)
+        self.input_layout = REPLICATED_INPUT  # see enter_column_parallel; set by tp_train.sequence_parallel
         spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output)
         if not pad_output:
             for size in spec.sections:
@@ -106,7 +128,7 @@ class ColumnParallelLinear(nn.Module):
         if self.input_region is not None:
             x = self.input_region.copy_to(x)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group, self.comm_counter)
+            x = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
         y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
         if not self.gather_output:
             return y
@@ -154,6 +176,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.shard_specs = {"weight": ShardSpec(dim=1, sections=(in_features,))}
+        self.sequence_parallel = False  # output reduce-scattered along the sequence (tp_train.sequence_parallel)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -161,6 +184,9 @@ class RowParallelLinear(nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # each rank keeps its sequence chunk of the sum; the bias is added to it
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group, self.comm_counter)
+            return y + self.bias.to(y.dtype) if self.bias is not None else y  # y is a view: not in place
         # In place: the matmul's output is this layer's own, and its backward does not read it.
         y = reduce_from_tensor_parallel_region_(F.linear(x, self.weight), self.group, self.comm_counter)
         return y.add_(self.bias.to(y.dtype)) if self.bias is not None else y  # y is ours; dtype as nn.Linear's

@@ -10,11 +10,14 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from tp_train.activation_checkpointing import checkpoint_blocks
 from tp_train.autoplan import INFERRED_SOURCE, format_plan
+from tp_train.blocks import block_layout
 from tp_train.comm import CommunicationCounter
 from tp_train.plan import apply_plan, match_plan, resolve_plan
 from tp_train.pretrained import load_pretrained_modules
 from tp_train.random import TensorParallelRNG
+from tp_train.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
 from tp_train.verify import unsharded_reference, unsharded_skeleton, verify_parallelized
 
 
@@ -50,6 +53,8 @@ def parallelize(
     device: torch.device | str | None = None,
     verify: bool | None = None,
     weights: str | Path | None = None,
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -75,6 +80,12 @@ def parallelize(
         weights: pretrained safetensors weights (a file, or a `save_pretrained` directory) to fill the sharded
             model from, each rank reading only its slices (`tp_train.load_pretrained`). Default: submodules that
             record a `pretrained_weights` path (a `model=hf model.path=...` built on meta) are filled from it.
+        sequence_parallel: shard the residual stream between the blocks along the sequence (norms, dropout and
+            residual adds on 1/tp of the tokens; each sub-block's all-reduce becomes all-gather + reduce-scatter).
+            Needs the blocks in one nn.ModuleList and a `colwise_gather_output` head; the sequence length must be
+            a multiple of tp. See `tp_train.sequence_parallel`.
+        activation_checkpointing: recompute each block's forward in backward instead of keeping its activations
+            (dropout replays the same masks). See `tp_train.activation_checkpointing`.
     """
     group = as_process_group(tp_group)
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
@@ -83,10 +94,20 @@ def parallelize(
     planned = match_plan(model, resolved, dist.get_world_size(group))
     verify = source == INFERRED_SOURCE if verify is None else verify
     skeleton = unsharded_skeleton(model) if verify else None  # on the meta device: no memory
+    layout = None
+    if sequence_parallel or activation_checkpointing:
+        feature = "sequence_parallel" if sequence_parallel else "activation_checkpointing"
+        layout = block_layout(model, planned, feature)
+        if sequence_parallel:
+            check_sequence_parallel(model, layout)
     device = torch.device(device) if device is not None else _default_device(model)
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
     load_pretrained_modules(model, group, weights)
+    if sequence_parallel:
+        apply_sequence_parallel(model, layout, group, rng)
+    if activation_checkpointing:
+        checkpoint_blocks(model, layout, rng)
     model.tp_rng = rng
     if skeleton is not None:
         verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)

@@ -60,6 +60,12 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"data.block_size={block_size} exceeds the model's context of {context} tokens; "
             f"use data.block_size<={context} or a model with a longer context"
         )
+    if cfg.get("sequence_parallel") and isinstance(block_size, int) and block_size % tp:
+        raise ConfigError(
+            f"sequence_parallel=true splits each sequence across tp={tp} ranks, but data.block_size={block_size} "
+            f"is not a multiple of {tp}; use data.block_size={block_size - block_size % tp or tp} "
+            f"or sequence_parallel=false"
+        )
 
 
 def _check_data_source(data: DictConfig) -> None:

@@ -13,6 +13,9 @@ module switches back to the replicated stream for its own forward).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -78,3 +81,23 @@ class TensorParallelRNG:
         """Runs every forward of `module` in `region`'s stream."""
         module.register_forward_pre_hook(lambda *_: self.enter(region))
         module.register_forward_hook(lambda *_: self.exit(), always_call=True)
+
+    def get_state(self) -> tuple:
+        """Both streams and the region stack: what a recomputation (activation checkpointing) must start from."""
+        return list(self._stack), dict(self._states), _get_state(self.device)
+
+    def set_state(self, state: tuple) -> None:
+        stack, states, current = state
+        self._stack, self._states = list(stack), dict(states)
+        _set_state(self.device, current)
+
+    @contextmanager
+    def replay(self, state: tuple) -> Iterator[None]:
+        """Runs the body from `state` (from `get_state`), so it draws the same masks in both streams as it did
+        then; the live streams are restored afterwards, untouched."""
+        live = self.get_state()
+        self.set_state(state)
+        try:
+            yield
+        finally:
+            self.set_state(live)

@@ -49,6 +49,9 @@ class TensorParallelStrategy(DDPStrategy):
         tensor_parallel_size: ranks per tensor-parallel group; must divide devices x num_nodes.
         plan: an explicit plan for the whole LightningModule (names relative to it). By default every submodule
             with a plan of its own is sharded; with none, the auto-planner plans the LightningModule.
+        sequence_parallel: shard the residual stream between the blocks along the sequence across the TP group
+            (see `tp_train.parallelize`).
+        activation_checkpointing: recompute each transformer block in backward instead of storing its activations.
         process_group_backend: "nccl" on GPUs, "gloo" on CPU by default.
         timeout: collective timeout, so a rank that died fails the job instead of hanging it.
         start_method: "popen" (re-run the script per rank), or "spawn" / "fork" (e.g. from a notebook or pytest).
@@ -63,6 +66,8 @@ class TensorParallelStrategy(DDPStrategy):
         self,
         tensor_parallel_size: int = 1,
         plan: dict[str, str] | None = None,
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -83,6 +88,8 @@ class TensorParallelStrategy(DDPStrategy):
         self.tensor_parallel_size = tensor_parallel_size
         self._plan = plan
         self._verify_plan = verify_plan
+        self.sequence_parallel = sequence_parallel
+        self.activation_checkpointing = activation_checkpointing
         self._device_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------------------------------------ topology
@@ -185,8 +192,15 @@ class TensorParallelStrategy(DDPStrategy):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)
             for _, module in targets:
-                group, device = self.tensor_parallel_group, self.root_device
-                parallelize(module, group, plan=self._plan, device=device, verify=self._verify_plan)
+                parallelize(
+                    module,
+                    self.tensor_parallel_group,
+                    plan=self._plan,
+                    device=self.root_device,
+                    verify=self._verify_plan,
+                    sequence_parallel=self.sequence_parallel,
+                    activation_checkpointing=self.activation_checkpointing,
+                )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
                 _materialize_distributed_module(root, self.root_device)
