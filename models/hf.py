@@ -37,7 +37,8 @@ def hugging_face_causal_lm(
         path: a local directory written by `save_pretrained` (ignores `type` and `config`). Built under the meta
             device (`trainer.init_module(empty_init=True)`), the model is left empty and records the directory as
             `pretrained_weights`: tp_train fills each rank's shards from it after sharding. Built anywhere else, it
-            is loaded with `from_pretrained`.
+            is loaded with `from_pretrained`. Either way its parameters take the default dtype (set by Lightning's
+            precision), not the dtype the files hold.
         config: fields of the family's config; the generic size fields (`SIZE_FIELDS`) are skipped where the family
             has no such field, any other key must be one of the family's fields.
     """
@@ -47,9 +48,12 @@ def hugging_face_causal_lm(
         directory = Path(path).expanduser()
         if not (directory / "config.json").is_file():
             raise ValueError(f"path={path}: no config.json there; use a directory written by save_pretrained")
+        # In the dtype the caller builds in (Lightning's precision sets it), not the one the weights were saved in.
+        dtype = torch.get_default_dtype()
         if not torch.empty(0).is_meta:
-            return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory, local_files_only=True))
+            return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.pretrained_weights = str(directory)
         return model
     fields = _config_fields(type, dict(config or {}))

@@ -73,6 +73,9 @@ def test_a_directory_built_off_the_meta_device_is_loaded_whole(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(tmp_path)
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    with torch.device("meta"):
+        assert next(hugging_face_causal_lm(path=str(tmp_path / "bf16")).parameters()).dtype == torch.float32
     with pytest.raises(ValueError, match="path=.*: no config.json there; use a directory written by save_pretrained"):
         hugging_face_causal_lm(path=str(tmp_path / "missing"))
 

@@ -90,6 +90,7 @@ def test_activations_are_what_autograd_keeps():
     assert predicted / 4 > sharded[0] > sharded[1] > sharded[2], sharded
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_estimate_and_exits_without_training(tmp_path):
     result = subprocess.run(
         [sys.executable, "train.py", "experiment=smoke", "tp=2", "dry_run=true", "logger=none",

@@ -218,6 +218,7 @@ REFUSALS = {
     "no_head": "sequence_parallel needs one output head planned 'colwise_gather_output'",
     "reshaped_between_blocks_and_head": "GPT2LMHeadModel reshapes the hidden states",
     "odd_sequence": "sequence length 15 is not divisible by tensor_parallel_size=2",
+    "no_blocks": "activation_checkpointing needs the transformer blocks in one nn.ModuleList",
 }
 
 
@@ -228,6 +229,7 @@ def _refusals(rank, world_size):
         "no_head": (_gpt, dict(sp, plan={k: v for k, v in GPT.tp_plan.items() if k != "lm_head"}), 16),
         "reshaped_between_blocks_and_head": (_hf_gpt2, sp, 16),
         "odd_sequence": (_gpt, sp, 15),
+        "no_blocks": (_gpt, dict(activation_checkpointing=True, plan={"lm_head": "colwise_gather_output"}), 16),
     }
     messages = dict.fromkeys(cases)
     for case, (build, kwargs, length) in cases.items():

@@ -33,26 +33,16 @@ on by default for inferred plans, is for.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
+from tp_train.probe import probe_copy, probe_token_ids, producers_of, trace_calls
+
 INFERRED_SOURCE = "inferred by the auto-planner"
 SPLITS = (("colwise", 1), ("packed_colwise", 2), ("fused_qkv_colwise", 3))  # style, sections of the output
-PROBE_TOKENS = 8
 LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
-
-
-@dataclass
-class _Call:
-    order: int  # position in the probe forward, by entry
-    input: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    calls: int = 0
 
 
 @dataclass
@@ -81,7 +71,7 @@ def infer_plan(
         ValueError: (one line, naming the module) when the structure is not one the planner can be sure of.
     """
     shares = max(tensor_parallel_size or 2, 2)
-    with _probe_copy(model) as probe:
+    with probe_copy(model) as probe:
         inputs = example_input if example_input is not None else probe_token_ids(probe)
         planner = _Planner(probe, inputs, shares)
         styles = planner.styles()
@@ -100,12 +90,12 @@ class _Planner:
         self.model, self.inputs, self.shares = model, inputs, shares
         self.modules = dict(model.named_modules())
         self.owner = {id(param): name for name, module in self.modules.items() for param in module.parameters(False)}
-        self.calls = _trace(model, inputs)
+        self.calls = trace_calls(model, inputs)
         self.linears = [name for name in self._called() if _linear_shape(self.modules[name]) is not None]
         self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
-        producers_of = {id(self.calls[name].output.grad_fn): name for name in self.linears + self.embeddings}
-        producers_of.pop(id(None), None)
-        self.producers = {name: _producers(self.calls[name].input, producers_of) for name in self.linears}
+        outputs = {id(self.calls[name].output.grad_fn): name for name in self.linears + self.embeddings}
+        outputs.pop(id(None), None)
+        self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
         self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
         self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
 
@@ -307,110 +297,6 @@ class _Planner:
         if not masks:
             self._bases[row] = captured["input"].float()
         return captured["input"].float()
-
-
-def _trace(model: nn.Module, inputs: torch.Tensor) -> dict[str, _Call]:
-    """Every module called in one forward: entry order, call count, and (for the last call) its first input and
-    first tensor output, with autograd history."""
-    calls: dict[str, _Call] = {}
-    handles = []
-
-    def enter(name):
-        def hook(module, args):
-            call = calls.setdefault(name, _Call(order=len(calls)))
-            call.calls += 1
-
-        return hook
-
-    def leave(name):
-        def hook(module, args, output):
-            call = calls[name]
-            call.input = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            call.output = output if isinstance(output, torch.Tensor) else None
-
-        return hook
-
-    for name, module in model.named_modules():
-        if name:
-            handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave(name))]
-    try:
-        with torch.enable_grad():
-            model(inputs)
-    except Exception as error:  # noqa: BLE001 - any failure of the probe is reported as one line
-        raise ValueError(
-            f"the auto-planner could not run {type(model).__name__} on a probe batch of shape {tuple(inputs.shape)} "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); pass example_input=..., "
-            f"or give the model a `tp_plan`"
-        ) from error
-    finally:
-        for handle in handles:
-            handle.remove()
-    return calls
-
-
-def _producers(tensor: torch.Tensor | None, producers_of: dict[int, str]) -> tuple[set[str], list[nn.Parameter]]:
-    """The recorded module outputs `tensor` was computed from (walking its autograd graph back to them, not beyond)
-    and the parameters used on the way."""
-    found, params = set(), []
-    stack = [tensor.grad_fn] if tensor is not None and tensor.grad_fn is not None else []
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if id(node) in producers_of:
-            found.add(producers_of[id(node)])
-        elif hasattr(node, "variable"):  # AccumulateGrad: a leaf, i.e. a parameter
-            params.append(node.variable)
-        else:
-            stack.extend(next_node for next_node, _ in node.next_functions)
-    return found, params
-
-
-# ------------------------------------------------------------------------------------------------ the probe copy
-
-
-@contextmanager
-def _probe_copy(model: nn.Module) -> Iterator[nn.Module]:
-    """`model` itself (in eval mode, its parameters requiring gradients so the forward records its dataflow), or,
-    for a model on the meta device, a copy materialised on the CPU; the global RNG is left as it was."""
-    from tp_train.plan import _materialize
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-            probe, materialized = copy.deepcopy(model), {}
-            init_weights = getattr(probe, "_init_weights", None)
-            for name, module in probe.named_modules():
-                _materialize(name, module, torch.device("cpu"), materialized, init_weights)
-        else:
-            probe = model
-        training = {module: module.training for module in probe.modules()}
-        requires_grad = {param: param.requires_grad for param in probe.parameters()}
-        probe.eval()
-        for param in requires_grad:
-            param.requires_grad_(param.is_floating_point())
-        try:
-            yield probe
-        finally:
-            for module, mode in training.items():
-                module.train(mode)
-            for param, flag in requires_grad.items():
-                param.requires_grad_(flag)
-
-
-def probe_token_ids(model: nn.Module) -> torch.Tensor:
-    """(1, 8) random token ids (fixed seed) that every embedding of `model` accepts."""
-    embeddings = [module for module in model.modules() if isinstance(module, nn.Embedding)]
-    if not embeddings:
-        raise ValueError(
-            f"the auto-planner needs an example input for {type(model).__name__} (it has no nn.Embedding to draw "
-            f"token ids for): pass example_input=..., or give the model a `tp_plan`"
-        )
-    device = next(model.parameters()).device
-    high = min(module.num_embeddings for module in embeddings)
-    return torch.randint(0, high, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0)).to(device)
 
 
 # ------------------------------------------------------------------------------------------------------ helpers

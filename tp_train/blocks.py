@@ -46,8 +46,8 @@ def block_layout(model: nn.Module, planned: list[PlannedModule], feature: str) -
             f"{type(model).__name__} has {found}: planned layers are {linears[:3]}..."
         )
     (list_name, blocks), *_ = lists.items()
-    layout = BlockLayout([f"{list_name}.{index}" for index in range(len(blocks))], set(), None, {})
-    layout.planned = {entry.name: entry.style for entry in planned}
+    names = [f"{list_name}.{index}" for index in range(len(blocks))]
+    layout = BlockLayout(names, set(), None, {entry.name: entry.style for entry in planned})
     for name in linears:
         parent = name.rpartition(".")[0]
         if layout.in_blocks(name) and parent not in layout.blocks:

@@ -128,6 +128,12 @@ class _ConjugatePair(torch.autograd.Function):
         return grad_input, None, None, None, None, None
 
 
+def _conjugate_pair(x, forward_op, backward_op, dim, group, counter):
+    if dist.get_world_size(group) == 1:
+        return x  # every op is the identity on one rank: no autograd node either
+    return _ConjugatePair.apply(x, forward_op, backward_op, dim, group, counter)
+
+
 def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Not autograd: the sum over the group of a parameter's partial gradients (a gradient hook), for a replicated
     parameter that each rank applies to its own shard only (e.g. a norm over head_dim inside attention)."""
@@ -139,7 +145,7 @@ def copy_to_tensor_parallel_region(
 ) -> torch.Tensor:
     """Megatron's `f`. Forward: identity (the replicated input enters a sharded region).
     Backward: all-reduce, summing the partial input gradients of every rank's shard."""
-    return _ConjugatePair.apply(x, _identity, _sum, -1, group, counter)
+    return _conjugate_pair(x, _identity, _sum, -1, group, counter)
 
 
 def reduce_from_tensor_parallel_region(
@@ -147,7 +153,7 @@ def reduce_from_tensor_parallel_region(
 ) -> torch.Tensor:
     """Megatron's `g`. Forward: all-reduce (sum) of every rank's partial output.
     Backward: identity (the gradient of a replicated output is already replicated)."""
-    return _ConjugatePair.apply(x, _sum, _identity, -1, group, counter)
+    return _conjugate_pair(x, _sum, _identity, -1, group, counter)
 
 
 def reduce_from_tensor_parallel_region_(
@@ -156,7 +162,7 @@ def reduce_from_tensor_parallel_region_(
     """`reduce_from_tensor_parallel_region` that all-reduces `x` in place instead of a copy of it, for a layer
     that owns `x` (a fresh output that nothing saved for backward). Forward: in-place all-reduce (sum), returns `x`.
     Backward: identity."""
-    return _ConjugatePair.apply(x, _sum_in_place, _identity, -1, group, counter)
+    return _conjugate_pair(x, _sum_in_place, _identity, -1, group, counter)
 
 
 def scatter_to_tensor_parallel_region(
@@ -164,7 +170,7 @@ def scatter_to_tensor_parallel_region(
 ) -> torch.Tensor:
     """Forward: keep this rank's chunk of the last dim of a replicated tensor.
     Backward: all-gather the gradient chunks along the last dim."""
-    return _ConjugatePair.apply(x, _split, _all_gather, -1, group, counter)
+    return _conjugate_pair(x, _split, _all_gather, -1, group, counter)
 
 
 def gather_from_tensor_parallel_region(
@@ -172,7 +178,7 @@ def gather_from_tensor_parallel_region(
 ) -> torch.Tensor:
     """Forward: all-gather a last-dim-sharded tensor into the full, replicated tensor.
     Backward: keep this rank's chunk of the gradient's last dim (no communication)."""
-    return _ConjugatePair.apply(x, _all_gather, _split, -1, group, counter)
+    return _conjugate_pair(x, _all_gather, _split, -1, group, counter)
 
 
 def scatter_to_sequence_parallel_region(
@@ -180,7 +186,7 @@ def scatter_to_sequence_parallel_region(
 ) -> torch.Tensor:
     """Forward: keep this rank's chunk of the sequence dim of a replicated (batch, seq, hidden) tensor.
     Backward: all-gather the gradient chunks along the sequence dim."""
-    return _ConjugatePair.apply(x, _split, _all_gather, SEQUENCE_DIM, group, counter)
+    return _conjugate_pair(x, _split, _all_gather, SEQUENCE_DIM, group, counter)
 
 
 def gather_from_sequence_parallel_region(
@@ -188,7 +194,7 @@ def gather_from_sequence_parallel_region(
 ) -> torch.Tensor:
     """Sequence parallelism's replacement for `f`. Forward: all-gather the sequence shards into the full sequence.
     Backward: reduce-scatter, summing the partial gradients and keeping this rank's sequence chunk."""
-    return _ConjugatePair.apply(x, _all_gather, _reduce_scatter, SEQUENCE_DIM, group, counter)
+    return _conjugate_pair(x, _all_gather, _reduce_scatter, SEQUENCE_DIM, group, counter)
 
 
 def reduce_scatter_to_sequence_parallel_region(
@@ -196,4 +202,4 @@ def reduce_scatter_to_sequence_parallel_region(
 ) -> torch.Tensor:
     """Sequence parallelism's replacement for `g`. Forward: reduce-scatter, summing every rank's partial output and
     keeping this rank's sequence chunk. Backward: all-gather the gradient along the sequence dim."""
-    return _ConjugatePair.apply(x, _reduce_scatter, _all_gather, SEQUENCE_DIM, group, counter)
+    return _conjugate_pair(x, _reduce_scatter, _all_gather, SEQUENCE_DIM, group, counter)

@@ -76,6 +76,8 @@ class ColumnParallelLinear(nn.Module):
     Forward: the replicated input enters through `copy_to_tensor_parallel_region` (identity), the output is
     sharded along its last dim, or all-gathered back to the full width when `gather_output`. Backward: the
     input gradient is all-reduced (the `f` of Megatron's pair).
+    Under sequence parallelism (`input_layout`) the input arrives split along the sequence and is all-gathered
+    instead (reduce-scatter in backward), or was gathered already by the enclosing module.
 
     Args:
         in_features: input width (replicated).
@@ -155,6 +157,8 @@ class RowParallelLinear(nn.Module):
     partial outputs are all-reduced by `reduce_from_tensor_parallel_region` (the `g` of Megatron's pair) and the
     replicated bias is added once, after the reduction. Backward: identity for the output gradient; every rank
     computes its own input-shard gradient with no communication.
+    Under sequence parallelism (`sequence_parallel`) the partial outputs are reduce-scattered along the sequence
+    instead (all-gather in backward), and the bias is added to this rank's chunk.
 
     Args:
         in_features: full input width, split evenly across ranks.

@@ -76,20 +76,21 @@ def apply_sequence_parallel(model: nn.Module, layout: BlockLayout, group: Proces
             if layer.input_region is not None:
                 layer.input_region.input_layout = layer.input_layout
     for name in sorted(layout.sub_blocks):
-        _gather_input(model.get_submodule(name), group)
+        # One all-gather shared by all the module's column layers (reduce-scatter in backward), made contiguous
+        # once here: q, k and v would each copy a strided gather to fold it into a matmul, and keep the copy.
+        _map_input(model.get_submodule(name), lambda x: gather_from_sequence_parallel_region(x, group).contiguous())
     head.input_layout = SEQUENCE_SHARDED_INPUT
     world_size = dist.get_world_size(group)
 
-    def enter(block, args):
+    def enter(hidden: torch.Tensor) -> torch.Tensor:
         region.active = True
-        hidden = args[0]
         if hidden.size(1) % world_size:
             raise ValueError(
                 f"sequence_parallel: sequence length {hidden.size(1)} is not divisible by tensor_parallel_size="
                 f"{world_size}; use a sequence length that is a multiple of {world_size}"
             )
         region.shard_shape = (*hidden.shape[:1], hidden.size(1) // world_size, *hidden.shape[2:])
-        return (scatter_to_sequence_parallel_region(hidden, group), *args[1:])
+        return scatter_to_sequence_parallel_region(hidden, group)
 
     def leave(*_):
         region.active = False
@@ -103,7 +104,7 @@ def apply_sequence_parallel(model: nn.Module, layout: BlockLayout, group: Proces
             )
         region.active = False
 
-    model.get_submodule(layout.blocks[0]).register_forward_pre_hook(enter)
+    _map_input(model.get_submodule(layout.blocks[0]), enter)
     head.register_forward_pre_hook(reach_head)
     model.register_forward_pre_hook(leave)  # a forward that failed midway leaves no stale state
     _reduce_replicated_gradients(model, layout, group, region)
@@ -144,26 +145,19 @@ def _reduce_if(grad: torch.Tensor, in_region: bool, group: ProcessGroup) -> torc
     return all_reduce_gradient(grad, group) if in_region else grad
 
 
-def _gather_input(module: nn.Module, group: ProcessGroup) -> None:
-    """All-gathers the sequence shards of `module`'s input (its first argument, positional or by name) before its
-    forward: one all-gather shared by all its column layers, reduce-scatter in backward."""
+def _map_input(module: nn.Module, fn) -> None:
+    """Replaces `module`'s input (its first argument, positional or by name) by `fn(input)` before each forward."""
     parameters = list(inspect.signature(module.forward).parameters)
     first = parameters[0] if parameters else None
 
     def hook(module, args, kwargs):
         if args:
-            return (_gather(args[0], group), *args[1:]), kwargs
+            return (fn(args[0]), *args[1:]), kwargs
         if first in kwargs:
-            return args, {**kwargs, first: _gather(kwargs[first], group)}
+            return args, {**kwargs, first: fn(kwargs[first])}
         raise ValueError(
-            f"sequence_parallel: {type(module).__name__} was called without its input '{first}'; "
-            f"sequence parallelism gathers a sub-block's first argument"
+            f"sequence_parallel: {type(module).__name__} was called without its input '{first}'; sequence "
+            f"parallelism splits a block's and gathers an attention / MLP module's first argument"
         )
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    # Contiguous once here: each of q, k and v would otherwise copy the strided gather to fold it into a matmul,
-    # and keep its own copy for backward.
-    return gather_from_sequence_parallel_region(x, group).contiguous()

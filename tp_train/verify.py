@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from tp_train.autoplan import probe_token_ids
 from tp_train.comm import gather_from_tensor_parallel_region
+from tp_train.probe import first_line, probe_token_ids
 from tp_train.sharding import full_state_dict, named_sharded_parameters, unshard_tensor
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
@@ -137,7 +137,7 @@ def _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance) -
             return {}, (f"the sharded model's output has shape {shapes}", None)
         (output.float() * weight).sum().backward()
     except Exception as error:  # noqa: BLE001 - a plan that breaks the forward is reported like a wrong one
-        return {}, (f"the sharded model fails on a probe batch ({type(error).__name__}: {_first_line(error)})", None)
+        return {}, (f"the sharded model fails on a probe batch ({type(error).__name__}: {first_line(error)})", None)
     output_error = _relative(output, ref_output)
     if output_error <= tolerance:
         return {"output": output_error}, None
@@ -163,10 +163,6 @@ def _compare_gradients(model, reference, group, tolerance) -> tuple[float, Probl
         f"'replicated_with_grad_allreduce')",
         name.rpartition(".")[0],
     )
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 
 def _first_tensor(output) -> torch.Tensor | None:
