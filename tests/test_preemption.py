@@ -227,7 +227,9 @@ def test_sigterm_mid_epoch_then_the_same_command_resumes_with_the_same_losses(tm
     assert f"resuming from {checkpoint}" in resumed.stderr
 
     straight, first, second = (_losses(d) for d in (straight_dir, preempted_dir, resumed_dir))
-    assert sorted(straight) == list(range(12)) and sorted(second) == list(range(7, 12))
+    assert (
+        sorted(straight) == list(range(12)) and sorted(first) == list(range(7)) and sorted(second) == list(range(7, 12))
+    )
     epoch_of_step_7 = straight[7][0]
     assert epoch_of_step_7 >= 1 and straight[6][0] == epoch_of_step_7  # resumed mid-epoch, past the first epoch
     for step in range(12):

@@ -2,7 +2,8 @@
 
 A cluster signals either the launching process only (rank 0 under Lightning's popen launcher) or every rank (SLURM),
 and ranks may see it steps apart, so each rank's "signal seen" flag is all-reduced (max) at the end of every step:
-all ranks stop after the same step, save one checkpoint together and raise `Preempted`.
+all ranks stop after the same step, save one checkpoint together and raise `Preempted` (at the next hook, once
+Lightning has logged the step).
 
 Lightning 2.6's own SIGTERM handler forwards the signal to the child ranks and broadcasts from inside the signal
 handler, which can interleave with a collective in flight (a tensor-parallel all-reduce), and it saves nothing.
@@ -55,10 +56,11 @@ class PreemptionCheckpoint(L.Callback):
         self.received: signal.Signals | None = None  # the first signal this rank received
         self._previous_handlers: dict[signal.Signals, object] = {}
         self._last_checked_step = -1
+        self._stop: Preempted | None = None  # saved; raised at the next hook
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After Lightning registered its handlers (trainer._run), so these take their place for the training.
-        self.received = None
+        self.received, self._stop = None, None
         if threading.current_thread() is threading.main_thread():  # Python's rule for installing handlers
             self._previous_handlers = {signum: signal.signal(signum, self._on_signal) for signum in self.signals}
 
@@ -75,7 +77,24 @@ class PreemptionCheckpoint(L.Callback):
         if agreed:
             path = self._checkpoint_path(trainer)
             trainer.save_checkpoint(path)
-            raise Preempted(step, path, signal.Signals(agreed).name)
+            self._stop = Preempted(step, path, signal.Signals(agreed).name)
+
+    # Raised at the next hook rather than at once, so that Lightning still logs the step's metrics. A run whose last
+    # step it was simply ends.
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        self._raise_if_stopping()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._raise_if_stopping()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._raise_if_stopping()
+
+    def _raise_if_stopping(self) -> None:
+        if self._stop is not None:
+            stop, self._stop = self._stop, None
+            raise stop
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for signum, handler in self._previous_handlers.items():
