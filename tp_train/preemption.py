@@ -58,11 +58,18 @@ class PreemptionCheckpoint(L.Callback):
         self._last_checked_step = -1
         self._stop: Preempted | None = None  # saved; raised at the next hook
 
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install()
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # After Lightning registered its handlers (trainer._run), so these take their place for the training.
+        self._install()
+
+    def _install(self) -> None:
+        # Called after Lightning registered its handlers (trainer._run), so these take their place until teardown.
+        if self._previous_handlers or threading.current_thread() is not threading.main_thread():
+            return  # installed already, or not allowed: Python installs handlers from the main thread only
         self.received, self._stop = None, None
-        if threading.current_thread() is threading.main_thread():  # Python's rule for installing handlers
-            self._previous_handlers = {signum: signal.signal(signum, self._on_signal) for signum in self.signals}
+        self._previous_handlers = {signum: signal.signal(signum, self._on_signal) for signum in self.signals}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)  # nothing else here: a handler runs between bytecodes
