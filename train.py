@@ -121,7 +121,7 @@ def run(cfg: DictConfig) -> float | None:
     except Preempted as stop:  # a checkpoint was saved: exit cleanly (status 0) with one line
         if trainer.is_global_zero:
             print(stop, file=sys.stderr)
-        return None
+        sys.exit(0)  # the process, a multirun's later jobs included: the machine is being taken away
     summary = summarize(trainer)
     if summary is None:
         return None
