@@ -15,15 +15,17 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from tp_train import TensorParallelMixedPrecision, preflight
+from tp_train import TensorParallelMixedPrecision, preflight, resume
 from tp_train.callbacks import TrainingMetrics, peak_memory_mib
 from tp_train.config import lightning_precision, register_resolvers
 from tp_train.memory import estimate_for_config
 from tp_train.module import CausalLMModule
+from tp_train.preemption import Preempted
 
 register_resolvers()
 
@@ -64,6 +66,24 @@ def summarize(trainer: L.Trainer) -> dict | None:
     }
 
 
+def resume_from(cfg: DictConfig) -> str | None:
+    """The checkpoint to resume from: `ckpt_path`, or with `ckpt_path=auto` this command's last run's (see
+    tp_train.resume), decided by the launching process and passed to its child ranks."""
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    unresolved = OmegaConf.to_container(hydra_cfg, resolve=False)  # the template, before ${now:...} is filled in
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        template = f"{unresolved['sweep']['dir']}/{unresolved['sweep']['subdir']}"
+    else:
+        template = unresolved["run"]["dir"]
+    ckpt_path = resume.resolve(cfg.ckpt_path, template, run_dir, list(hydra_cfg.overrides.task))
+    if rank_zero_only.rank == 0:
+        os.environ[resume.ENVIRONMENT_VARIABLE] = ckpt_path or ""  # Lightning's launcher copies it to the ranks
+        if ckpt_path is not None:
+            print(f"resuming from {ckpt_path}", file=sys.stderr)
+    return ckpt_path
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     # A multirun (-m tp=1,2) runs its jobs in this one process: each job starts from the same environment and
@@ -81,16 +101,19 @@ def main(cfg: DictConfig) -> float | None:
 def run(cfg: DictConfig) -> float | None:
     try:
         preflight.check(cfg, lambda: instantiate(cfg.model))
+        if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
+            estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
+            print(estimate.table(f"predicted memory per rank (tp={cfg.tp}, precision={cfg.precision})"), flush=True)
+        if cfg.get("dry_run"):
+            return None
+        datamodule = instantiate(cfg.data)
+        if rank_zero_only.rank == 0:  # the launching process: data errors surface before any rank starts
+            datamodule.prepare_data()
     except preflight.ConfigError as error:  # a user error: one line, no traceback, status 2
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
-        estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
-        print(estimate.table(f"predicted memory per rank (tp={cfg.tp}, precision={cfg.precision})"), flush=True)
-    if cfg.get("dry_run"):
-        return None
+    ckpt_path = resume_from(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data)
     module = CausalLMModule(
         model=instantiate(cfg.model),
         optimizer=instantiate(cfg.optimizer),
@@ -99,7 +122,12 @@ def run(cfg: DictConfig) -> float | None:
     trainer = build_trainer(cfg)
     if trainer.logger:
         trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    except Preempted as stop:  # a checkpoint was saved: exit cleanly (status 0) with one line
+        if trainer.is_global_zero:
+            print(stop, file=sys.stderr)
+        sys.exit(0)  # the process, a multirun's later jobs included: the machine is being taken away
     summary = summarize(trainer)
     if summary is None:
         return None

@@ -16,6 +16,7 @@ import torch
 
 from tp_train import data
 from tp_train.data import TextDataModule
+from tp_train.preflight import ConfigError
 
 BLOCK = 64
 SMALL = {"max_files": 30, "max_bytes": 300_000, "vocab_size": 512, "block_size": BLOCK}  # ~1 s to build
@@ -156,7 +157,7 @@ def test_local_text_and_jsonl_files(tmp_path):
 
 def test_missing_local_path_names_the_key_and_the_path(tmp_path):
     for source in [str(tmp_path / "missing.txt"), "./missing_dir", str(tmp_path / "*.jsonl")]:
-        message = _error(FileNotFoundError, source=source, cache_dir=str(tmp_path))
+        message = _error(ConfigError, source=source, cache_dir=str(tmp_path))
         assert f"data.source={source!r}" in message
 
 

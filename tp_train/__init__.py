@@ -23,8 +23,10 @@ from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParall
 from tp_train.module import CausalLMModule
 from tp_train.parallelize import parallelize
 from tp_train.precision import TensorParallelMixedPrecision
+from tp_train.preemption import Preempted, PreemptionCheckpoint
 from tp_train.pretrained import load_pretrained
 from tp_train.random import TensorParallelRNG
+from tp_train.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
 from tp_train.schedulers import cosine_with_warmup
 from tp_train.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
 from tp_train.strategy import TensorParallelStrategy
@@ -36,6 +38,10 @@ __all__ = [
     "CausalLMModule",
     "ColumnParallelLinear",
     "PlanVerificationError",
+    "Preempted",
+    "PreemptionCheckpoint",
+    "ResumableDataLoader",
+    "ResumableDistributedSampler",
     "RowParallelLinear",
     "ShardSpec",
     "TensorParallelMixedPrecision",

@@ -27,7 +27,6 @@ from pathlib import Path
 from unittest import mock
 
 import datasets
-import torch
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.utils import get_session
 from lightning.pytorch import LightningDataModule
@@ -35,6 +34,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from typing_extensions import override
+
+from tp_train.preflight import ConfigError
+from tp_train.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
 
 EOS = "<|endoftext|>"
 STDLIB = "python_stdlib"
@@ -128,17 +130,20 @@ class TextDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        # Seeded, so a rerun sees the same order. Under DDP, Lightning replaces the sampler with a
-        # DistributedSampler (our strategy's: data-parallel ranks only), which has its own seed.
-        return self._dataloader(self.train_dataset, shuffle=True, generator=torch.Generator().manual_seed(self.seed))
+        # Each epoch's order is a function of (seed, epoch) split over the data-parallel ranks only (the strategy's
+        # sampler arguments; Lightning keeps a DistributedSampler as it is), so a checkpoint resumes mid-epoch at
+        # the next untrained batch (see tp_train.resumable_loader).
+        split = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
+        sampler = ResumableDistributedSampler(self.train_dataset, shuffle=True, seed=self.seed, **split)
+        return self._dataloader(self.train_dataset, loader=ResumableDataLoader, sampler=sampler)
 
     @override
     def val_dataloader(self) -> DataLoader:
         return self._dataloader(self.val_dataset, shuffle=False)
 
-    def _dataloader(self, dataset: datasets.Column, **kwargs) -> DataLoader:
+    def _dataloader(self, dataset: datasets.Column, loader: type[DataLoader] = DataLoader, **kwargs) -> DataLoader:
         workers = self.num_workers
-        return DataLoader(dataset, self.batch_size, num_workers=workers, persistent_workers=workers > 0, **kwargs)
+        return loader(dataset, self.batch_size, num_workers=workers, persistent_workers=workers > 0, **kwargs)
 
     def _corpus(self) -> tuple[Path, list[Path] | None]:
         """The corpus cache directory and the corpus files (None for a hub dataset), sorted and capped."""
@@ -166,8 +171,13 @@ class TextDataModule(LightningDataModule):
             return None
         else:
             files = []
+        if not files and path.is_dir():
+            raise ConfigError(
+                f"data.source={source!r} is a directory without {'/'.join(_DIRECTORY_SUFFIXES)} files; "
+                f"point it at text files (a file, a directory or a glob) or use data.source={STDLIB}"
+            )
         if not files:
-            raise FileNotFoundError(f"data.source={source!r}: no such file or directory, or no files match it")
+            raise ConfigError(f"data.source={source!r}: no such file or directory, or no files match it")
         files = sorted(files)[: self.max_files]  # filesystem order differs between machines; the corpus must not
         if self.max_bytes is not None:  # at least one file, so a cap never empties the corpus
             totals = itertools.accumulate(p.stat().st_size for p in files)
@@ -188,7 +198,7 @@ class TextDataModule(LightningDataModule):
 
     def _text_column(self, documents: datasets.Dataset, column: str) -> datasets.Dataset:
         if column not in documents.column_names:
-            raise ValueError(f"data.text_field={column!r} is not a column of data.source={self.source!r}")
+            raise ConfigError(f"data.text_field={column!r} is not a column of data.source={self.source!r}")
         documents = documents.select_columns([column])
         return documents if column == "text" else documents.rename_column(column, "text")
 
@@ -202,7 +212,7 @@ class TextDataModule(LightningDataModule):
                 return load(self.source, self.subset, split=split)
         except Exception as err:
             reason = "the hub is offline or unreachable" if offline else f"{type(err).__name__}: {err}".splitlines()[0]
-            raise ValueError(
+            raise ConfigError(
                 f"data.source={self.source!r} is not a local path and could not be loaded from the Hugging Face hub "
                 f"({reason}); use data.source={STDLIB} or a local file, directory or glob"
             ) from err
@@ -216,12 +226,12 @@ class TextDataModule(LightningDataModule):
             if tokenizer.eos_token is None and EOS in tokenizer.get_vocab():
                 tokenizer.eos_token = EOS  # a bare tokenizer.json does not say which token ends a document
         else:
-            raise FileNotFoundError(f"data.tokenizer_path={self.tokenizer_path!r}: no tokenizer at {path}")
+            raise ConfigError(f"data.tokenizer_path={self.tokenizer_path!r}: no tokenizer at {path}")
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"data.tokenizer_path={self.tokenizer_path!r} has no eos_token to separate documents")
+            raise ConfigError(f"data.tokenizer_path={self.tokenizer_path!r} has no eos_token to separate documents")
         self.tokenizer, self.vocab_size, requested = tokenizer, len(tokenizer), self.requested_vocab_size
         if self.vocab_size > requested:  # configs size the model's embedding by data.vocab_size
-            raise ValueError(f"data.vocab_size={requested} is below the tokenizer's size, {self.vocab_size}: raise it")
+            raise ConfigError(f"data.vocab_size={requested} is below the tokenizer's size, {self.vocab_size}: raise it")
 
     def _blocks_dir(self, corpus_dir: Path) -> Path:
         tokenizer_hash = _digest(self.tokenizer.backend_tokenizer.to_str())[:12]
@@ -241,7 +251,13 @@ class TextDataModule(LightningDataModule):
         )
         if len(blocks) < 2:
             tokens = len(_tokenize_and_pack(documents[:], self.tokenizer, 1)["input_ids"])  # blocks of 1 = tokens
-            raise ValueError(
+            if tokens == 0:
+                raise ConfigError(
+                    f"data.source={self.source!r} is empty: its files hold 0 tokens of text, and 2 blocks (train and "
+                    f"val) of data.block_size+1={length} tokens are needed; use files with text or "
+                    f"data.source={STDLIB}"
+                )
+            raise ConfigError(
                 f"data.source={self.source!r} gives {tokens} tokens, fewer than the 2 blocks (train and val) of "
                 f"data.block_size+1={length} tokens needed; use a larger corpus or a smaller data.block_size"
             )

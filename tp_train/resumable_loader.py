@@ -1,0 +1,70 @@
+"""A training DataLoader that resumes mid-epoch at the batch where a checkpoint was saved.
+
+Lightning's fit loop stores the `state_dict()` of every train DataLoader that has one (`state_dict` and
+`load_state_dict`, Lightning's `_Stateful`) in the checkpoint under the loop state, and on resume calls
+`load_state_dict` on the freshly built loader before iterating it. The order of an epoch is a pure function of
+(seed, epoch, data-parallel rank), so the state is just (epoch, batches yielded in it); the resumed epoch
+recomputes the same order and starts after the batches already trained, without loading them.
+
+Batches yielded are batches trained: Lightning prefetches a batch only from loaders without a length, and this
+one has a length (the full epoch's, also when resumed part way, which is what Lightning's batch counting expects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """torch's `DistributedSampler` (a permutation seeded with `seed + epoch`, this rank taking every
+    `num_replicas`-th index) that can leave out the first `start` indices of this rank's share for one epoch.
+
+    Lightning leaves a `DistributedSampler` in place instead of replacing it, so the split must be given: the
+    data-parallel ranks only, as `TensorParallelStrategy.distributed_sampler_kwargs` says.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.start = 0  # indices of this rank's share to leave out; set by ResumableDataLoader
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(super().__iter__())[self.start :])
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a `ResumableDistributedSampler` whose position Lightning saves in checkpoints.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: samples per batch on this data-parallel rank.
+        sampler: its sampler; `set_epoch` (called by Lightning each epoch) picks the epoch's order.
+        **kwargs: other DataLoader arguments (num_workers, ...).
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, sampler: ResumableDistributedSampler, **kwargs: Any):
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+        self._epoch, self._batches = sampler.epoch, 0  # the current epoch and the batches yielded in it
+        self._resume_at: dict[str, int] | None = None  # a loaded state, applied by the next iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: this runs at the first next(), after Lightning has set the sampler's epoch.
+        epoch, resume = self.sampler.epoch, self._resume_at
+        self._resume_at = None
+        skipped = resume["batches"] if resume is not None and resume["epoch"] == epoch else 0
+        self.sampler.start = skipped * self.batch_size
+        self._epoch, self._batches = epoch, skipped
+        for batch in super().__iter__():
+            self._batches += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and how many of its batches this rank has been given (= trained, see the module doc)."""
+        return {"epoch": self._epoch, "batches": self._batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Makes the next iteration of epoch `state["epoch"]` start after its first `state["batches"]` batches."""
+        self._resume_at = {"epoch": int(state["epoch"]), "batches": int(state["batches"])}
+        self._epoch, self._batches = self._resume_at["epoch"], self._resume_at["batches"]

@@ -1,0 +1,81 @@
+"""Auto-resume: with `ckpt_path=auto`, rerunning a command continues its previous run from that run's last checkpoint.
+
+The rule, applied in the launching process before any rank starts:
+
+- The runs of this command are the run directories the Hydra run-dir template can name (each `${...}` in it a
+  wildcard: `outputs/${now:...}/${now:...}` looks in `outputs/*/*`; an explicit `hydra.run.dir=X` in X only)
+  whose `.hydra/overrides.yaml` lists the same overrides, in any order, `ckpt_path` aside; and this run's own
+  directory (an explicit `hydra.run.dir` reused).
+- The latest thing that happened in them decides: a complete `checkpoints/last.ckpt` saved after that run last
+  finished (`summary.json`, written when a run completes) is resumed from; a finished run, or no checkpoint,
+  starts fresh. A run that was killed before saving anything does not count, so its predecessor's checkpoint is
+  still found.
+
+`ckpt_path=<path>` resumes from that path; `ckpt_path=null` always starts fresh. Child ranks started by the
+launching process receive its decision through the environment, since they run in the new run's directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from pathlib import Path
+
+import yaml
+
+AUTO = "auto"
+ENVIRONMENT_VARIABLE = "TP_TRAIN_RESUME_FROM"  # the launching process's decision, inherited by its child ranks
+LAST_CHECKPOINT = Path("checkpoints", "last.ckpt")  # in the run directory, where conf/callbacks saves it
+FINISHED = "summary.json"
+_INTERPOLATION = re.compile(r"\$\{[^}]*\}")
+
+
+def resolve(ckpt_path: str | None, run_dir_template: str, run_dir: Path, overrides: list[str]) -> str | None:
+    """The checkpoint to resume from, or None to start fresh.
+
+    Args:
+        ckpt_path: the config value: "auto", None (fresh) or a path (used as it is).
+        run_dir_template: the unresolved Hydra run directory (for a multirun, sweep dir / subdir).
+        run_dir: this run's directory (Hydra has created it already).
+        overrides: this run's task overrides (`hydra.overrides.task`).
+    """
+    if ckpt_path != AUTO:
+        return ckpt_path
+    if ENVIRONMENT_VARIABLE in os.environ:  # a child rank: the launching process decided
+        return os.environ[ENVIRONMENT_VARIABLE] or None
+    found = last_checkpoint(run_dir_template, run_dir, overrides)
+    return None if found is None else str(found)
+
+
+def last_checkpoint(run_dir_template: str, run_dir: Path, overrides: list[str]) -> Path | None:
+    """The last checkpoint of an unfinished earlier run of the same command (see the module docstring)."""
+    command = _command(overrides)
+    runs = {Path(p).resolve() for p in glob.glob(_INTERPOLATION.sub("*", run_dir_template))} | {run_dir.resolve()}
+    events = []  # (time, checkpoint or None for "finished")
+    for run in runs:
+        recorded = run / ".hydra" / "overrides.yaml"
+        if run != run_dir.resolve() and not (recorded.is_file() and _command(_read(recorded)) == command):
+            continue
+        checkpoint, finished = run / LAST_CHECKPOINT, run / FINISHED
+        if (checkpoint / ".metadata").is_file():  # complete: DCP writes .metadata last
+            events.append((_saved_at(checkpoint), checkpoint))
+        if finished.is_file():
+            events.append((finished.stat().st_mtime, None))
+    return max(events, key=lambda event: event[0])[1] if events else None
+
+
+def _command(overrides: list[str]) -> list[str]:
+    return sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "ckpt_path")
+
+
+def _read(path: Path) -> list[str]:
+    try:
+        return [str(item) for item in yaml.safe_load(path.read_text()) or []]
+    except (OSError, yaml.YAMLError):
+        return []  # not a run of this app: ignored
+
+
+def _saved_at(checkpoint: Path) -> float:
+    files = [checkpoint / name for name in ("meta.pt", ".metadata")]
+    return max(f.stat().st_mtime for f in files if f.is_file())
