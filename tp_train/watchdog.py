@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from tp_train.errors import first_line
+
 LAUNCHER_PID = "TP_TRAIN_LAUNCHER_PID"  # set in each child's environment by the launcher
 POLL_SECONDS = 0.5
 GRACE_SECONDS = 5.0  # after a failure, how long to wait for the rank that caused it to be seen dead
@@ -39,11 +41,6 @@ def describe_exit(returncode: int) -> str:
 def _error(message: str) -> None:
     # On a line of its own: a progress bar may have left the cursor mid-line.
     print(f"\nerror: {message}", file=sys.stderr, flush=True)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 class ChildRanks:
@@ -72,7 +69,7 @@ class ChildRanks:
         deadline = time.monotonic() + GRACE_SECONDS
         while not (dead := self.failed()) and time.monotonic() < deadline and _looks_like_a_peer_died(error):
             time.sleep(POLL_SECONDS / 5)
-        reason = dead or [f"rank {self.own_rank} (pid {os.getpid()}) failed: {_first_line(error)}"]
+        reason = dead or [f"rank {self.own_rank} (pid {os.getpid()}) failed: {first_line(error)}"]
         self._stop("; ".join(reason))
 
     def _watch(self) -> None:
@@ -144,4 +141,4 @@ def on_child_failure(own_rank: int, error: BaseException) -> None:
     rank and its error (before the launcher sees its collectives fail)."""
     wait = 1.0 if _looks_like_a_peer_died(error) else 0.0  # an orphan is re-parented within milliseconds
     if LAUNCHER_PID not in os.environ or not launcher_gone(own_rank, wait=wait):
-        _error(f"rank {own_rank} (pid {os.getpid()}) failed: {_first_line(error)}")
+        _error(f"rank {own_rank} (pid {os.getpid()}) failed: {first_line(error)}")
