@@ -1,9 +1,9 @@
 """Bad configs are refused by train.py before any rank starts: one line naming the key, the value and what would
-work; exit status 2; no traceback."""
+work; exit status 2; no traceback. No case starts a rank, so all of them run at once."""
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +11,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SIZED = "model._target_=tests.preflight_models.SizedLM"  # widths set one by one (GPT derives them from each other)
 
 CASES = {
     "ranks_not_multiple_of_tp": (["tp=3", "trainer.devices=2"], "trainer.devices=2 x trainer.num_nodes=1 = 2 ranks"),
+    "nodes_not_multiple_of_tp": (["tp=2", "trainer.devices=1", "trainer.num_nodes=3"],
+                                 "trainer.devices=1 x trainer.num_nodes=3 = 3 ranks is not a multiple of tp=2"),
+    "tp_not_positive": (["tp=0"], "tp=0 must be a positive integer"),
     "unknown_precision": (["precision=fp8"], "precision=fp8 is not a precision; use one of 32, 16, bf16"),
     "heads_not_divisible": (["model.config.n_head=2", "tp=4"], "config.n_head=2 is not divisible by tensor_parallel"),
+    "kv_heads_not_divisible": ([SIZED, "+model.kv_heads=1", "tp=2"],
+                               "config.num_key_value_heads=1 is not divisible by tensor_parallel_size=2: each rank "
+                               "must hold whole heads (replicating kv heads is not supported); use a tensor_parallel"),
+    "hidden_not_divisible": ([SIZED, "+model.width=66", "+model.heads=null", "tp=4"],
+                             "module 'attn.q' (Linear): out_features=66 is not divisible by tensor_parallel_size=4; "
+                             "use a tensor_parallel_size in [1, 2, 3, 6, 11, 22, 33]"),
+    "ffn_not_divisible": ([SIZED, "+model.ffn=50", "tp=4"],
+                          "module 'fc' (Linear): out_features=50 is not divisible by tensor_parallel_size=4"),
+    "model_without_plan": ([SIZED, "+model.planned=false", "tp=2"], "no tensor-parallel plan for SizedLM: pass plan="),
     "model_rejects_config": (["model.config.n_head=3", "tp=1"], "model: n_embd=64 must be a multiple of n_head=3"),
     "missing_data_path": (["data.source=./no/such/*.txt"], "data.source=./no/such/*.txt: no such file"),
     "sequence_longer_than_context": (["model.config.block_size=32"], "data.block_size=64 exceeds the model's context"),
@@ -23,20 +36,37 @@ CASES = {
         ["tp=2", "sequence_parallel=true", "data.block_size=63"],
         "data.block_size=63 is not a multiple of 2; use data.block_size=62",
     ),
-}
+    "missing_checkpoint": (["ckpt_path=/no/such/last.ckpt"],
+                           "ckpt_path: checkpoint /no/such/last.ckpt: no such file or directory; use a checkpoint"),
+    "checkpoint_is_a_file": (["ckpt_path=train.py"], "checkpoint train.py: a file, not a checkpoint directory"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """Every case's train.py run (one start-up for all: see tests.train_cases)."""
+    directories = {case: tmp_path_factory.mktemp(case) for case in CASES}
+    cases = [
+        {
+            "overrides": ["experiment=smoke", "logger=none", f"hydra.run.dir={directories[case]}", *overrides],
+            "env": {"TP_TRAIN_CACHE": str(directories[case] / "cache")},
+            "directory": str(directories[case]),
+        }
+        for case, (overrides, _) in CASES.items()
+    ]
+    command = [sys.executable, "-m", "tests.train_cases"]
+    done = subprocess.run(command, cwd=ROOT, input=json.dumps(cases), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {case: (result, directories[case]) for case, result in zip(CASES, json.loads(done.stdout), strict=True)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_config_is_one_line_exit_2_no_traceback(case, tmp_path):
-    overrides, expected = CASES[case]
-    result = subprocess.run(
-        [sys.executable, "train.py", "experiment=smoke", "logger=none", f"hydra.run.dir={tmp_path}", *overrides],
-        cwd=ROOT, env={**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
-    assert not (tmp_path / "cache").exists()  # refused before any data was prepared
+def test_bad_config_is_one_line_exit_2_no_traceback(outcomes, case):
+    _, expected = CASES[case]
+    result, directory = outcomes[case]
+    assert result["status"] == 2, result["stderr"][-2000:]
+    assert "Traceback" not in result["stderr"]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], result["stderr"][-2000:]
+    assert not (directory / "cache").exists()  # refused before any data was prepared

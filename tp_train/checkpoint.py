@@ -18,6 +18,8 @@ What the checkpoint holds, keyed the same at every tp:
   shaped like its sharded parameter (Adam's `exp_avg`, `exp_avg_sq`) is split exactly like the parameter.
 
 It loads into a parallelized model only (any tp, 1 included); `tp_train.full_state_dict` is for unsharded models.
+Before loading anything, `load` checks the checkpoint against the model (`tp_train.checkpoint_checks`): a missing,
+truncated, corrupt or incompatible checkpoint raises a one-line `CheckpointError` and changes nothing.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tp_train.checkpoint_checks import CheckpointError, check_files, check_matches
+from tp_train.errors import first_line
 from tp_train.parallelize import TENSOR_PARALLEL  # the mesh dimension a 2-D mesh shards over
 from tp_train.sharding import ShardSpec, named_sharded_parameters
 
@@ -171,17 +176,26 @@ def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh,
 def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh) -> dict:
     """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`."""
     path = Path(path)
-    if not (path / ".metadata").exists():
-        raise FileNotFoundError(
-            f"no complete checkpoint at {path} (no .metadata); a save killed while replacing it leaves it at .old"
-        )
+    metadata = check_files(path)
     state = _checkpoint_state(model, optimizers, mesh)
-    dcp.load(state, checkpoint_id=path)
+    check_matches(path, metadata, state)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:  # DCP gathers every rank's failure into a multi-line report
+        failure = next(iter(error.failures.values()), (error,))  # rank -> (exception, traceback)
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        raise CheckpointError(
+            f"checkpoint {path}: unreadable, reading its tensors failed with {type(failure).__name__} (corrupt shards)"
+        ) from error
     load_model_state_dict(model, mesh, state["model"])
     for index, optimizer in enumerate(optimizers):
         load_optimizer_state_dict(model, optimizer, mesh, state[f"optimizer_{index}"])
-    # weights_only=False: arbitrary metadata, written by `save` itself.
-    return torch.load(path / META_FILE, weights_only=False) if (path / META_FILE).exists() else {}
+    if not (path / META_FILE).exists():
+        return {}
+    try:  # weights_only=False: arbitrary metadata, written by `save` itself
+        return torch.load(path / META_FILE, weights_only=False)
+    except Exception as error:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"checkpoint {path / META_FILE}: unreadable, {first_line(error)}") from error
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from omegaconf import DictConfig
 
+from tp_train.checkpoint_checks import CheckpointError, check_files
 from tp_train.config import lightning_precision
 from tp_train.plan import match_plan, resolve_plan
 
@@ -38,6 +39,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"tp={tp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp)"
         )
     _check_data_source(cfg.data)
+    _check_checkpoint(cfg.get("ckpt_path"))
     try:
         with torch.device("meta"):  # shapes only: nothing is allocated or initialised
             model = build_model()()
@@ -82,6 +84,18 @@ def _check_data_source(data: DictConfig) -> None:
             f"data.source={source}: no such file or directory, or no files match it; "
             f"use a local file, directory or glob, or data.source=python_stdlib"
         )
+
+
+def _check_checkpoint(path: str | None) -> None:
+    """The checkpoint's files are there and whole; whether they fit the model is checked by the ranks, on load."""
+    if path is None or str(path) in ("last", "best", "hpc") or str(path).startswith("registry"):
+        return  # Lightning's names for checkpoints it finds itself
+    try:
+        check_files(os.path.expanduser(str(path)))
+    except CheckpointError as error:
+        raise ConfigError(
+            f"ckpt_path: {error}; use a checkpoint directory a run saved, e.g. <run dir>/checkpoints/last.ckpt"
+        ) from None
 
 
 def _context_length(model: torch.nn.Module) -> int | None:

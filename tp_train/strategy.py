@@ -27,6 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
@@ -131,6 +132,7 @@ class TensorParallelStrategy(DDPStrategy):
             self.root_device.type,
             (self.data_parallel_size, self.tensor_parallel_size),
             mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL),
+            backend_override=self._mesh_timeouts(),
         )
         # DDP averages gradients over the data-parallel axis only; tensor-parallel ranks hold different shards.
         self._ddp_kwargs["process_group"] = self.data_parallel_group
@@ -144,6 +146,18 @@ class TensorParallelStrategy(DDPStrategy):
             self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._start_method)
         else:
             self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _mesh_timeouts(self) -> dict[str, tuple[str, Any]] | None:
+        """The mesh's groups time out like the world group (torch gives its sub-groups a 30-minute default)."""
+        if self._timeout is None:
+            return None
+        backend = self._get_process_group_backend()
+        if backend == "nccl":
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options._timeout = self._timeout
+        else:
+            options = C10dBackend.Options(backend, self._timeout)
+        return {name: (backend, options) for name in (DATA_PARALLEL, TENSOR_PARALLEL)}
 
     # --------------------------------------------------------------------------------------------------- model
 
