@@ -109,10 +109,11 @@ def run(cfg: DictConfig) -> float | None:
         datamodule = instantiate(cfg.data)
         if rank_zero_only.rank == 0:  # the launching process: data errors surface before any rank starts
             datamodule.prepare_data()
+        ckpt_path = resume_from(cfg)
+        preflight.check_checkpoint(ckpt_path)  # the one `ckpt_path=auto` found, too
     except preflight.ConfigError as error:  # a user error: one line, no traceback, status 2
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    ckpt_path = resume_from(cfg)
     L.seed_everything(cfg.seed, workers=True)
     module = CausalLMModule(
         model=instantiate(cfg.model),

@@ -39,7 +39,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"tp={tp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp)"
         )
     _check_data_source(cfg.data)
-    _check_checkpoint(cfg.get("ckpt_path"))
+    check_checkpoint(cfg.get("ckpt_path"))
     try:
         with torch.device("meta"):  # shapes only: nothing is allocated or initialised
             model = build_model()()
@@ -86,10 +86,10 @@ def _check_data_source(data: DictConfig) -> None:
         )
 
 
-def _check_checkpoint(path: str | None) -> None:
+def check_checkpoint(path: str | None) -> None:
     """The checkpoint's files are there and whole; whether they fit the model is checked by the ranks, on load."""
-    if path is None or str(path) in ("last", "best", "hpc") or str(path).startswith("registry"):
-        return  # Lightning's names for checkpoints it finds itself
+    if path is None or str(path) in ("auto", "last", "best", "hpc") or str(path).startswith("registry"):
+        return  # found later: by tp_train.resume (auto, then checked again), or by Lightning
     try:
         check_files(os.path.expanduser(str(path)))
     except CheckpointError as error:
