@@ -39,7 +39,8 @@ def export_hugging_face(
         out_dir: the directory to write (`config.json` and safetensors weights).
         config: the model's Hugging Face config, or a directory holding its `config.json`. Default: the config
             `CausalLMModule` stored in the checkpoint.
-        plan: the plan the model was sharded with, if it was not the model's own (`TensorParallelStrategy(plan=)`).
+        plan: the plan the model was sharded with, if it was not the model's own, with names relative to the
+            Hugging Face model (it tells which Conv1D weights were stored in the parallel layer's layout).
 
     Returns:
         `out_dir`.
