@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tp_train.bench", description=__doc__)
     parser.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, from {sorted(SIZES)}")
     parser.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes, comma-separated")
-    parser.add_argument("--repeats", type=int, default=5, help="timings per contender (the median is reported)")
+    parser.add_argument("--repeats", type=int, default=7, help="timings per contender (the median is reported)")
     parser.add_argument("--seconds", type=float, default=0.5, help="about how long one timing runs (>= 1 step)")
     parser.add_argument("--output", default="bench.json", help="where the JSON results go")
     parser.add_argument("--profile", type=Path, default=None, help="a directory for per-contender profiler tables")
