@@ -18,8 +18,9 @@ import torch
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import LitLM, loader, make_trainer
 from tests.signal_at_step import SignalAtStep
-from tp_train import resume
+from tp_train import TextDataModule, resume
 from tp_train.preemption import Preempted, PreemptionCheckpoint
+from tp_train.preflight import ConfigError
 from tp_train.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,8 +248,17 @@ def _empty_files(directory: Path) -> Path:
     return directory
 
 
-DATA_ERRORS = {
-    "no_files": (lambda directory: directory, "is a directory without .txt/.md/.py/.json/.jsonl files"),
+def test_a_directory_without_text_files_is_a_config_error(tmp_path):
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    with pytest.raises(ConfigError) as info:
+        TextDataModule(source=str(tmp_path), cache_dir=str(tmp_path / "cache")).prepare_data()
+    assert str(info.value) == (
+        f"data.source='{tmp_path}' is a directory without .txt/.md/.py/.json/.jsonl files; point it at text files "
+        f"(a file, a directory or a glob) or use data.source=python_stdlib"
+    )
+
+
+DATA_ERRORS = {  # through train.py, where the launching process prepares the data
     "empty_files": (_empty_files, "is empty: its files hold 0 tokens"),
     "smaller_than_a_block": (lambda directory: _corpus(directory / "small.txt", 2), "fewer than the 2 blocks"),
 }
