@@ -18,6 +18,7 @@ import torch
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import LitLM, loader, make_trainer
 from tests.signal_at_step import SignalAtStep
+from tests.test_preflight import refusal
 from tp_train import TextDataModule, resume
 from tp_train.preemption import Preempted, PreemptionCheckpoint
 from tp_train.preflight import ConfigError
@@ -271,14 +272,6 @@ def test_unusable_corpus_is_one_line_exit_2_before_any_rank_starts(case, tmp_pat
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     source = make(corpus)
-    result = subprocess.run(
-        [sys.executable, "train.py", "experiment=smoke", "logger=none", "data=local_text", f"data.source={source}",
-         "data.vocab_size=300", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env={**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and f"data.source='{source}'" in errors[0] and expected in errors[0], result.stderr
+    error, result = refusal(tmp_path, "data=local_text", f"data.source={source}", "data.vocab_size=300")
+    assert f"data.source='{source}'" in error and expected in error, error
     assert "Starting with 2 processes" not in result.stderr + result.stdout  # refused before the ranks started
