@@ -18,12 +18,28 @@ import torch
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import LitLM, loader, make_trainer
 from tests.signal_at_step import SignalAtStep
-from tp_train import resume
+from tp_train import TextDataModule, resume
 from tp_train.preemption import Preempted, PreemptionCheckpoint
+from tp_train.preflight import ConfigError
 from tp_train.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the parrot is resting not dead it has ceased to be bereft of life it rests in peace a stiff".split()
+
+
+def refusal(tmp_path, *overrides: str) -> tuple[str, subprocess.CompletedProcess]:
+    """Runs `train.py experiment=smoke logger=none *overrides`, asserts it was refused (status 2, no traceback, one
+    `error: ` line) and returns that line and the process."""
+    result = subprocess.run(
+        [sys.executable, "train.py", "experiment=smoke", "logger=none", f"hydra.run.dir={tmp_path}", *overrides],
+        cwd=ROOT, env={**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    return errors[0], result
 
 
 def _epochs(loader_factory, epochs: int) -> list[list[int]]:
@@ -247,8 +263,17 @@ def _empty_files(directory: Path) -> Path:
     return directory
 
 
-DATA_ERRORS = {
-    "no_files": (lambda directory: directory, "is a directory without .txt/.md/.py/.json/.jsonl files"),
+def test_a_directory_without_text_files_is_a_config_error(tmp_path):
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    with pytest.raises(ConfigError) as info:
+        TextDataModule(source=str(tmp_path), cache_dir=str(tmp_path / "cache")).prepare_data()
+    assert str(info.value) == (
+        f"data.source='{tmp_path}' is a directory without .txt/.md/.py/.json/.jsonl files; point it at text files "
+        f"(a file, a directory or a glob) or use data.source=python_stdlib"
+    )
+
+
+DATA_ERRORS = {  # through train.py, where the launching process prepares the data
     "empty_files": (_empty_files, "is empty: its files hold 0 tokens"),
     "smaller_than_a_block": (lambda directory: _corpus(directory / "small.txt", 2), "fewer than the 2 blocks"),
 }
@@ -261,14 +286,6 @@ def test_unusable_corpus_is_one_line_exit_2_before_any_rank_starts(case, tmp_pat
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     source = make(corpus)
-    result = subprocess.run(
-        [sys.executable, "train.py", "experiment=smoke", "logger=none", "data=local_text", f"data.source={source}",
-         "data.vocab_size=300", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env={**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and f"data.source='{source}'" in errors[0] and expected in errors[0], result.stderr
+    error, result = refusal(tmp_path, "data=local_text", f"data.source={source}", "data.vocab_size=300")
+    assert f"data.source='{source}'" in error and expected in error, error
     assert "Starting with 2 processes" not in result.stderr + result.stdout  # refused before the ranks started
