@@ -19,6 +19,7 @@ from tp_train.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.data import TextDataModule
 from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.module import CausalLMModule
+from tp_train.nonfinite import NonFiniteError, NonFiniteGuard
 from tp_train.parallelize import parallelize
 from tp_train.precision import TensorParallelMixedPrecision
 from tp_train.random import TensorParallelRNG
@@ -31,6 +32,8 @@ TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor
 __all__ = [
     "CausalLMModule",
     "ColumnParallelLinear",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "RowParallelLinear",
     "ShardSpec",
     "TensorParallelMixedPrecision",
