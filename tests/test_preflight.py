@@ -39,6 +39,8 @@ CASES = {
     ),
     "missing_checkpoint": (["ckpt_path=/no/such/last.ckpt"],
                            "ckpt_path: checkpoint /no/such/last.ckpt: no such file or directory; use a checkpoint"),
+    "unknown_nonfinite_action": (["nonfinite=ignore"], "nonfinite=ignore: use nonfinite=stop (end the run at a NaN"),
+    "collective_timeout_not_positive": (["collective_timeout_s=0"], "collective_timeout_s=0: use a positive number"),
     "checkpoint_is_a_file": (["ckpt_path=train.py"], "checkpoint train.py: a file, not a checkpoint directory"),
 }  # fmt: skip
 

@@ -21,6 +21,7 @@ from tp_train.data import TextDataModule
 from tp_train.export_hf import export_hugging_face
 from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.module import CausalLMModule
+from tp_train.nonfinite import NonFiniteError, NonFiniteGuard
 from tp_train.parallelize import parallelize
 from tp_train.precision import TensorParallelMixedPrecision
 from tp_train.preemption import Preempted, PreemptionCheckpoint
@@ -37,6 +38,8 @@ TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor
 __all__ = [
     "CausalLMModule",
     "ColumnParallelLinear",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "PlanVerificationError",
     "Preempted",
     "PreemptionCheckpoint",

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from tp_train.checkpoint_checks import CheckpointError, check_files
 from tp_train.config import lightning_precision
+from tp_train.nonfinite import ACTIONS
 from tp_train.plan import match_plan, resolve_plan
 
 
@@ -40,6 +41,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         )
     _check_data_source(cfg.data)
     check_checkpoint(cfg.get("ckpt_path"))
+    _check_fault_handling(cfg)
     try:
         with torch.device("meta"):  # shapes only: nothing is allocated or initialised
             model = build_model()()
@@ -96,6 +98,17 @@ def check_checkpoint(path: str | None) -> None:
         raise ConfigError(
             f"ckpt_path: {error}; use a checkpoint directory a run saved, e.g. <run dir>/checkpoints/last.ckpt"
         ) from None
+
+
+def _check_fault_handling(cfg: DictConfig) -> None:
+    action = cfg.get("nonfinite", "stop")
+    if action not in ACTIONS:
+        raise ConfigError(
+            f"nonfinite={action}: use nonfinite=stop (end the run at a NaN/inf loss or gradient) or nonfinite=skip"
+        )
+    timeout = cfg.get("collective_timeout_s", 1)
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"collective_timeout_s={timeout}: use a positive number of seconds, e.g. 1800")
 
 
 def _context_length(model: torch.nn.Module) -> int | None:

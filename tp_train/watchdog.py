@@ -14,6 +14,7 @@ not a rank. So:
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -106,19 +107,25 @@ def _looks_like_a_peer_died(error: BaseException) -> bool:
 
 
 def watch_launcher(own_rank: int) -> None:
-    """In a child rank: a daemon thread that ends this process (status 1) once the launcher is gone."""
+    """In a child rank: a daemon thread that ends this process (status 1) once the launcher is gone, until this
+    process itself begins to exit (the launcher may then be gone first, normally)."""
+    if _watching_launcher.is_set():
+        return  # one watcher per process (fit, then validate, launch twice)
+    _watching_launcher.set()
     launcher = int(os.environ[LAUNCHER_PID])
+    exiting = threading.Event()
+    atexit.register(exiting.set)
 
     def watch() -> None:
-        while True:
+        while not exiting.wait(POLL_SECONDS):
             if os.getppid() != launcher:
                 launcher_gone(own_rank)
                 os._exit(1)
-            time.sleep(POLL_SECONDS)
 
     threading.Thread(target=watch, name="tp-train-launcher-watch", daemon=True).start()
 
 
+_watching_launcher = threading.Event()
 _reported = threading.Event()
 
 
