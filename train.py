@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tp_train import TensorParallelMixedPrecision, preflight, resume
 from tp_train.callbacks import TrainingMetrics, peak_memory_mib
+from tp_train.checkpoint_checks import CheckpointError
 from tp_train.config import lightning_precision, register_resolvers
 from tp_train.memory import estimate_for_config
 from tp_train.module import CausalLMModule
@@ -129,6 +130,11 @@ def run(cfg: DictConfig) -> float | None:
         if trainer.is_global_zero:
             print(stop, file=sys.stderr)
         sys.exit(0)  # the process, a multirun's later jobs included: the machine is being taken away
+    except CheckpointError as error:  # a checkpoint of another model or plan: one line, status 2, nothing changed
+        if trainer.is_global_zero:
+            found = "; ckpt_path=auto found it, ckpt_path=null starts fresh" if cfg.ckpt_path == "auto" else ""
+            print(f"error: ckpt_path: {error}{found}", file=sys.stderr)
+        sys.exit(2)
     summary = summarize(trainer)
     if summary is None:
         return None

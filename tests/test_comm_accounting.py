@@ -26,14 +26,18 @@ def _gpt():
 def _counted(rank, world_size):
     """(counted, analytic) bytes of one forward and backward at two batch shapes, and of fitted steps."""
     out = []
-    torch.manual_seed(0)
-    model = tp_train.parallelize(_gpt())
-    for batch, seq in ((2, 8), (3, 16)):
-        model.tp_comm_counter.reset()
-        idx = torch.randint(0, VOCAB, (batch, seq))
-        _, loss = model(idx, idx)
-        loss.backward()
-        out.append((model.tp_comm_counter.bytes, tensor_parallel_bytes_per_step(_gpt(), batch, seq, world_size)))
+    for sequence_parallel in (False, True):
+        torch.manual_seed(0)
+        model = tp_train.parallelize(_gpt(), sequence_parallel=sequence_parallel)
+        for batch, seq in ((2, 8), (3, 16)):
+            model.tp_comm_counter.reset()
+            idx = torch.randint(0, VOCAB, (batch, seq))
+            _, loss = model(idx, idx)
+            loss.backward()
+            analytic = tensor_parallel_bytes_per_step(
+                _gpt(), batch, seq, world_size, sequence_parallel=sequence_parallel
+            )
+            out.append((model.tp_comm_counter.bytes, analytic))
     # The same through Lightning: a step's count, with validation batches in between not counted.
     torch.manual_seed(0)
     module = tp_train.CausalLMModule(_gpt(), functools.partial(torch.optim.AdamW, lr=1e-3))

@@ -6,8 +6,10 @@ from tp_train.autoplan import infer_plan
 from tp_train.callbacks import TrainingMetrics
 from tp_train.checkpoint import load as load_checkpoint
 from tp_train.checkpoint import save as save_checkpoint
+from tp_train.checkpoint_checks import CheckpointError
 from tp_train.clipping import clip_grad_norm_, global_grad_norm
 from tp_train.comm import (
+    CommunicationCounter,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
@@ -20,6 +22,7 @@ from tp_train.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.data import TextDataModule
 from tp_train.export_hf import export_hugging_face
 from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tp_train.memory import estimate_memory
 from tp_train.module import CausalLMModule
 from tp_train.nonfinite import NonFiniteError, NonFiniteGuard
 from tp_train.parallelize import parallelize
@@ -37,6 +40,8 @@ TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor
 
 __all__ = [
     "CausalLMModule",
+    "CheckpointError",
+    "CommunicationCounter",
     "ColumnParallelLinear",
     "NonFiniteError",
     "NonFiniteGuard",
@@ -56,6 +61,7 @@ __all__ = [
     "clip_grad_norm_",
     "copy_to_tensor_parallel_region",
     "cosine_with_warmup",
+    "estimate_memory",
     "export_hugging_face",
     "full_state_dict",
     "gather_from_sequence_parallel_region",

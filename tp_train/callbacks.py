@@ -52,6 +52,7 @@ class TrainingMetrics(L.Callback):
         self.tokens_per_sec: float | None = None
         self.first_loss: float | None = None
         self._throughput: Throughput | None = None
+        self._counted_step: int | None = None  # the optimizer step the communication counters count
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
@@ -80,8 +81,10 @@ class TrainingMetrics(L.Callback):
             )
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
-        for counter in _comm_counters(pl_module):
-            counter.reset()  # count this step only, not validation or the previous step
+        if trainer.global_step != self._counted_step:  # an optimizer step's micro-batches add up; nothing else does
+            self._counted_step = trainer.global_step
+            for counter in _comm_counters(pl_module):
+                counter.reset()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.strategy.root_device.type == "cuda":

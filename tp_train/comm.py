@@ -89,8 +89,10 @@ class CommunicationCounter:
     """Bytes and calls of the collectives made through this module on behalf of one model.
 
     Passed explicitly (`parallelize` attaches one to the model as `model.tp_comm_counter` and to each of its
-    parallel layers). A collective counts the size of the full tensor it assembles: the all-reduced tensor, the
-    gathered output, or the reduce-scatter's full input. Nothing is counted at a tensor-parallel size of one.
+    parallel layers). A collective counts the size of the full tensor it assembles: the gathered output or the
+    reduce-scatter's full input, and twice the all-reduced tensor (an all-reduce is a reduce-scatter plus an
+    all-gather, and moves what both do), so sequence parallelism's all-gather + reduce-scatter in place of an
+    all-reduce counts the same. Nothing is counted at a tensor-parallel size of one.
     """
 
     def __init__(self) -> None:
@@ -102,7 +104,8 @@ class CommunicationCounter:
 
     def record(self, op, x: torch.Tensor, y: torch.Tensor, group: ProcessGroup) -> None:
         if op in _COMMUNICATING and dist.get_world_size(group) > 1:
-            self.bytes += max(x.numel(), y.numel()) * x.element_size()
+            passes = 2 if op in (_sum, _sum_in_place) else 1
+            self.bytes += passes * max(x.numel(), y.numel()) * x.element_size()
             self.calls += 1
 
 

@@ -4,6 +4,7 @@ checkpoint as a Hugging Face `save_pretrained` directory (see `tp_train.export_h
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 
 from tp_train.export_hf import export_hugging_face
@@ -17,8 +18,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = export_hugging_face(args.checkpoint, args.out_dir, config=args.config)
-    except (ValueError, FileNotFoundError) as error:  # a user error: one line, no traceback, status 2
-        print(f"error: {error}", file=sys.stderr)
+    except (ValueError, OSError, pickle.UnpicklingError, EOFError) as error:  # a user error: one line, status 2
+        print(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
         sys.exit(2)
     print(f"exported to {out}")
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tp_train.checkpoint import META_FILE
+from tp_train.checkpoint_checks import check_files
 from tp_train.module import HUGGING_FACE_CONFIG_KEY
 from tp_train.plan import LINEAR_STYLES, match_plan, resolve_plan
 
@@ -87,8 +88,7 @@ def _config(checkpoint: Path, config):
 
 def _stored_tensors(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
     """The checkpoint's model tensors: {DCP key: its metadata}, without the optimizers' state."""
-    if not (checkpoint / ".metadata").exists():
-        raise FileNotFoundError(f"no complete checkpoint at {checkpoint} (no .metadata)")
+    check_files(checkpoint)  # there, whole and readable: one CheckpointError line otherwise
     metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     return {
         key: meta

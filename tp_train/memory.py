@@ -73,7 +73,7 @@ class MemoryEstimate:
 def parameters_per_rank(model: nn.Module, tp: int, plan: dict[str, str] | None = None) -> int:
     """Elements of the parameters one rank holds once `model` is sharded over `tp` ranks with `plan` (default: the
     model's own, as `parallelize` resolves it)."""
-    planned = match_plan(model, resolve_plan(model, plan)[0], tp)
+    planned = match_plan(model, resolve_plan(model, plan, tensor_parallel_size=tp)[0], tp)
     local: dict[int, int] = {id(p): p.numel() for p in model.parameters()}  # whole unless planned
     for entry in planned:
         for name, param in entry.module.named_parameters(recurse=False):
@@ -162,20 +162,30 @@ def estimate_memory(
 
 
 def tensor_parallel_bytes_per_step(
-    model: nn.Module, micro_batch_size: int, seq_len: int, tp: int, bytes_per_element: int = 4
+    model: nn.Module,
+    micro_batch_size: int,
+    seq_len: int,
+    tp: int,
+    bytes_per_element: int = 4,
+    sequence_parallel: bool = False,
 ) -> int:
-    """Bytes the tensor-parallel collectives of one training step move (as `CommunicationCounter` counts them) for
-    a transformer sharded Megatron's way, its LM head gathering the logits.
+    """Bytes the tensor-parallel collectives of one training step move (as `CommunicationCounter` counts them: an
+    all-reduce twice, as the reduce-scatter plus all-gather it is) for a transformer sharded Megatron's way, its LM
+    head gathering the logits.
 
     Each block all-reduces b*s*h elements twice forward (after attention and after the MLP) and twice backward
-    (their inputs' gradients); the vocabulary-parallel embedding all-reduces once forward, the LM head's input
-    gradient once backward, and the head all-gathers b*s*V (padded) logits forward. Nothing at tp=1.
+    (their inputs' gradients): 8 b*s*h. The vocabulary-parallel embedding all-reduces once forward and the LM head's
+    input gradient once backward (4 b*s*h), and the head all-gathers b*s*V (padded) logits forward. With sequence
+    parallelism each block all-reduce becomes an all-gather plus a reduce-scatter (the same 8 b*s*h); the embedding
+    still all-reduces (2), the first block's input gradient is all-gathered and the head's input all-gathered
+    forward and reduce-scattered backward (3). The all-reduces of replicated parameters' gradients (norms under
+    sequence parallelism) are not counted. Nothing at tp=1.
     """
     if tp == 1:
         return 0
     layers, hidden, _, vocab = _shape(model)
     tokens = micro_batch_size * seq_len
-    elements = (4 * layers + 2) * tokens * hidden + tokens * ceil_div(vocab, tp) * tp
+    elements = (8 * layers + (5 if sequence_parallel else 4)) * tokens * hidden + tokens * ceil_div(vocab, tp) * tp
     return elements * bytes_per_element
 
 

@@ -104,20 +104,21 @@ def parallelize(
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
     load_pretrained_modules(model, group, weights)
+    counter = CommunicationCounter()
     if sequence_parallel:
-        apply_sequence_parallel(model, layout, group, rng)
+        apply_sequence_parallel(model, layout, group, rng, counter)
     if activation_checkpointing:
         checkpoint_blocks(model, layout, rng)
     model.tp_rng = rng
     if skeleton is not None:
         verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
-    model.tp_comm_counter = _count_communication(model)  # after verification: it counts training from here on
+    model.tp_comm_counter = _count_communication(model, counter)
+    counter.reset()  # verification's traffic is not training's
     return model
 
 
-def _count_communication(model: nn.Module) -> CommunicationCounter:
-    """One counter for every parallel layer of `model` (and their shared input regions); it counts from now on."""
-    counter = CommunicationCounter()
+def _count_communication(model: nn.Module, counter: CommunicationCounter) -> CommunicationCounter:
+    """`counter` for every parallel layer of `model` (and their shared input regions)."""
     for module in model.modules():
         if hasattr(type(module), "comm_counter"):
             module.comm_counter = counter

@@ -48,7 +48,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model: {error}") from None
     try:
-        match_plan(model, resolve_plan(model)[0], tp)
+        match_plan(model, resolve_plan(model, tensor_parallel_size=tp)[0], tp)
     except ValueError as error:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
     vocab, data_vocab = getattr(getattr(model, "config", None), "vocab_size", None), cfg.data.get("vocab_size")
@@ -64,7 +64,9 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"data.block_size={block_size} exceeds the model's context of {context} tokens; "
             f"use data.block_size<={context} or a model with a longer context"
         )
-    if cfg.get("sequence_parallel") and isinstance(block_size, int) and block_size % tp:
+    strategy = cfg.get("trainer", {}).get("strategy") or {}
+    sequence_parallel = cfg.get("sequence_parallel") or (hasattr(strategy, "get") and strategy.get("sequence_parallel"))
+    if sequence_parallel and isinstance(block_size, int) and block_size % tp:
         raise ConfigError(
             f"sequence_parallel=true splits each sequence across tp={tp} ranks, but data.block_size={block_size} "
             f"is not a multiple of {tp}; use data.block_size={block_size - block_size % tp or tp} "

@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from tp_train.blocks import BlockLayout
 from tp_train.comm import (
+    CommunicationCounter,
     all_reduce_gradient,
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -57,7 +58,13 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
             )
 
 
-def apply_sequence_parallel(model: nn.Module, layout: BlockLayout, group: ProcessGroup, rng: TensorParallelRNG):
+def apply_sequence_parallel(
+    model: nn.Module,
+    layout: BlockLayout,
+    group: ProcessGroup,
+    rng: TensorParallelRNG,
+    counter: CommunicationCounter | None = None,
+):
     """Turns the sharded `model` sequence-parallel between its blocks (see the module docstring)."""
     region = _Region()
     head = model.get_submodule(layout.head)
@@ -78,7 +85,9 @@ def apply_sequence_parallel(model: nn.Module, layout: BlockLayout, group: Proces
     for name in sorted(layout.sub_blocks):
         # One all-gather shared by all the module's column layers (reduce-scatter in backward), made contiguous
         # once here: q, k and v would each copy a strided gather to fold it into a matmul, and keep the copy.
-        _map_input(model.get_submodule(name), lambda x: gather_from_sequence_parallel_region(x, group).contiguous())
+        _map_input(
+            model.get_submodule(name), lambda x: gather_from_sequence_parallel_region(x, group, counter).contiguous()
+        )
     head.input_layout = SEQUENCE_SHARDED_INPUT
     world_size = dist.get_world_size(group)
 
@@ -90,7 +99,7 @@ def apply_sequence_parallel(model: nn.Module, layout: BlockLayout, group: Proces
                 f"{world_size}; use a sequence length that is a multiple of {world_size}"
             )
         region.shard_shape = (*hidden.shape[:1], hidden.size(1) // world_size, *hidden.shape[2:])
-        return scatter_to_sequence_parallel_region(hidden, group)
+        return scatter_to_sequence_parallel_region(hidden, group, counter)
 
     def leave(*_):
         region.active = False
