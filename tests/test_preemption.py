@@ -253,6 +253,19 @@ def test_sigterm_mid_epoch_then_the_same_command_resumes_with_the_same_losses(tm
         assert abs(loss - straight[step][1]) <= 1e-5, (step, loss, straight[step][1])
     print({step: (straight[step][1], (first if step < 7 else second)[step][1]) for step in range(12)})
 
+    # The same checkpoint into another model (wider): one line from rank 0 naming it and the mismatch, status 2.
+    before = {f.name: f.read_bytes() for f in checkpoint.iterdir()}
+    env = {**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}
+    env.pop(resume.ENVIRONMENT_VARIABLE, None)
+    other = [*command[:-1], "model.config.n_embd=64", f"ckpt_path={checkpoint}", f"hydra.run.dir={tmp_path}/other"]
+    refused = subprocess.run(
+        [sys.executable, "train.py", *other], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert len(errors) == 1 and str(checkpoint) in errors[0] and "[300, 32] there but" in errors[0], errors
+    assert {f.name: f.read_bytes() for f in checkpoint.iterdir()} == before  # nothing overwritten
+
 
 # ---------------------------------------------------------------------------------------------- data errors
 

@@ -24,6 +24,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from typing_extensions import override
 
 from tp_train import watchdog
+from tp_train.checkpoint_checks import CheckpointError
 
 
 def _hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -67,6 +68,10 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
+        except CheckpointError:  # the same on every rank; train.py reports it once, from rank 0
+            if children is not None:
+                children.on_user_error()
+            raise
         except Exception as error:
             if children is not None:
                 children.on_own_failure(error)

@@ -27,6 +27,7 @@ from tp_train.errors import first_line
 LAUNCHER_PID = "TP_TRAIN_LAUNCHER_PID"  # set in each child's environment by the launcher
 POLL_SECONDS = 0.5
 GRACE_SECONDS = 5.0  # after a failure, how long to wait for the rank that caused it to be seen dead
+USER_ERROR_STATUS = 2  # train.py's status for a user error, reported once by rank 0
 
 
 def describe_exit(returncode: int) -> str:
@@ -77,6 +78,10 @@ class ChildRanks:
         while not self._stopped:
             time.sleep(POLL_SECONDS)
             dead = self.failed()
+            if dead and any(proc.returncode == USER_ERROR_STATUS for proc in self.procs):
+                time.sleep(GRACE_SECONDS)  # a user error (a checkpoint that does not fit) this rank reports itself
+                if self._stopped:
+                    return
             if dead:
                 if self._stop("; ".join(dead)):
                     os._exit(1)  # the launcher may be blocked in a collective with the dead rank
@@ -84,14 +89,20 @@ class ChildRanks:
             if all(proc.returncode == 0 for proc in self.procs):
                 return
 
-    def _stop(self, reason: str) -> bool:
-        """Reports `reason` and kills the remaining children, once; True if this call did it."""
+    def on_user_error(self) -> None:
+        """The launcher's rank hit a user error every rank hits alike (it reports it in one line): end the children
+        without reporting them."""
+        self._stop(None)
+
+    def _stop(self, reason: str | None) -> bool:
+        """Reports `reason` (if any) and kills the remaining children, once; True if this call did it."""
         with self._lock:
             if self._stopped:
                 return False
             self._stopped = True
         alive = [proc for proc in self.procs if proc.poll() is None]
-        _error(f"{reason}; stopping the job" + (f" (killing ranks {self._ranks_of(alive)})" if alive else ""))
+        if reason is not None:
+            _error(f"{reason}; stopping the job" + (f" (killing ranks {self._ranks_of(alive)})" if alive else ""))
         for proc in alive:
             proc.kill()  # SIGKILL: a rank blocked in a collective does not act on SIGTERM
         return True
