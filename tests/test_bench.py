@@ -10,7 +10,8 @@ import pytest
 
 from tests.test_train_app import ROOT
 
-CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=2", "plain tp=1 x2 threads"]
+CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=2", "ours tp=2 +SP", "ours tp=2 +AC",
+              "plain tp=1 x2 threads"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -32,6 +33,7 @@ def test_bench_smoke_writes_every_contender(tmp_path):
     n_layer = size["size"]["n_layer"]
     assert rows["ours tp=2"]["collectives_per_step"] == 4 * n_layer + 3
     assert rows["ours tp=1"]["collectives_per_step"] == 0
-    assert rows["ours tp=2"]["tp_bytes_per_step"] == rows["ours tp=2"]["analytic_tp_bytes_per_step"] > 0
+    for name in ("ours tp=2", "ours tp=2 +SP", "ours tp=2 +AC"):
+        assert rows[name]["tp_bytes_per_step"] == rows[name]["analytic_tp_bytes_per_step"] > 0, name
     assert rows["ours tp=2"]["model_state_mib"] < 0.55 * rows["ours tp=1"]["model_state_mib"]
     assert {check["target"] for check in report["targets"]} and report["machine"]["cpus"] >= 1

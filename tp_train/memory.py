@@ -8,8 +8,9 @@ block without dropout and with fused attention, which keeps no (seq x seq) score
 
     per block:   4 * b*s*h  (inputs and outputs of both norms; divided by tp with sequence parallelism)
                + (4 * h + 2 * f) * b*s / tp  (q, k, v, attention output; MLP hidden before and after the activation)
-    with activation checkpointing per block: only the block input, b*s*h (/ tp with sequence parallelism), plus
-        one block's full activations while it is recomputed
+    with activation checkpointing per block: only the block input, b*s*h (/ tp with sequence parallelism); one
+        block's full activations live again while it is recomputed, after the logits below are freed, so the
+        larger of the two counts
     after the blocks: the final norm's input and output (2 * b*s*h) and, at the start of the backward pass, the
         logits, their log-probabilities and the gradients of both (4 * b*s*V): that is when a step peaks
 
@@ -124,8 +125,10 @@ def activation_elements(
     tokens = micro_batch_size * seq_len
     replicated = tokens * hidden // (tp if sequence_parallel else 1)
     block = 4 * replicated + (4 * hidden + 2 * mlp) * tokens // tp
-    blocks = layers * replicated + block if activation_checkpointing else layers * block
-    return blocks + 2 * replicated + 4 * tokens * vocab
+    loss = 4 * tokens * vocab
+    if activation_checkpointing:  # the recomputed block comes after the loss's backward has freed the logits
+        return layers * replicated + 2 * replicated + max(loss, block)
+    return layers * block + 2 * replicated + loss
 
 
 def estimate_memory(
@@ -168,6 +171,7 @@ def tensor_parallel_bytes_per_step(
     tp: int,
     bytes_per_element: int = 4,
     sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
 ) -> int:
     """Bytes the tensor-parallel collectives of one training step move (as `CommunicationCounter` counts them: an
     all-reduce twice, as the reduce-scatter plus all-gather it is) for a transformer sharded Megatron's way, its LM
@@ -179,13 +183,17 @@ def tensor_parallel_bytes_per_step(
     parallelism each block all-reduce becomes an all-gather plus a reduce-scatter (the same 8 b*s*h); the embedding
     still all-reduces (2), the first block's input gradient is all-gathered and the head's input all-gathered
     forward and reduce-scattered backward (3). The all-reduces of replicated parameters' gradients (norms under
-    sequence parallelism) are not counted. Nothing at tp=1.
+    sequence parallelism) are not counted. With activation checkpointing, backward reruns each block's forward only
+    as far as the last tensor it needs (torch stops the recomputation there): through the attention's all-reduce,
+    not the MLP's, whose output nothing saved (2 more per block). Nothing at tp=1.
     """
     if tp == 1:
         return 0
     layers, hidden, _, vocab = _shape(model)
     tokens = micro_batch_size * seq_len
-    elements = (8 * layers + (5 if sequence_parallel else 4)) * tokens * hidden + tokens * ceil_div(vocab, tp) * tp
+    per_block = 8 + (2 if activation_checkpointing else 0)
+    elements = (per_block * layers + (5 if sequence_parallel else 4)) * tokens * hidden
+    elements += tokens * ceil_div(vocab, tp) * tp
     return elements * bytes_per_element
 
 

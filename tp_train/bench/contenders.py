@@ -52,11 +52,20 @@ class Contender:
     kind: str  # "plain", "ours" or "native"
     tp: int
     threads: int = 1  # intra-op threads per rank
+    sequence_parallel: bool = False  # ours only
+    activation_checkpointing: bool = False  # ours only
 
     @property
     def name(self) -> str:
         suffix = f" x{self.threads} threads" if self.threads > 1 else ""
+        suffix += " +SP" if self.sequence_parallel else ""
+        suffix += " +AC" if self.activation_checkpointing else ""
         return f"{self.kind} tp={self.tp}{suffix}"
+
+    @property
+    def variant(self) -> bool:
+        """Sequence parallelism or activation checkpointing: compared with plain `ours`, not with native."""
+        return self.sequence_parallel or self.activation_checkpointing
 
 
 class TrainingStep:
@@ -105,7 +114,12 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
     generator = torch.Generator().manual_seed(1)
     batch = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=generator).to(device)
     if contender.kind == "ours":
-        parallelize(model, group)
+        parallelize(
+            model,
+            group,
+            sequence_parallel=contender.sequence_parallel,
+            activation_checkpointing=contender.activation_checkpointing,
+        )
     elif contender.kind == "native":
         native_parallelize(model, DeviceMesh.from_group(group, device.type))
     return TrainingStep(model, batch)

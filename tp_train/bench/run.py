@@ -36,6 +36,11 @@ def contenders_for(size: Size, tps: list[int], largest: bool) -> list[Contender]
     contenders = [Contender("plain", 1)]
     for tp in tps:
         contenders += [Contender("ours", tp), Contender("native", tp)]
+        if tp == 2:  # what sequence parallelism and activation checkpointing save, and cost
+            contenders += [
+                Contender("ours", tp, sequence_parallel=True),
+                Contender("ours", tp, activation_checkpointing=True),
+            ]
     if largest and 2 in tps:  # does splitting over two one-thread ranks beat one two-thread process?
         contenders.append(Contender("plain", 1, threads=2))
     return contenders
@@ -102,13 +107,27 @@ def benchmark(
                 "peak_mib": group_max(statistics.median(peak_bytes(step, device) for _ in range(3)), group, device)
                 / MIB,
                 "model_state_mib": group_max(step.model_state_bytes(), group, device) / MIB,
-                "predicted_peak_mib": estimate_memory(meta_model, size.batch, size.seq, tp=contender.tp).total / MIB,
+                "predicted_peak_mib": estimate_memory(
+                    meta_model,
+                    size.batch,
+                    size.seq,
+                    tp=contender.tp,
+                    sequence_parallel=contender.sequence_parallel,
+                    activation_checkpointing=contender.activation_checkpointing,
+                ).total
+                / MIB,
+                "variant": contender.variant,
                 "collectives_per_step": collectives,
             }
             if contender.kind == "ours":
                 row["tp_bytes_per_step"] = counted_bytes
                 row["analytic_tp_bytes_per_step"] = tensor_parallel_bytes_per_step(
-                    meta_model, size.batch, size.seq, contender.tp
+                    meta_model,
+                    size.batch,
+                    size.seq,
+                    contender.tp,
+                    sequence_parallel=contender.sequence_parallel,
+                    activation_checkpointing=contender.activation_checkpointing,
                 )
             rows[contender.name] = row
             if profile_dir is not None:
