@@ -287,3 +287,16 @@ def test_strategy_with_sequence_parallel_and_checkpointing_trains_like_one_devic
         assert checkpointed
         assert losses == pytest.approx(reference, abs=1e-5)
         assert losses[-1] < losses[0]
+
+
+def _verified_at_three(rank, world_size):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=48, n_layer=2, n_head=3, n_embd=48))
+    tp_train.parallelize(model, sequence_parallel=True, verify=True)
+    return True
+
+
+@pytest.mark.slow
+def test_verification_probes_a_length_sequence_parallelism_can_split_at_tp3():
+    # The default probe is 8 tokens; at tp=3 verification must lengthen it, not blame the plan.
+    assert run_on_ranks(_verified_at_three, 3, timeout=180) == [True] * 3

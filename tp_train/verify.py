@@ -13,6 +13,7 @@ fit, turn verification off (`parallelize(..., verify=False)`, `TensorParallelStr
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from itertools import chain
 
@@ -22,7 +23,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.comm import gather_from_tensor_parallel_region
-from tp_train.probe import first_line, probe_token_ids
+from tp_train.probe import PROBE_TOKENS, first_line, probe_token_ids
 from tp_train.sharding import full_state_dict, named_sharded_parameters, unshard_tensor
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
@@ -83,7 +84,7 @@ def verify_parallelized(
         reference: the unsharded model with the same weights (`unsharded_reference`).
         group: the tensor-parallel group.
         planned: the plan's `PlannedModule`s, to name the entries near a difference.
-        example_input: the probe input; default (1, 8) random token ids.
+        example_input: the probe input; default (1, 8) random token ids (a multiple of tp long).
         tolerance: largest relative difference accepted; default 1e-4 in fp32, 3e-2 in half precision.
 
     Returns:
@@ -92,7 +93,9 @@ def verify_parallelized(
     Raises:
         PlanVerificationError: on every rank, when any rank sees a difference beyond `tolerance`.
     """
-    inputs = example_input if example_input is not None else probe_token_ids(reference)
+    # A length every tp divides, for sequence parallelism's split: 8 tokens at tp 1, 2, 4 and 8.
+    length = math.lcm(PROBE_TOKENS, dist.get_world_size(group))
+    inputs = example_input if example_input is not None else probe_token_ids(reference, length)
     dtype = next(reference.parameters()).dtype
     tolerance = tolerance if tolerance is not None else TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
     modes = {module: module.training for module in chain(model.modules(), reference.modules())}
