@@ -223,7 +223,7 @@ def test_sigterm_mid_epoch_then_the_same_command_resumes_with_the_same_losses(tm
     command = [
         "tp=2", "precision=32", "data=local_text", f"data.source={corpus}", "data.block_size=32", "data.batch_size=4",
         "data.vocab_size=300", "data.val_fraction=0.1", "model.config.n_layer=1", "model.config.n_head=2",
-        "model.config.n_embd=32", "trainer.max_steps=12", "trainer.val_check_interval=100",
+        "model.config.n_embd=32", "model.config.dropout=0.1", "trainer.max_steps=12", "trainer.val_check_interval=100",
         "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
         "~callbacks.progress_bar", "scheduler=constant", "logger=csv",
         f"hydra.run.dir={tmp_path}/runs/${{now:%H-%M-%S-%f}}",  # the default layout's kind: a new dir per run

@@ -31,6 +31,7 @@ from tp_train.preemption import Preempted, PreemptionCheckpoint
 from tp_train.pretrained import load_pretrained
 from tp_train.random import TensorParallelRNG
 from tp_train.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
+from tp_train.rng_state import RandomStateCheckpoint
 from tp_train.schedulers import cosine_with_warmup
 from tp_train.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
 from tp_train.strategy import TensorParallelStrategy
@@ -48,6 +49,7 @@ __all__ = [
     "PlanVerificationError",
     "Preempted",
     "PreemptionCheckpoint",
+    "RandomStateCheckpoint",
     "ResumableDataLoader",
     "ResumableDistributedSampler",
     "RowParallelLinear",
