@@ -17,6 +17,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
+from tp_train.parallelize import attached
 from tp_train.sharding import full_numel, named_sharded_parameters
 
 MIB = 2**20
@@ -83,7 +84,7 @@ class TrainingMetrics(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
         if trainer.global_step != self._counted_step:  # an optimizer step's micro-batches add up; nothing else does
             self._counted_step = trainer.global_step
-            for counter in _comm_counters(pl_module):
+            for counter in attached(pl_module, "tp_comm_counter"):
                 counter.reset()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
@@ -116,7 +117,7 @@ class TrainingMetrics(L.Callback):
             logged["throughput/flops_per_sec"] = metrics["flops_per_sec"]
         if "device/mfu" in metrics:
             logged["throughput/mfu"] = metrics["device/mfu"]
-        counters = _comm_counters(pl_module)
+        counters = attached(pl_module, "tp_comm_counter")
         if counters:
             logged["comm/tp_bytes_per_step"] = float(sum(counter.bytes for counter in counters))
         grad_norm = getattr(trainer.strategy.precision_plugin, "last_grad_norm", None)
@@ -147,9 +148,3 @@ class TrainingMetrics(L.Callback):
             return getattr(out, "logits", out)
 
         return int(measure_flops(model, forward, lambda logits: logits.sum()))
-
-
-def _comm_counters(module: torch.nn.Module) -> list:
-    """The communication counters `parallelize` attached to the sharded models inside `module`, each once."""
-    found = (getattr(m, "tp_comm_counter", None) for m in module.modules())
-    return list({id(counter): counter for counter in found if counter is not None}.values())

@@ -126,3 +126,10 @@ def _count_communication(model: nn.Module, counter: CommunicationCounter) -> Com
             if region is not None:
                 region.comm_counter = counter
     return counter
+
+
+def attached(root: nn.Module, attribute: str) -> list:
+    """What `parallelize` attached as `attribute` (`tp_rng`, `tp_comm_counter`) to the sharded models inside
+    `root`, each object once."""
+    found = (getattr(module, attribute, None) for module in root.modules())
+    return list({id(value): value for value in found if value is not None}.values())

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities import rank_zero_warn
 
+from tp_train.parallelize import attached
+
 KEY = "tp_train_rng_states"
 
 
@@ -48,18 +50,13 @@ class RandomStateCheckpoint(L.Callback):
         if self._pending is None:
             return
         state, self._pending = self._pending, None
-        for rng, streams in zip(_tensor_parallel_rngs(pl_module), state["tensor_parallel"], strict=False):
+        for rng, streams in zip(attached(pl_module, "tp_rng"), state["tensor_parallel"], strict=False):
             rng.set_state(streams)
         _set_rng_states(state["global"])  # after the streams: they also set the default generator
-
-
-def _tensor_parallel_rngs(module) -> list:
-    found = (getattr(m, "tp_rng", None) for m in module.modules())
-    return list({id(rng): rng for rng in found if rng is not None}.values())
 
 
 def _rank_state(module) -> dict:
     return {
         "global": _collect_rng_states(include_cuda=True),
-        "tensor_parallel": [rng.get_state() for rng in _tensor_parallel_rngs(module)],
+        "tensor_parallel": [rng.get_state() for rng in attached(module, "tp_rng")],
     }
