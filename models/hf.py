@@ -85,4 +85,9 @@ def _config_fields(model_type: str | None, config: dict) -> dict:
                 f"config.{key}={value}: {config_class.__name__} has no field '{key}'; "
                 f"its fields include {', '.join(sorted(defaults.to_diff_dict())[:8])}, ..."
             )
+    # Some families (HunYuan) leave head_dim None by default and then fail to build: derive it from the sizes.
+    if getattr(defaults, "head_dim", 0) is None and "head_dim" not in fields:
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        if hidden and heads:
+            fields["head_dim"] = hidden // heads
     return fields

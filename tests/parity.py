@@ -4,7 +4,9 @@ Runs inside a rank (see `tests.distributed.run_on_ranks`)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import math
 
 import torch
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 
 import tp_train
 from tp_train.sharding import ceil_div, full_numel
+
+VOCAB_OF_TESTS = 101  # not a multiple of 2 or 4: exercises vocabulary padding
 
 
 def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -59,6 +63,17 @@ def parity_errors(
     errors["shard_fraction"] = _shard_fraction(model, dist.get_world_size(group))
     errors["block_fraction"] = _block_fraction(model)
     return errors
+
+
+def parity_of_each(models: dict) -> dict[str, dict[str, float]]:
+    """`parity_errors` of each model in {name: (build, forward)}, each built after seeding 0 (inside a rank; one
+    spawn for many models, since spawning ranks dominates the cost). What the models print is not shown."""
+    results = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for name, (build, forward) in models.items():
+            torch.manual_seed(0)
+            results[name] = parity_errors(build(), forward, vocab_size=VOCAB_OF_TESTS)
+    return results
 
 
 def _full_tensors(model, group, grads: bool) -> dict[str, torch.Tensor]:

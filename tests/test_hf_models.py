@@ -54,7 +54,8 @@ def _wrong_neox_split(rank, world_size):
     torch.manual_seed(0)
     model = _hf_gpt_neox()
     model._tp_plan["gpt_neox.layers.*.attention.query_key_value"] = "fused_qkv_colwise"
-    return parity_errors(model, _hf_logits, VOCAB, steps=1)["logits"]
+    # verify=False: parity alone must catch the wrong split (verification would refuse it first).
+    return parity_errors(model, _hf_logits, VOCAB, steps=1, parallelize_kwargs=dict(verify=False))["logits"]
 
 
 @pytest.mark.slow

@@ -134,7 +134,8 @@ def _naive_fused_qkv_split(rank, world_size):
 
     naive = Naive()
     naive.tp_plan = {f"inner.{pattern}": style for pattern, style in plan.items()}
-    return parity_errors(naive, _hf_logits, VOCAB, steps=1)["logits"]
+    # verify=False: this shows that parity alone catches the wrong split (verification would refuse it first).
+    return parity_errors(naive, _hf_logits, VOCAB, steps=1, parallelize_kwargs=dict(verify=False))["logits"]
 
 
 def test_naive_split_of_fused_qkv_is_caught_by_parity():

@@ -133,7 +133,9 @@ def _norm_gradients(rank, world_size):
         if not reduce_norm_gradients:  # the negative control: the same SP model without the TP gradient all-reduce
             sequence_parallel._reduce_replicated_gradients = lambda *args: None
         torch.manual_seed(0)
-        errors = parity_errors(_gpt(), _logits, VOCAB, steps=1, parallelize_kwargs=dict(sequence_parallel=True))
+        errors = parity_errors(
+            _gpt(), _logits, VOCAB, steps=1, parallelize_kwargs=dict(sequence_parallel=True, verify=False)
+        )
         out[reduce_norm_gradients] = {k: v for k, v in errors.items() if k == "logits" or k.startswith("grad:")}
     return out
 
@@ -226,7 +228,7 @@ def _refusals(rank, world_size):
     sp = dict(sequence_parallel=True)
     cases = {
         "block_without_forward": (SwiGLUModel, sp, 16),
-        "no_head": (_gpt, dict(sp, plan={k: v for k, v in GPT.tp_plan.items() if k != "lm_head"}), 16),
+        "no_head": (_gpt, dict(sp, plan={k: v for k, v in GPT.tp_plan.items() if k not in ("lm_head", "tok_emb")}), 16),
         "reshaped_between_blocks_and_head": (_hf_gpt2, sp, 16),
         "odd_sequence": (_gpt, sp, 15),
         "no_blocks": (_gpt, dict(activation_checkpointing=True, plan={"lm_head": "colwise_gather_output"}), 16),

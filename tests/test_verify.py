@@ -2,10 +2,9 @@
 split as [q; k; v], a hidden layer split in halves, a norm over local heads without its gradient sum) or that breaks
 the forward (a row layer marked colwise_gather_output) is a one-line `PlanVerificationError` naming where; right
 plans pass, for models built on a device or on the meta device, with full or vocab-sharded logits; it is on by
-default for an inferred plan (a model whose attention hard-codes its head count is caught) and off for given
-ones; and in a
-Lightning Trainer, `TensorParallelStrategy(verify_plan=True)` stops a wrong plan before training while a model
-with no plan at all is planned, verified and trained."""
+default for every plan, inferred (a model whose attention hard-codes its head count is caught) or given, and
+off only when asked; and in a Lightning Trainer, `TensorParallelStrategy(verify_plan=True)` stops a wrong plan
+before training while a model with no plan at all is planned, verified and trained."""
 
 from __future__ import annotations
 
@@ -115,11 +114,18 @@ def _verify_cases(rank, world_size):
         results["inferred_plan_verified_by_default"] = "no error"
     except tp_train.PlanVerificationError as error:
         results["inferred_plan_verified_by_default"] = str(error)
-    # Off unless asked for, for a plan that is not inferred: the wrong split goes through silently (test_plan shows
-    # it computes another function).
-    torch.manual_seed(0)
+    # On by default for a given plan too; verify=False lets the wrong split through silently (test_plan shows it
+    # computes another function).
     wrong = _with(_gpt2_plan(), **{"transformer.h.*.attn.c_attn": "colwise"})
-    results["silent_without_verify"] = tp_train.parallelize(_hf_gpt2(), plan=wrong).training
+    torch.manual_seed(0)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            tp_train.parallelize(_hf_gpt2(), plan=wrong)
+        results["given_plan_verified_by_default"] = "no error"
+    except tp_train.PlanVerificationError as error:
+        results["given_plan_verified_by_default"] = str(error)
+    torch.manual_seed(0)
+    results["silent_without_verify"] = tp_train.parallelize(_hf_gpt2(), plan=wrong, verify=False).training
     return results
 
 
@@ -143,10 +149,11 @@ def test_verification_catches_wrong_plans_and_passes_right_ones(verified, name):
 
 
 @pytest.mark.slow
-def test_verification_is_on_by_default_for_inferred_plans_only_and_gathers_vocab_sharded_logits(verified):
+def test_verification_is_on_by_default_for_every_plan_and_gathers_vocab_sharded_logits(verified):
     for result in verified:
         assert result["right_loss_parallel"] is True
         assert result["silent_without_verify"] is True
+        assert "'transformer.h.0.attn.c_attn': 'colwise'" in result["given_plan_verified_by_default"]
         message = result["inferred_plan_verified_by_default"]
         assert "output differs" in message and "first module whose output differs: 'layers.0.attention.out'" in message
 

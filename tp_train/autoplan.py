@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from tp_train.probe import probe_copy, probe_token_ids, producers_of, trace_calls
+from tp_train.probe import first_line, probe_copy, probe_token_ids, producers_of, trace_calls
 
 INFERRED_SOURCE = "inferred by the auto-planner"
+COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
 SPLITS = (("colwise", 1), ("packed_colwise", 2), ("fused_qkv_colwise", 3))  # style, sections of the output
 LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
 
@@ -73,8 +74,15 @@ def infer_plan(
     shares = max(tensor_parallel_size or 2, 2)
     with probe_copy(model) as probe:
         inputs = example_input if example_input is not None else probe_token_ids(probe)
-        planner = _Planner(probe, inputs, shares)
-        styles = planner.styles()
+        try:
+            styles = _Planner(probe, inputs, shares).styles()
+        except ValueError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a structure the planner does not understand is a refusal
+            raise ValueError(
+                f"the auto-planner cannot plan {type(model).__name__} ({type(error).__name__}: {first_line(error)}); "
+                f"give the model a `tp_plan` (or pass plan=...)"
+            ) from error
     return _as_patterns(model, styles)
 
 
@@ -93,6 +101,8 @@ class _Planner:
         self.calls = trace_calls(model, inputs)
         self.linears = [name for name in self._called() if _linear_shape(self.modules[name]) is not None]
         self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
+        # A module whose output carries no autograd history (run under no_grad, or detached) shows no dataflow.
+        self.untraced = {name for name in self.linears if getattr(self.calls[name].output, "grad_fn", None) is None}
         outputs = {id(self.calls[name].output.grad_fn): name for name in self.linears + self.embeddings}
         outputs.pop(id(None), None)
         self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
@@ -131,11 +141,15 @@ class _Planner:
     # ----------------------------------------------------------------------------------------- column/row pairs
 
     def _pairs(self) -> tuple[list[_Pair], dict[str, str]]:
-        pairs, failures, taken = [], {}, set()
+        pairs, taken = [], set()
+        failures = {name: "its output has no autograd graph in the probe forward (computed under no_grad, or "
+                    "detached), so the planner cannot see where it goes" for name in self.untraced}  # fmt: skip
         for row in self.linears:
             producers, _ = self.producers[row]
             from_linears_only = producers and producers <= set(self.linears)
             if row in taken or row == self.head or not from_linears_only or producers & taken:
+                continue
+            if (producers | {row}) & self.untraced:
                 continue
             if self.calls[row].calls != 1 or any(self.calls[name].calls != 1 for name in producers):
                 failures.update({name: "it is called more than once per forward" for name in producers | {row}})
@@ -252,6 +266,8 @@ class _Planner:
         if self.tokens is None or not self.linears:
             return None
         head = self.linears[-1]
+        if head in self.untraced:
+            return None
         return head if _linear_shape(self.modules[head])[1] == self.modules[self.tokens].num_embeddings else None
 
     def _token_embedding(self) -> str | None:

@@ -11,14 +11,18 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.activation_checkpointing import checkpoint_blocks
-from tp_train.autoplan import INFERRED_SOURCE, format_plan
+from tp_train.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.blocks import block_layout
 from tp_train.comm import CommunicationCounter
 from tp_train.plan import apply_plan, match_plan, resolve_plan
 from tp_train.pretrained import load_pretrained_modules
 from tp_train.random import TensorParallelRNG
 from tp_train.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
-from tp_train.verify import unsharded_reference, unsharded_skeleton, verify_parallelized
+from tp_train.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
+
+# Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
+# gradients and a probe's activations per rank, a few times the model's size for a moment.
+WHOLE_MODEL_CHECK_BYTES = 32 * 2**20
 
 
 def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup:
@@ -74,9 +78,12 @@ def parallelize(
         device: where to materialise a model built on the meta device (each rank allocates only its shards, and
             the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
             else CPU.
-        verify: check the sharded model against the unsharded one on a probe batch, outputs and gradients, and
-            raise `PlanVerificationError` if they differ (`tp_train.verify`; holds a full copy on each rank while
-            it runs). Default: on for a plan inferred by the auto-planner, off otherwise.
+        verify: check the sharding and raise `PlanVerificationError` on a difference (`tp_train.verify`): each
+            swapped module against the module it replaced (one module's tensors at a time), then the whole
+            sharded model against the unsharded one on a probe batch, outputs and gradients (a full copy per rank
+            while it runs). Default None: both for every plan, the whole-model check only for models of at most
+            `WHOLE_MODEL_CHECK_BYTES` of parameters; True: both always; False: neither. Rank 0 prints one line
+            saying what was checked and the largest difference.
         weights: pretrained safetensors weights (a file, or a `save_pretrained` directory) to fill the sharded
             model from, each rank reading only its slices (`tp_train.load_pretrained`). Default: submodules that
             record a `pretrained_weights` path (a `model=hf model.path=...` built on meta) are filled from it.
@@ -89,11 +96,12 @@ def parallelize(
     """
     group = as_process_group(tp_group)
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
-    if source == INFERRED_SOURCE and dist.get_rank() == 0:
+    if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
     planned = match_plan(model, resolved, dist.get_world_size(group))
-    verify = source == INFERRED_SOURCE if verify is None else verify
-    skeleton = unsharded_skeleton(model) if verify else None  # on the meta device: no memory
+    whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
+    skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
+    check = SwapCheck(group) if verify is not False else None
     layout = None
     if sequence_parallel or activation_checkpointing:
         feature = "sequence_parallel" if sequence_parallel else "activation_checkpointing"
@@ -102,7 +110,9 @@ def parallelize(
             check_sequence_parallel(model, layout)
     device = torch.device(device) if device is not None else _default_device(model)
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
-    apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel)
+    apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
+    if check is not None:
+        check.raise_on_difference()
     load_pretrained_modules(model, group, weights)
     counter = CommunicationCounter()
     if sequence_parallel:
@@ -110,11 +120,33 @@ def parallelize(
     if activation_checkpointing:
         checkpoint_blocks(model, layout, rng)
     model.tp_rng = rng
+    whole_model_errors = None
     if skeleton is not None:
-        verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
+        whole_model_errors = verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
+    if check is not None and dist.get_rank() == 0:
+        print(_verification_summary(check, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)
     counter.reset()  # verification's traffic is not training's
     return model
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    return sum(param.numel() * param.element_size() for param in model.parameters())
+
+
+def _verification_summary(check: SwapCheck, whole_model: dict[str, float] | None) -> str:
+    """One line: what verification checked and the largest relative difference it saw."""
+    worst = max(check.errors.values(), default=0.0)
+    text = f"tensor-parallel plan verified: {len(check.errors)} swapped modules against the modules they replaced"
+    text += f" (largest relative difference {worst:.1e})"
+    if check.skipped:
+        text += f", {len(check.skipped)} through the module they are tied to"
+    if whole_model is None:
+        return text + "; whole-model check skipped (model above the size for a full copy; verify=True forces it)"
+    return text + (
+        f", and the whole model on a probe batch (outputs {whole_model.get('output', 0.0):.1e}, "
+        f"gradients {whole_model.get('gradient', 0.0):.1e})"
+    )
 
 
 def _count_communication(model: nn.Module, counter: CommunicationCounter) -> CommunicationCounter:

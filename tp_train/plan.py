@@ -20,6 +20,14 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 
 `colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
 
+A swap keeps what the module did: a subclass of `nn.Embedding` or `nn.Linear` that overrides `forward` (Gemma's
+embedding, which scales its output) keeps that forward, its `super().forward` now reaching the sharded
+computation. A subclass whose forward never calls `super().forward` (Falcon's Linear computes `x @ W.T + b` itself)
+gets the plain parallel layer, and verification's per-module check (`tp_train.verify.SwapCheck`, on by default)
+refuses it in one line unless the two compute the same. A parameter two modules share (a tied embedding
+and head) is sharded alike on both sides: the unplanned side of a tied embedding/head pair is planned to match,
+any other half-sharded tie is refused.
+
 Reading a plan is two passes: `match_plan` resolves and validates everything (raising `ValueError` before any
 weight changes), then `apply_plan` swaps the layers.
 """
@@ -89,20 +97,42 @@ def resolve_plan(
     auto-planner's, checked at `tensor_parallel_size` (`tp_train.autoplan`)."""
     if plan:
         return dict(plan), "the plan argument"
-    found = find_plan(model)
-    if found is None:
-        from tp_train.autoplan import INFERRED_SOURCE, infer_plan  # imported here: it reads this module
+    from tp_train.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, infer_plan  # imported here: it reads this module
 
-        if tensor_parallel_size:
-            _check_config_heads(model, tensor_parallel_size)
-        try:
-            return infer_plan(model, tensor_parallel_size), INFERRED_SOURCE
-        except ValueError as error:
-            raise ValueError(
-                f"no tensor-parallel plan for {type(model).__name__}, and {error} (a `tp_plan` attribute or "
-                f"plan= looks like {{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}})"
-            ) from None
-    return found
+    found = find_plan(model)
+    if found is not None and not _leaves_blocks_untouched(model, found[0]):
+        return found
+    if tensor_parallel_size:
+        _check_config_heads(model, tensor_parallel_size)
+    try:
+        inferred = infer_plan(model, tensor_parallel_size)
+    except ValueError as error:
+        what = (
+            f"{found[1]} shards no transformer block"
+            if found
+            else f"no tensor-parallel plan for {type(model).__name__}"
+        )
+        raise ValueError(
+            f"{what}, and {error} (a `tp_plan` attribute or plan= looks like "
+            f"{{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}})"
+        ) from None
+    if found is None:
+        return inferred, INFERRED_SOURCE
+    # The model's own entries win; the auto-planner's fill in the blocks (a head-only plan, as LFM2's).
+    return {**inferred, **found[0]}, f"{found[1]}, {COMPLETED_SOURCE}"
+
+
+def _leaves_blocks_untouched(model: nn.Module, plan: dict[str, str]) -> bool:
+    """Whether `model` has Linears inside repeated blocks (`layers.0.mlp.up`) and `plan` shards none of them."""
+    block_linears = [
+        name
+        for name, module in model.named_modules()
+        if _linear_shape(module) is not None and any(part.isdigit() for part in name.split("."))
+    ]
+    sharding = [pattern for pattern, style in plan.items() if ALIASES.get(style, style) in LINEAR_STYLES]
+    return bool(block_linears) and not any(
+        pattern_matches(pattern, name) for pattern in sharding for name in block_linears
+    )
 
 
 def modules_with_plans(root: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -149,6 +179,9 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
                 )
             _check_module(name, module, style, pattern, tp)
             planned[name] = PlannedModule(name, module, style, pattern)
+    for entry in _tie_completions(model, planned):
+        _check_module(entry.name, entry.module, entry.style, entry.pattern, tp)
+        planned[entry.name] = entry
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     return sorted(planned.values(), key=lambda entry: order[entry.name])
 
@@ -160,6 +193,7 @@ def apply_plan(
     rng: TensorParallelRNG,
     device: torch.device,
     loss_parallel: bool = False,
+    check=None,
 ) -> None:
     """Swaps each planned module for its tensor-parallel counterpart, holding this rank's slice of its weights.
 
@@ -167,7 +201,9 @@ def apply_plan(
     on the way, one module at a time, and initialised by the model's per-module `_init_weights(module)` where it
     has one (Hugging Face's convention), else by the module's own `reset_parameters()`. A planned module is
     materialised whole, sliced, and dropped, so peak memory is the shards plus one full layer, and the random
-    numbers drawn (hence the initial weights) are the same at every tp.
+    numbers drawn (hence the initial weights) are the same at every tp. `check(name, module, layer)`, when given,
+    runs right after each swap while the replaced module still holds its full tensors (`tp_train.verify`'s
+    `SwapCheck`, a collective).
     """
     init_weights = getattr(model, "_init_weights", None)
     by_name = {entry.name: entry for entry in planned}
@@ -184,7 +220,10 @@ def apply_plan(
                 layer = _parallel_embedding(module, group, shared)
             else:
                 layer = _parallel_linear(module, style, group, shared, loss_parallel)
+            layer = _keep_subclass_forward(module, layer, SWAPPED_BASES[style])
             _set_submodule(model, name, layer)
+            if check is not None:
+                check(name, module, layer)
             module._parameters.update(module.tp_origins)  # the dropped module lets go of its full tensors
             continue
         _materialize(name, module, device, materialized, init_weights)
@@ -228,6 +267,62 @@ def _materialize(name: str, module: nn.Module, device: torch.device, materialize
 
 
 # ----------------------------------------------------------------------------------------------- validation
+
+# How a style leaves each parameter it swaps: sharded along the vocabulary (an embedding and a head tied to it
+# split alike), split by the style itself, or "whole" (unplanned, or a style that swaps nothing). A row layer's
+# bias is copied into the new layer, so no tie can follow it.
+VOCABULARY_SPLIT = "vocabulary"
+
+
+def _split_of(style: str | None, param_name: str) -> str:
+    if style in ("embedding_rowwise", "colwise_gather_output"):
+        return VOCABULARY_SPLIT
+    if style == "rowwise" and param_name == "bias":
+        return "copied (a row layer's bias)"
+    return style if style in LINEAR_STYLES else "whole"
+
+
+def _vocabulary_style(module: nn.Module) -> str | None:
+    """The vocabulary-parallel style for an embedding or a head (a Linear), else None."""
+    if isinstance(module, nn.Embedding):
+        return "embedding_rowwise"
+    return "colwise_gather_output" if _linear_shape(module) is not None else None
+
+
+def _tie_completions(model: nn.Module, planned: dict[str, PlannedModule]) -> list[PlannedModule]:
+    """Entries that make every shared parameter split alike on each module holding it: the unplanned embedding of
+    a tied pair whose head is sharded (or the head of a sharded embedding). Any other tie split on one side only,
+    or two ways, is refused in one line naming both modules (sharding one side would silently untie them)."""
+    holders: dict[int, dict[tuple[int, str], tuple[str, str, nn.Module]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), {}).setdefault(
+                    (id(module), param_name), (module_name, param_name, module)
+                )
+    completions = []
+    for tied in holders.values():
+        sides = [(name, key, module, _split_of(getattr(planned.get(name), "style", None), key))
+                 for name, key, module in tied.values()]  # fmt: skip
+        splits = {split for *_, split in sides}
+        if len(tied) < 2 or (len(splits) == 1 and not splits & {"copied (a row layer's bias)"}):
+            continue
+        unplanned = [side for side in sides if side[3] == "whole"]
+        if splits == {"whole", VOCABULARY_SPLIT} and all(
+            key == "weight" and name not in planned and _vocabulary_style(module) for name, key, module, _ in unplanned
+        ):
+            completions += [PlannedModule(name, module, _vocabulary_style(module), f"{name} (tied)")
+                            for name, _, module, _ in unplanned]  # fmt: skip
+            continue
+        first = next(side for side in sides if side[3] != "whole")
+        second = next(side for side in sides if side is not first and (side[3] != first[3] or len(splits) == 1))
+        raise ValueError(
+            f"'{first[0]}.{first[1]}' is the same parameter as '{second[0]}.{second[1]}', and the plan splits it "
+            f"{first[3]} in '{first[0]}' but {second[3]} in '{second[0]}': a tie must be split alike on both sides; "
+            f"plan both modules alike (a tied embedding 'embedding_rowwise' with its head 'colwise_gather_output'), "
+            f"or leave both replicated"
+        )
+    return completions
 
 
 def _check_config_heads(model: nn.Module, tp: int) -> None:
@@ -279,6 +374,16 @@ def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: in
                 _check_divisible(where, attribute, value, tp)
 
 
+# The class each swapping style replaces; a subclass's own forward is kept around the sharded layer.
+SWAPPED_BASES = {style: nn.Linear for style in LINEAR_STYLES} | {"embedding_rowwise": nn.Embedding}
+
+
+def _calls_super_forward(cls: type) -> bool:
+    """Whether `cls.forward` calls `super().forward` (so a parallel layer can take the base's place beneath it)."""
+    code = getattr(cls.forward, "__code__", None)
+    return code is not None and "super" in code.co_names and "forward" in code.co_names
+
+
 def _check_divisible(where: str, dimension: str, value: int, tp: int) -> None:
     if value % tp:
         raise ValueError(
@@ -302,6 +407,36 @@ def _example_names(model: nn.Module) -> str:
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+# Classes made by `_keep_subclass_forward`, one per (subclass, parallel layer) pair.
+_KEPT_FORWARDS: dict[tuple[type, type], type] = {}
+
+
+def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> nn.Module:
+    """`layer`, made to run `module`'s forward when `module` is a subclass of `base` that overrides it.
+
+    The layer's class becomes `(type(module), type(layer), base)`: in that order the subclass's `super().forward`
+    reaches the parallel layer's forward, so Gemma's `super().forward(ids) * embed_scale` scales the sharded
+    lookup. What the subclass keeps besides parameters (its buffers, such as `embed_scale`, and attributes) moves
+    to the layer. A subclass whose forward never calls `super().forward` keeps the plain layer (see the module
+    docstring).
+    """
+    cls = type(module)
+    if not isinstance(module, base) or cls.forward is base.forward or not _calls_super_forward(cls):
+        return layer
+    key = (cls, type(layer))
+    if key not in _KEPT_FORWARDS:
+        name = f"{type(layer).__name__}[{cls.__name__}]"
+        _KEPT_FORWARDS[key] = type(name, (cls, type(layer), base), {"__module__": __name__})
+    layer.__class__ = _KEPT_FORWARDS[key]
+    for key, buffer in module._buffers.items():
+        if key not in layer._buffers:
+            layer.register_buffer(key, buffer, persistent=key not in module._non_persistent_buffers_set)
+    for key, value in vars(module).items():
+        if key not in vars(layer) and key != "tp_origins":  # tp_origins: the full tensors, let go after the swap
+            setattr(layer, key, value)
+    return layer
 
 
 def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):

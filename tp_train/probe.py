@@ -112,8 +112,8 @@ def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
                 param.requires_grad_(flag)
 
 
-def probe_token_ids(model: nn.Module, length: int = PROBE_TOKENS) -> torch.Tensor:
-    """(1, length) random token ids (fixed seed) that every embedding of `model` accepts."""
+def probe_token_ids(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1) -> torch.Tensor:
+    """(batch, length) random token ids (fixed seed) that every embedding of `model` accepts."""
     embeddings = [module for module in model.modules() if isinstance(module, nn.Embedding)]
     if not embeddings:
         raise ValueError(
@@ -122,7 +122,7 @@ def probe_token_ids(model: nn.Module, length: int = PROBE_TOKENS) -> torch.Tenso
         )
     device = next(model.parameters()).device
     high = min(module.num_embeddings for module in embeddings)
-    return torch.randint(0, high, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+    return torch.randint(0, high, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
 
 
 def first_line(error: Exception) -> str:

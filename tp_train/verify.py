@@ -1,10 +1,20 @@
 """Plan verification: before training, the sharded model must compute what the unsharded model computes.
 
-A wrong split usually still runs and trains, just as a different function. `verify_parallelized` turns that into an
-error: it rebuilds the unsharded model from the gathered shards (`full_state_dict`) in a meta-device copy taken
-before sharding (`unsharded_skeleton`, which costs no memory), runs one probe batch through both, backpropagates
-the same scalar through both, and raises `PlanVerificationError` (one line: the difference, the first module whose
-output or the first parameter whose gradient differs, and the plan entries around it) when they disagree.
+A wrong split usually still runs and trains, just as a different function. Two checks turn that into an error,
+on by default for every plan (`tp_train.parallelize`):
+
+- `SwapCheck`, per swapped module: right after `apply_plan` replaces a module, while the module still holds its
+  full tensors, one probe input goes through both and their outputs and gradients are compared. It catches a
+  swap that loses what the module did (a subclass's scale, a transposed weight, a bias, a fused layout the layer
+  reassembles wrongly) and costs one module's tensors at a time, never a copy of the model.
+- `verify_parallelized`, the whole model, where a full copy is affordable: it catches a wrong plan (the wrong
+  layers paired, heads not localised).
+
+`verify_parallelized` rebuilds the unsharded model from the gathered shards (`full_state_dict`) in a meta-device
+copy taken before sharding (`unsharded_skeleton`, which costs no memory), runs one probe batch through both,
+backpropagates the same scalar through both, and raises `PlanVerificationError` (one line: the difference, the
+first module whose output or the first parameter whose gradient differs, and the plan entries around it) when they
+disagree.
 
 The reference is a whole unsharded model on every rank for the duration of the check; for a model that does not
 fit, turn verification off (`parallelize(..., verify=False)`, `TensorParallelStrategy(verify_plan=False)`).
@@ -23,8 +33,9 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.comm import gather_from_tensor_parallel_region
+from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.probe import PROBE_TOKENS, first_line, probe_token_ids
-from tp_train.sharding import full_state_dict, named_sharded_parameters, unshard_tensor
+from tp_train.sharding import ShardSpec, full_state_dict, named_sharded_parameters, shard_tensor, unshard_tensor
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
 HALF_PRECISION_TOLERANCE = 3e-2
@@ -32,6 +43,120 @@ HALF_PRECISION_TOLERANCE = 3e-2
 
 class PlanVerificationError(ValueError):
     """The sharded model computes something other than the unsharded model: the plan is wrong."""
+
+
+class SwapCheck:
+    """Checks each module `apply_plan` swaps against the module it replaced (pass it as `apply_plan`'s `check`).
+
+    Per module: a probe input (random token ids, or random activations, fixed seed) goes through the replaced
+    module and through its parallel layer (a row layer gets its rank's share of the features); the outputs are
+    compared (sharded ones gathered), then one random projection of the output is backpropagated through both
+    and the input gradients compared. Where the replaced module's class overrides forward (a subclass, whose
+    forward now runs around the parallel layer), the gradients of the layer's parameters are compared too (this
+    rank's shard of the replaced module's), except for vocabulary-sized tables; elsewhere they follow from the
+    input and output gradients of the same matmul and none is allocated. Extra memory: the probe's activations,
+    plus one subclassed module's gradients. Each call is a collective; every rank swaps the same modules in the
+    same order.
+
+    Attributes:
+        errors: the largest relative difference per checked module.
+        skipped: modules whose full tensors were already gone (tied to a module swapped before, in a model built
+            on the meta device): they are checked through the module they are tied to.
+    """
+
+    def __init__(self, group: ProcessGroup, tolerance: float | None = None):
+        self.group = group
+        self.tolerance = tolerance
+        self.errors: dict[str, float] = {}
+        self.skipped: list[str] = []
+        self.problem: str | None = None
+
+    def __call__(self, name: str, module: nn.Module, layer: nn.Module) -> None:
+        if any(tensor.is_meta for tensor in chain(module.parameters(), module.buffers())):
+            self.skipped.append(name)
+            return
+        tolerance = self.tolerance or TOLERANCE.get(module.weight.dtype, HALF_PRECISION_TOLERANCE)
+        try:
+            errors = self._differences(module, layer)
+        except Exception as error:  # noqa: BLE001 - a layer that cannot run is reported like a wrong one
+            errors, failure = (
+                {"output": math.inf},
+                f"fails on a probe input ({type(error).__name__}: {first_line(error)})",
+            )
+        else:
+            failure = None
+        finally:
+            module.zero_grad(set_to_none=True)
+            layer.zero_grad(set_to_none=True)
+        worst = max(errors, key=errors.get)
+        self.errors[name] = errors[worst]
+        if self.problem is None and (failure or errors[worst] > tolerance):
+            what = (
+                failure
+                or f"differs from it by {errors[worst]:.3g} in its {worst} (relative; tolerance {tolerance:.0e})"
+            )
+            self.problem = f"module '{name}' ({type(module).__name__}) sharded as {type(layer).__name__} {what}"
+
+    def raise_on_difference(self) -> None:
+        """Raises `PlanVerificationError` on every rank when any rank's check found a difference (a collective)."""
+        _raise_first(self.problem, self.group)
+
+    def _differences(self, module: nn.Module, layer: nn.Module) -> dict[str, float]:
+        rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        weight = module.weight
+        generator = torch.Generator().manual_seed(0)
+        vocabulary = isinstance(layer, VocabParallelEmbedding) or layer.shard_specs["weight"].padded
+        if isinstance(layer, VocabParallelEmbedding):
+            inputs = torch.randint(0, layer.num_embeddings, (1, PROBE_TOKENS), generator=generator)
+            inputs = local_inputs = inputs.to(weight.device)
+        else:
+            inputs = torch.randn(1, PROBE_TOKENS, layer.in_features, generator=generator).to(weight)
+            local_inputs = inputs.chunk(world_size, -1)[rank] if isinstance(layer, RowParallelLinear) else inputs
+            inputs, local_inputs = inputs.requires_grad_(), local_inputs.detach().requires_grad_()
+        # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
+        # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
+        compare_parameters = not vocabulary and _overrides_forward(module)
+        flags = {param: param.requires_grad for param in chain(module.parameters(), layer.parameters())}
+        for param in flags:
+            param.requires_grad_(param.requires_grad and compare_parameters)
+        try:
+            reference = module(inputs)
+            output = layer(local_inputs)
+        finally:
+            for param, flag in flags.items():
+                param.requires_grad_(flag)
+        spec = None
+        if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
+            weight_spec = layer.shard_specs["weight"]
+            spec = ShardSpec(dim=output.dim() - 1, sections=weight_spec.sections, padded=weight_spec.padded)
+        full_output = unshard_tensor(output.detach(), spec, self.group) if spec else output
+        errors = {"output": _relative(full_output, reference)}
+        if not reference.requires_grad:  # token ids in, no parameter gradient compared: nothing to backpropagate
+            return errors
+        projection = torch.randn(reference.shape, generator=generator).to(reference)
+        local_projection = shard_tensor(projection, spec, rank, world_size) if spec else projection
+        (reference.float() * projection).sum().backward()
+        (output.float() * local_projection).sum().backward()
+        if inputs.is_floating_point():
+            expected = inputs.grad.chunk(world_size, -1)[rank] if isinstance(layer, RowParallelLinear) else inputs.grad
+            errors["input gradient"] = _relative(local_inputs.grad, expected)
+        for param_name, param in layer.named_parameters(recurse=False):
+            full_grad = getattr(module, param_name).grad
+            if not compare_parameters or param.grad is None or full_grad is None:
+                continue
+            param_spec = layer.shard_specs.get(param_name)
+            if param_spec is not None:
+                full_grad = shard_tensor(
+                    full_grad.t() if param_spec.transposed else full_grad, param_spec, rank, world_size
+                )
+            errors[f"{param_name} gradient"] = _relative(param.grad, full_grad)
+        return errors
+
+
+def _overrides_forward(module: nn.Module) -> bool:
+    """Whether `module`'s class overrides the forward of the class a parallel layer replaces."""
+    plain = (nn.Linear.forward, nn.Embedding.forward)
+    return type(module).forward not in plain and type(module).__name__ != "Conv1D"
 
 
 def unsharded_skeleton(model: nn.Module) -> nn.Module:
@@ -84,7 +209,8 @@ def verify_parallelized(
         reference: the unsharded model with the same weights (`unsharded_reference`).
         group: the tensor-parallel group.
         planned: the plan's `PlannedModule`s, to name the entries near a difference.
-        example_input: the probe input; default (1, 8) random token ids (a multiple of tp long).
+        example_input: the probe input; default (2, 8) random token ids (a multiple of tp long; two sequences, so
+            that code mixing the batch into the sequence shows).
         tolerance: largest relative difference accepted; default 1e-4 in fp32, 3e-2 in half precision.
 
     Returns:
@@ -95,7 +221,7 @@ def verify_parallelized(
     """
     # A length every tp divides, for sequence parallelism's split: 8 tokens at tp 1, 2, 4 and 8.
     length = math.lcm(PROBE_TOKENS, dist.get_world_size(group))
-    inputs = example_input if example_input is not None else probe_token_ids(reference, length)
+    inputs = example_input if example_input is not None else probe_token_ids(reference, length, batch=2)
     dtype = next(reference.parameters()).dtype
     tolerance = tolerance if tolerance is not None else TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
     modes = {module: module.training for module in chain(model.modules(), reference.modules())}
@@ -114,6 +240,12 @@ def verify_parallelized(
     if problem is not None:
         text, suspect = problem
         problem = f"{text}{_entries_near(suspect, planned)}"
+    _raise_first(problem, group)
+    return errors
+
+
+def _raise_first(problem: str | None, group: ProcessGroup) -> None:
+    """Raises the first rank's problem on every rank (a collective), or returns when no rank has one."""
     problems: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
     reported = next((rank, text) for rank, text in enumerate(problems + ["ok"]) if text)
@@ -122,7 +254,6 @@ def verify_parallelized(
             f"tensor-parallel plan verification failed (rank {reported[0]}): {reported[1]}; fix the plan, or pass "
             f"verify=False to skip this check"
         )
-    return errors
 
 
 # What differs, as a message, and the module it points to.
