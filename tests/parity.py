@@ -53,6 +53,8 @@ def parity_errors(
         if step == 0:
             errors["logits"] = (ref_logits - logits).abs().max().item()
             for name, grad in _full_tensors(model, group, grads=True).items():
+                if grad is None and ref_params[name].grad is None:
+                    continue  # a parameter the forward never uses (an encoder's, in a decoder-only forward)
                 errors[f"grad:{name}"] = (ref_params[name].grad - grad).abs().max().item()
         ref_opt.step()
         opt.step()
@@ -82,7 +84,8 @@ def _full_tensors(model, group, grads: bool) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():
         tensor = param.grad if grads else param.detach()
-        out[name] = tp_train.unshard_tensor(tensor, specs[name], group) if name in specs else tensor
+        sharded = name in specs and tensor is not None
+        out[name] = tp_train.unshard_tensor(tensor, specs[name], group) if sharded else tensor
     return out
 
 

@@ -157,12 +157,13 @@ def _hf_family(model_type: str):
 
     sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
-    return hugging_face_causal_lm(model_type, config=sizes)
+    # Eval mode: BioGPT's and XGLM's configs carry dropout, whose masks no two models draw alike.
+    return hugging_face_causal_lm(model_type, config=sizes).eval()
 
 
 # Gemma-family models (Hugging Face's plan, a scaled embedding tied to the head), LFM2 (a head-only plan, tied) and
-# HunYuan (a head-only plan, untied).
-HF_FAMILIES = ["gemma", "gemma2", "gemma3_text", "vaultgemma", "lfm2", "hunyuan_v1_dense"]
+# HunYuan (a head-only plan, untied); BioGPT and XGLM (no plan: auto-planned, a scaled embedding).
+HF_FAMILIES = ["gemma", "gemma2", "gemma3_text", "vaultgemma", "lfm2", "hunyuan_v1_dense", "biogpt", "xglm"]
 
 
 def _hf_logits(model, idx):

@@ -28,7 +28,7 @@ patterns (`layers.*.mlp.up`).
 Limits: perturbations are run once per distinct block shape (by generic name and widths), and a model on the meta
 device is probed on a full copy on the CPU; the structure between a column and a row layer is checked, the code
 that runs it on local shapes is not (a hard-coded head count): that is what verification (`tp_train.verify`),
-on by default for inferred plans, is for.
+on by default, is for.
 """
 
 from __future__ import annotations
@@ -101,9 +101,12 @@ class _Planner:
         self.calls = trace_calls(model, inputs)
         self.linears = [name for name in self._called() if _linear_shape(self.modules[name]) is not None]
         self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
-        # A module whose output carries no autograd history (run under no_grad, or detached) shows no dataflow.
+        # A module whose output carries no autograd history (run under no_grad, detached, or not a tensor: a
+        # module called only with keyword arguments is traced without it) shows no dataflow.
         self.untraced = {name for name in self.linears if getattr(self.calls[name].output, "grad_fn", None) is None}
-        outputs = {id(self.calls[name].output.grad_fn): name for name in self.linears + self.embeddings}
+        outputs = {
+            id(getattr(self.calls[name].output, "grad_fn", None)): name for name in self.linears + self.embeddings
+        }
         outputs.pop(id(None), None)
         self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
         self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names

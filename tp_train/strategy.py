@@ -56,8 +56,9 @@ class TensorParallelStrategy(DDPStrategy):
         process_group_backend: "nccl" on GPUs, "gloo" on CPU by default.
         timeout: collective timeout, so a rank that died fails the job instead of hanging it.
         start_method: "popen" (re-run the script per rank), or "spawn" / "fork" (e.g. from a notebook or pytest).
-        verify_plan: check each sharded model against the unsharded one on a probe batch before training (see
-            `tp_train.parallelize`'s `verify`). Default None: on for plans inferred by the auto-planner only.
+        verify_plan: check each sharded model before training (see `tp_train.parallelize`'s `verify`): each
+            swapped module against the one it replaced, and the whole model against the unsharded one when it is
+            small. Default None: on for every plan; True also forces the whole-model check; False: off.
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis.
     """
 

@@ -7,17 +7,14 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tp_train.bench.contenders import SIZES
+from tp_train.bench.ranks import start_ranks
 from tp_train.bench.report import table, targets, targets_text
 from tp_train.bench.run import benchmark
 
@@ -49,45 +46,26 @@ def machine() -> dict:
     }
 
 
-def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, info: dict) -> None:
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=5),
-    )
-    try:
-        start = time.perf_counter()
-        if args.profile is not None and rank == 0:
-            args.profile.mkdir(parents=True, exist_ok=True)
-        sizes = [SIZES[name] for name in args.sizes.split(",")]
-        results = benchmark(rank, sizes, args.tp, args.repeats, args.seconds, device, args.profile)
-        if rank == 0:
-            info = {**info, "load_average_at_end": os.getloadavg(), "seconds": time.perf_counter() - start}
-            checks = targets(results)
-            Path(args.output).write_text(json.dumps({"machine": info, "results": results, "targets": checks}, indent=1))
-            print(f"machine: {info}")
-            print(table(results))
-            print("targets:")
-            print(targets_text(checks))
-            print(f"wrote {args.output}")
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, info: dict) -> None:
+    start = time.perf_counter()
+    if args.profile is not None and rank == 0:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    sizes = [SIZES[name] for name in args.sizes.split(",")]
+    results = benchmark(rank, sizes, args.tp, args.repeats, args.seconds, device, args.profile)
+    if rank == 0:
+        info = {**info, "load_average_at_end": os.getloadavg(), "seconds": time.perf_counter() - start}
+        checks = targets(results)
+        Path(args.output).write_text(json.dumps({"machine": info, "results": results, "targets": checks}, indent=1))
+        print(f"machine: {info}")
+        print(table(results))
+        print("targets:")
+        print(targets_text(checks))
+        print(f"wrote {args.output}")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    world_size = max(args.tp)
-    mp.start_processes(_rank, (world_size, port, args, machine()), nprocs=world_size, start_method="fork")
+    start_ranks(_rank, max(args.tp), args, machine())
     sys.stdout.flush()
 
 
