@@ -20,13 +20,14 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from tp_train import TensorParallelMixedPrecision, preflight, resume
-from tp_train.callbacks import TrainingMetrics, peak_memory_mib
-from tp_train.checkpoint_checks import CheckpointError
-from tp_train.config import lightning_precision, register_resolvers
-from tp_train.memory import estimate_for_config
-from tp_train.module import CausalLMModule
-from tp_train.preemption import Preempted
+from tp_train import TensorParallelMixedPrecision
+from tp_train.app import preflight, resume
+from tp_train.app.module import CausalLMModule
+from tp_train.app.preflight import estimate_for_config
+from tp_train.app.resolvers import lightning_precision, register_resolvers
+from tp_train.errors import CheckpointError
+from tp_train.lightning.metrics import TrainingMetrics, peak_memory_mib
+from tp_train.lightning.preemption import Preempted
 
 register_resolvers()
 

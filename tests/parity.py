@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tp_train
-from tp_train.sharding import ceil_div, full_numel
+from tp_train.parallel.sharding import ceil_div, full_numel
 
 VOCAB_OF_TESTS = 101  # not a multiple of 2 or 4: exercises vocabulary padding
 

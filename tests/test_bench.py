@@ -1,4 +1,4 @@
-"""A tiny run of the benchmark (`python -m tp_train.bench`), end to end: every contender is timed and measured."""
+"""A tiny run of the benchmark (`python -m tp_train.tools.bench`), end to end: every contender is timed and measured."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=
 @pytest.mark.slow
 def test_bench_smoke_writes_every_contender(tmp_path):
     output = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "tp_train.bench", "--sizes", "small", "--tp", "1,2", "--repeats", "1",
+    command = [sys.executable, "-m", "tp_train.tools.bench", "--sizes", "small", "--tp", "1,2", "--repeats", "1",
                "--seconds", "0", "--output", str(output)]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -20,8 +20,8 @@ import tp_train
 from tests.distributed import run_on_ranks
 from tests.parity import next_token_loss
 from tests.test_parallelize import MODELS, VOCAB
-from tp_train.checkpoint import load, optimizer_state_dict, save
-from tp_train.sharding import full_state_dict as consolidated_state_dict
+from tp_train.checkpoint.dcp import load, optimizer_state_dict, save
+from tp_train.parallel.sharding import full_state_dict as consolidated_state_dict
 
 MODEL_NAMES = ("gpt", "hf_gpt2", "custom_tp_plan")  # tied + padded vocab; fused Conv1D q/k/v; packed gate/up
 WORLD_SIZE = 4

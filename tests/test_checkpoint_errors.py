@@ -14,8 +14,8 @@ import torch.distributed as dist
 import tp_train
 from tests.distributed import run_on_ranks
 from tests.test_parallelize import SwiGLUModel
-from tp_train.checkpoint import load, save
-from tp_train.checkpoint_checks import CheckpointError
+from tp_train.checkpoint.dcp import load, save
+from tp_train.errors import CheckpointError
 
 
 def _build(dim: int = 32, hidden: int = 48, vocab: int = 101, plan: dict | None = None):

@@ -1,4 +1,4 @@
-"""The collectives in `tp_train.comm`: forward value and backward gradient of each, as its docstring states them.
+"""The collectives in `tp_train.parallel.collectives`: forward value and backward gradient of each, as its docstring states them.
 
 Every rank builds every rank's input and output gradient from `seed + rank`, so the expected values are computed by
 hand from full tensors. Output gradients differ per rank on purpose: a backward that forgot to sum, or summed what it
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_on_ranks
-from tp_train.comm import (
+from tp_train.parallel.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,

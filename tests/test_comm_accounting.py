@@ -14,7 +14,7 @@ from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import make_trainer
 from tests.test_parallelize import VOCAB
-from tp_train.memory import tensor_parallel_bytes_per_step
+from tp_train.tools.memory import tensor_parallel_bytes_per_step
 
 LAYERS = 3
 

@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
-from tp_train.config import lightning_precision, register_resolvers
+from tp_train.app.resolvers import lightning_precision, register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_resolvers()

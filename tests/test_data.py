@@ -14,9 +14,9 @@ import lightning as L
 import pytest
 import torch
 
-from tp_train import data
-from tp_train.data import TextDataModule
-from tp_train.preflight import ConfigError
+from tp_train.app import data
+from tp_train.app.data import TextDataModule
+from tp_train.errors import ConfigError
 
 BLOCK = 64
 SMALL = {"max_files": 30, "max_bytes": 300_000, "vocab_size": 512, "block_size": BLOCK}  # ~1 s to build

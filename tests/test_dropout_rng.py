@@ -10,7 +10,7 @@ import torch.distributed as dist
 import tp_train
 from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
-from tp_train.random import REPLICATED, SHARDED
+from tp_train.parallel.random import REPLICATED, SHARDED
 
 VOCAB = 64
 

@@ -1,4 +1,4 @@
-"""Export: a checkpoint saved at tp=2 (by `tp_train.checkpoint.save`, or by a `python train.py model=hf` run) becomes
+"""Export: a checkpoint saved at tp=2 (by `tp_train.checkpoint.dcp.save`, or by a `python train.py model=hf` run) becomes
 a `save_pretrained` directory that `AutoModelForCausalLM.from_pretrained` loads to the same logits."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from tests.distributed import run_on_ranks
 from tests.parity import next_token_loss
 from tests.test_parallelize import ATOL, VOCAB, _hf_gpt2, _hf_gpt_neox, _hf_llama
 from tests.test_train_app import run_train
-from tp_train.export import main as export_main
-from tp_train.export_hf import export_hugging_face
+from tp_train.tools.export import export_hugging_face
+from tp_train.tools.export import main as export_main
 
 # GPT-2: tied embeddings, a padded vocabulary, Conv1D weights and a fused [q; k; v] (saved as sections).
 # GPT-NeoX: saved by transformers as `embed_out`. Llama: grouped kv heads.
@@ -86,7 +86,7 @@ def test_python_train_model_hf_llama_tp2_trains_and_its_checkpoint_exports(tmp_p
     assert summary["train_loss"] < summary["first_train_loss"], summary
 
     checkpoint, out = summary["checkpoint"], tmp_path / "exported"
-    export_main([checkpoint, str(out)])  # python -m tp_train.export CHECKPOINT OUT_DIR, in this process
+    export_main([checkpoint, str(out)])  # python -m tp_train.tools.export CHECKPOINT OUT_DIR, in this process
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert exported.config.model_type == "llama" and exported.config.num_key_value_heads == 2
     expected, step = run_on_ranks(_checkpoint_logits, 1, checkpoint, str(out))[0]

@@ -81,7 +81,7 @@ FAMILIES = {
 
 
 def _all_families_parity(rank, world_size):
-    from tp_train.plan import find_plan
+    from tp_train.plan.resolve import find_plan
 
     results = {}
     for name, build in FAMILIES.items():
@@ -108,7 +108,7 @@ def test_preset_sharded_model_matches_unsharded(parity_results, family):
 
 def _wrong_falcon_split(rank, world_size):
     """The negative control: Falcon's per-head [q_h; k_h; v_h] projection split as if it were [q; k; v]."""
-    from tp_train import presets
+    from tp_train.plan import presets
 
     presets.PRESETS["falcon"] = {**presets.PRESETS["falcon"], "h.*.self_attention.query_key_value": "fused_qkv_colwise"}
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def test_a_wrong_split_of_falcons_fused_projection_is_caught():
     ],
 )
 def test_falcon_configs_the_preset_cannot_split_are_refused(overrides, reason):
-    from tp_train.plan import find_plan
+    from tp_train.plan.resolve import find_plan
 
     with pytest.raises(ValueError, match=reason):
         find_plan(_hf_falcon(**overrides))
@@ -142,6 +142,6 @@ def test_falcon_configs_the_preset_cannot_split_are_refused(overrides, reason):
 def test_families_with_unsplittable_layouts_have_no_preset(model_type):
     """Bloom's ALiBi tensor covers all heads (built outside the attention module); CodeGen's qkv_proj is split
     with a hard-coded mp_num=4: neither can be sharded with the existing styles, so neither gets a preset."""
-    from tp_train.presets import PRESETS
+    from tp_train.plan.presets import PRESETS
 
     assert model_type not in PRESETS

@@ -10,7 +10,8 @@ from models import hugging_face_causal_lm
 from tests.distributed import run_on_ranks
 from tests.parity import parity_errors
 from tests.test_parallelize import VOCAB, _hf_gpt_neox, _hf_logits
-from tp_train.plan import find_plan, match_plan
+from tp_train.plan.match import match_plan
+from tp_train.plan.resolve import find_plan
 
 TINY = dict(
     vocab_size=VOCAB, max_position_embeddings=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -85,7 +86,7 @@ def test_preflight_builds_model_hf_on_meta_and_refuses_what_cannot_run(tmp_path)
     from hydra.utils import instantiate
 
     from tests.test_configs import _compose
-    from tp_train import preflight
+    from tp_train.app import preflight
 
     def check(*overrides):
         cfg = _compose(tmp_path, ["model=hf", "data.vocab_size=512", *overrides])

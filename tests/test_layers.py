@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.distributed import run_on_ranks
-from tp_train.cross_entropy import vocab_parallel_cross_entropy
-from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from tp_train.sharding import ShardSpec, shard_tensor, unshard_tensor
+from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tp_train.parallel.sharding import ShardSpec, shard_tensor, unshard_tensor
 
 TOKENS = (2, 6)  # (batch, sequence)
 IN_FEATURES, OUT_FEATURES = 6, 8

@@ -14,7 +14,13 @@ from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
 from tests.test_parallelize import VOCAB, SwiGLUModel, _hf_gpt2, _hf_llama
 from tests.test_train_app import ROOT
-from tp_train.memory import ADAMW_STATES, MemoryEstimate, activation_elements, estimate_memory, parameters_per_rank
+from tp_train.tools.memory import (
+    ADAMW_STATES,
+    MemoryEstimate,
+    activation_elements,
+    estimate_memory,
+    parameters_per_rank,
+)
 
 BUILDERS = {
     "gpt": lambda: GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=32)),

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, Subset
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import GLOBAL_BATCH, LitLM, fit, make_trainer, token_data
 from tp_train import TensorParallelMixedPrecision, full_state_dict
-from tp_train.nonfinite import NonFiniteError, NonFiniteGuard
+from tp_train.errors import NonFiniteError
+from tp_train.lightning.nonfinite import NonFiniteGuard
 
 TP, STEPS, BAD_STEP, BAD_RANK = 2, 6, 3, 1
 

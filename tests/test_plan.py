@@ -15,8 +15,9 @@ from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
 from tests.parity import parity_errors
 from tests.test_parallelize import VOCAB, _hf_gpt2, _hf_llama, _hf_logits
-from tp_train.plan import pattern_matches, resolve_plan
-from tp_train.presets import PRESETS
+from tp_train.plan.presets import PRESETS
+from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.styles import pattern_matches
 
 
 def _gpt(**overrides):
@@ -122,7 +123,7 @@ def test_bad_plans_raise_one_line_value_error_before_any_change():
 
 def _naive_fused_qkv_split(rank, world_size):
     torch.manual_seed(0)
-    plan = {**tp_train.plan.resolve_plan(_hf_gpt2())[0], "transformer.h.*.attn.c_attn": "colwise"}
+    plan = {**tp_train.plan.resolve.resolve_plan(_hf_gpt2())[0], "transformer.h.*.attn.c_attn": "colwise"}
 
     class Naive(nn.Module):  # the same GPT-2, with a plan that splits [q; k; v] as if it were one matrix
         def __init__(self):

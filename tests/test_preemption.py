@@ -18,10 +18,11 @@ import torch
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import LitLM, loader, make_trainer
 from tests.signal_at_step import SignalAtStep
-from tp_train import TextDataModule, resume
-from tp_train.preemption import Preempted, PreemptionCheckpoint
-from tp_train.preflight import ConfigError
-from tp_train.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
+from tp_train import TextDataModule
+from tp_train.app import resume
+from tp_train.errors import ConfigError
+from tp_train.lightning.preemption import Preempted, PreemptionCheckpoint
+from tp_train.lightning.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the parrot is resting not dead it has ceased to be bereft of life it rests in peace a stiff".split()

@@ -14,8 +14,8 @@ import tp_train
 from models import hugging_face_causal_lm
 from tests.distributed import run_on_ranks
 from tests.test_parallelize import ATOL, VOCAB, _hf_gpt2, _hf_gpt_neox, _hf_llama
-from tp_train import pretrained
-from tp_train.sharding import full_numel
+from tp_train.checkpoint import pretrained
+from tp_train.parallel.sharding import full_numel
 
 # GPT-2: tied embeddings, a padded vocabulary, Conv1D (transposed) weights, a fused [q; k; v]; saved in several
 # files with an index. GPT-NeoX: its lm_head saved as `embed_out`. Llama: grouped kv heads.

@@ -61,7 +61,7 @@ class _CollectiveCounter:
     calls, and torch.distributed.all_reduce."""
 
     def __init__(self):
-        import tp_train.comm as comm
+        import tp_train.parallel.collectives as comm
 
         self.where = {
             "all_gather": (comm, "_all_gather_single"),
@@ -126,7 +126,7 @@ def test_sequence_parallel_trades_each_all_reduce_for_all_gather_and_reduce_scat
 
 
 def _norm_gradients(rank, world_size):
-    import tp_train.sequence_parallel as sequence_parallel
+    import tp_train.plan.sequence_parallel as sequence_parallel
 
     out = {}
     for reduce_norm_gradients in (True, False):

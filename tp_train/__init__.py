@@ -2,13 +2,22 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from tp_train.autoplan import infer_plan
-from tp_train.callbacks import TrainingMetrics
-from tp_train.checkpoint import load as load_checkpoint
-from tp_train.checkpoint import save as save_checkpoint
-from tp_train.checkpoint_checks import CheckpointError
-from tp_train.clipping import clip_grad_norm_, global_grad_norm
-from tp_train.comm import (
+from tp_train.app.data import TextDataModule
+from tp_train.app.module import CausalLMModule
+from tp_train.app.schedulers import cosine_with_warmup
+from tp_train.checkpoint.dcp import load as load_checkpoint
+from tp_train.checkpoint.dcp import save as save_checkpoint
+from tp_train.checkpoint.pretrained import load_pretrained
+from tp_train.errors import CheckpointError, NonFiniteError
+from tp_train.lightning.metrics import TrainingMetrics
+from tp_train.lightning.nonfinite import NonFiniteGuard
+from tp_train.lightning.precision import TensorParallelMixedPrecision
+from tp_train.lightning.preemption import Preempted, PreemptionCheckpoint
+from tp_train.lightning.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
+from tp_train.lightning.rng_state import RandomStateCheckpoint
+from tp_train.lightning.strategy import TensorParallelStrategy
+from tp_train.parallel.clipping import clip_grad_norm_, global_grad_norm
+from tp_train.parallel.collectives import (
     CommunicationCounter,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -18,24 +27,15 @@ from tp_train.comm import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from tp_train.cross_entropy import vocab_parallel_cross_entropy
-from tp_train.data import TextDataModule
-from tp_train.export_hf import export_hugging_face
-from tp_train.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from tp_train.memory import estimate_memory
-from tp_train.module import CausalLMModule
-from tp_train.nonfinite import NonFiniteError, NonFiniteGuard
-from tp_train.parallelize import parallelize
-from tp_train.precision import TensorParallelMixedPrecision
-from tp_train.preemption import Preempted, PreemptionCheckpoint
-from tp_train.pretrained import load_pretrained
-from tp_train.random import TensorParallelRNG
-from tp_train.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
-from tp_train.rng_state import RandomStateCheckpoint
-from tp_train.schedulers import cosine_with_warmup
-from tp_train.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
-from tp_train.strategy import TensorParallelStrategy
-from tp_train.verify import PlanVerificationError, verify_parallelized
+from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tp_train.parallel.random import TensorParallelRNG
+from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
+from tp_train.plan.autoplan import infer_plan
+from tp_train.plan.parallelize import parallelize
+from tp_train.plan.verify import PlanVerificationError, verify_parallelized
+from tp_train.tools.export import export_hugging_face
+from tp_train.tools.memory import estimate_memory
 
 TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor_parallel"
 

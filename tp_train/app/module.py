@@ -1,0 +1,91 @@
+"""`CausalLMModule`: next-token training of any model mapping token ids (B, T) to logits (B, T, vocab)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tp_train.checkpoint.dcp import HUGGING_FACE_CONFIG_KEY
+
+OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
+SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+
+
+class CausalLMModule(L.LightningModule):
+    """Trains `model` to predict each next token of (B, T + 1) blocks.
+
+    Args:
+        model: a factory building the model (e.g. Hydra `_partial_: true`). It is called in `configure_model`
+            under `trainer.init_module(empty_init=True)`, so with `TensorParallelStrategy` the full model is never
+            materialised: each rank allocates only its shards. A built `nn.Module` is accepted too.
+        optimizer: a factory taking parameter groups (e.g. `functools.partial(torch.optim.AdamW, lr=3e-4)`).
+            Weight decay applies to parameters with two or more dimensions (matrices, embeddings); biases and
+            norm weights are exempt.
+        scheduler: an optional factory `(optimizer, total_steps=...)` returning a per-step LR scheduler.
+    """
+
+    def __init__(
+        self,
+        model: Callable[[], nn.Module] | nn.Module,
+        optimizer: OptimizerFactory,
+        scheduler: SchedulerFactory | None = None,
+    ):
+        super().__init__()
+        self._model_factory = None if isinstance(model, nn.Module) else model
+        self.model = model if isinstance(model, nn.Module) else None
+        self._optimizer_factory = optimizer
+        self._scheduler_factory = scheduler
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            with self.trainer.init_module(empty_init=True):
+                self.model = self._model_factory()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out = self.model(idx)
+        return getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
+        logits = self(inputs)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax in fp32
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.trainer.callback_metrics.get("val/loss")
+        if loss is not None:
+            self.log("val/ppl", math.exp(min(loss.item(), 50.0)))  # capped: exp overflows for a diverged model
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        config = getattr(self.model, "config", None)
+        if hasattr(config, "to_dict"):  # a Hugging Face model: what `tp_train.tools.export` rebuilds it from
+            checkpoint[HUGGING_FACE_CONFIG_KEY] = config.to_dict()
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = self._optimizer_factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        if self._scheduler_factory is None:
+            return optimizer
+        total_steps = int(self.trainer.estimated_stepping_batches)
+        scheduler = self._scheduler_factory(optimizer, total_steps=total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,147 @@
+"""Checks a training config in the launching process, before any rank starts or any weight loads.
+
+Each problem is one `ConfigError` naming the config key, its value and what would work; `train.py` prints it as
+one line and exits with status 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from tp_train.app.resolvers import lightning_precision
+from tp_train.checkpoint.checks import check_files
+from tp_train.errors import CheckpointError, ConfigError
+from tp_train.lightning.nonfinite import ACTIONS
+from tp_train.plan.match import match_plan
+from tp_train.plan.resolve import resolve_plan
+from tp_train.tools.memory import MemoryEstimate, estimate_memory
+
+
+def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
+    """Raises `ConfigError` for the first problem found in `cfg`; `build_model()` builds the model's factory."""
+    try:
+        lightning_precision(cfg.precision)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    tp = cfg.tp
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp={tp} must be a positive integer (the tensor-parallel size), e.g. tp=2")
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    if isinstance(devices, int) and (devices * nodes) % tp:
+        fits = [n * tp for n in range(1, 5)]
+        raise ConfigError(
+            f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
+            f"tp={tp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp)"
+        )
+    _check_data_source(cfg.data)
+    check_checkpoint(cfg.get("ckpt_path"))
+    _check_fault_handling(cfg)
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+            model = build_model()()
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"model: {error}") from None
+    try:
+        match_plan(model, resolve_plan(model, tensor_parallel_size=tp)[0], tp)
+    except ValueError as error:
+        raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
+    vocab, data_vocab = getattr(getattr(model, "config", None), "vocab_size", None), cfg.data.get("vocab_size")
+    if isinstance(vocab, int) and isinstance(data_vocab, int) and data_vocab > vocab:  # e.g. a model from model.path
+        raise ConfigError(
+            f"data.vocab_size={data_vocab} exceeds the model's vocabulary of {vocab} tokens; "
+            f"use data.vocab_size<={vocab} or a model with a larger vocabulary"
+        )
+    context = _context_length(model)
+    block_size = cfg.data.get("block_size")
+    if context is not None and block_size is not None and block_size > context:
+        raise ConfigError(
+            f"data.block_size={block_size} exceeds the model's context of {context} tokens; "
+            f"use data.block_size<={context} or a model with a longer context"
+        )
+    strategy = cfg.get("trainer", {}).get("strategy") or {}
+    sequence_parallel = cfg.get("sequence_parallel") or (hasattr(strategy, "get") and strategy.get("sequence_parallel"))
+    if sequence_parallel and isinstance(block_size, int) and block_size % tp:
+        raise ConfigError(
+            f"sequence_parallel=true splits each sequence across tp={tp} ranks, but data.block_size={block_size} "
+            f"is not a multiple of {tp}; use data.block_size={block_size - block_size % tp or tp} "
+            f"or sequence_parallel=false"
+        )
+
+
+def _check_data_source(data: DictConfig) -> None:
+    source = str(data.get("source", ""))
+    looks_local = (
+        source.startswith((".", "/", "~"))
+        or any(char in source for char in "*?[")
+        or source.endswith((".txt", ".json", ".jsonl", ".md", ".py"))
+    )  # otherwise a hub name such as "owner/name", which the data module checks
+    if source == "python_stdlib" or not looks_local:
+        return  # the stdlib, or a hub name (the data module reports an unreachable hub)
+    if not glob.glob(os.path.expanduser(source)):
+        raise ConfigError(
+            f"data.source={source}: no such file or directory, or no files match it; "
+            f"use a local file, directory or glob, or data.source=python_stdlib"
+        )
+
+
+def check_checkpoint(path: str | None) -> None:
+    """The checkpoint's files are there and whole; whether they fit the model is checked by the ranks, on load."""
+    if path is None or str(path) in ("auto", "last", "best", "hpc") or str(path).startswith("registry"):
+        return  # found later: by tp_train.resume (auto, then checked again), or by Lightning
+    try:
+        check_files(os.path.expanduser(str(path)))
+    except CheckpointError as error:
+        raise ConfigError(
+            f"ckpt_path: {error}; use a checkpoint directory a run saved, e.g. <run dir>/checkpoints/last.ckpt"
+        ) from None
+
+
+def _check_fault_handling(cfg: DictConfig) -> None:
+    action = cfg.get("nonfinite", "stop")
+    if action not in ACTIONS:
+        raise ConfigError(
+            f"nonfinite={action}: use nonfinite=stop (end the run at a NaN/inf loss or gradient) or nonfinite=skip"
+        )
+    timeout = cfg.get("collective_timeout_s", 1)
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"collective_timeout_s={timeout}: use a positive number of seconds, e.g. 1800")
+
+
+def _context_length(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for field in ("block_size", "max_position_embeddings", "n_positions"):
+        value = getattr(config, field, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> MemoryEstimate:
+    """`estimate_memory` for a training config (conf/train.yaml): the model `build_model()()` builds on the meta
+    device, `data.batch_size` x `data.block_size` micro-batches, `tp`, the data-parallel size the trainer's devices
+    leave, `precision`, and `sequence_parallel` / `activation_checkpointing` (top level or on the strategy)."""
+    with torch.device("meta"):
+        model = build_model()()
+    strategy = cfg.trainer.get("strategy") or {}
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    dp = devices * nodes // cfg.tp if isinstance(devices, int) else cfg.get("dp", 1)
+
+    def flag(name: str) -> bool:
+        return bool(cfg.get(name) or (strategy.get(name) if hasattr(strategy, "get") else False))
+
+    return estimate_memory(
+        model,
+        micro_batch_size=cfg.data.batch_size,
+        seq_len=cfg.data.block_size,
+        tp=cfg.tp,
+        dp=dp,
+        precision=lightning_precision(cfg.precision),
+        sequence_parallel=flag("sequence_parallel"),
+        activation_checkpointing=flag("activation_checkpointing"),
+    )

@@ -1,1 +1,0 @@
-"""The benchmark: `python -m tp_train.bench --help`."""

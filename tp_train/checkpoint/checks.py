@@ -1,0 +1,83 @@
+"""Checks that a checkpoint directory can be loaded, before anything is loaded from it.
+
+DCP reports a damaged or mismatched checkpoint from deep inside its load, as a multi-line report gathered from
+every rank, possibly after some tensors were already copied in. These checks read only DCP's `.metadata` and the
+sizes of the files it lists, and compare the full (unsharded) shapes recorded there with the full shapes this
+model expects, so that each problem is one `CheckpointError` line naming the file and the mismatch, e.g.
+
+    checkpoint runs/a/last.ckpt: model.blocks.0.attn.q.weight has shape [256, 128] there but [128, 128] here
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from tp_train.errors import CheckpointError, first_line
+
+METADATA_FILE = ".metadata"  # DCP's index of every tensor and where it is stored
+
+
+def check_files(path: str | Path) -> Metadata:
+    """Returns the DCP metadata of the checkpoint directory `path` once its files are all there, whole."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path}: no such file or directory")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: a file, not a checkpoint directory (tp_train saves directories)")
+    if not (path / METADATA_FILE).exists():
+        raise CheckpointError(
+            f"checkpoint {path}: no {METADATA_FILE} file, so the save never finished (a save killed while replacing "
+            f"a checkpoint leaves the previous one at {path.name}.old)"
+        )
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:  # noqa: BLE001 - whatever unpickling raises, the file is damaged
+        raise CheckpointError(f"checkpoint {path / METADATA_FILE}: unreadable, {first_line(error)}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path / METADATA_FILE}: not DCP metadata ({type(metadata).__name__})")
+    needed: dict[str, int] = {}  # file -> bytes the metadata says it holds at least
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {file}: missing ({METADATA_FILE} lists it)")
+        if file.stat().st_size < size:
+            raise CheckpointError(
+                f"checkpoint {file}: truncated, {file.stat().st_size} bytes where {METADATA_FILE} needs {size}"
+            )
+    return metadata
+
+
+def check_matches(path: str | Path, metadata: Metadata, state: dict[str, Any]) -> None:
+    """Every entry `state` (what `dcp.load` will fill) expects is in the checkpoint, tensors at the same full shape,
+    and the checkpoint holds no model tensor that `state` lacks."""
+    expected, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    missing = [key for key in expected if key not in saved]
+    if missing:
+        more = f" (and {len(missing) - 1} more of this model's entries)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {path}: {missing[0]} is not there{more}; it was saved from another model or plan"
+        )
+    extra = [key for key in saved if key.startswith("model.") and key not in expected]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {path}: holds {extra[0]}{more}, which this model lacks; it was saved from another model"
+        )
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            entry = saved[key]
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {path}: {key} is not a tensor there but is one in this model")
+            if tuple(entry.size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"checkpoint {path}: {key} has shape {list(entry.size)} there but {list(value.shape)} in this model"
+                )

@@ -1,0 +1,282 @@
+"""Sharded checkpoints of a tensor-parallel model and its optimizers, with torch.distributed.checkpoint (DCP).
+
+Every rank saves and loads only its own shards, and a checkpoint saved at one tensor-parallel size loads at any
+other, under any data-parallel size. DCP tells shards apart by (key, global offset) and keeps one copy of a plain
+tensor per key, so each shard is handed to DCP as a `DTensor.from_local` around a view of the live parameter: DCP
+writes each rank's piece once and loads straight into the parameter.
+
+What the checkpoint holds, keyed the same at every tp:
+
+- A sharded tensor in the layout of the parallelized layer (`nn.Linear`'s (out, in) even for a Hugging Face
+  Conv1D), at full size, placed `Shard(spec.dim)` over the tensor-parallel mesh dimension and `Replicate()` over
+  the others. A tensor packing several sections along `spec.dim` ([q; k; v], [gate; up]) is stored as one DTensor
+  per section, under `f"{key}/section{i}"`, each an ordinary evenly split tensor. A padded vocabulary is stored
+  with its real rows only (global size V, rank r holding `torch.chunk`'s chunk r), so padding never reaches the
+  checkpoint.
+- Every other tensor as a plain tensor (replicated: DCP stores one copy).
+- Optimizer state keyed by parameter name, in `torch.optim`'s `{"state", "param_groups"}` shape; a state tensor
+  shaped like its sharded parameter (Adam's `exp_avg`, `exp_avg_sq`) is split exactly like the parameter.
+
+It loads into a parallelized model only (any tp, 1 included); `tp_train.full_state_dict` is for unsharded models.
+Before loading anything, `load` checks the checkpoint against the model (`tp_train.checkpoint.checks`): a missing,
+truncated, corrupt or incompatible checkpoint raises a one-line `CheckpointError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tp_train.checkpoint.checks import check_files, check_matches
+from tp_train.errors import CheckpointError, first_line
+from tp_train.parallel.mesh import TENSOR_PARALLEL  # the mesh dimension a 2-D mesh shards over
+from tp_train.parallel.sharding import ShardSpec, named_sharded_parameters
+
+META_FILE = "meta.pt"  # the caller's `extra` metadata, beside DCP's files
+HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint\'s copy of its Hugging Face model\'s config
+
+
+def model_state_dict(model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
+    """The model's state for `dcp.save` / `dcp.load`: its `state_dict` keys (a tied parameter under each name),
+    sharded tensors as DTensor views of the live parameters, so that loading writes into the parameters.
+
+    Args:
+        model: a model sharded by `tp_train.plan.parallelize`.
+        mesh: the tensor-parallel mesh (1-D), or a 2-D mesh with a "tensor_parallel" dimension.
+    """
+    _check_mesh(model, mesh)
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
+    state: dict[str, Any] = {}
+    for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: the parameters themselves
+        if id(value) in specs:
+            state.update(_as_dtensors(name, value.detach(), specs[id(value)], mesh))
+        else:
+            state[name] = value.detach() if isinstance(value, torch.Tensor) else value
+    return state
+
+
+def load_model_state_dict(model: nn.Module, mesh: DeviceMesh, state: dict[str, Any]) -> None:
+    """Finishes loading `state`, a `model_state_dict` that `dcp.load` filled: views of the parameters are loaded
+    already, other tensors are copied in, non-tensor extra state goes through `load_state_dict`, and the
+    vocabulary padding rows are zeroed."""
+    live = model_state_dict(model, mesh)
+    with torch.no_grad():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                _copy_into(live[key], value)
+        rank = mesh.get_local_rank(_tensor_parallel_dim(mesh))
+        for _, param, spec in named_sharded_parameters(model):
+            if spec.padded:
+                real = _real_size(spec.sections[0], param.size(spec.dim), rank)
+                param.narrow(spec.dim, real, param.size(spec.dim) - real).zero_()
+    extra = {key: value for key, value in state.items() if not isinstance(value, torch.Tensor)}
+    if extra:
+        model.load_state_dict(extra, strict=False)
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> dict[str, Any]:
+    """The optimizer's state for DCP: `{"state": {param name: {key: value}}, "param_groups": [...]}`.
+
+    A parameter is named by its first name in `model.named_parameters()` (a tied parameter appears once); each
+    group's `params` lists names. A state tensor shaped like its sharded parameter is split like the parameter
+    (see `model_state_dict`); other state (`step`) and the hyperparameters stay plain. All tensors are the
+    optimizer's own, so `dcp.load` fills it in place; missing state is first created equal to a fresh
+    optimizer's (see `_create_missing_state`), so that there is something to load into.
+
+    Args:
+        model: the parallelized model whose parameters `optimizer` updates.
+        optimizer: a `torch.optim.Optimizer` (not Lightning's `LightningOptimizer` wrapper).
+        mesh: as for `model_state_dict`.
+    """
+    _check_mesh(model, mesh)
+    _create_missing_state(optimizer)
+    names = {id(param): name for name, param in model.named_parameters()}
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
+    state: dict[str, dict[str, Any]] = {}
+    param_groups = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(f"the optimizer updates a parameter {tuple(param.shape)} that is not the model's")
+            entries = state[names[id(param)]] = {}
+            spec = specs.get(id(param))
+            for key, value in optimizer.state.get(param, {}).items():
+                if spec is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    entries.update(_as_dtensors(key, value, spec, mesh))
+                else:
+                    entries[key] = value
+        hyperparameters = {key: value for key, value in group.items() if key != "params"}
+        param_groups.append({**hyperparameters, "params": [names[id(param)] for param in group["params"]]})
+    return {"state": state, "param_groups": param_groups}
+
+
+def load_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, state: dict[str, Any]
+) -> None:
+    """Puts `state` (an `optimizer_state_dict` that `dcp.load` filled) into `optimizer`: tensors are copied in
+    unless they already are the optimizer's, other values and the group hyperparameters are set."""
+    live = optimizer_state_dict(model, optimizer, mesh)
+    if [group["params"] for group in state["param_groups"]] != [group["params"] for group in live["param_groups"]]:
+        raise ValueError("the checkpoint's optimizer parameter groups name other parameters than this optimizer's")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, entries in state["state"].items():
+            for key, value in entries.items():
+                target = live["state"][name].get(key)
+                if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor):
+                    _copy_into(target, value)
+                else:
+                    optimizer.state[params[name]][key] = value
+    for group, loaded in zip(optimizer.param_groups, state["param_groups"], strict=True):
+        group.update({key: value for key, value in loaded.items() if key != "params"})
+
+
+def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh, extra: dict | None = None) -> None:
+    """Saves a sharded checkpoint directory at `path`; a collective, every rank writes its own shards.
+
+    It is written as `path.tmp` and renamed into place by global rank 0 once complete, so a save killed midway
+    leaves a previous checkpoint at `path` whole (the next save discards the leftover `path.tmp`). An existing
+    `path` is renamed to `path.old` first: killed between the two renames, it survives there. `path` must be on
+    a filesystem every rank sees.
+
+    Args:
+        path: the checkpoint directory.
+        model: the parallelized model.
+        optimizers: its optimizers, stored as `optimizer_0`, `optimizer_1`, ...
+        mesh: as for `model_state_dict`.
+        extra: picklable metadata (e.g. Lightning's loop state), written by rank 0 with `torch.save` to
+            `path/meta.pt` and returned by `load`.
+    """
+    path = Path(path)
+    tmp, old, is_writer = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old"), dist.get_rank() == 0
+    if is_writer and tmp.exists():
+        shutil.rmtree(tmp)  # left by a save that was killed
+    dist.barrier()
+    dcp.save(_checkpoint_state(model, optimizers, mesh), checkpoint_id=tmp)
+    if is_writer:
+        torch.save(extra if extra is not None else {}, tmp / META_FILE)
+    dist.barrier()
+    if is_writer:
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh) -> dict:
+    """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`."""
+    path = Path(path)
+    metadata = check_files(path)
+    state = _checkpoint_state(model, optimizers, mesh)
+    check_matches(path, metadata, state)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:  # DCP gathers every rank's failure into a multi-line report
+        failure = next(iter(error.failures.values()), (error,))  # rank -> (exception, traceback)
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        raise CheckpointError(
+            f"checkpoint {path}: unreadable, reading its tensors failed with {type(failure).__name__} (corrupt shards)"
+        ) from error
+    load_model_state_dict(model, mesh, state["model"])
+    for index, optimizer in enumerate(optimizers):
+        load_optimizer_state_dict(model, optimizer, mesh, state[f"optimizer_{index}"])
+    if not (path / META_FILE).exists():
+        return {}
+    try:  # weights_only=False: arbitrary metadata, written by `save` itself
+        return torch.load(path / META_FILE, weights_only=False)
+    except Exception as error:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"checkpoint {path / META_FILE}: unreadable, {first_line(error)}") from error
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _checkpoint_state(model: nn.Module, optimizers: list, mesh: DeviceMesh) -> dict[str, Any]:
+    optimizer_states = {f"optimizer_{i}": optimizer_state_dict(model, opt, mesh) for i, opt in enumerate(optimizers)}
+    return {"model": model_state_dict(model, mesh), **optimizer_states}
+
+
+def _tensor_parallel_dim(mesh: DeviceMesh) -> int:
+    if mesh.ndim == 1:
+        return 0
+    if TENSOR_PARALLEL not in (mesh.mesh_dim_names or ()):
+        raise ValueError(f"a {mesh.ndim}-D mesh needs a '{TENSOR_PARALLEL}' dimension, got {mesh.mesh_dim_names}")
+    return mesh.mesh_dim_names.index(TENSOR_PARALLEL)
+
+
+def _check_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The mesh's tensor-parallel dimension must be the group the model was sharded over."""
+    mesh_ranks = dist.get_process_group_ranks(mesh.get_group(_tensor_parallel_dim(mesh)))
+    for module in model.modules():
+        group = getattr(module, "group", None) if getattr(module, "shard_specs", None) else None
+        if group is not None and (ranks := dist.get_process_group_ranks(group)) != mesh_ranks:
+            raise ValueError(f"the model is sharded over ranks {ranks}, the mesh's tensor-parallel dim is {mesh_ranks}")
+
+
+def _real_size(full_size: int, local_size: int, rank: int) -> int:
+    """How many of rank `rank`'s `local_size` slots hold real data, the rest being padding (torch.chunk's split)."""
+    return max(0, min(local_size, full_size - rank * local_size))
+
+
+def _as_dtensors(key: str, local: torch.Tensor, spec: ShardSpec, mesh: DeviceMesh) -> dict[str, DTensor]:
+    """One DTensor per section of `local` (this rank's shard), each a view of it holding only real data."""
+    tp_dim = _tensor_parallel_dim(mesh)
+    tp, rank = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
+    local_sections = spec.local_sections(tp)
+    if local.size(spec.dim) != sum(local_sections):
+        raise ValueError(f"'{key}' has {local.size(spec.dim)} rows along dim {spec.dim}, not a shard for tp={tp}")
+    placements = [Shard(spec.dim) if dim == tp_dim else Replicate() for dim in range(mesh.ndim)]
+    pieces, offset = {}, 0
+    for index, (full_size, local_size) in enumerate(zip(spec.sections, local_sections, strict=True)):
+        piece = local.narrow(spec.dim, offset, _real_size(full_size, local_size, rank))
+        offset += local_size
+        shape = local.shape[: spec.dim] + (full_size,) + local.shape[spec.dim + 1 :]
+        stride = torch.empty(shape, device="meta").stride()
+        name = key if len(spec.sections) == 1 else f"{key}/section{index}"
+        pieces[name] = DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return pieces
+
+
+def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    target, source = (t.to_local() if isinstance(t, DTensor) else t for t in (target, source))
+    if target.data_ptr() != source.data_ptr() or target.stride() != source.stride():  # not a view of the target
+        target.copy_(source)
+
+
+def _create_missing_state(optimizer: torch.optim.Optimizer) -> None:
+    """Creates the state of parameters that have none by one step with zero gradients, learning rate and weight
+    decay, then resets their `step` counters to 0. For Adam, AdamW, SGD (undampened), RMSprop and Adagrad that
+    state behaves exactly as absent state (torch's own `_init_optim_state` leaves step 1, which changes Adam's
+    bias correction). Gradients, hyperparameters and the other parameters' state are left as they were."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    missing = {id(param): param for param in params if param.requires_grad and not optimizer.state.get(param)}
+    if not missing:
+        return
+    grads = [param.grad for param in params]
+    groups = [dict(group) for group in optimizer.param_groups]  # to restore the hyperparameters
+    try:
+        for param in params:
+            param.grad = torch.zeros_like(param) if id(param) in missing else None
+        for group in optimizer.param_groups:
+            group.update({key: group[key] * 0 for key in ("lr", "weight_decay") if key in group})  # float or tensor
+        optimizer.step()
+    finally:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            group.update(saved)
+    for param in missing.values():
+        state = optimizer.state.get(param, {})
+        if "step" in state:
+            state["step"] = state["step"] * 0

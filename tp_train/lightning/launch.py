@@ -1,0 +1,89 @@
+"""Launching ranks from a Hydra app.
+
+Lightning's subprocess launcher re-runs `sys.argv` for ranks 1..n-1. Under `python train.py -m tp=1,2` that is the
+whole sweep, so every rank would start every job, and Lightning points the children at `hydra.run.dir` rather than
+the job's own output directory. `HydraJobLauncher` builds each child's command from the job's own overrides and
+output directory instead, so a child runs exactly its parent's job and writes where its parent does.
+
+It also replaces Lightning's child-process observer (which looks every 5 s, names no rank when the launcher itself
+fails, and leaves children running when the launcher dies) with `tp_train.lightning.watchdog`: whichever rank dies, the job
+ends within seconds, non-zero, and stderr names the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers import subprocess_script
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+from tp_train.errors import CheckpointError
+from tp_train.lightning import watchdog
+
+
+def _hydra_job_command(local_rank: int) -> tuple[list[str], str]:
+    """The command and working directory that re-run this Hydra job (not the sweep) as rank `local_rank`."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hydra = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += list(hydra.overrides.task)
+    command += [
+        f'hydra.run.dir="{hydra.runtime.output_dir}"',
+        f"hydra.job.name={hydra.job.name}_rank{local_rank}",
+        "hydra.output_subdir=null",  # the parent already wrote the job's config
+    ]
+    return command, get_original_cwd()
+
+
+class HydraJobLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, with children that re-run the current Hydra job only, and a watchdog that
+    ends the job when any rank dies."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        first_rank = self.cluster_environment.node_rank() * self.num_processes
+        own_rank = first_rank + self.cluster_environment.local_rank()
+        children = None
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            children = watchdog.ChildRanks(self.procs, list(range(first_rank + 1, first_rank + len(self.procs) + 1)),
+                                           own_rank)  # fmt: skip
+            children.watch()
+        elif watchdog.LAUNCHER_PID in os.environ:  # a child of HydraJobLauncher
+            watchdog.watch_launcher(own_rank)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        try:
+            return function(*args, **kwargs)
+        except CheckpointError:  # the same on every rank; train.py reports it once, from rank 0
+            if children is not None:
+                children.on_user_error()
+            raise
+        except Exception as error:
+            if children is not None:
+                children.on_own_failure(error)
+            else:
+                watchdog.on_child_failure(own_rank, error)
+            raise
+
+    @override
+    def _call_children_scripts(self) -> None:
+        os.environ[watchdog.LAUNCHER_PID] = str(os.getpid())  # in the children's environment only
+        try:
+            with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", _hydra_job_command):
+                super()._call_children_scripts()
+        finally:
+            del os.environ[watchdog.LAUNCHER_PID]

@@ -1,0 +1,150 @@
+"""`TrainingMetrics`: throughput and memory, logged the way a tensor-parallel run needs them counted.
+
+Lightning's `ThroughputMonitor` multiplies a device's rate by the world size, which counts every token tp times
+under tensor parallelism (a TP group shares one batch). This callback uses the same `Throughput` and
+`measure_flops` utilities, with FLOPs summed over all devices and tokens/samples over the data-parallel ranks only.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
+from lightning.pytorch.utilities import rank_zero_warn
+
+from tp_train.parallel.sharding import full_numel, named_sharded_parameters
+from tp_train.plan.parallelize import attached
+
+MIB = 2**20
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """CUDA's peak allocated memory on a GPU; the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MIB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / MIB if sys.platform == "darwin" else peak / 1024
+
+
+def _compute_dtype(trainer: L.Trainer) -> torch.dtype:
+    precision = str(trainer.precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
+
+
+class TrainingMetrics(L.Callback):
+    """Logs `throughput/{tokens,samples,flops}_per_sec`, `throughput/mfu` (where the device's peak is known),
+    `memory/peak_mib`, `memory/params_mib`, `train/grad_norm` (when clipping by norm) and `comm/tp_bytes_per_step`
+    (what the tensor-parallel collectives of the step moved, from each sharded model's `tp_comm_counter`).
+
+    Args:
+        window_size: batches in the moving window the rates are averaged over.
+    """
+
+    def __init__(self, window_size: int = 10):
+        self.window_size = window_size
+        self.flops_per_batch: int | None = None  # fwd + bwd of the unsharded model, per local batch
+        self.tokens_per_sec: float | None = None
+        self.first_loss: float | None = None
+        self._throughput: Throughput | None = None
+        self._counted_step: int | None = None  # the optimizer step the communication counters count
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        self._throughput = Throughput(
+            available_flops=get_available_flops(device, _compute_dtype(trainer)),
+            world_size=trainer.world_size,
+            window_size=self.window_size,
+        )
+        self._start = time.perf_counter()
+        self._paused = 0.0  # time spent in validation, which is not training throughput
+        self._samples = self._tokens = self._batches = 0
+        params = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        pl_module.log("memory/params_mib", params / MIB, rank_zero_only=True)
+        if trainer.logger:
+            tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
+            specs = {id(param): spec for _, param, spec in named_sharded_parameters(pl_module)}
+            total = sum(full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in pl_module.parameters())
+            trainer.logger.log_hyperparams(
+                {
+                    "tp": tp,
+                    "dp": trainer.world_size // tp,
+                    "precision": str(trainer.precision),
+                    "parameters": total,
+                    "parameters_per_rank": sum(p.numel() for p in pl_module.parameters()),
+                }
+            )
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        if trainer.global_step != self._counted_step:  # an optimizer step's micro-batches add up; nothing else does
+            self._counted_step = trainer.global_step
+            for counter in attached(pl_module, "tp_comm_counter"):
+                counter.reset()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # time what ran, not what was queued
+        if self.first_loss is None and isinstance(outputs, dict) and "loss" in outputs:
+            self.first_loss = outputs["loss"].item()
+        batch_size, block = batch.shape[0], batch.shape[1] - 1
+        if self.flops_per_batch is None:
+            self.flops_per_batch = self._measure_flops(pl_module, batch_size, block)
+        self._batches += 1
+        self._samples += batch_size
+        self._tokens += batch_size * block
+        tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
+        self._throughput.update(
+            time=time.perf_counter() - self._start - self._paused,
+            batches=self._batches,
+            samples=self._samples,
+            lengths=self._tokens,
+            flops=self.flops_per_batch // tp if self.flops_per_batch else None,  # this device's share
+        )
+        metrics = self._throughput.compute()
+        data_parallel = trainer.world_size // tp
+        logged: dict[str, Any] = {"memory/peak_mib": peak_memory_mib(trainer.strategy.root_device)}
+        if "device/items_per_sec" in metrics:
+            self.tokens_per_sec = metrics["device/items_per_sec"] * data_parallel
+            logged["throughput/tokens_per_sec"] = self.tokens_per_sec
+            logged["throughput/samples_per_sec"] = metrics["device/samples_per_sec"] * data_parallel
+        if "flops_per_sec" in metrics:
+            logged["throughput/flops_per_sec"] = metrics["flops_per_sec"]
+        if "device/mfu" in metrics:
+            logged["throughput/mfu"] = metrics["device/mfu"]
+        counters = attached(pl_module, "tp_comm_counter")
+        if counters:
+            logged["comm/tp_bytes_per_step"] = float(sum(counter.bytes for counter in counters))
+        grad_norm = getattr(trainer.strategy.precision_plugin, "last_grad_norm", None)
+        if grad_norm is not None:
+            logged["train/grad_norm"] = grad_norm.item()
+        for name, value in logged.items():
+            pl_module.log(name, value, prog_bar=name == "throughput/tokens_per_sec", rank_zero_only=True)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._validation_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._throughput is not None:  # validation inside fit
+            self._paused += time.perf_counter() - self._validation_start
+
+    def _measure_flops(self, pl_module: L.LightningModule, batch_size: int, block: int) -> int | None:
+        """FLOPs of one forward and backward of the unsharded model, counted on a meta-device copy."""
+        factory = getattr(pl_module, "_model_factory", None)
+        if factory is None:
+            rank_zero_warn("TrainingMetrics: no model factory on the module; FLOPs and MFU are not logged")
+            return 0
+        with torch.device("meta"):
+            model = factory()
+            idx = torch.zeros(batch_size, block, dtype=torch.long)
+
+        def forward():
+            out = model(idx)
+            return getattr(out, "logits", out)
+
+        return int(measure_flops(model, forward, lambda logits: logits.sum()))

@@ -1,0 +1,92 @@
+"""Non-finite losses and gradients, handled the same way on every rank.
+
+A NaN or inf may show up on one rank only: in the shard of a gradient only that rank holds, or in a loss only its
+data produced. A rank acting alone on what it sees would skip a step its peers take (the replicas drift apart) or
+stop while they wait for it in a collective. `NonFiniteGuard` makes the ranks decide together: once per optimizer
+step, when the gradients are complete and before clipping and the update, every rank contributes what it found
+(its loss over the step's micro-batches, its gradients) to one all-reduce of world-size numbers over the whole
+world, and then every rank acts on the same result:
+
+- `action="stop"` (default): every rank raises `NonFiniteError` naming the step and the ranks that found it;
+- `action="skip"`: every rank drops its gradients (`param.grad = None`), so the optimizer leaves every parameter
+  and its state as they were, and training goes on with the next batch.
+
+Under fp16 loss scaling, overflowing gradients are expected: the sharded grad scaler already skips those steps on
+every rank and lowers the scale, so the guard then watches the loss only.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from tp_train.errors import NonFiniteError
+
+ACTIONS = ("stop", "skip")
+_LOSS, _GRADIENTS = 1, 2  # what a rank found, as bits
+
+
+class NonFiniteGuard(L.Callback):
+    """Stops the run, or skips the step, on every rank when any rank finds a non-finite loss or gradient.
+
+    Args:
+        action: "stop" (raise `NonFiniteError` naming the step) or "skip" (no update at that step, on any rank).
+    """
+
+    def __init__(self, action: str = "stop") -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"nonfinite action={action!r}: use 'stop' (end the run naming the step) or 'skip'")
+        self.action = action
+        self.skipped_steps: list[int] = []
+        self._loss_found: torch.Tensor | None = None  # on the device: no sync per micro-batch
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        found = ~torch.isfinite(loss.detach()).all()
+        self._loss_found = found if self._loss_found is None else self._loss_found | found
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        found = self._found_per_rank(trainer, params)
+        self._loss_found = None
+        if not any(found):
+            return
+        step = trainer.global_step
+        where = "; ".join(f"rank {rank}: {_describe(code)}" for rank, code in enumerate(found) if code)
+        if self.action == "stop":
+            raise NonFiniteError(
+                f"non-finite values at global step {step} ({where}); stopped on every rank. Lower the learning rate, "
+                f"clip gradients, or set nonfinite=skip to skip such steps"
+            )
+        for param in params:
+            param.grad = None  # the optimizer skips parameters without gradients: no update, no state change
+        self.skipped_steps.append(step)
+        rank_zero_warn(f"skipped global step {step} on every rank: non-finite values ({where})")
+
+    def _found_per_rank(self, trainer: L.Trainer, params: list[torch.Tensor]) -> list[int]:
+        """What each rank found (bits `_LOSS`, `_GRADIENTS`), agreed over the world by one all-reduce."""
+        device = trainer.strategy.root_device
+        code = torch.zeros((), device=device)
+        if self._loss_found is not None:
+            code = code + _LOSS * self._loss_found.to(device)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        grads = [param.grad for param in params if param.grad is not None]
+        if grads and (scaler is None or not scaler.is_enabled()):
+            largest = torch.nn.utils.get_total_norm(grads, norm_type=float("inf"))  # inf or NaN if any is
+            code = code + _GRADIENTS * (~torch.isfinite(largest)).to(device)
+        if not (dist.is_available() and dist.is_initialized()):
+            return [int(code.item())]
+        found = torch.zeros(dist.get_world_size(), device=device)
+        found[dist.get_rank()] = code
+        dist.all_reduce(found)  # the whole world: tensor- and data-parallel peers must all agree
+        return [int(value) for value in found.tolist()]
+
+
+def _describe(code: int) -> str:
+    return {_LOSS: "loss", _GRADIENTS: "gradients", _LOSS | _GRADIENTS: "loss and gradients"}[code]

@@ -1,0 +1,97 @@
+"""Lightning precision plugins made tensor-parallel aware.
+
+Two things change under tensor parallelism:
+- norm clipping must use the global norm (`tp_train.parallel.clipping`), not each rank's norm of its own shards;
+- fp16 loss scaling must skip a step on every rank when any rank finds an inf/NaN, or the ranks diverge. torch's
+  `ShardedGradScaler` all-reduces `found_inf` across the world, which is exactly that.
+
+`tensor_parallel_precision` turns Lightning's own plugins into these subclasses, keeping their state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch.distributed import ProcessGroup
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from typing_extensions import override
+
+from tp_train.parallel.clipping import clip_grad_norm_
+
+
+class _TensorParallelClipping:
+    """Mixin: `clip_grad_by_norm` with the norm of the whole (unsharded) model. The strategy sets the group and
+    the shard ids once the model is sharded; `last_grad_norm` keeps the norm of the last clipped step."""
+
+    tensor_parallel_group: ProcessGroup | None = None
+    sharded_parameters: frozenset[int] = frozenset()
+    last_grad_norm: torch.Tensor | None = None
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        if self.tensor_parallel_group is None:
+            raise RuntimeError("the tensor-parallel precision plugin was used before the strategy's setup()")
+        self.last_grad_norm = clip_grad_norm_(
+            self.main_params(optimizer), clip_val, self.sharded_parameters, self.tensor_parallel_group
+        )
+
+
+class TensorParallelPrecision(_TensorParallelClipping, Precision):
+    """`32-true` under tensor parallelism."""
+
+
+class TensorParallelDoublePrecision(_TensorParallelClipping, DoublePrecision):
+    """`64-true` under tensor parallelism."""
+
+
+class TensorParallelHalfPrecision(_TensorParallelClipping, HalfPrecision):
+    """`16-true` / `bf16-true` under tensor parallelism."""
+
+
+class TensorParallelMixedPrecision(_TensorParallelClipping, MixedPrecision):
+    """`16-mixed` / `bf16-mixed` under tensor parallelism; fp16 scales the loss with a `ShardedGradScaler`.
+
+    On CPU, Lightning turns `precision="16-mixed"` into `bf16-mixed`; pass
+    `plugins=[TensorParallelMixedPrecision("16-mixed", "cpu")]` to train in fp16 there.
+    """
+
+    def __init__(self, precision: str, device: str, scaler: torch.amp.GradScaler | None = None) -> None:
+        if scaler is None and precision == "16-mixed":
+            scaler = ShardedGradScaler(device=device)
+        super().__init__(precision, device, scaler)
+
+
+_COUNTERPARTS = {
+    Precision: TensorParallelPrecision,
+    DoublePrecision: TensorParallelDoublePrecision,
+    HalfPrecision: TensorParallelHalfPrecision,
+    MixedPrecision: TensorParallelMixedPrecision,
+}
+
+
+def tensor_parallel_precision(plugin: Precision) -> Precision:
+    """The tensor-parallel counterpart of one of Lightning's precision plugins, with the same settings."""
+    if isinstance(plugin, _TensorParallelClipping):
+        return plugin
+    counterpart = _COUNTERPARTS.get(type(plugin))
+    if counterpart is None:
+        supported = ", ".join(cls.__name__ for cls in _COUNTERPARTS)
+        raise ValueError(
+            f"precision plugin {type(plugin).__name__} is not supported by TensorParallelStrategy; use one of "
+            f"{supported} (precision='32-true', '64-true', '16-true', 'bf16-true', '16-mixed' or 'bf16-mixed')"
+        )
+    converted = counterpart.__new__(counterpart)
+    converted.__dict__.update(plugin.__dict__)
+    scaler = getattr(converted, "scaler", None)
+    if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+        converted.scaler = ShardedGradScaler(
+            device=converted.device,
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
+    return converted

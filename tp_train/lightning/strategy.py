@@ -1,0 +1,300 @@
+"""`TensorParallelStrategy`: Megatron-style tensor parallelism (x data parallelism) for Lightning.
+
+    Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), devices=4)   # dp=2 x tp=2
+
+The world is a 2-D DeviceMesh ("data_parallel", "tensor_parallel"). Every module of the LightningModule that
+carries a plan (`tp_plan`, Hugging Face's plan, a preset) is sharded over the "tensor_parallel" axis by
+`tp_train.parallelize`; gradients are averaged over the "data_parallel" axis only, by torch DDP on the DP group
+(bucketed, overlapped with backward); the sampler splits data over the DP axis only, so all ranks of a TP group
+see the same batch. Models built under `trainer.init_module(empty_init=True)` are materialised shard by shard.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch._C._distributed_c10d import Backend as C10dBackend
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import default_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from tp_train.checkpoint import dcp as checkpoint_io
+from tp_train.lightning.launch import HydraJobLauncher
+from tp_train.lightning.precision import tensor_parallel_precision
+from tp_train.parallel.mesh import DATA_PARALLEL, TENSOR_PARALLEL
+from tp_train.parallel.sharding import named_sharded_parameters
+from tp_train.plan.parallelize import parallelize
+from tp_train.plan.resolve import modules_with_plans
+
+
+class TensorParallelStrategy(DDPStrategy):
+    """Shards the LightningModule's model(s) column-then-row over `tensor_parallel_size` ranks; the remaining
+    factor of the world size is data parallelism.
+
+    Args:
+        tensor_parallel_size: ranks per tensor-parallel group; must divide devices x num_nodes.
+        plan: an explicit plan for the whole LightningModule (names relative to it). By default every submodule
+            with a plan of its own is sharded; with none, the auto-planner plans the LightningModule.
+        sequence_parallel: shard the residual stream between the blocks along the sequence across the TP group
+            (see `tp_train.parallelize`).
+        activation_checkpointing: recompute each transformer block in backward instead of storing its activations.
+        process_group_backend: "nccl" on GPUs, "gloo" on CPU by default.
+        timeout: collective timeout, so a rank that died fails the job instead of hanging it.
+        start_method: "popen" (re-run the script per rank), or "spawn" / "fork" (e.g. from a notebook or pytest).
+        verify_plan: check each sharded model before training (see `tp_train.parallelize`'s `verify`): each
+            swapped module against the one it replaced, and the whole model against the unsharded one when it is
+            small. Default None: on for every plan; True also forces the whole-model check; False: off.
+        **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis.
+    """
+
+    strategy_name = "tensor_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        plan: dict[str, str] | None = None,
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        verify_plan: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        unknown = sorted(set(kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
+        if unknown:  # checked here: at dp=1 there is no DDP to reject them
+            raise TypeError(
+                f"TensorParallelStrategy got unknown arguments {unknown}; other keyword arguments go to torch's "
+                f"DistributedDataParallel (e.g. bucket_cap_mb, gradient_as_bucket_view)"
+            )
+        super().__init__(
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
+        )
+        self.tensor_parallel_size = tensor_parallel_size
+        self._plan = plan
+        self._verify_plan = verify_plan
+        self.sequence_parallel = sequence_parallel
+        self.activation_checkpointing = activation_checkpointing
+        self._device_mesh: DeviceMesh | None = None
+
+    # ------------------------------------------------------------------------------------------------ topology
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the processes are initialised (setup_environment)")
+        return self._device_mesh
+
+    @property
+    def tensor_parallel_group(self) -> ProcessGroup:
+        return self.device_mesh[TENSOR_PARALLEL].get_group()
+
+    @property
+    def data_parallel_group(self) -> ProcessGroup:
+        return self.device_mesh[DATA_PARALLEL].get_group()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        data_parallel = self.device_mesh[DATA_PARALLEL]
+        return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
+
+    @override
+    def setup_environment(self) -> None:
+        if self.world_size % self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not divide the world size {self.world_size} "
+                f"(devices={self.num_processes} x num_nodes={self.num_nodes}); use devices x num_nodes that is a "
+                f"multiple of {self.tensor_parallel_size}"
+            )
+        super().setup_environment()
+        self._device_mesh = init_device_mesh(
+            self.root_device.type,
+            (self.data_parallel_size, self.tensor_parallel_size),
+            mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL),
+            backend_override=self._mesh_timeouts(),
+        )
+        # DDP averages gradients over the data-parallel axis only; tensor-parallel ranks hold different shards.
+        self._ddp_kwargs["process_group"] = self.data_parallel_group
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._start_method)
+        else:
+            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _mesh_timeouts(self) -> dict[str, tuple[str, Any]] | None:
+        """The mesh's groups time out like the world group (torch gives its sub-groups a 30-minute default)."""
+        if self._timeout is None:
+            return None
+        backend = self._get_process_group_backend()
+        if backend == "nccl":
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options._timeout = self._timeout
+        else:
+            options = C10dBackend.Options(backend, self._timeout)
+        return {name: (backend, options) for name in (DATA_PARALLEL, TENSOR_PARALLEL)}
+
+    # --------------------------------------------------------------------------------------------------- model
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None):
+        # With empty_init the model is built on the meta device; `setup` materialises each rank's shards only.
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        if not any(t.is_meta for t in self.lightning_module.parameters()):
+            self.model_to_device()  # shard on the device: the collectives below run on it
+        self._shard(self.lightning_module)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.data_parallel_size > 1:
+            self.configure_ddp()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else tensor_parallel_precision(Precision())
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = None if precision_plugin is None else tensor_parallel_precision(precision_plugin)
+
+    def _shard(self, root: torch.nn.Module) -> None:
+        """Shards every planned module of `root` once (setup runs again for validate/test after fit)."""
+        if not getattr(root, "_tp_sharded", False):
+            targets = [("", root)] if self._plan is not None else modules_with_plans(root)
+            # No plan anywhere: the auto-planner plans the LightningModule through its forward (ids -> logits).
+            targets = targets or [("", root)]
+            if not any(t.is_meta for t in root.parameters()):
+                # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
+                _sync_module_states(root)
+            for _, module in targets:
+                parallelize(
+                    module,
+                    self.tensor_parallel_group,
+                    plan=self._plan,
+                    device=self.root_device,
+                    verify=self._verify_plan,
+                    sequence_parallel=self.sequence_parallel,
+                    activation_checkpointing=self.activation_checkpointing,
+                )
+            # Whatever else was built on the meta device (outside the planned models) is replicated.
+            if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
+                _materialize_distributed_module(root, self.root_device)
+            root._tp_sharded = True
+        plugin = self.precision_plugin
+        plugin.tensor_parallel_group = self.tensor_parallel_group
+        plugin.sharded_parameters = frozenset(id(param) for _, param, _ in named_sharded_parameters(root))
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    # A checkpoint is a directory written by every rank in parallel with torch.distributed.checkpoint (each rank
+    # its shards, with optimizer state) and loads at any dp x tp; Lightning's own metadata (loops, callbacks,
+    # schedulers) goes alongside. See tp_train.checkpoint.
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the sharded model and its optimizers
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint already did
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the model is saved shard by shard in save_checkpoint
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}  # likewise
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("TensorParallelStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        checkpoint_io.save(path, self.lightning_module, self.optimizers, self.device_mesh, extra=checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return checkpoint_io.load(path, self.lightning_module, self.optimizers, self.device_mesh)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the shards in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    # -------------------------------------------------------------------------------------------- registration
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"{cls.__name__} ({start_method})", start_method=start_method
+                )
+
+
+class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Spawn/fork launcher that sends no weights back: the main process holds the unsharded model, into which a
+    rank's shards do not load. Read trained weights from a checkpoint instead."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any):
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is None or output.weights_path is None:
+            return output
+        self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
+        return output._replace(weights_path=None)

@@ -1,0 +1,205 @@
+"""Autograd-aware collectives for a tensor-parallel process group.
+
+These are Megatron-LM's conjugate operators (Shoeybi et al., arXiv 1909.08053, section 3): `f` =
+`copy_to_tensor_parallel_region` and `g` = `reduce_from_tensor_parallel_region`. A column-then-row block is
+`f -> ColumnParallelLinear -> nonlinearity -> RowParallelLinear -> g`, so it costs one all-reduce in forward
+(`g`) and one in backward (`f`). The rest move activations between replicated, hidden-sharded (last dim) and
+sequence-sharded (dim 1 of a (batch, seq, hidden) tensor) layouts.
+
+Every function takes the process group explicitly. With a group of one rank they are identities.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from tp_train.parallel.sharding import check_divisible
+
+SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous chunk of `x` along `dim`."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
+    return x.chunk(world_size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Concatenation of every rank's `x` along `dim`, in rank order."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    if dim % x.dim() == 0:
+        return out
+    return torch.cat(out.chunk(world_size), dim=dim)  # one copy, and the result is contiguous
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    """Sum over ranks of `x`, of which this rank keeps its chunk along `dim`."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.size(0) // world_size, *x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return x
+
+
+def _sum(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x  # nothing to sum, so no copy to protect the argument either
+    return _all_reduce(x.clone(), group)
+
+
+def _sum_in_place(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    return _all_reduce(x, group)
+
+
+_COMMUNICATING = (_sum, _sum_in_place, _all_gather, _reduce_scatter)
+
+
+class CommunicationCounter:
+    """Bytes and calls of the collectives made through this module on behalf of one model.
+
+    Passed explicitly (`parallelize` attaches one to the model as `model.tp_comm_counter` and to each of its
+    parallel layers). A collective counts the size of the full tensor it assembles: the gathered output or the
+    reduce-scatter's full input, and twice the all-reduced tensor (an all-reduce is a reduce-scatter plus an
+    all-gather, and moves what both do), so sequence parallelism's all-gather + reduce-scatter in place of an
+    all-reduce counts the same. Nothing is counted at a tensor-parallel size of one.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+    def record(self, op, x: torch.Tensor, y: torch.Tensor, group: ProcessGroup) -> None:
+        if op in _COMMUNICATING and dist.get_world_size(group) > 1:
+            passes = 2 if op in (_sum, _sum_in_place) else 1
+            self.bytes += passes * max(x.numel(), y.numel()) * x.element_size()
+            self.calls += 1
+
+
+class _ConjugatePair(torch.autograd.Function):
+    """Applies `forward_op` to the input and `backward_op` to the gradient; each op is `(tensor, dim, group)`.
+    An optional `CommunicationCounter` records both."""
+
+    @staticmethod
+    def forward(ctx, x, forward_op, backward_op, dim, group, counter=None):
+        ctx.backward_op, ctx.dim, ctx.group, ctx.counter = backward_op, dim, group, counter
+        y = forward_op(x, dim, group)
+        if forward_op is _sum_in_place and y is x:
+            ctx.mark_dirty(x)
+        if counter is not None:
+            counter.record(forward_op, x, y, group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_input = ctx.backward_op(grad, ctx.dim, ctx.group)
+        if ctx.counter is not None:
+            ctx.counter.record(ctx.backward_op, grad, grad_input, ctx.group)
+        return grad_input, None, None, None, None, None
+
+
+def _conjugate_pair(x, forward_op, backward_op, dim, group, counter):
+    if dist.get_world_size(group) == 1:
+        return x  # every op is the identity on one rank: no autograd node either
+    return _ConjugatePair.apply(x, forward_op, backward_op, dim, group, counter)
+
+
+def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Not autograd: the sum over the group of a parameter's partial gradients (a gradient hook), for a replicated
+    parameter that each rank applies to its own shard only (e.g. a norm over head_dim inside attention)."""
+    return _all_reduce(grad.clone(), group)
+
+
+def copy_to_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """Megatron's `f`. Forward: identity (the replicated input enters a sharded region).
+    Backward: all-reduce, summing the partial input gradients of every rank's shard."""
+    return _conjugate_pair(x, _identity, _sum, -1, group, counter)
+
+
+def reduce_from_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """Megatron's `g`. Forward: all-reduce (sum) of every rank's partial output.
+    Backward: identity (the gradient of a replicated output is already replicated)."""
+    return _conjugate_pair(x, _sum, _identity, -1, group, counter)
+
+
+def reduce_from_tensor_parallel_region_(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """`reduce_from_tensor_parallel_region` that all-reduces `x` in place instead of a copy of it, for a layer
+    that owns `x` (a fresh output that nothing saved for backward). Forward: in-place all-reduce (sum), returns `x`.
+    Backward: identity."""
+    return _conjugate_pair(x, _sum_in_place, _identity, -1, group, counter)
+
+
+def scatter_to_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the last dim of a replicated tensor.
+    Backward: all-gather the gradient chunks along the last dim."""
+    return _conjugate_pair(x, _split, _all_gather, -1, group, counter)
+
+
+def gather_from_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """Forward: all-gather a last-dim-sharded tensor into the full, replicated tensor.
+    Backward: keep this rank's chunk of the gradient's last dim (no communication)."""
+    return _conjugate_pair(x, _all_gather, _split, -1, group, counter)
+
+
+def scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the sequence dim of a replicated (batch, seq, hidden) tensor.
+    Backward: all-gather the gradient chunks along the sequence dim."""
+    return _conjugate_pair(x, _split, _all_gather, SEQUENCE_DIM, group, counter)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """Sequence parallelism's replacement for `f`. Forward: all-gather the sequence shards into the full sequence.
+    Backward: reduce-scatter, summing the partial gradients and keeping this rank's sequence chunk."""
+    return _conjugate_pair(x, _all_gather, _reduce_scatter, SEQUENCE_DIM, group, counter)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """Sequence parallelism's replacement for `g`. Forward: reduce-scatter, summing every rank's partial output and
+    keeping this rank's sequence chunk. Backward: all-gather the gradient along the sequence dim."""
+    return _conjugate_pair(x, _reduce_scatter, _all_gather, SEQUENCE_DIM, group, counter)

@@ -1,0 +1,291 @@
+"""Tensor-parallel layers (Megatron-LM, arXiv 1909.08053): each holds one rank's shard of a weight.
+
+All three keep the ordinary `weight` / `bias` parameter names and `nn.Linear` / `nn.Embedding` layouts, so a
+sharded model's `state_dict` keys are the unsharded model's. `shard_specs` on each layer records how every
+sharded parameter maps to the full tensor (see `tp_train.parallel.sharding`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from tp_train.parallel.collectives import (
+    CommunicationCounter,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region_,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from tp_train.parallel.sharding import ShardSpec, ceil_div, check_divisible, shard_tensor
+
+# How the input of a column-parallel layer is laid out, which decides how it enters the parallel region:
+# replicated (Megatron's `f`), sharded along the sequence (all-gathered, as under sequence parallelism), or already
+# gathered by the enclosing attention / MLP module under sequence parallelism (nothing to do).
+REPLICATED_INPUT, SEQUENCE_SHARDED_INPUT, GATHERED_INPUT = "replicated", "sequence_sharded", "gathered"
+
+
+class SharedInputRegion:
+    """One `copy_to_tensor_parallel_region` shared by sibling column-parallel layers that read the same input.
+
+    Separate q, k and v projections (or gate and up) all read one replicated tensor. Entering the parallel region
+    once for all of them makes autograd sum their partial input gradients first, so the backward pass needs one
+    all-reduce instead of one per projection (Megatron's minimum, which fused projections get for free). The
+    cache lives for one forward of the parent module: `reset` runs before and after it.
+    """
+
+    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self.input_layout = REPLICATED_INPUT  # set by tp_train.sequence_parallel
+        self.reset()
+
+    def reset(self) -> None:
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def copy_to(self, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x:
+            self._input, self._output = x, enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
+        return self._output
+
+
+def enter_column_parallel(
+    x: torch.Tensor, group: ProcessGroup, input_layout: str, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """A column-parallel layer's input, by `input_layout`: `f` (identity forward, all-reduce backward), or the
+    all-gather of the sequence shards (reduce-scatter backward), or as it is (the gather that made it sums the
+    partial gradients in its backward)."""
+    if input_layout == SEQUENCE_SHARDED_INPUT:  # contiguous: one copy here, not one per matmul that folds it
+        return gather_from_sequence_parallel_region(x, group, counter).contiguous()
+    if input_layout == GATHERED_INPUT:
+        return x
+    return copy_to_tensor_parallel_region(x, group, counter)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features): rank r computes Y_r = X A_r + b_r.
+
+    Forward: the replicated input enters through `copy_to_tensor_parallel_region` (identity), the output is
+    sharded along its last dim, or all-gathered back to the full width when `gather_output`. Backward: the
+    input gradient is all-reduced (the `f` of Megatron's pair).
+    Under sequence parallelism (`input_layout`) the input arrives split along the sequence and is all-gathered
+    instead (reduce-scatter in backward), or was gathered already by the enclosing module.
+
+    Args:
+        in_features: input width (replicated).
+        out_features: full output width. Split into `sections` (default: one section of all of it), each split
+            evenly across ranks; with `pad_output` a single section is padded up to a multiple of the world size
+            (a vocabulary) and the gathered output is trimmed back.
+        group: the tensor-parallel process group.
+        gather_output: return the full (replicated) output instead of this rank's shard.
+    """
+
+    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: ProcessGroup,
+        bias: bool = True,
+        gather_output: bool = False,
+        sections: tuple[int, ...] | None = None,
+        pad_output: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.group = group
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        self.input_region: SharedInputRegion | None = None  # set when siblings share one input (see plan)
+        self.input_layout = REPLICATED_INPUT  # see enter_column_parallel; set by tp_train.sequence_parallel
+        spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output)
+        if not pad_output:
+            for size in spec.sections:
+                check_divisible("ColumnParallelLinear", "out_features (per section)", size, dist.get_world_size(group))
+        local_out = sum(spec.local_sections(dist.get_world_size(group)))
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
+        self.shard_specs = {"weight": spec}
+        if bias:
+            self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """This rank's slice of `nn.Linear`'s initialisation of the full layer (the same random numbers as
+        `nn.Linear(in_features, out_features)` draws, so every TP rank must share the generator state)."""
+        _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_region is not None:
+            x = self.input_region.copy_to(x)
+        else:
+            x = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
+        y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
+        if not self.gather_output:
+            return y
+        y = gather_from_tensor_parallel_region(y, self.group, self.comm_counter)  # (..., tp * local): rank-major
+        sections = self.shard_specs["weight"].sections
+        if len(sections) > 1:  # [q0 k0 v0 | q1 k1 v1] -> [q0 q1 | k0 k1 | v0 v1]
+            world_size = dist.get_world_size(self.group)
+            local = [size // world_size for size in sections]
+            per_rank = [chunk.split(local, dim=-1) for chunk in y.chunk(world_size, dim=-1)]
+            y = torch.cat([piece[i] for i in range(len(sections)) for piece in per_rank], dim=-1)
+        return y[..., : self.out_features]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features): rank r computes the partial sum X_r A_r.
+
+    Forward: the input is already sharded along its last dim (the output of a `ColumnParallelLinear`); the
+    partial outputs are all-reduced by `reduce_from_tensor_parallel_region` (the `g` of Megatron's pair) and the
+    replicated bias is added once, after the reduction. Backward: identity for the output gradient; every rank
+    computes its own input-shard gradient with no communication.
+    Under sequence parallelism (`sequence_parallel`) the partial outputs are reduce-scattered along the sequence
+    instead (all-gather in backward), and the bias is added to this rank's chunk.
+
+    Args:
+        in_features: full input width, split evenly across ranks.
+        out_features: output width (replicated).
+        group: the tensor-parallel process group.
+    """
+
+    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+
+    def __init__(
+        self, in_features: int, out_features: int, group: ProcessGroup, bias: bool = True, device=None, dtype=None
+    ):
+        super().__init__()
+        self.group = group
+        self.in_features = in_features
+        self.out_features = out_features
+        world_size = dist.get_world_size(group)
+        check_divisible("RowParallelLinear", "in_features", in_features, world_size)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // world_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.shard_specs = {"weight": ShardSpec(dim=1, sections=(in_features,))}
+        self.sequence_parallel = False  # output reduce-scattered along the sequence (tp_train.sequence_parallel)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """This rank's slice of `nn.Linear`'s initialisation of the full layer (see ColumnParallelLinear)."""
+        _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # each rank keeps its sequence chunk of the sum; the bias is added to it
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group, self.comm_counter)
+            return y + self.bias.to(y.dtype) if self.bias is not None else y  # y is a view: not in place
+        # In place: the matmul's output is this layer's own, and its backward does not read it.
+        y = reduce_from_tensor_parallel_region_(F.linear(x, self.weight), self.group, self.comm_counter)
+        return y.add_(self.bias.to(y.dtype)) if self.bias is not None else y  # y is ours; dtype as nn.Linear's
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split along the vocabulary: rank r holds rows [r * V/tp, (r+1) * V/tp) of the table,
+    the vocabulary padded up to a multiple of tp with zero rows.
+
+    Forward: ids outside this rank's range look up nothing (their rows are zeroed), and the partial embeddings
+    are all-reduced, so exactly one rank contributes each token's row. Backward: identity; each rank's
+    gradient lands only on its own rows.
+    """
+
+    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: ProcessGroup,
+        padding_idx: int | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.group = group
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        if padding_idx is not None and padding_idx < 0:  # as nn.Embedding: counted from the end
+            padding_idx += num_embeddings
+        self.padding_idx = padding_idx
+        per_rank = ceil_div(num_embeddings, dist.get_world_size(group))
+        self.vocab_start = dist.get_rank(group) * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
+        self.shard_specs = {"weight": ShardSpec(dim=0, sections=(num_embeddings,), padded=True)}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """This rank's rows of `nn.Embedding`'s initialisation of the full table (N(0, 1), padding row zero)."""
+
+        def init(weight, _):
+            nn.init.normal_(weight)
+            if self.padding_idx is not None:
+                weight[self.padding_idx].zero_()
+
+        _init_from_full(self, (self.num_embeddings, self.embedding_dim), init)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        local_padding_idx = None
+        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
+            local_padding_idx = self.padding_idx - self.vocab_start
+        out = F.embedding(local_ids, self.weight, padding_idx=local_padding_idx)
+        # In place on the lookup's own output, which the embedding's backward does not read: no copies.
+        if dist.get_world_size(self.group) > 1:
+            out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region_(out, self.group, self.comm_counter)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, local rows [{self.vocab_start}, {self.vocab_end})"
+
+
+def _linear_init(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    """`nn.Linear.reset_parameters`, on full-size tensors."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+@torch.no_grad()
+def _init_from_full(layer: nn.Module, weight_shape: tuple[int, int], init) -> None:
+    """Initialises full-size tensors with `init(weight, bias)` and copies this rank's shard of each into `layer`.
+
+    Full tensors are built one layer at a time, so every rank draws the same numbers as the unsharded layer would."""
+    if layer.weight.is_meta:
+        return  # materialised later
+    rank, world_size = dist.get_rank(layer.group), dist.get_world_size(layer.group)
+    options = dict(device=layer.weight.device, dtype=layer.weight.dtype)
+    bias = getattr(layer, "bias", None)
+    full_weight = torch.empty(weight_shape, **options)
+    full_bias = torch.empty(weight_shape[0], **options) if bias is not None else None
+    init(full_weight, full_bias)
+    for name, full in (("weight", full_weight), ("bias", full_bias)):
+        if full is None:
+            continue
+        target = getattr(layer, name)
+        spec = layer.shard_specs.get(name)
+        target.copy_(shard_tensor(full, spec, rank, world_size) if spec is not None else full)

@@ -1,0 +1,24 @@
+"""The process groups tensor parallelism runs on: the names of the 2-D mesh's axes, and a tensor-parallel group
+from what a caller may pass."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+# The 2-D mesh's axes: data parallelism across replicas, tensor parallelism within one.
+DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
+
+
+def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup:
+    """A process group from a ProcessGroup, a 1-D DeviceMesh, or None (the whole world)."""
+    if tp_group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("parallelize needs torch.distributed initialised (or an explicit tp_group)")
+        return dist.group.WORLD
+    if isinstance(tp_group, DeviceMesh):
+        if tp_group.ndim != 1:
+            raise ValueError(f"tp_group must be a 1-D DeviceMesh, got mesh_dim_names={tp_group.mesh_dim_names}")
+        return tp_group.get_group()
+    return tp_group

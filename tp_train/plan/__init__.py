@@ -1,0 +1,3 @@
+"""Plans: the style vocabulary, built-in presets, finding or inferring a model's plan (the auto-planner and its
+probe), validating and applying it, verifying the result, sequence parallelism and activation checkpointing
+over the blocks it finds, and `parallelize`, which does all of it. Imports `checkpoint` and `parallel` below it."""

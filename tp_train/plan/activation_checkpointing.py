@@ -1,0 +1,48 @@
+"""Activation checkpointing per transformer block: a block keeps only its input for backward and recomputes the
+rest (torch.utils.checkpoint, non-reentrant), trading one extra forward of each block for its activations.
+
+Dropout must draw the same masks when a block is recomputed as when it first ran, in both of `TensorParallelRNG`'s
+streams (replicated and sharded) however the block switches between them. So each checkpointed forward records
+the RNG's whole state (both streams and the region stack) and the recomputation replays it, leaving the live
+streams untouched.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from tp_train.parallel.random import TensorParallelRNG
+from tp_train.plan.layout import BlockLayout
+
+
+class _CheckpointedForward:
+    """Stands in for a block's `forward` (an instance attribute, so parameter names and hooks are unchanged)."""
+
+    def __init__(self, block: nn.Module, rng: TensorParallelRNG):
+        self.block, self.rng = block, rng
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = type(self.block).forward.__get__(self.block)
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        state = self.rng.get_state()
+        return checkpoint(
+            forward,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=False,  # the RNG replays both streams itself
+            context_fn=lambda: (nullcontext(), self.rng.replay(state)),
+            **kwargs,
+        )
+
+
+def checkpoint_blocks(model: nn.Module, layout: BlockLayout, rng: TensorParallelRNG) -> None:
+    """Makes every block of `layout` recompute its forward in backward."""
+    for name in layout.blocks:
+        block = model.get_submodule(name)
+        block.forward = _CheckpointedForward(block, rng)

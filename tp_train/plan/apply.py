@@ -1,0 +1,245 @@
+"""Applying a resolved plan: each planned module swapped for its tensor-parallel counterpart.
+
+A swap keeps what the module did: a subclass of `nn.Embedding` or `nn.Linear` that overrides `forward` (Gemma's
+embedding, which scales its output) keeps that forward, its `super().forward` now reaching the sharded
+computation. A subclass whose forward never calls `super().forward` (Falcon's Linear computes `x @ W.T + b` itself)
+gets the plain parallel layer, and verification's per-module check (`tp_train.plan.verify.SwapCheck`, on by default)
+refuses it in one line unless the two compute the same.
+
+Reading a plan is two passes: `tp_train.plan.match.match_plan` resolves and validates everything (raising
+`ValueError` before any weight changes), then `apply_plan` swaps the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from tp_train.parallel.collectives import all_reduce_gradient
+from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
+from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
+from tp_train.parallel.sharding import ShardSpec, shard_tensor
+from tp_train.plan.styles import (
+    HEAD_ATTRIBUTES,
+    KV_HEAD_ATTRIBUTES,
+    LINEAR_STYLES,
+    PACKED_SECTIONS,
+    SWAPPED_BASES,
+    WIDTH_ATTRIBUTES,
+    PlannedModule,
+    linear_shape,
+)
+
+
+def apply_plan(
+    model: nn.Module,
+    planned: list[PlannedModule],
+    group: ProcessGroup,
+    rng: TensorParallelRNG,
+    device: torch.device,
+    loss_parallel: bool = False,
+    check=None,
+) -> None:
+    """Swaps each planned module for its tensor-parallel counterpart, holding this rank's slice of its weights.
+
+    Modules are visited in `named_modules` order. Tensors still on the meta device are materialised on `device`
+    on the way, one module at a time, and initialised by the model's per-module `_init_weights(module)` where it
+    has one (Hugging Face's convention), else by the module's own `reset_parameters()`. A planned module is
+    materialised whole, sliced, and dropped, so peak memory is the shards plus one full layer, and the random
+    numbers drawn (hence the initial weights) are the same at every tp. `check(name, module, layer)`, when given,
+    runs right after each swap while the replaced module still holds its full tensors (`tp_train.plan.verify`'s
+    `SwapCheck`, a collective).
+    """
+    init_weights = getattr(model, "_init_weights", None)
+    by_name = {entry.name: entry for entry in planned}
+    shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
+    materialized: dict[int, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once
+    for name, module in list(model.named_modules()):
+        entry = by_name.get(name)
+        style = entry.style if entry else None
+        if style in LINEAR_STYLES or style == "embedding_rowwise":
+            module.tp_origins = dict(module.named_parameters(recurse=False))  # what ties are keyed by
+            if not all(id(param) in shared for param in module.tp_origins.values()):
+                materialize(name, module, device, {}, init_weights)  # its full tensors die once sliced
+            if style == "embedding_rowwise":
+                layer = _parallel_embedding(module, group, shared)
+            else:
+                layer = _parallel_linear(module, style, group, shared, loss_parallel)
+            layer = _keep_subclass_forward(module, layer, SWAPPED_BASES[style])
+            _set_submodule(model, name, layer)
+            if check is not None:
+                check(name, module, layer)
+            module._parameters.update(module.tp_origins)  # the dropped module lets go of its full tensors
+            continue
+        materialize(name, module, device, materialized, init_weights)
+        if style == "attention":
+            _localize_heads(module, dist.get_world_size(group))
+            rng.run_in(module, SHARDED)
+        elif style == "replicated_rng":
+            rng.run_in(module, REPLICATED)
+        elif style == "replicated_with_grad_allreduce":
+            for param in module.parameters(recurse=False):
+                param.register_hook(lambda grad: all_reduce_gradient(grad, group))
+    _share_sibling_inputs(model, planned, group)
+
+
+def materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
+    """Gives `module`'s own meta-device tensors storage on `device` and initialises them: `init_weights(module)`
+    when given, else `module.reset_parameters()`."""
+    fresh = False
+    for tensors in (module._parameters, module._buffers):
+        for key, tensor in tensors.items():
+            if tensor is None or not tensor.is_meta:
+                continue
+            if id(tensor) not in materialized:
+                real = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, nn.Parameter):
+                    real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+                materialized[id(tensor)] = real
+                fresh = True
+            tensors[key] = materialized[id(tensor)]
+    if not fresh:
+        return
+    if init_weights is not None:
+        init_weights(module)
+        return
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(
+            f"module '{name}' ({type(module).__name__}) was built on the meta device but has no reset_parameters() "
+            f"to initialise it; define one, or build the model on a real device"
+        )
+    module.reset_parameters()
+
+
+def _calls_super_forward(cls: type) -> bool:
+    """Whether `cls.forward` calls `super().forward` (so a parallel layer can take the base's place beneath it)."""
+    code = getattr(cls.forward, "__code__", None)
+    return code is not None and "super" in code.co_names and "forward" in code.co_names
+
+
+# ---------------------------------------------------------------------------------------------- application
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+# Classes made by `_keep_subclass_forward`, one per (subclass, parallel layer) pair.
+_KEPT_FORWARDS: dict[tuple[type, type], type] = {}
+
+
+def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> nn.Module:
+    """`layer`, made to run `module`'s forward when `module` is a subclass of `base` that overrides it.
+
+    The layer's class becomes `(type(module), type(layer), base)`: in that order the subclass's `super().forward`
+    reaches the parallel layer's forward, so Gemma's `super().forward(ids) * embed_scale` scales the sharded
+    lookup. What the subclass keeps besides parameters (its buffers, such as `embed_scale`, and attributes) moves
+    to the layer. A subclass whose forward never calls `super().forward` keeps the plain layer (see the module
+    docstring).
+    """
+    cls = type(module)
+    if not isinstance(module, base) or cls.forward is base.forward or not _calls_super_forward(cls):
+        return layer
+    key = (cls, type(layer))
+    if key not in _KEPT_FORWARDS:
+        name = f"{type(layer).__name__}[{cls.__name__}]"
+        _KEPT_FORWARDS[key] = type(name, (cls, type(layer), base), {"__module__": __name__})
+    layer.__class__ = _KEPT_FORWARDS[key]
+    for key, buffer in module._buffers.items():
+        if key not in layer._buffers:
+            layer.register_buffer(key, buffer, persistent=key not in module._non_persistent_buffers_set)
+    for key, value in vars(module).items():
+        if key not in vars(layer) and key != "tp_origins":  # tp_origins: the full tensors, let go after the swap
+            setattr(layer, key, value)
+    return layer
+
+
+def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):
+    """A new parameter holding this rank's shard of `module`'s parameter `name`, shaped like `target` (the layer's
+    meta placeholder). A parameter tied to one sharded before gives that shard; ties are keyed by the original
+    parameter (held in `shared`, so its id is never reused)."""
+    origin, source = module.tp_origins[name], getattr(module, name)
+    if id(origin) in shared:
+        _, previous_spec, previous = shared[id(origin)]
+        if replace(previous_spec, transposed=spec.transposed) != spec or previous.shape != target.shape:
+            raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
+        return previous
+    full = source.detach().t() if spec.transposed else source.detach()
+    shard = nn.Parameter(
+        shard_tensor(full, spec, dist.get_rank(group), dist.get_world_size(group)), requires_grad=source.requires_grad
+    )
+    shared[id(origin)] = (origin, spec, shard)
+    return shard
+
+
+def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool):
+    in_features, out_features = linear_shape(module)
+    transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
+    # Built on meta, with no initialisation of its own: its parameters are the slices of the module's.
+    kwargs = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
+    if style == "rowwise":
+        layer = RowParallelLinear(in_features, out_features, group, **kwargs)
+    else:
+        sections = PACKED_SECTIONS.get(style, 1)
+        layer = ColumnParallelLinear(
+            in_features,
+            out_features,
+            group,
+            gather_output=style == "colwise_gather_output" and not loss_parallel,
+            sections=(out_features // sections,) * sections,
+            pad_output=style == "colwise_gather_output",
+            **kwargs,
+        )
+    for name in list(layer.shard_specs):
+        layer.shard_specs[name] = replace(layer.shard_specs[name], transposed=transposed and name == "weight")
+    layer.weight = _shard_of(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
+    if module.bias is not None:
+        if "bias" in layer.shard_specs:
+            layer.bias = _shard_of(layer.bias, module, "bias", layer.shard_specs["bias"], group, shared)
+        else:  # a row-parallel bias is replicated
+            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
+    return layer
+
+
+def _parallel_embedding(module: nn.Embedding, group: ProcessGroup, shared: dict) -> VocabParallelEmbedding:
+    layer = VocabParallelEmbedding(
+        module.num_embeddings,
+        module.embedding_dim,
+        group,
+        padding_idx=module.padding_idx,
+        device="meta",
+        dtype=module.weight.dtype,
+    )
+    layer.weight = _shard_of(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
+    return layer
+
+
+def _share_sibling_inputs(model: nn.Module, planned: list[PlannedModule], group: ProcessGroup) -> None:
+    """Gives column-parallel siblings (q/k/v, gate/up) one shared entry into the parallel region per parent call."""
+    siblings: dict[str, list[ColumnParallelLinear]] = {}
+    for entry in planned:
+        layer = model.get_submodule(entry.name)
+        if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
+            siblings.setdefault(entry.name.rpartition(".")[0], []).append(layer)
+    for parent_name, layers in siblings.items():
+        if len(layers) < 2:
+            continue
+        region = SharedInputRegion(group)
+        for layer in layers:
+            layer.input_region = region
+        parent = model.get_submodule(parent_name) if parent_name else model
+        parent.register_forward_pre_hook(lambda *_, region=region: region.reset())
+        parent.register_forward_hook(lambda *_, region=region: region.reset(), always_call=True)
+
+
+def _localize_heads(module: nn.Module, tp: int) -> None:
+    """Rewrites an attention module's head counts and head widths to this rank's share."""
+    for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
+        value = getattr(module, attribute, None)
+        if isinstance(value, int):
+            setattr(module, attribute, value // tp)

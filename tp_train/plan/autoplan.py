@@ -1,0 +1,359 @@
+"""The auto-planner: infers a column/row tensor-parallel plan from a model's structure, as data for `tp_train.plan.apply`.
+
+It runs one probe batch through the model (a real copy when the model is on the meta device) and reads the
+structure off what happened, not off class names:
+
+1. **Dataflow.** The autograd graph of the probe forward tells, for every Linear-like module (nn.Linear, Hugging
+   Face's Conv1D), which Linear or Embedding outputs its input was computed from, through any number of
+   non-Linear operations. A module whose input comes from Linear outputs only (no embedding, no residual stream)
+   is a candidate row layer; those producers are its column layers (q/k/v, gate/up, a fused qkv, an MLP's fc).
+2. **Locality, at the tensor-parallel size.** Megatron's split is right exactly when rank r's share of the column
+   layers' output feeds only rank r's share of the row layer's input. The planner checks that by perturbing each
+   share in turn and watching which share of the row input moves, for the contiguous split (`colwise`), the split
+   of two halves (`packed_colwise`, [gate; up]) and of three thirds (`fused_qkv_colwise`, [q; k; v]), and takes
+   the first that holds. Heads are thereby respected: a split through a head, or a [q; k; v] split as one matrix,
+   moves other shares and fails.
+3. **Attention.** A pair whose perturbation at the first token moves later tokens mixes positions: it is
+   attention, and the module enclosing the pair gets the `attention` style (local head counts, sharded dropout
+   stream). Dropout modules inside it that run after the row layer get `replicated_rng`; modules whose
+   parameters act between the column and row layers (a norm over each head, QK-norm) get
+   `replicated_with_grad_allreduce`.
+4. **Embedding and head.** The embedding that reads the token ids is `embedding_rowwise`; the last Linear, when it
+   maps to that vocabulary, is `colwise_gather_output`.
+
+Every Linear inside a repeated block (a numbered child, `layers.0`) must end up column or row; otherwise the
+planner refuses with a one-line `ValueError` naming the module (give the model a `tp_plan`). Names are returned as
+patterns (`layers.*.mlp.up`).
+
+Limits: perturbations are run once per distinct block shape (by generic name and widths), and a model on the meta
+device is probed on a full copy on the CPU; the structure between a column and a row layer is checked, the code
+that runs it on local shapes is not (a hard-coded head count): that is what verification (`tp_train.plan.verify`),
+on by default, is for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from tp_train.errors import first_line
+from tp_train.plan.probe import probe_copy, probe_token_ids, producers_of, trace_calls
+from tp_train.plan.styles import linear_shape, pattern_matches
+
+INFERRED_SOURCE = "inferred by the auto-planner"
+COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
+SPLITS = (("colwise", 1), ("packed_colwise", 2), ("fused_qkv_colwise", 3))  # style, sections of the output
+LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
+
+
+@dataclass
+class _Pair:
+    row: str
+    columns: dict[str, str] = field(default_factory=dict)  # column module -> style
+    attention: bool = False
+    between: set[str] = field(default_factory=set)  # modules whose parameters act between columns and row
+
+
+class _Stop(Exception):
+    """Ends a probe forward once the row layer's input is captured."""
+
+
+def infer_plan(
+    model: nn.Module, tensor_parallel_size: int | None = None, example_input: torch.Tensor | None = None
+) -> dict[str, str]:
+    """A plan {module-name pattern: style} for `model`, inferred from its structure (see the module docstring).
+
+    Args:
+        model: the unsharded model; a model on the meta device is probed on a materialised copy.
+        tensor_parallel_size: the tp the plan must be right for (default 2); shares are checked at this size.
+        example_input: the probe input; default (1, 8) random token ids below every embedding's size.
+
+    Raises:
+        ValueError: (one line, naming the module) when the structure is not one the planner can be sure of.
+    """
+    shares = max(tensor_parallel_size or 2, 2)
+    with probe_copy(model) as probe:
+        inputs = example_input if example_input is not None else probe_token_ids(probe)
+        try:
+            styles = _Planner(probe, inputs, shares).styles()
+        except ValueError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a structure the planner does not understand is a refusal
+            raise ValueError(
+                f"the auto-planner cannot plan {type(model).__name__} ({first_line(error)}); "
+                f"give the model a `tp_plan` (or pass plan=...)"
+            ) from error
+    return _as_patterns(model, styles)
+
+
+def format_plan(plan: dict[str, str], source: str) -> str:
+    """The plan as printed: one `pattern: style` line per entry, under where it came from."""
+    width = max((len(pattern) for pattern in plan), default=0)
+    lines = [f"  {pattern:<{width}}  {style}" for pattern, style in plan.items()]
+    return "\n".join([f"tensor-parallel plan ({source}):", *lines])
+
+
+class _Planner:
+    def __init__(self, model: nn.Module, inputs: torch.Tensor, shares: int):
+        self.model, self.inputs, self.shares = model, inputs, shares
+        self.modules = dict(model.named_modules())
+        self.owner = {id(param): name for name, module in self.modules.items() for param in module.parameters(False)}
+        self.calls = trace_calls(model, inputs)
+        self.linears = [name for name in self._called() if linear_shape(self.modules[name]) is not None]
+        self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
+        # A module whose output carries no autograd history (run under no_grad, detached, or not a tensor: a
+        # module called only with keyword arguments is traced without it) shows no dataflow.
+        self.untraced = {name for name in self.linears if getattr(self.calls[name].output, "grad_fn", None) is None}
+        outputs = {
+            id(getattr(self.calls[name].output, "grad_fn", None)): name for name in self.linears + self.embeddings
+        }
+        outputs.pop(id(None), None)
+        self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
+        self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
+        self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
+
+    def _called(self) -> list[str]:
+        return sorted(self.calls, key=lambda name: self.calls[name].order)
+
+    def styles(self) -> dict[str, str]:
+        styles: dict[str, str] = {}
+        self.tokens = self._token_embedding()
+        self.head = self._head()
+        pairs, failures = self._pairs()
+        for pair in pairs:
+            styles.update(pair.columns)
+            styles[pair.row] = "rowwise"
+            if pair.attention:
+                self._attention_styles(pair, styles)
+            for name in sorted(pair.between):
+                styles[name] = "replicated_with_grad_allreduce"
+        if self.tokens is not None:
+            styles[self.tokens] = "embedding_rowwise"
+        if self.head is not None:
+            styles[self.head] = "colwise_gather_output"
+        for name in self.linears:
+            if name not in styles and _in_repeated_block(name):
+                shape = linear_shape(self.modules[name])
+                reason = failures.get(name, "its output reaches no Linear through position- and head-wise operations")
+                raise ValueError(
+                    f"the auto-planner cannot plan '{name}' ({type(self.modules[name]).__name__} {shape[0]}->"
+                    f"{shape[1]}): {reason}; give the model a `tp_plan` (or pass plan=...) for this block"
+                )
+        return styles
+
+    # ----------------------------------------------------------------------------------------- column/row pairs
+
+    def _pairs(self) -> tuple[list[_Pair], dict[str, str]]:
+        pairs, taken = [], set()
+        failures = {name: "its output has no autograd graph in the probe forward (computed under no_grad, or "
+                    "detached), so the planner cannot see where it goes" for name in self.untraced}  # fmt: skip
+        for row in self.linears:
+            producers, _ = self.producers[row]
+            from_linears_only = producers and producers <= set(self.linears)
+            if row in taken or row == self.head or not from_linears_only or producers & taken:
+                continue
+            if (producers | {row}) & self.untraced:
+                continue
+            if self.calls[row].calls != 1 or any(self.calls[name].calls != 1 for name in producers):
+                failures.update({name: "it is called more than once per forward" for name in producers | {row}})
+                continue
+            pair = _Pair(row)
+            for column in sorted(producers, key=lambda name: self.calls[name].order):
+                style = self._split(column, row)
+                if style is None:
+                    reason = (
+                        f"no split of '{column}' ({', '.join(s for s, _ in SPLITS)}) at tp={self.shares} gives each "
+                        f"rank a share of its output that feeds only that rank's share of '{row}' (heads that tp "
+                        f"does not divide, or a fused layout it cannot determine)"
+                    )
+                    failures.update({name: reason for name in producers | {row}})
+                    break
+                pair.columns[column] = style
+            else:
+                pair.attention = self._mixes_tokens(pair)
+                pair.between = self._between(pair)
+                pairs.append(pair)
+                taken |= set(pair.columns) | {row}
+        rows = {pair.row: pair for pair in pairs}
+        for name in self.linears:  # a column's output may feed nothing but its row layer
+            for column in self.producers[name][0] & (taken - set(rows)):
+                if name not in rows or column not in rows[name].columns:
+                    raise ValueError(
+                        f"the auto-planner cannot plan '{column}': its output feeds '{name}' besides its row layer, "
+                        f"so it cannot be split; give the model a `tp_plan` (or pass plan=...)"
+                    )
+        return pairs, failures
+
+    def _split(self, column: str, row: str) -> str | None:
+        width, row_width = _last_dim(self.calls[column].output), _last_dim(self.calls[row].input)
+        if row_width % self.shares:
+            return None
+        key = ("split", _generic(column), _generic(row), width, row_width)
+        if key not in self._cache:
+            self._cache[key] = next(
+                (
+                    style
+                    for style, sections in SPLITS
+                    if width % (sections * self.shares) == 0 and self._local(column, row, sections)
+                ),
+                None,
+            )
+        return self._cache[key]
+
+    def _local(self, column: str, row: str, sections: int) -> bool:
+        """Whether perturbing rank r's share of `column`'s output (split in `sections`) moves only rank r's share
+        of `row`'s input, for every r."""
+        base = self._row_input(row, {})
+        for share in range(self.shares):
+            moved = self._row_input(row, {column: _share_mask(self.calls[column].output, sections, self.shares, share)})
+            delta = (moved - base).abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
+            inside = delta.select(-2, share)
+            outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
+            effect = inside.max().item()
+            if not effect > 0 or (outside.numel() and outside.max().item() > LEAK_TOLERANCE * effect):
+                return False
+        return True
+
+    def _mixes_tokens(self, pair: _Pair) -> bool:
+        """Whether a perturbation of the columns at the first token moves the row input at later tokens."""
+        key = ("tokens", _generic(pair.row), tuple(_generic(name) for name in pair.columns))
+        if key not in self._cache:
+            self._cache[key] = self._perturbed_first_token_moves_later_ones(pair)
+        return self._cache[key]
+
+    def _perturbed_first_token_moves_later_ones(self, pair: _Pair) -> bool:
+        base = self._row_input(pair.row, {})
+        if base.dim() < 3 or base.shape[-2] < 2:
+            return False
+        masks = {}
+        for column in pair.columns:
+            mask = torch.zeros_like(self.calls[column].output, dtype=torch.bool)
+            mask[..., 0, :] = True
+            masks[column] = mask
+        moved = self._row_input(pair.row, masks)
+        return bool((moved - base)[..., 1:, :].abs().max() > 0)
+
+    def _between(self, pair: _Pair) -> set[str]:
+        """Modules whose parameters act between the columns and the row layer: summed gradients, unless they span
+        the split features (then no existing style can shard them)."""
+        split_widths = {_last_dim(self.calls[name].output) for name in pair.columns} | {
+            _last_dim(self.calls[pair.row].input)
+        }
+        owners = set()
+        for param in self.producers[pair.row][1]:
+            owner = self.owner.get(id(param), "?")
+            if param.dim() and param.shape[-1] in split_widths:
+                raise ValueError(
+                    f"the auto-planner cannot plan '{pair.row}': parameter of '{owner}' (shape {tuple(param.shape)}) "
+                    f"acts on the features split between {sorted(pair.columns)} and it; give the model a `tp_plan`"
+                )
+            owners.add(owner)
+        return owners
+
+    def _attention_styles(self, pair: _Pair, styles: dict[str, str]) -> None:
+        names = [*pair.columns, pair.row]
+        enclosing = names[0].rpartition(".")[0]
+        while enclosing and not all(name.startswith(enclosing + ".") for name in names):
+            enclosing = enclosing.rpartition(".")[0]
+        if not enclosing or enclosing not in self.calls:
+            return  # no module of its own runs the attention (e.g. it lives in the block's forward)
+        styles[enclosing] = "attention"
+        row_order = self.calls[pair.row].order
+        for name, call in self.calls.items():
+            after_row = call.order > row_order
+            if name.startswith(enclosing + ".") and isinstance(self.modules[name], nn.Dropout) and after_row:
+                styles[name] = "replicated_rng"  # e.g. resid_dropout: acts on the replicated output
+
+    def _head(self) -> str | None:
+        """The last Linear, when it maps to the token embedding's vocabulary (kept out of column/row pairs)."""
+        if self.tokens is None or not self.linears:
+            return None
+        head = self.linears[-1]
+        if head in self.untraced:
+            return None
+        return head if linear_shape(self.modules[head])[1] == self.modules[self.tokens].num_embeddings else None
+
+    def _token_embedding(self) -> str | None:
+        for name in self.embeddings:
+            seen = self.calls[name].input
+            if seen.shape == self.inputs.shape and torch.equal(seen, self.inputs):
+                module = self.modules[name]
+                if module.max_norm is None and not module.sparse and not module.scale_grad_by_freq:
+                    return name
+        return None
+
+    # ------------------------------------------------------------------------------------------- probe forwards
+
+    def _row_input(self, row: str, masks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`row`'s input in a probe forward in which `masks[name]` marks entries of `name`'s output to perturb."""
+        if not masks and row in self._bases:
+            return self._bases[row]
+        captured = {}
+        generator = torch.Generator(device=self.inputs.device).manual_seed(0)
+
+        def perturb(module, args, output, mask):
+            scale = output.detach().abs().mean() + 1e-3
+            noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
+            return output + noise * scale * mask
+
+        def capture(module, args):
+            captured["input"] = args[0].detach().clone()
+            raise _Stop
+
+        handles = [self.modules[row].register_forward_pre_hook(capture)]
+        handles += [
+            self.modules[name].register_forward_hook(lambda m, a, o, mask=mask: perturb(m, a, o, mask))
+            for name, mask in masks.items()
+        ]
+        try:
+            with torch.no_grad():
+                self.model(self.inputs)
+        except _Stop:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        if not masks:
+            self._bases[row] = captured["input"].float()
+        return captured["input"].float()
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def _last_dim(tensor: torch.Tensor | None) -> int:
+    return tensor.shape[-1] if tensor is not None and tensor.dim() else 0
+
+
+def _share_mask(output: torch.Tensor, sections: int, shares: int, share: int) -> torch.Tensor:
+    """True on rank `share`'s part of every section of `output`'s last dimension."""
+    mask = torch.zeros(sections, shares, output.shape[-1] // (sections * shares), dtype=torch.bool)
+    mask[:, share] = True
+    return mask.flatten().expand_as(output).to(output.device)
+
+
+def _generic(name: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _in_repeated_block(name: str) -> bool:
+    return any(part.isdigit() for part in name.split("."))
+
+
+def _as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """`styles` with numbered names folded into `*` patterns wherever every module a pattern matches has the
+    same style; in the order of `named_modules`."""
+    names = [name for name, _ in model.named_modules() if name]
+    plan: dict[str, str] = {}
+    for name in names:
+        if name not in styles:
+            continue
+        pattern = _generic(name)
+        matched = [other for other in names if pattern_matches(pattern, other)]
+        if all(styles.get(other) == styles[name] for other in matched):
+            plan.setdefault(pattern, styles[name])
+        else:
+            plan[name] = styles[name]
+    return plan

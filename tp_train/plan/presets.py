@@ -1,0 +1,118 @@
+"""Built-in plans for Hugging Face families whose configs ship no `base_model_tp_plan`.
+
+Keys are relative to the base model (as in Hugging Face's own plans); `preset_plan` prefixes them for a model
+with a head and adds the head. Each preset is data; `tp_train.plan.apply` is what reads it.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+PRESETS: dict[str, dict[str, str]] = {
+    # GPT-2: c_attn is a fused [q; k; v] Conv1D, so its split must be head-aware; the attention module keeps
+    # split_size / num_heads / embed_dim as attributes; resid_dropout acts on the replicated residual stream.
+    "gpt2": {
+        "wte": "embedding_rowwise",
+        "h.*.attn": "attention",
+        "h.*.attn.c_attn": "fused_qkv_colwise",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.attn.resid_dropout": "replicated_rng",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
+    # GPT-J: separate q/k/v/out Linears (no bias); the attention forward splits heads with num_attention_heads
+    # (embed_dim is only read in __init__); rotary acts within each head. attn_dropout (on the probabilities of the
+    # local heads) runs in the sharded stream, resid_dropout (after out_proj, on the replicated stream) must not.
+    # The MLP (fc_in/fc_out, with bias) runs in parallel with attention off the same ln_1 output.
+    "gptj": {
+        "wte": "embedding_rowwise",
+        "h.*.attn": "attention",
+        "h.*.attn.q_proj": "colwise",
+        "h.*.attn.k_proj": "colwise",
+        "h.*.attn.v_proj": "colwise",
+        "h.*.attn.out_proj": "rowwise",
+        "h.*.attn.resid_dropout": "replicated_rng",
+        "h.*.mlp.fc_in": "colwise",
+        "h.*.mlp.fc_out": "rowwise",
+    },
+    # GPT-Neo: h.*.attn is a wrapper; the attention itself is h.*.attn.attention (global or local window), which
+    # views heads with num_heads. Separate q/k/v (no bias), out_proj with a bias; resid_dropout follows out_proj.
+    "gpt_neo": {
+        "wte": "embedding_rowwise",
+        "h.*.attn.attention": "attention",
+        "h.*.attn.attention.q_proj": "colwise",
+        "h.*.attn.attention.k_proj": "colwise",
+        "h.*.attn.attention.v_proj": "colwise",
+        "h.*.attn.attention.out_proj": "rowwise",
+        "h.*.attn.attention.resid_dropout": "replicated_rng",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
+    # OPT: separate q/k/v/out Linears (biases by enable_bias), heads viewed with num_heads; the attention dropout is
+    # applied to the probabilities inside the attention function (sharded stream); the residual dropouts live in
+    # the decoder layer, outside the attention module. embed_positions stays replicated, and so do project_in /
+    # project_out (present when word_embed_proj_dim != hidden_size, as in OPT-350m; tested).
+    "opt": {
+        "decoder.embed_tokens": "embedding_rowwise",
+        "decoder.layers.*.self_attn": "attention",
+        "decoder.layers.*.self_attn.q_proj": "colwise",
+        "decoder.layers.*.self_attn.k_proj": "colwise",
+        "decoder.layers.*.self_attn.v_proj": "colwise",
+        "decoder.layers.*.self_attn.out_proj": "rowwise",
+        "decoder.layers.*.fc1": "colwise",
+        "decoder.layers.*.fc2": "rowwise",
+    },
+    # Falcon (rotary, multi_query=False, or new_decoder_architecture): query_key_value is laid out per head as
+    # [q_h; k_h; v_h] (classic multi-head) or per kv group as [q_g1..q_gn; k_g; v_g] (new architecture), and the
+    # forward views it with -1 heads/groups, so a plain contiguous colwise split hands each rank whole heads/groups
+    # (fused_qkv_colwise, which assumes [q; k; v], would be wrong). num_heads and num_kv_heads become local.
+    # Multi-query (one kv head) and ALiBi configs are refused by `_falcon_unsupported`.
+    "falcon": {
+        "word_embeddings": "embedding_rowwise",
+        "h.*.self_attention": "attention",
+        "h.*.self_attention.query_key_value": "colwise",
+        "h.*.self_attention.dense": "rowwise",
+        "h.*.mlp.dense_h_to_4h": "colwise",
+        "h.*.mlp.dense_4h_to_h": "rowwise",
+    },
+}
+
+
+def _falcon_unsupported(config) -> str | None:
+    if getattr(config, "alibi", False):
+        return (
+            "ALiBi biases are built for all heads in FalconModel and not sliced to each rank's heads; "
+            "use a rotary config (alibi=False)"
+        )
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return (
+            "multi-query attention (one kv head, laid out [q_1..q_H; k; v]) cannot be split by heads "
+            "(replicating kv heads is not supported); use multi_query=False or new_decoder_architecture=True"
+        )
+    return None
+
+
+# Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
+UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
+
+HEAD_PLAN = {"lm_head": "colwise_gather_output"}
+
+
+def preset_plan(model: nn.Module) -> dict[str, str] | None:
+    """The preset for `model.config.model_type`, with keys as `model`'s module names; None when there is none."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    base = PRESETS.get(model_type)
+    if base is None:
+        return None
+    check = UNSUPPORTED_CONFIGS.get(model_type)
+    reason = check(model.config) if check else None
+    if reason:
+        raise ValueError(f"the built-in '{model_type}' preset cannot shard this config: {reason}")
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        plan = {f"{prefix}.{pattern}": style for pattern, style in base.items()}
+    else:
+        plan = dict(base)
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        plan.update(HEAD_PLAN)
+    return plan

@@ -1,0 +1,127 @@
+"""One probe forward of a model, for the auto-planner: which modules ran, in what order, on which input and with
+which output, and the autograd dataflow between them; run on the model itself, or on a materialised copy of a model
+on the meta device.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from tp_train.errors import first_line
+from tp_train.plan.apply import materialize
+
+PROBE_TOKENS = 8
+
+
+@dataclass
+class ModuleCall:
+    order: int  # position in the probe forward, by entry
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    calls: int = 0
+
+
+def trace_calls(model: nn.Module, inputs: torch.Tensor) -> dict[str, ModuleCall]:
+    """Every module called in one forward: entry order, call count, and (for the last call) its first input and
+    first tensor output, with autograd history."""
+    calls: dict[str, ModuleCall] = {}
+    handles = []
+
+    def enter(name):
+        def hook(module, args):
+            call = calls.setdefault(name, ModuleCall(order=len(calls)))
+            call.calls += 1
+
+        return hook
+
+    def leave(name):
+        def hook(module, args, output):
+            call = calls[name]
+            call.input = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            call.output = output if isinstance(output, torch.Tensor) else None
+
+        return hook
+
+    for name, module in model.named_modules():
+        if name:
+            handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave(name))]
+    try:
+        with torch.enable_grad():
+            model(inputs)
+    except Exception as error:  # noqa: BLE001 - any failure of the probe is reported as one line
+        raise ValueError(
+            f"the auto-planner could not run {type(model).__name__} on a probe batch of shape {tuple(inputs.shape)} "
+            f"({first_line(error)}); pass example_input=..., "
+            f"or give the model a `tp_plan`"
+        ) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def producers_of(tensor: torch.Tensor | None, outputs: dict[int, str]) -> tuple[set[str], list[nn.Parameter]]:
+    """The modules whose outputs `tensor` was computed from, walking its autograd graph back to them and not beyond
+    (`outputs` maps id(output.grad_fn) to the module's name), and the parameters used on the way."""
+    found, params = set(), []
+    stack = [tensor.grad_fn] if tensor is not None and tensor.grad_fn is not None else []
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) in outputs:
+            found.add(outputs[id(node)])
+        elif hasattr(node, "variable"):  # AccumulateGrad: a leaf, i.e. a parameter
+            params.append(node.variable)
+        else:
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return found, params
+
+
+@contextmanager
+def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` itself (in eval mode, its parameters requiring gradients so the forward records its dataflow), or,
+    for a model on the meta device, a copy materialised on the CPU; the global RNG is left as it was."""
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            probe, materialized = copy.deepcopy(model), {}
+            init_weights = getattr(probe, "_init_weights", None)
+            for name, module in probe.named_modules():
+                materialize(name, module, torch.device("cpu"), materialized, init_weights)
+        else:
+            probe = model
+        training = {module: module.training for module in probe.modules()}
+        requires_grad = {param: param.requires_grad for param in probe.parameters()}
+        probe.eval()
+        for param in requires_grad:
+            param.requires_grad_(param.is_floating_point())
+        try:
+            yield probe
+        finally:
+            for module, mode in training.items():
+                module.train(mode)
+            for param, flag in requires_grad.items():
+                param.requires_grad_(flag)
+
+
+def probe_token_ids(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1) -> torch.Tensor:
+    """(batch, length) random token ids (fixed seed) that every embedding of `model` accepts."""
+    embeddings = [module for module in model.modules() if isinstance(module, nn.Embedding)]
+    if not embeddings:
+        raise ValueError(
+            f"the auto-planner needs an example input for {type(model).__name__} (it has no nn.Embedding to draw "
+            f"token ids for): pass example_input=..., or give the model a `tp_plan`"
+        )
+    device = next(model.parameters()).device
+    high = min(module.num_embeddings for module in embeddings)
+    return torch.randint(0, high, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)

@@ -1,0 +1,85 @@
+"""Which plan a model gets: an explicit one, the model's own (`tp_plan`, Hugging Face's `base_model_tp_plan`, a
+built-in preset), completed by the auto-planner when it shards no block, or the auto-planner's alone."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, infer_plan
+from tp_train.plan.match import check_config_heads
+from tp_train.plan.presets import preset_plan
+from tp_train.plan.styles import ALIASES, LINEAR_STYLES, linear_shape, pattern_matches
+
+
+def find_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
+    """The model's own plan and where it came from: its `tp_plan`, the Hugging Face plan (`base_model_tp_plan`
+    and the head's `_tp_plan`, as transformers merges them), or a built-in preset; None when it has none."""
+    # transformers models expose their merged plan as both `tp_plan` (a property) and `_tp_plan`.
+    hugging_face_plan = getattr(model, "_tp_plan", None)
+    own_plan = getattr(model, "tp_plan", None)
+    if own_plan and own_plan != hugging_face_plan:
+        return dict(own_plan), f"{type(model).__name__}.tp_plan"
+    if hugging_face_plan:
+        return dict(hugging_face_plan), f"{type(model).__name__}'s Hugging Face base_model_tp_plan"
+    preset = preset_plan(model)
+    if preset:
+        return preset, f"the built-in preset for model_type '{model.config.model_type}'"
+    return None
+
+
+def resolve_plan(
+    model: nn.Module, plan: dict[str, str] | None = None, tensor_parallel_size: int | None = None
+) -> tuple[dict[str, str], str]:
+    """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`), else the
+    auto-planner's, checked at `tensor_parallel_size` (`tp_train.plan.autoplan`)."""
+    if plan:
+        return dict(plan), "the plan argument"
+    found = find_plan(model)
+    if found is not None and not _leaves_blocks_untouched(model, found[0]):
+        return found
+    if tensor_parallel_size:
+        check_config_heads(model, tensor_parallel_size)
+    try:
+        inferred = infer_plan(model, tensor_parallel_size)
+    except ValueError as error:
+        what = (
+            f"{found[1]} shards no transformer block"
+            if found
+            else f"no tensor-parallel plan for {type(model).__name__}"
+        )
+        raise ValueError(
+            f"{what}, and {error} (a `tp_plan` attribute or plan= looks like "
+            f"{{'layers.*.mlp.up': 'colwise', 'layers.*.mlp.down': 'rowwise'}})"
+        ) from None
+    if found is None:
+        return inferred, INFERRED_SOURCE
+    # The model's own entries win; the auto-planner's fill in the blocks (a head-only plan, as LFM2's).
+    return {**inferred, **found[0]}, f"{found[1]}, {COMPLETED_SOURCE}"
+
+
+def _leaves_blocks_untouched(model: nn.Module, plan: dict[str, str]) -> bool:
+    """Whether `model` has Linears inside repeated blocks (`layers.0.mlp.up`) and `plan` shards none of them."""
+    block_linears = [
+        name
+        for name, module in model.named_modules()
+        if linear_shape(module) is not None and any(part.isdigit() for part in name.split("."))
+    ]
+    sharding = [pattern for pattern, style in plan.items() if ALIASES.get(style, style) in LINEAR_STYLES]
+    return bool(block_linears) and not any(
+        pattern_matches(pattern, name) for pattern in sharding for name in block_linears
+    )
+
+
+def modules_with_plans(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules under (and including) `root` that carry a plan of their own, by name."""
+    found = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if find_plan(module) is not None:
+            found.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", root)
+    return found

@@ -1,0 +1,72 @@
+"""The plan vocabulary: what each style does, and the facts about modules every reader of a plan shares.
+
+A plan maps module-name patterns to style names. Patterns are dotted module names in which `*` stands for any
+one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's vocabulary where it has one:
+
+| style                   | module              | what happens                                                     |
+|-------------------------|---------------------|------------------------------------------------------------------|
+| `colwise`               | Linear / HF Conv1D  | `ColumnParallelLinear`, output sharded (heads, MLP hidden)       |
+| `colwise_gather_output` | Linear / HF Conv1D  | `ColumnParallelLinear`, output gathered (an LM head); vocab padded |
+| `rowwise`               | Linear / HF Conv1D  | `RowParallelLinear`, input sharded, output all-reduced           |
+| `packed_colwise`        | Linear / HF Conv1D  | column split of a packed `[gate; up]` projection, half by half   |
+| `fused_qkv_colwise`     | Linear / HF Conv1D  | column split of a fused `[q; k; v]` projection, head-aware       |
+| `embedding_rowwise`     | Embedding           | `VocabParallelEmbedding`, vocab rows sharded and padded          |
+| `attention`             | attention module    | head-count attributes set to the local heads; its dropout draws  |
+|                         |                     | from the per-rank (sharded) random stream                        |
+| `replicated_rng`        | any module          | dropout inside draws from the replicated stream again            |
+| `replicated_with_grad_allreduce` | any module | its parameters stay whole; their gradients are summed over the TP |
+|                         |                     | group (a norm applied to each rank's local heads, e.g. QK-norm)  |
+| `replicate`             | any module          | left as it is (every rank holds it whole)                        |
+
+`colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+LINEAR_STYLES = {"colwise", "colwise_gather_output", "rowwise", "packed_colwise", "fused_qkv_colwise"}
+STYLES = LINEAR_STYLES | {
+    "embedding_rowwise",
+    "attention",
+    "replicated_rng",
+    "replicated_with_grad_allreduce",
+    "replicate",
+}
+ALIASES = {"colwise_rep": "colwise_gather_output"}
+PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
+
+# Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim).
+HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim")
+# Config fields that hold head counts, checked whenever a model with such a config is sharded.
+CONFIG_HEAD_FIELDS = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES
+
+
+@dataclass
+class PlannedModule:
+    name: str
+    module: nn.Module
+    style: str
+    pattern: str
+
+
+# The class each swapping style replaces; a subclass's own forward is kept around the sharded layer.
+SWAPPED_BASES = {style: nn.Linear for style in LINEAR_STYLES} | {"embedding_rowwise": nn.Embedding}
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names, strict=True))
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of an nn.Linear or a Hugging Face Conv1D, else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return module.weight.shape[0], module.weight.shape[1]
+    return None

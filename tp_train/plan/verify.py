@@ -1,0 +1,375 @@
+"""Plan verification: before training, the sharded model must compute what the unsharded model computes.
+
+A wrong split usually still runs and trains, just as a different function. Two checks turn that into an error,
+on by default for every plan (`tp_train.parallelize`):
+
+- `SwapCheck`, per swapped module: right after `apply_plan` replaces a module, while the module still holds its
+  full tensors, one probe input goes through both and their outputs and gradients are compared. It catches a
+  swap that loses what the module did (a subclass's scale, a transposed weight, a bias, a fused layout the layer
+  reassembles wrongly) and costs one module's tensors at a time, never a copy of the model.
+- `verify_parallelized`, the whole model, where a full copy is affordable: it catches a wrong plan (the wrong
+  layers paired, heads not localised).
+
+`verify_parallelized` rebuilds the unsharded model from the gathered shards (`full_state_dict`) in a meta-device
+copy taken before sharding (`unsharded_skeleton`, which costs no memory), runs one probe batch through both,
+backpropagates the same scalar through both, and raises `PlanVerificationError` (one line: the difference, the
+first module whose output or the first parameter whose gradient differs, and the plan entries around it) when they
+disagree.
+
+The reference is a whole unsharded model on every rank for the duration of the check; for a model that does not
+fit, turn verification off (`parallelize(..., verify=False)`, `TensorParallelStrategy(verify_plan=False)`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from itertools import chain
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from tp_train.errors import PlanVerificationError, first_line
+from tp_train.parallel.collectives import gather_from_tensor_parallel_region
+from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tp_train.parallel.sharding import (
+    ShardSpec,
+    full_state_dict,
+    named_sharded_parameters,
+    shard_tensor,
+    unshard_tensor,
+)
+from tp_train.plan.probe import PROBE_TOKENS, probe_token_ids
+
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
+HALF_PRECISION_TOLERANCE = 3e-2
+
+
+class SwapCheck:
+    """Checks each module `apply_plan` swaps against the module it replaced (pass it as `apply_plan`'s `check`).
+
+    Per module: a probe input (random token ids, or random activations, fixed seed) goes through the replaced
+    module and through its parallel layer (a row layer gets its rank's share of the features); the outputs are
+    compared (sharded ones gathered), then one random projection of the output is backpropagated through both
+    and the input gradients compared. Where the replaced module's class overrides forward (a subclass, whose
+    forward now runs around the parallel layer), the gradients of the layer's parameters are compared too (this
+    rank's shard of the replaced module's), except for vocabulary-sized tables; elsewhere they follow from the
+    input and output gradients of the same matmul and none is allocated. Extra memory: the probe's activations,
+    plus one subclassed module's gradients. Each call is a collective; every rank swaps the same modules in the
+    same order.
+
+    Attributes:
+        errors: the largest relative difference per checked module.
+        skipped: modules whose full tensors were already gone (tied to a module swapped before, in a model built
+            on the meta device): they are checked through the module they are tied to.
+    """
+
+    def __init__(self, group: ProcessGroup, tolerance: float | None = None):
+        self.group = group
+        self.tolerance = tolerance
+        self.errors: dict[str, float] = {}
+        self.skipped: list[str] = []
+        self.problem: str | None = None
+
+    def __call__(self, name: str, module: nn.Module, layer: nn.Module) -> None:
+        if any(tensor.is_meta for tensor in chain(module.parameters(), module.buffers())):
+            self.skipped.append(name)
+            return
+        tolerance = self.tolerance or TOLERANCE.get(module.weight.dtype, HALF_PRECISION_TOLERANCE)
+        try:
+            errors = self._differences(module, layer)
+        except Exception as error:  # noqa: BLE001 - a layer that cannot run is reported like a wrong one
+            errors, failure = (
+                {"output": math.inf},
+                f"fails on a probe input ({first_line(error)})",
+            )
+        else:
+            failure = None
+        finally:
+            module.zero_grad(set_to_none=True)
+            layer.zero_grad(set_to_none=True)
+        worst = max(errors, key=errors.get)
+        self.errors[name] = errors[worst]
+        if self.problem is None and (failure or errors[worst] > tolerance):
+            what = (
+                failure
+                or f"differs from it by {errors[worst]:.3g} in its {worst} (relative; tolerance {tolerance:.0e})"
+            )
+            self.problem = f"module '{name}' ({type(module).__name__}) sharded as {type(layer).__name__} {what}"
+
+    def raise_on_difference(self) -> None:
+        """Raises `PlanVerificationError` on every rank when any rank's check found a difference (a collective)."""
+        _raise_first(self.problem, self.group)
+
+    def _differences(self, module: nn.Module, layer: nn.Module) -> dict[str, float]:
+        rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        weight = module.weight
+        generator = torch.Generator().manual_seed(0)
+        vocabulary = isinstance(layer, VocabParallelEmbedding) or layer.shard_specs["weight"].padded
+        if isinstance(layer, VocabParallelEmbedding):
+            inputs = torch.randint(0, layer.num_embeddings, (1, PROBE_TOKENS), generator=generator)
+            inputs = local_inputs = inputs.to(weight.device)
+        else:
+            inputs = torch.randn(1, PROBE_TOKENS, layer.in_features, generator=generator).to(weight)
+            local_inputs = inputs.chunk(world_size, -1)[rank] if isinstance(layer, RowParallelLinear) else inputs
+            inputs, local_inputs = inputs.requires_grad_(), local_inputs.detach().requires_grad_()
+        # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
+        # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
+        compare_parameters = not vocabulary and _overrides_forward(module)
+        flags = {param: param.requires_grad for param in chain(module.parameters(), layer.parameters())}
+        for param in flags:
+            param.requires_grad_(param.requires_grad and compare_parameters)
+        try:
+            reference = module(inputs)
+            output = layer(local_inputs)
+        finally:
+            for param, flag in flags.items():
+                param.requires_grad_(flag)
+        spec = None
+        if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
+            weight_spec = layer.shard_specs["weight"]
+            spec = ShardSpec(dim=output.dim() - 1, sections=weight_spec.sections, padded=weight_spec.padded)
+        full_output = unshard_tensor(output.detach(), spec, self.group) if spec else output
+        errors = {"output": _relative(full_output, reference)}
+        if not reference.requires_grad:  # token ids in, no parameter gradient compared: nothing to backpropagate
+            return errors
+        projection = torch.randn(reference.shape, generator=generator).to(reference)
+        local_projection = shard_tensor(projection, spec, rank, world_size) if spec else projection
+        (reference.float() * projection).sum().backward()
+        (output.float() * local_projection).sum().backward()
+        if inputs.is_floating_point():
+            expected = inputs.grad.chunk(world_size, -1)[rank] if isinstance(layer, RowParallelLinear) else inputs.grad
+            errors["input gradient"] = _relative(local_inputs.grad, expected)
+        for param_name, param in layer.named_parameters(recurse=False):
+            full_grad = getattr(module, param_name).grad
+            if not compare_parameters or param.grad is None or full_grad is None:
+                continue
+            param_spec = layer.shard_specs.get(param_name)
+            if param_spec is not None:
+                full_grad = shard_tensor(
+                    full_grad.t() if param_spec.transposed else full_grad, param_spec, rank, world_size
+                )
+            errors[f"{param_name} gradient"] = _relative(param.grad, full_grad)
+        return errors
+
+
+def _overrides_forward(module: nn.Module) -> bool:
+    """Whether `module`'s class overrides the forward of the class a parallel layer replaces."""
+    plain = (nn.Linear.forward, nn.Embedding.forward)
+    return type(module).forward not in plain and type(module).__name__ != "Conv1D"
+
+
+def unsharded_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose tensors are on the meta device (ties kept): its structure, without its memory."""
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def unsharded_reference(skeleton: nn.Module, model: nn.Module, group: ProcessGroup) -> nn.Module:
+    """`skeleton` given the sharded `model`'s weights, gathered (a collective), and its buffers."""
+    state = full_state_dict(model, group)
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    made: dict[int, torch.Tensor] = {}
+    for module_name, module in skeleton.named_modules(remove_duplicate=False):
+        for store in (module._parameters, module._buffers):
+            for key, tensor in store.items():
+                if tensor is None:
+                    continue
+                name = f"{module_name}.{key}" if module_name else key
+                if id(tensor) not in made:
+                    value = state[name] if name in state else buffers.get(name)
+                    if value is None:
+                        raise ValueError(f"verification cannot rebuild the unsharded '{name}'; pass verify=False")
+                    value = value.detach().clone()
+                    if isinstance(tensor, nn.Parameter):
+                        value = nn.Parameter(value, tensor.requires_grad)
+                    made[id(tensor)] = value
+                store[key] = made[id(tensor)]
+    return skeleton
+
+
+def verify_parallelized(
+    model: nn.Module,
+    reference: nn.Module,
+    group: ProcessGroup,
+    planned: Sequence = (),
+    example_input: torch.Tensor | None = None,
+    tolerance: float | None = None,
+) -> dict[str, float]:
+    """Checks the sharded `model` against the unsharded `reference` on one probe batch (a collective).
+
+    Compares the outputs, then the gradients of every parameter (sharded ones gathered) after backpropagating the
+    same random projection of the output through both. Leaves `model`'s gradients cleared and its mode unchanged.
+
+    Args:
+        model: the model after `apply_plan`.
+        reference: the unsharded model with the same weights (`unsharded_reference`).
+        group: the tensor-parallel group.
+        planned: the plan's `PlannedModule`s, to name the entries near a difference.
+        example_input: the probe input; default (2, 8) random token ids (a multiple of tp long; two sequences, so
+            that code mixing the batch into the sequence shows).
+        tolerance: largest relative difference accepted; default 1e-4 in fp32, 3e-2 in half precision.
+
+    Returns:
+        {"output": relative output difference, "gradient": largest relative gradient difference}.
+
+    Raises:
+        PlanVerificationError: on every rank, when any rank sees a difference beyond `tolerance`.
+    """
+    # A length every tp divides, for sequence parallelism's split: 8 tokens at tp 1, 2, 4 and 8.
+    length = math.lcm(PROBE_TOKENS, dist.get_world_size(group))
+    inputs = example_input if example_input is not None else probe_token_ids(reference, length, batch=2)
+    dtype = next(reference.parameters()).dtype
+    tolerance = tolerance if tolerance is not None else TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
+    modes = {module: module.training for module in chain(model.modules(), reference.modules())}
+    model.eval(), reference.eval()
+    try:
+        ref_output, ref_modules = _forward(reference, inputs)
+        weight = torch.randn(ref_output.shape, generator=torch.Generator().manual_seed(0)).to(ref_output)
+        (ref_output.float() * weight).sum().backward()
+        errors, problem = _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance)
+        if problem is None:
+            errors["gradient"], problem = _compare_gradients(model, reference, group, tolerance)
+    finally:
+        for module, mode in modes.items():
+            module.train(mode)
+        model.zero_grad(set_to_none=True)
+    if problem is not None:
+        text, suspect = problem
+        problem = f"{text}{_entries_near(suspect, planned)}"
+    _raise_first(problem, group)
+    return errors
+
+
+def _raise_first(problem: str | None, group: ProcessGroup) -> None:
+    """Raises the first rank's problem on every rank (a collective), or returns when no rank has one."""
+    problems: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    reported = next((rank, text) for rank, text in enumerate(problems + ["ok"]) if text)
+    if reported[1] != "ok":
+        raise PlanVerificationError(
+            f"tensor-parallel plan verification failed (rank {reported[0]}): {reported[1]}; fix the plan, or pass "
+            f"verify=False to skip this check"
+        )
+
+
+# What differs, as a message, and the module it points to.
+Problem = tuple[str, str | None]
+
+
+def _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance) -> tuple[dict, Problem | None]:
+    """Runs the sharded model forward and backward; its output error, and what is wrong with it if anything."""
+    try:
+        output, modules = _forward(model, inputs)
+        if output.shape[:-1] == ref_output.shape[:-1] and output.shape[-1] < ref_output.shape[-1]:
+            output = gather_from_tensor_parallel_region(output, group)[..., : ref_output.shape[-1]]  # loss_parallel
+        if output.shape != ref_output.shape:
+            shapes = f"{tuple(output.shape)}, the unsharded model's {tuple(ref_output.shape)}"
+            return {}, (f"the sharded model's output has shape {shapes}", None)
+        (output.float() * weight).sum().backward()
+    except Exception as error:  # noqa: BLE001 - a plan that breaks the forward is reported like a wrong one
+        return {}, (f"the sharded model fails on a probe batch ({first_line(error)})", None)
+    output_error = _relative(output, ref_output)
+    if output_error <= tolerance:
+        return {"output": output_error}, None
+    differing = (name for name, ref in ref_modules.items() if _relative(modules.get(name, ref), ref) > tolerance)
+    suspect = next(differing, None)
+    return {}, (
+        f"the sharded model's output differs from the unsharded model's by {output_error:.3g} (relative; tolerance "
+        f"{tolerance:.0e}) on a probe batch; first module whose output differs: '{suspect}'",
+        suspect,
+    )
+
+
+def _compare_gradients(model, reference, group, tolerance) -> tuple[float, Problem | None]:
+    """The largest relative gradient difference over all parameters, and the first parameter beyond tolerance."""
+    errors = _gradient_errors(_gradients(model, group), dict(reference.named_parameters()))
+    worst = max(errors.values(), default=0.0)
+    if worst <= tolerance:
+        return worst, None
+    name = next(name for name, error in errors.items() if error > tolerance)
+    return worst, (
+        f"the outputs agree but the gradient of '{name}' differs from the unsharded model's by {errors[name]:.3g} "
+        f"(relative; tolerance {tolerance:.0e}) (a parameter used on local heads may need "
+        f"'replicated_with_grad_allreduce')",
+        name.rpartition(".")[0],
+    )
+
+
+def _first_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return next((value for value in values if isinstance(value, torch.Tensor)), None)
+
+
+def _forward(model: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's output, and each module's first tensor output in the order the modules returned."""
+    outputs: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(module, args, output):
+            tensor = _first_tensor(output)
+            if tensor is not None:
+                outputs.setdefault(name, tensor.detach())
+
+        return hook
+
+    handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
+    try:
+        output = _first_tensor(model(inputs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return output, outputs
+
+
+def _gradients(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient at full size (sharded ones gathered: a collective); zeros where none."""
+    specs = {name: spec for name, _, spec in named_sharded_parameters(model)}
+    gradients = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        gradients[name] = unshard_tensor(grad, specs[name], group) if name in specs else grad
+    return gradients
+
+
+def _gradient_errors(gradients: dict[str, torch.Tensor], reference: dict[str, nn.Parameter]) -> dict[str, float]:
+    """Per parameter: the largest gradient difference, relative to that gradient's scale (at least 1e-3 of the
+    largest gradient anywhere, so exactly-zero true gradients do not divide by round-off)."""
+    ref_grads = {name: param.grad for name, param in reference.items() if param.grad is not None}
+    largest = max((grad.abs().max().item() for grad in ref_grads.values()), default=0.0)
+    errors = {}
+    for name, grad in gradients.items():
+        if name in ref_grads and grad.shape == ref_grads[name].shape:
+            scale = max(ref_grads[name].abs().max().item(), 1e-3 * largest, 1e-30)
+            errors[name] = (grad - ref_grads[name]).abs().max().item() / scale
+    return errors
+
+
+def _relative(tensor: torch.Tensor, reference: torch.Tensor) -> float:
+    if tensor.shape != reference.shape:
+        return 0.0  # a sharded module's local output: not comparable, and not the first difference
+    scale = max(reference.abs().max().item(), 1e-30)
+    return (tensor.float() - reference.float()).abs().max().item() / scale
+
+
+def _entries_near(name: str | None, planned: Sequence) -> str:
+    """The plan entries in and around module `name` (its parent's subtree), for the error message."""
+    if not name:
+        return ""
+    parent = name.rpartition(".")[0]
+    near = [entry for entry in planned if not parent or entry.name == parent or entry.name.startswith(parent + ".")]
+    if not near:
+        return ""
+    listed = ", ".join(f"'{entry.name}': '{entry.style}'" for entry in near[:6])
+    return f"; plan entries there: {listed}{', ...' if len(near) > 6 else ''}"

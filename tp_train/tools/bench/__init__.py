@@ -1,0 +1,1 @@
+"""The benchmark: `python -m tp_train.tools.bench --help`."""

@@ -1,0 +1,73 @@
+"""`python -m tp_train.tools.bench`: training-step time and memory of tp_train against PyTorch's DTensor tensor parallelism
+and the plain model, in one run (see tp_train/bench/run.py). Prints a table and its targets, writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tp_train.tools.bench.contenders import SIZES
+from tp_train.tools.bench.ranks import start_ranks
+from tp_train.tools.bench.report import table, targets, targets_text
+from tp_train.tools.bench.run import benchmark
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.bench", description=__doc__)
+    parser.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, from {sorted(SIZES)}")
+    parser.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=7, help="timings per contender (the median is reported)")
+    parser.add_argument("--seconds", type=float, default=0.5, help="about how long one timing runs (>= 1 step)")
+    parser.add_argument("--output", default="bench.json", help="where the JSON results go")
+    parser.add_argument("--profile", type=Path, default=None, help="a directory for per-contender profiler tables")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.sizes.split(",") if name not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
+    args.tp = sorted({int(tp) for tp in args.tp.split(",")})
+    return args
+
+
+def machine() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, info: dict) -> None:
+    start = time.perf_counter()
+    if args.profile is not None and rank == 0:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    sizes = [SIZES[name] for name in args.sizes.split(",")]
+    results = benchmark(rank, sizes, args.tp, args.repeats, args.seconds, device, args.profile)
+    if rank == 0:
+        info = {**info, "load_average_at_end": os.getloadavg(), "seconds": time.perf_counter() - start}
+        checks = targets(results)
+        Path(args.output).write_text(json.dumps({"machine": info, "results": results, "targets": checks}, indent=1))
+        print(f"machine: {info}")
+        print(table(results))
+        print("targets:")
+        print(targets_text(checks))
+        print(f"wrote {args.output}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start_ranks(_rank, max(args.tp), args, machine())
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

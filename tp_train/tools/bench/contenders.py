@@ -1,0 +1,145 @@
+"""The contenders of the benchmark: one training step (forward, backward, AdamW) of the same GPT, built three ways.
+
+- `plain`: the unsharded model in one process.
+- `ours`: `tp_train.parallelize` with the model's own `tp_plan`.
+- `native`: PyTorch's DTensor tensor parallelism (`parallelize_module`) with the same layout: q, k, v and the
+  MLP's first projection column-wise (the attention module then sees its local heads, since it infers the head
+  count from the projection width), the output projections row-wise, the embedding row-wise over the vocabulary
+  (all-reduced output) and the tied LM head column-wise over the vocabulary with gathered logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from models import GPT, GPTConfig
+from tp_train.plan.parallelize import parallelize
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    batch: int
+    seq: int
+    vocab: int
+
+    def config(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=self.vocab, block_size=self.seq, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd
+        )
+
+
+# Small enough that eager overhead dominates, then two sizes where the matmuls do.
+SIZES = {
+    "small": Size("small", n_layer=2, n_embd=128, n_head=4, batch=4, seq=64, vocab=1024),
+    "medium": Size("medium", n_layer=2, n_embd=256, n_head=8, batch=8, seq=128, vocab=2048),
+    "large": Size("large", n_layer=2, n_embd=512, n_head=8, batch=8, seq=128, vocab=2048),
+}
+
+
+@dataclass(frozen=True)
+class Contender:
+    kind: str  # "plain", "ours" or "native"
+    tp: int
+    threads: int = 1  # intra-op threads per rank
+    sequence_parallel: bool = False  # ours only
+    activation_checkpointing: bool = False  # ours only
+
+    @property
+    def name(self) -> str:
+        suffix = f" x{self.threads} threads" if self.threads > 1 else ""
+        suffix += " +SP" if self.sequence_parallel else ""
+        suffix += " +AC" if self.activation_checkpointing else ""
+        return f"{self.kind} tp={self.tp}{suffix}"
+
+    @property
+    def variant(self) -> bool:
+        """Sequence parallelism or activation checkpointing: compared with plain `ours`, not with native."""
+        return self.sequence_parallel or self.activation_checkpointing
+
+
+class TrainingStep:
+    """A model, its AdamW and a fixed batch; calling it runs one full training step."""
+
+    def __init__(self, model: nn.Module, batch: torch.Tensor):
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.inputs, self.targets = batch[:, :-1], batch[:, 1:]
+
+    def __call__(self) -> float:
+        _, loss = self.model(self.inputs, self.targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def model_state_bytes(self) -> int:
+        """Bytes of this rank's parameters, their gradients (as large as the parameters) and optimizer states."""
+        params = sum(_local(p).numel() * p.element_size() for p in _unique(self.model.parameters()))
+        states = sum(
+            _local(t).numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t)
+        )
+        return 2 * params + states
+
+    def resident_bytes(self) -> int:
+        """Bytes of the tensors that live between steps: parameters and optimizer states (gradients are freed)."""
+        return self.model_state_bytes() - sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _unique(params) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+def build(contender: Contender, size: Size, group: ProcessGroup | None, device: torch.device) -> TrainingStep:
+    """The training step of `contender` on this rank (every rank of its group calls this, in the same order)."""
+    torch.manual_seed(0)
+    model = GPT(size.config()).to(device)
+    generator = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=generator).to(device)
+    if contender.kind == "ours":
+        parallelize(
+            model,
+            group,
+            sequence_parallel=contender.sequence_parallel,
+            activation_checkpointing=contender.activation_checkpointing,
+        )
+    elif contender.kind == "native":
+        native_parallelize(model, DeviceMesh.from_group(group, device.type))
+    return TrainingStep(model, batch)
+
+
+def native_plan(model: GPT) -> dict:
+    plan = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for index in range(len(model.blocks)):
+        prefix = f"blocks.{index}"
+        plan.update({f"{prefix}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
+        plan[f"{prefix}.attn.proj"] = RowwiseParallel()
+        plan[f"{prefix}.mlp.fc"] = ColwiseParallel()
+        plan[f"{prefix}.mlp.proj"] = RowwiseParallel()
+    return plan
+
+
+def native_parallelize(model: GPT, mesh: DeviceMesh) -> GPT:
+    parallelize_module(model, mesh, native_plan(model))
+    model.lm_head.weight = model.tok_emb.weight  # both are Shard(0) over the vocabulary: tie them again
+    return model

@@ -1,0 +1,92 @@
+"""What the benchmark measures on one rank: step time, peak tensor memory and the collectives of one step."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tp_train.tools.bench.contenders import TrainingStep
+
+
+@contextmanager
+def intra_op_threads(threads: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_step(step: TrainingStep, steps: int, group: ProcessGroup, device: torch.device) -> float:
+    """Wall time of `steps` steps divided by `steps`, the slowest rank of the group's (they start together)."""
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _synchronize(device)
+    return group_max(time.perf_counter() - start, group, device) / steps
+
+
+def peak_bytes(step: TrainingStep, device: torch.device) -> int:
+    """Peak bytes of live tensors during one step: those that live between steps (parameters, optimizer states)
+    plus the largest growth over them while the step runs, from the allocator events torch.profiler records on
+    CPU (every allocation and free of a tensor), or CUDA's peak-allocated counter on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        return torch.cuda.max_memory_allocated(device)
+    resident = step.resident_bytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [event for event in prof.profiler.kineto_results.events() if event.name() == "[memory]"]
+    running = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        running += event.nbytes()  # negative for a free
+        peak = max(peak, running)
+    return resident + peak
+
+
+class _CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives that reach the dispatcher: c10d's (torch.distributed's) and the functional ones
+    DTensor redistributes with (their `wait_tensor` is not a collective)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def collectives_per_step(step: TrainingStep) -> int:
+    """Collectives one step issues on this rank."""
+    with _CollectiveCounter() as mode:
+        step()
+    return mode.count
+
+
+def group_max(value: float, group: ProcessGroup, device: torch.device) -> float:
+    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.item()
+
+
+def profile_table(step: TrainingStep, rows: int = 25) -> str:
+    """torch.profiler's table of one step's operators, by self CPU time: where the time goes."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)

@@ -1,0 +1,140 @@
+"""One benchmark run: every rank of one world runs this; rank 0 collects the results.
+
+The world has max(tp) ranks and a group for each tp (ranks 0..tp-1). For each size every contender is built once;
+then, repeat after repeat, the contenders run one after the other (each repeat starting one contender later, so
+slow drift of the machine falls on all of them alike) while the ranks outside the contender's group wait at a
+barrier. Step times are medians over the repeats of the slowest rank's time.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models import GPT
+from tp_train.tools.bench.contenders import Contender, Size, build
+from tp_train.tools.bench.measure import (
+    collectives_per_step,
+    group_max,
+    intra_op_threads,
+    peak_bytes,
+    profile_table,
+    seconds_per_step,
+)
+from tp_train.tools.memory import estimate_memory, tensor_parallel_bytes_per_step
+
+MIB = 2**20
+
+
+def contenders_for(size: Size, tps: list[int], largest: bool) -> list[Contender]:
+    contenders = [Contender("plain", 1)]
+    for tp in tps:
+        contenders += [Contender("ours", tp), Contender("native", tp)]
+        if tp == 2:  # what sequence parallelism and activation checkpointing save, and cost
+            contenders += [
+                Contender("ours", tp, sequence_parallel=True),
+                Contender("ours", tp, activation_checkpointing=True),
+            ]
+    if largest and 2 in tps:  # does splitting over two one-thread ranks beat one two-thread process?
+        contenders.append(Contender("plain", 1, threads=2))
+    return contenders
+
+
+def benchmark(
+    rank: int,
+    sizes: list[Size],
+    tps: list[int],
+    repeats: int,
+    seconds: float,
+    device: torch.device,
+    profile_dir: Path | None = None,
+):
+    """Runs every size; returns the results on rank 0 (None elsewhere). With `profile_dir`, rank 0 also writes
+    a profiler table of one step of every contender there."""
+    groups = {tp: dist.new_group(list(range(tp))) for tp in sorted(set(tps) | {1})}
+    results = []
+    for index, size in enumerate(sizes):
+        contenders = contenders_for(size, tps, largest=index == len(sizes) - 1)
+        mine = [c for c in contenders if rank < c.tp]
+        steps = {c: build(c, size, groups[c.tp], device) for c in mine}
+        with torch.device("meta"):
+            meta_model = GPT(size.config())
+        warmup = {}
+        for contender in contenders:  # also the step count: enough steps for about `seconds` per timing
+            dist.barrier()
+            if contender in steps:
+                with intra_op_threads(contender.threads):
+                    warmup[contender] = seconds_per_step(steps[contender], 1, groups[contender.tp], device)
+        slowest = group_max(max(warmup.values()) if warmup else 0.0, dist.group.WORLD, device)
+        per_timing = max(1, math.ceil(seconds / slowest))
+        times = {c: [] for c in contenders}
+        for repeat in range(repeats):
+            shift = repeat % len(contenders)
+            for contender in contenders[shift:] + contenders[:shift]:
+                dist.barrier()
+                if contender in steps:
+                    with intra_op_threads(contender.threads):
+                        times[contender].append(
+                            seconds_per_step(steps[contender], per_timing, groups[contender.tp], device)
+                        )
+        rows = {}
+        for contender in contenders:
+            dist.barrier()
+            if contender not in steps:
+                continue
+            step, group = steps[contender], groups[contender.tp]
+            counter = getattr(step.model, "tp_comm_counter", None)
+            if counter is not None:
+                counter.reset()
+            collectives = collectives_per_step(step)
+            counted_bytes = counter.bytes if counter is not None else None
+            row = {
+                "kind": contender.kind,
+                "tp": contender.tp,
+                "threads": contender.threads,
+                "step_s": statistics.median(times[contender]),
+                "step_s_repeats": times[contender],
+                "step_s_min": min(times[contender]),
+                "tokens_per_s": size.batch * size.seq / statistics.median(times[contender]),
+                # The median of three steps: now and then one step measures ~10% higher, when an allocation on a
+                # second thread (seen with gloo ranks) overlaps the peak.
+                "peak_mib": group_max(statistics.median(peak_bytes(step, device) for _ in range(3)), group, device)
+                / MIB,
+                "model_state_mib": group_max(step.model_state_bytes(), group, device) / MIB,
+                "predicted_peak_mib": estimate_memory(
+                    meta_model,
+                    size.batch,
+                    size.seq,
+                    tp=contender.tp,
+                    sequence_parallel=contender.sequence_parallel,
+                    activation_checkpointing=contender.activation_checkpointing,
+                ).total
+                / MIB,
+                "variant": contender.variant,
+                "collectives_per_step": collectives,
+            }
+            if contender.kind == "ours":
+                row["tp_bytes_per_step"] = counted_bytes
+                row["analytic_tp_bytes_per_step"] = tensor_parallel_bytes_per_step(
+                    meta_model,
+                    size.batch,
+                    size.seq,
+                    contender.tp,
+                    sequence_parallel=contender.sequence_parallel,
+                    activation_checkpointing=contender.activation_checkpointing,
+                )
+            rows[contender.name] = row
+            if profile_dir is not None:
+                table = profile_table(step)
+                if rank == 0:
+                    (profile_dir / f"{size.name}-{contender.name.replace(' ', '_')}.txt").write_text(table)
+        results.append({"size": asdict(size), "steps_per_timing": per_timing, "contenders": rows})
+        del steps
+        gc.collect()
+    return results if rank == 0 else None

@@ -1,0 +1,160 @@
+"""Export a tensor-parallel checkpoint to a Hugging Face `save_pretrained` directory.
+
+    python -m tp_train.tools.export outputs/<run>/checkpoints/last.ckpt exported/
+    AutoModelForCausalLM.from_pretrained("exported/")   # the same logits as the trained model
+
+The checkpoint is the DCP directory `TensorParallelStrategy` (or `tp_train.checkpoint.dcp.save`) writes, saved at any
+tp. It is read in one process, no ranks needed: DCP assembles each sharded tensor at full size; the sections of a
+packed or fused projection (`key/section{i}`, column-parallel, so along the output dim) are concatenated; a
+Hugging Face Conv1D weight the plan sharded is transposed back to Conv1D's (in, out) layout (the checkpoint holds
+the parallel layer's (out, in)). The vocabulary is stored unpadded and tied weights under both names, so both
+round-trip. The model's config comes from the checkpoint (`CausalLMModule` stores its Hugging Face model's config)
+or from the `config` argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from tp_train.checkpoint.checks import check_files
+from tp_train.checkpoint.dcp import HUGGING_FACE_CONFIG_KEY, META_FILE
+from tp_train.plan.match import match_plan
+from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.styles import LINEAR_STYLES
+
+SECTION = "/section"  # tp_train.checkpoint's key suffix for the sections of a packed tensor
+
+
+def export_hugging_face(
+    checkpoint: str | Path, out_dir: str | Path, config=None, plan: dict[str, str] | None = None
+) -> Path:
+    """Writes the model in `checkpoint` as a Hugging Face `save_pretrained` directory at `out_dir`.
+
+    Args:
+        checkpoint: a checkpoint directory written by `TensorParallelStrategy` or `tp_train.checkpoint.dcp.save`.
+        out_dir: the directory to write (`config.json` and safetensors weights).
+        config: the model's Hugging Face config, or a directory holding its `config.json`. Default: the config
+            `CausalLMModule` stored in the checkpoint.
+        plan: the plan the model was sharded with, if it was not the model's own, with names relative to the
+            Hugging Face model (it tells which Conv1D weights were stored in the parallel layer's layout).
+
+    Returns:
+        `out_dir`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = Path(checkpoint)
+    stored = _stored_tensors(checkpoint)
+    config = _config(checkpoint, config)
+    with torch.device("meta"):  # shapes only; the weights come from the checkpoint
+        model = AutoModelForCausalLM.from_config(config)
+    prefix = _prefix(stored, list(model.state_dict()), checkpoint)
+    wanted = {key: meta for key, meta in stored.items() if key.startswith(prefix)}
+    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in wanted.items()}
+    dcp.load(tensors, checkpoint_id=checkpoint, no_dist=True)
+    state = _assemble(tensors, prefix)
+    for name in _transposed_weights(model, plan):
+        state[name] = state[name].t().contiguous()
+    model.load_state_dict(state, assign=True)
+    model.tie_weights()
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _config(checkpoint: Path, config):
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return config
+    if config is not None:
+        return AutoConfig.from_pretrained(config, local_files_only=True)
+    extra = torch.load(checkpoint / META_FILE, weights_only=False) if (checkpoint / META_FILE).exists() else {}
+    if HUGGING_FACE_CONFIG_KEY not in extra:
+        raise ValueError(
+            f"checkpoint {checkpoint} stores no Hugging Face config (it was not saved from a CausalLMModule around a "
+            f"Hugging Face model); pass config= a directory with its config.json (--config DIR)"
+        )
+    values = dict(extra[HUGGING_FACE_CONFIG_KEY])
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _stored_tensors(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
+    """The checkpoint's model tensors: {DCP key: its metadata}, without the optimizers' state."""
+    check_files(checkpoint)  # there, whole and readable: one CheckpointError line otherwise
+    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    return {
+        key: meta
+        for key, meta in metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def _prefix(stored: dict, names: list[str], checkpoint: Path) -> str:
+    """What precedes the Hugging Face model's state names in the checkpoint's keys ("model." for the model
+    itself, "model.model." for a CausalLMModule's `model`)."""
+    bases = {key.split(SECTION)[0] for key in stored}
+    for base in sorted(bases, key=len):
+        if base.endswith(names[0]):
+            prefix = base[: -len(names[0])]
+            if prefix.endswith(".") and all(prefix + name in bases for name in names):
+                return prefix
+    raise ValueError(
+        f"checkpoint {checkpoint} does not hold this model: no key ends with its '{names[0]}' and the rest; "
+        f"its keys look like {sorted(bases)[:3]}"
+    )
+
+
+def _assemble(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """{model state name: full tensor}, the sections of a packed tensor concatenated along the output dim."""
+    sections: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    state = {}
+    for key, tensor in tensors.items():
+        name = key[len(prefix) :]
+        if SECTION in name:
+            name, index = name.split(SECTION)
+            sections.setdefault(name, []).append((int(index), tensor))
+        else:
+            state[name] = tensor
+    for name, pieces in sections.items():
+        state[name] = torch.cat([tensor for _, tensor in sorted(pieces, key=lambda piece: piece[0])], dim=0)
+    return state
+
+
+def _transposed_weights(model: nn.Module, plan: dict[str, str] | None) -> list[str]:
+    """State names of the Conv1D weights the plan shards: stored in the parallel layer's (out, in) layout."""
+    resolved, _ = resolve_plan(model, plan)
+    return [
+        f"{entry.name}.weight"
+        for entry in match_plan(model, resolved, 1)
+        if entry.style in LINEAR_STYLES and not isinstance(entry.module, nn.Linear)
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tp-train-export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint directory (e.g. outputs/<run>/checkpoints/last.ckpt)")
+    parser.add_argument("out_dir", help="the save_pretrained directory to write")
+    parser.add_argument("--config", help="a directory with the model's config.json (default: from the checkpoint)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_hugging_face(args.checkpoint, args.out_dir, config=args.config)
+    except (ValueError, OSError, pickle.UnpicklingError, EOFError) as error:  # a user error: one line, status 2
+        print(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Predicted per-rank memory of a tensor-parallel training run, before any rank starts.
+
+Parameters, gradients and optimizer states are counted exactly from the model (built on the meta device is
+enough) and its plan: every planned module holds this rank's slice (vocabularies padded up to a multiple of tp),
+everything else is whole, tied parameters count once. Activations are what autograd keeps for the backward pass
+of one micro-batch of a Megatron-style transformer block (Korthikanti et al., arXiv 2205.05198, section 4, for a
+block without dropout and with fused attention, which keeps no (seq x seq) scores), counted in elements:
+
+    per block:   4 * b*s*h  (inputs and outputs of both norms; divided by tp with sequence parallelism)
+               + (4 * h + 2 * f) * b*s / tp  (q, k, v, attention output; MLP hidden before and after the activation)
+    with activation checkpointing per block: only the block input, b*s*h (/ tp with sequence parallelism); one
+        block's full activations live again while it is recomputed, after the logits below are freed, so the
+        larger of the two counts
+    after the blocks: the final norm's input and output (2 * b*s*h) and, at the start of the backward pass, the
+        logits, their log-probabilities and the gradients of both (4 * b*s*V): that is when a step peaks
+
+with b the micro-batch, s the sequence length, h the hidden width, f the MLP width and V the vocabulary. Gradients
+appear as the activations are freed, so the peak is parameters + optimizer states + the larger of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch.nn as nn
+
+from tp_train.parallel.sharding import ceil_div
+from tp_train.plan.match import match_plan
+from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.styles import PACKED_SECTIONS
+
+MIB = 2**20
+ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
+# Bytes per element of (parameters, activations) for each precision setting.
+PRECISION_BYTES = {
+    "64-true": (8, 8),
+    "32-true": (4, 4),
+    "16-mixed": (4, 2),
+    "bf16-mixed": (4, 2),
+    "16-true": (2, 2),
+    "bf16-true": (2, 2),
+}
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted bytes per rank."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    gradient_buckets: int  # DDP's flat gradient buckets, with data parallelism
+    activations: int  # kept for backward, per micro-batch, with the loss's logits and their gradients
+
+    @property
+    def total(self) -> int:
+        """The peak: gradients are allocated while the backward pass frees the activations."""
+        return self.parameters + self.optimizer_states + self.gradient_buckets + max(self.gradients, self.activations)
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer states."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+    def table(self, title: str = "predicted memory per rank") -> str:
+        rows = [(field.name.replace("_", " "), getattr(self, field.name)) for field in fields(self)]
+        rows.append(("peak", self.total))
+        width = max(len(name) for name, _ in rows)
+        return "\n".join([f"{title}:", *(f"  {name:<{width}}  {value / MIB:10.1f} MiB" for name, value in rows)])
+
+
+def parameters_per_rank(model: nn.Module, tp: int, plan: dict[str, str] | None = None) -> int:
+    """Elements of the parameters one rank holds once `model` is sharded over `tp` ranks with `plan` (default: the
+    model's own, as `parallelize` resolves it)."""
+    planned = match_plan(model, resolve_plan(model, plan, tensor_parallel_size=tp)[0], tp)
+    local: dict[int, int] = {id(p): p.numel() for p in model.parameters()}  # whole unless planned
+    for entry in planned:
+        for name, param in entry.module.named_parameters(recurse=False):
+            local[id(param)] = _local_numel(entry.style, entry.module, name, param, tp)
+    return sum(local.values())
+
+
+def _local_numel(style: str, module: nn.Module, name: str, param: nn.Parameter, tp: int) -> int:
+    if style == "rowwise":
+        return param.numel() // tp if name == "weight" else param.numel()  # the bias is replicated
+    if style in ("embedding_rowwise", "colwise_gather_output"):  # a vocabulary, padded to a multiple of tp
+        dim = 1 if type(module).__name__ == "Conv1D" and name == "weight" else 0  # Conv1D stores (in, out)
+        return ceil_div(param.shape[dim], tp) * (param.numel() // param.shape[dim])
+    if style == "colwise" or style in PACKED_SECTIONS:
+        return param.numel() // tp
+    return param.numel()
+
+
+def _shape(model: nn.Module) -> tuple[int, int, int, int]:
+    """(layers, hidden width, MLP width, vocabulary) from a GPTConfig or a Hugging Face config."""
+    config = getattr(model, "config", None)
+
+    def field(*names: str) -> int | None:
+        return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+
+    layers = field("n_layer", "num_hidden_layers", "num_layers")
+    hidden = field("n_embd", "hidden_size", "d_model")
+    vocab = field("vocab_size")
+    if None in (layers, hidden, vocab):
+        raise ValueError(
+            f"estimate_memory: cannot read the layer count, width and vocabulary of {type(model).__name__} from "
+            f"model.config; it needs fields such as n_layer / n_embd / vocab_size"
+        )
+    mlp = field("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size") or 4 * hidden
+    return layers, hidden, mlp, vocab
+
+
+def activation_elements(
+    model: nn.Module,
+    micro_batch_size: int,
+    seq_len: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
+) -> int:
+    """Elements autograd keeps for one micro-batch's backward on one rank (see the module docstring)."""
+    layers, hidden, mlp, vocab = _shape(model)
+    tokens = micro_batch_size * seq_len
+    replicated = tokens * hidden // (tp if sequence_parallel else 1)
+    block = 4 * replicated + (4 * hidden + 2 * mlp) * tokens // tp
+    loss = 4 * tokens * vocab
+    if activation_checkpointing:  # the recomputed block comes after the loss's backward has freed the logits
+        return layers * replicated + 2 * replicated + max(loss, block)
+    return layers * block + 2 * replicated + loss
+
+
+def estimate_memory(
+    model: nn.Module,
+    micro_batch_size: int,
+    seq_len: int,
+    tp: int = 1,
+    dp: int = 1,
+    precision: str = "32-true",
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
+    plan: dict[str, str] | None = None,
+) -> MemoryEstimate:
+    """Per-rank memory of training `model` with AdamW at `tp` x `dp` (see the module docstring).
+
+    Args:
+        model: the unsharded model; built on the meta device is enough.
+        micro_batch_size: sequences per micro-batch on one data-parallel rank.
+        seq_len: tokens per sequence.
+        precision: one of Lightning's names ("32-true", "16-mixed", "bf16-mixed", "bf16-true", ...).
+    """
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
+    param_bytes, activation_bytes = PRECISION_BYTES[precision]
+    parameters = parameters_per_rank(model, tp, plan) * param_bytes
+    activations = activation_elements(model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing)
+    return MemoryEstimate(
+        parameters=parameters,
+        gradients=parameters,
+        optimizer_states=ADAMW_STATES * parameters,
+        gradient_buckets=parameters if dp > 1 else 0,
+        activations=activations * activation_bytes,
+    )
+
+
+def tensor_parallel_bytes_per_step(
+    model: nn.Module,
+    micro_batch_size: int,
+    seq_len: int,
+    tp: int,
+    bytes_per_element: int = 4,
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
+) -> int:
+    """Bytes the tensor-parallel collectives of one training step move (as `CommunicationCounter` counts them: an
+    all-reduce twice, as the reduce-scatter plus all-gather it is) for a transformer sharded Megatron's way, its LM
+    head gathering the logits.
+
+    Each block all-reduces b*s*h elements twice forward (after attention and after the MLP) and twice backward
+    (their inputs' gradients): 8 b*s*h. The vocabulary-parallel embedding all-reduces once forward and the LM head's
+    input gradient once backward (4 b*s*h), and the head all-gathers b*s*V (padded) logits forward. With sequence
+    parallelism each block all-reduce becomes an all-gather plus a reduce-scatter (the same 8 b*s*h); the embedding
+    still all-reduces (2), the first block's input gradient is all-gathered and the head's input all-gathered
+    forward and reduce-scattered backward (3). The all-reduces of replicated parameters' gradients (norms under
+    sequence parallelism) are not counted. With activation checkpointing, backward reruns each block's forward only
+    as far as the last tensor it needs (torch stops the recomputation there): through the attention's all-reduce,
+    not the MLP's, whose output nothing saved (2 more per block). Nothing at tp=1.
+    """
+    if tp == 1:
+        return 0
+    layers, hidden, _, vocab = _shape(model)
+    tokens = micro_batch_size * seq_len
+    per_block = 8 + (2 if activation_checkpointing else 0)
+    elements = (per_block * layers + (5 if sequence_parallel else 4)) * tokens * hidden
+    elements += tokens * ceil_div(vocab, tp) * tp
+    return elements * bytes_per_element
