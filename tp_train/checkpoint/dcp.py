@@ -73,11 +73,12 @@ def load_model_state_dict(model: nn.Module, mesh: DeviceMesh, state: dict[str, A
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 _copy_into(live[key], value)
-        rank = mesh.get_local_rank(_tensor_parallel_dim(mesh))
+        tp_dim = _tensor_parallel_dim(mesh)
+        rank, tp = mesh.get_local_rank(tp_dim), mesh.size(tp_dim)
         for _, param, spec in named_sharded_parameters(model):
             if spec.padded:
-                real = _real_size(spec.sections[0], param.size(spec.dim), rank)
-                param.narrow(spec.dim, real, param.size(spec.dim) - real).zero_()
+                rows = spec.slices(rank, tp)[0]
+                param.narrow(spec.dim, rows.real, rows.local - rows.real).zero_()
     extra = {key: value for key, value in state.items() if not isinstance(value, torch.Tensor)}
     if extra:
         model.load_state_dict(extra, strict=False)
@@ -224,23 +225,18 @@ def _check_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
             raise ValueError(f"the model is sharded over ranks {ranks}, the mesh's tensor-parallel dim is {mesh_ranks}")
 
 
-def _real_size(full_size: int, local_size: int, rank: int) -> int:
-    """How many of rank `rank`'s `local_size` slots hold real data, the rest being padding (torch.chunk's split)."""
-    return max(0, min(local_size, full_size - rank * local_size))
-
-
 def _as_dtensors(key: str, local: torch.Tensor, spec: ShardSpec, mesh: DeviceMesh) -> dict[str, DTensor]:
     """One DTensor per section of `local` (this rank's shard), each a view of it holding only real data."""
     tp_dim = _tensor_parallel_dim(mesh)
     tp, rank = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
-    local_sections = spec.local_sections(tp)
-    if local.size(spec.dim) != sum(local_sections):
+    slices = spec.slices(rank, tp)
+    if local.size(spec.dim) != sum(rows.local for rows in slices):
         raise ValueError(f"'{key}' has {local.size(spec.dim)} rows along dim {spec.dim}, not a shard for tp={tp}")
     placements = [Shard(spec.dim) if dim == tp_dim else Replicate() for dim in range(mesh.ndim)]
     pieces, offset = {}, 0
-    for index, (full_size, local_size) in enumerate(zip(spec.sections, local_sections, strict=True)):
-        piece = local.narrow(spec.dim, offset, _real_size(full_size, local_size, rank))
-        offset += local_size
+    for index, (full_size, rows) in enumerate(zip(spec.sections, slices, strict=True)):
+        piece = local.narrow(spec.dim, offset, rows.real)
+        offset += rows.local
         shape = local.shape[: spec.dim] + (full_size,) + local.shape[spec.dim + 1 :]
         stride = torch.empty(shape, device="meta").stride()
         name = key if len(spec.sections) == 1 else f"{key}/section{index}"

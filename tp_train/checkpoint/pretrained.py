@@ -125,18 +125,16 @@ def _read_shard(stored, spec: ShardSpec, rank: int, world_size: int) -> torch.Te
     """This rank's shard (in the parameter's layout), reading only its chunk of each section from the file."""
     file_dim = 1 - spec.dim if spec.transposed else spec.dim
     ndim = len(stored.get_shape())
-    pieces, offset = [], 0
-    for full_size, local_size in zip(spec.sections, spec.local_sections(world_size), strict=True):
-        start = min(offset + rank * local_size, offset + full_size)
-        stop = min(start + local_size, offset + full_size)
-        index = tuple(slice(start, stop) if dim == file_dim else slice(None) for dim in range(ndim))
+    pieces = []
+    for rows in spec.slices(rank, world_size):
+        index = tuple(
+            slice(rows.start, rows.start + rows.real) if dim == file_dim else slice(None) for dim in range(ndim)
+        )
         piece = stored[index]
         piece = piece.t() if spec.transposed else piece
-        if piece.size(spec.dim) < local_size:  # a padded vocabulary: the rows past the real ones are zero
-            extra = local_size - piece.size(spec.dim)
-            piece = F.pad(piece, [0, 0] * (piece.dim() - 1 - spec.dim) + [0, extra])
+        if rows.real < rows.local:  # a padded vocabulary: the rows past the real ones are zero
+            piece = F.pad(piece, [0, 0] * (piece.dim() - 1 - spec.dim) + [0, rows.local - rows.real])
         pieces.append(piece)
-        offset += full_size
     return torch.cat(pieces, dim=spec.dim)
 
 

@@ -10,15 +10,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel.sharding import section_slice
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, ignore_index, label_smoothing):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        local_vocab = logits.size(-1)
-        vocab_start = rank * local_vocab
-        # Columns past the real vocabulary are padding (the vocab was padded to a multiple of tp).
-        valid_columns = max(0, min(local_vocab, vocab_size - vocab_start))
+        # This rank's columns of the vocabulary; those past the real vocabulary are padding.
+        columns = section_slice(vocab_size, logits.size(-1), rank)
+        vocab_start, valid_columns = columns.start, columns.real
         logits = logits.float()
 
         max_logits = (

@@ -23,7 +23,7 @@ from tp_train.parallel.collectives import (
     reduce_from_tensor_parallel_region_,
     reduce_scatter_to_sequence_parallel_region,
 )
-from tp_train.parallel.sharding import ShardSpec, ceil_div, check_divisible, shard_tensor
+from tp_train.parallel.sharding import ShardSpec, check_divisible, shard_tensor
 
 # How the input of a column-parallel layer is laid out, which decides how it enters the parallel region:
 # replicated (Megatron's `f`), sharded along the sequence (all-gathered, as under sequence parallelism), or already
@@ -31,7 +31,26 @@ from tp_train.parallel.sharding import ShardSpec, ceil_div, check_divisible, sha
 REPLICATED_INPUT, SEQUENCE_SHARDED_INPUT, GATHERED_INPUT = "replicated", "sequence_sharded", "gathered"
 
 
-class SharedInputRegion:
+class Configurable:
+    """A parallel layer's settings: given to its constructor, or changed afterwards through `configure` alone.
+
+    `SETTINGS` names what may change: how the input enters the parallel region (`input_layout`, under sequence
+    parallelism), a region shared with sibling layers (`input_region`), a row layer's sequence-parallel output
+    (`sequence_parallel`) and the counter of bytes its collectives move (`comm_counter`). `tp_train.plan` sets
+    them when it shares inputs, applies sequence parallelism and counts communication."""
+
+    SETTINGS: tuple[str, ...] = ()
+
+    def configure(self, **settings) -> None:
+        """Sets each named setting (one of `SETTINGS`; anything else is a `TypeError`)."""
+        unknown = sorted(set(settings) - set(self.SETTINGS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no setting {unknown}; its settings: {list(self.SETTINGS)}")
+        for name, value in settings.items():
+            setattr(self, name, value)
+
+
+class SharedInputRegion(Configurable):
     """One `copy_to_tensor_parallel_region` shared by sibling column-parallel layers that read the same input.
 
     Separate q, k and v projections (or gate and up) all read one replicated tensor. Entering the parallel region
@@ -40,11 +59,17 @@ class SharedInputRegion:
     cache lives for one forward of the parent module: `reset` runs before and after it.
     """
 
-    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+    SETTINGS = ("input_layout", "comm_counter")
 
-    def __init__(self, group: ProcessGroup):
+    def __init__(
+        self,
+        group: ProcessGroup,
+        input_layout: str = REPLICATED_INPUT,
+        comm_counter: CommunicationCounter | None = None,
+    ):
         self.group = group
-        self.input_layout = REPLICATED_INPUT  # set by tp_train.sequence_parallel
+        self.input_layout = input_layout
+        self.comm_counter = comm_counter
         self.reset()
 
     def reset(self) -> None:
@@ -70,7 +95,7 @@ def enter_column_parallel(
     return copy_to_tensor_parallel_region(x, group, counter)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Configurable, nn.Module):
     """Y = X A + b with A split by columns (output features): rank r computes Y_r = X A_r + b_r.
 
     Forward: the replicated input enters through `copy_to_tensor_parallel_region` (identity), the output is
@@ -86,9 +111,10 @@ class ColumnParallelLinear(nn.Module):
             (a vocabulary) and the gathered output is trimmed back.
         group: the tensor-parallel process group.
         gather_output: return the full (replicated) output instead of this rank's shard.
+        input_layout, input_region, comm_counter: see `Configurable`.
     """
 
-    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+    SETTINGS = ("input_layout", "input_region", "comm_counter")
 
     def __init__(
         self,
@@ -101,14 +127,18 @@ class ColumnParallelLinear(nn.Module):
         pad_output: bool = False,
         device=None,
         dtype=None,
+        input_layout: str = REPLICATED_INPUT,
+        input_region: SharedInputRegion | None = None,
+        comm_counter: CommunicationCounter | None = None,
     ):
         super().__init__()
         self.group = group
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
-        self.input_region: SharedInputRegion | None = None  # set when siblings share one input (see plan)
-        self.input_layout = REPLICATED_INPUT  # see enter_column_parallel; set by tp_train.sequence_parallel
+        self.input_layout = input_layout  # see enter_column_parallel
+        self.input_region = input_region  # one entry into the parallel region shared with sibling layers
+        self.comm_counter = comm_counter
         spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output)
         if not pad_output:
             for size in spec.sections:
@@ -138,7 +168,7 @@ class ColumnParallelLinear(nn.Module):
         sections = self.shard_specs["weight"].sections
         if len(sections) > 1:  # [q0 k0 v0 | q1 k1 v1] -> [q0 q1 | k0 k1 | v0 v1]
             world_size = dist.get_world_size(self.group)
-            local = [size // world_size for size in sections]
+            local = list(self.shard_specs["weight"].local_sections(world_size))
             per_rank = [chunk.split(local, dim=-1) for chunk in y.chunk(world_size, dim=-1)]
             y = torch.cat([piece[i] for i in range(len(sections)) for piece in per_rank], dim=-1)
         return y[..., : self.out_features]
@@ -150,7 +180,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Configurable, nn.Module):
     """Y = X A + b with A split by rows (input features): rank r computes the partial sum X_r A_r.
 
     Forward: the input is already sharded along its last dim (the output of a `ColumnParallelLinear`); the
@@ -164,15 +194,26 @@ class RowParallelLinear(nn.Module):
         in_features: full input width, split evenly across ranks.
         out_features: output width (replicated).
         group: the tensor-parallel process group.
+        sequence_parallel, comm_counter: see `Configurable`.
     """
 
-    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+    SETTINGS = ("sequence_parallel", "comm_counter")
 
     def __init__(
-        self, in_features: int, out_features: int, group: ProcessGroup, bias: bool = True, device=None, dtype=None
+        self,
+        in_features: int,
+        out_features: int,
+        group: ProcessGroup,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        sequence_parallel: bool = False,
+        comm_counter: CommunicationCounter | None = None,
     ):
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel  # output reduce-scattered along the sequence
+        self.comm_counter = comm_counter
         self.in_features = in_features
         self.out_features = out_features
         world_size = dist.get_world_size(group)
@@ -180,7 +221,6 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.shard_specs = {"weight": ShardSpec(dim=1, sections=(in_features,))}
-        self.sequence_parallel = False  # output reduce-scattered along the sequence (tp_train.sequence_parallel)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -202,7 +242,7 @@ class RowParallelLinear(nn.Module):
         )
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Configurable, nn.Module):
     """An embedding table split along the vocabulary: rank r holds rows [r * V/tp, (r+1) * V/tp) of the table,
     the vocabulary padded up to a multiple of tp with zero rows.
 
@@ -211,7 +251,7 @@ class VocabParallelEmbedding(nn.Module):
     gradient lands only on its own rows.
     """
 
-    comm_counter: CommunicationCounter | None = None  # set by `parallelize`
+    SETTINGS = ("comm_counter",)
 
     def __init__(
         self,
@@ -221,19 +261,21 @@ class VocabParallelEmbedding(nn.Module):
         padding_idx: int | None = None,
         device=None,
         dtype=None,
+        comm_counter: CommunicationCounter | None = None,
     ):
         super().__init__()
         self.group = group
+        self.comm_counter = comm_counter
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         if padding_idx is not None and padding_idx < 0:  # as nn.Embedding: counted from the end
             padding_idx += num_embeddings
         self.padding_idx = padding_idx
-        per_rank = ceil_div(num_embeddings, dist.get_world_size(group))
-        self.vocab_start = dist.get_rank(group) * per_rank
-        self.vocab_end = self.vocab_start + per_rank
-        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
-        self.shard_specs = {"weight": ShardSpec(dim=0, sections=(num_embeddings,), padded=True)}
+        spec = ShardSpec(dim=0, sections=(num_embeddings,), padded=True)
+        rows = spec.slices(dist.get_rank(group), dist.get_world_size(group))[0]
+        self.vocab_start, self.vocab_end = rows.start, rows.start + rows.real
+        self.weight = nn.Parameter(torch.empty(rows.local, embedding_dim, device=device, dtype=dtype))
+        self.shard_specs = {"weight": spec}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -11,6 +11,7 @@ source layout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,6 +42,22 @@ def divisors(value: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class SectionSlice:
+    """What one rank holds of one section along the split dimension."""
+
+    start: int  # where its rows begin in the full, unpadded tensor (past the end for a rank of padding only)
+    real: int  # how many of its rows are real; the rest, up to `local`, is zero padding
+    local: int  # how many rows it holds, padding included
+
+
+def section_slice(full: int, local: int, rank: int, offset: int = 0) -> SectionSlice:
+    """Rank `rank`'s rows of a section of `full` real rows held `local` per rank (chunk r; rows past `full` are
+    padding), the section starting at `offset` in the whole tensor."""
+    begin = min(rank * local, full)
+    return SectionSlice(offset + begin, max(0, min(local, full - begin)), local)
+
+
+@dataclass(frozen=True)
 class ShardSpec:
     dim: int  # dimension of the (local-layout) parameter that is split
     sections: tuple[int, ...]  # full sizes of the packed sections along dim, in order
@@ -48,9 +65,24 @@ class ShardSpec:
     transposed: bool = False  # the source module stores this 2-D weight transposed
 
     def local_sections(self, world_size: int) -> tuple[int, ...]:
+        """How many rows every rank holds of each section."""
         if self.padded:
             return (ceil_div(self.sections[0], world_size),)
         return tuple(size // world_size for size in self.sections)
+
+    def slices(self, rank: int, world_size: int) -> list[SectionSlice]:
+        """Which rows of each section rank `rank` holds: its chunk r of every section, in order (torch.chunk's
+        split; with `padded`, the last ranks' chunks end in zero rows)."""
+        result, offset = [], 0
+        for full, local in zip(self.sections, self.local_sections(world_size), strict=True):
+            result.append(section_slice(full, local, rank, offset))
+            offset += full
+        return result
+
+    def local_numel(self, full_shape: tuple[int, ...], world_size: int) -> int:
+        """Elements of one rank's shard of a tensor of `full_shape` (in the local layout), padding included."""
+        full_rows = full_shape[self.dim]
+        return sum(self.local_sections(world_size)) * (math.prod(full_shape) // full_rows if full_rows else 0)
 
 
 def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, world_size: int) -> torch.Tensor:

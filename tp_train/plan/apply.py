@@ -231,7 +231,7 @@ def _share_sibling_inputs(model: nn.Module, planned: list[PlannedModule], group:
             continue
         region = SharedInputRegion(group)
         for layer in layers:
-            layer.input_region = region
+            layer.configure(input_region=region)
         parent = model.get_submodule(parent_name) if parent_name else model
         parent.register_forward_pre_hook(lambda *_, region=region: region.reset())
         parent.register_forward_hook(lambda *_, region=region: region.reset(), always_call=True)

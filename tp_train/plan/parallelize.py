@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.checkpoint.pretrained import load_pretrained_modules
 from tp_train.parallel.collectives import CommunicationCounter
+from tp_train.parallel.layers import Configurable
 from tp_train.parallel.mesh import as_process_group
 from tp_train.parallel.random import TensorParallelRNG
 from tp_train.plan.activation_checkpointing import checkpoint_blocks
@@ -138,11 +139,11 @@ def _verification_summary(check: SwapCheck, whole_model: dict[str, float] | None
 def _count_communication(model: nn.Module, counter: CommunicationCounter) -> CommunicationCounter:
     """`counter` for every parallel layer of `model` (and their shared input regions)."""
     for module in model.modules():
-        if hasattr(type(module), "comm_counter"):
-            module.comm_counter = counter
+        if isinstance(module, Configurable):
+            module.configure(comm_counter=counter)
             region = getattr(module, "input_region", None)
             if region is not None:
-                region.comm_counter = counter
+                region.configure(comm_counter=counter)
     return counter
 
 

@@ -74,21 +74,21 @@ def apply_sequence_parallel(
         if not layout.in_blocks(name):
             continue
         if isinstance(layer, RowParallelLinear):
-            layer.sequence_parallel = True
+            layer.configure(sequence_parallel=True)
         if isinstance(layer, ColumnParallelLinear):
             # Inside an attention / MLP module the module's input was gathered whole (its code may read the
             # sequence length off it); a column layer right in the block gathers its own input.
             inside = name.rpartition(".")[0] in layout.sub_blocks
-            layer.input_layout = GATHERED_INPUT if inside else SEQUENCE_SHARDED_INPUT
+            layer.configure(input_layout=GATHERED_INPUT if inside else SEQUENCE_SHARDED_INPUT)
             if layer.input_region is not None:
-                layer.input_region.input_layout = layer.input_layout
+                layer.input_region.configure(input_layout=layer.input_layout)
     for name in sorted(layout.sub_blocks):
         # One all-gather shared by all the module's column layers (reduce-scatter in backward), made contiguous
         # once here: q, k and v would each copy a strided gather to fold it into a matmul, and keep the copy.
         _map_input(
             model.get_submodule(name), lambda x: gather_from_sequence_parallel_region(x, group, counter).contiguous()
         )
-    head.input_layout = SEQUENCE_SHARDED_INPUT
+    head.configure(input_layout=SEQUENCE_SHARDED_INPUT)
     world_size = dist.get_world_size(group)
 
     def enter(hidden: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from tp_train.parallel.sharding import ShardSpec
+
 LINEAR_STYLES = {"colwise", "colwise_gather_output", "rowwise", "packed_colwise", "fused_qkv_colwise"}
 STYLES = LINEAR_STYLES | {
     "embedding_rowwise",
@@ -70,3 +72,21 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
         return module.weight.shape[0], module.weight.shape[1]
     return None
+
+
+def style_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:
+    """How `style` splits `module`'s parameter `param_name`, in the layout of the parallel layer that replaces it
+    (nn.Linear's (out, in); `transposed` when the module stores it the other way, as Conv1D does), or None when
+    every rank holds it whole (a row layer's bias, a style that swaps nothing)."""
+    if style == "embedding_rowwise":
+        return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
+    shape = linear_shape(module)
+    if shape is None or style not in LINEAR_STYLES:
+        return None
+    in_features, out_features = shape
+    transposed = not isinstance(module, nn.Linear) and param_name == "weight"
+    if style == "rowwise":
+        return ShardSpec(dim=1, sections=(in_features,), transposed=transposed) if param_name == "weight" else None
+    sections = PACKED_SECTIONS.get(style, 1)
+    padded = style == "colwise_gather_output"
+    return ShardSpec(dim=0, sections=(out_features // sections,) * sections, padded=padded, transposed=transposed)

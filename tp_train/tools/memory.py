@@ -27,7 +27,7 @@ import torch.nn as nn
 from tp_train.parallel.sharding import ceil_div
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
-from tp_train.plan.styles import PACKED_SECTIONS
+from tp_train.plan.styles import style_shard_spec
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
@@ -81,14 +81,10 @@ def parameters_per_rank(model: nn.Module, tp: int, plan: dict[str, str] | None =
 
 
 def _local_numel(style: str, module: nn.Module, name: str, param: nn.Parameter, tp: int) -> int:
-    if style == "rowwise":
-        return param.numel() // tp if name == "weight" else param.numel()  # the bias is replicated
-    if style in ("embedding_rowwise", "colwise_gather_output"):  # a vocabulary, padded to a multiple of tp
-        dim = 1 if type(module).__name__ == "Conv1D" and name == "weight" else 0  # Conv1D stores (in, out)
-        return ceil_div(param.shape[dim], tp) * (param.numel() // param.shape[dim])
-    if style == "colwise" or style in PACKED_SECTIONS:
-        return param.numel() // tp
-    return param.numel()
+    spec = style_shard_spec(style, module, name)
+    if spec is None:
+        return param.numel()
+    return spec.local_numel(tuple(reversed(param.shape)) if spec.transposed else tuple(param.shape), tp)
 
 
 def _shape(model: nn.Module) -> tuple[int, int, int, int]:

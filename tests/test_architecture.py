@@ -1,0 +1,160 @@
+"""The package's layers, read from its imports (ast), so that the tree keeps the design it shows:
+
+    app -> lightning, tools -> plan -> checkpoint -> parallel -> errors
+
+A module may import from its own subpackage or any layer below (skipping levels is fine), never above;
+`lightning` and `tools` never import each other; no module imports another module's `_private` name; Lightning,
+Hydra, OmegaConf and datasets are imported only in `lightning/` and `app/`; only `tools/` imports the project's
+reference models (`models`), and `models/` imports nothing from tp_train; there are no import cycles; and
+tp_train keeps at most 8 entries at its top level. The checker is also run on a small tree with one broken rule
+of each kind, so each rule is shown to fire.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"errors": 0, "parallel": 1, "checkpoint": 2, "plan": 3, "tools": 4, "lightning": 4, "app": 5}
+APP_FRAMEWORKS = ("lightning", "hydra", "omegaconf", "datasets")  # only in lightning/ and app/
+FRAMEWORK_LAYERS = ("lightning", "app")
+
+
+def _module_name(package_root: Path, path: Path) -> str:
+    parts = path.relative_to(package_root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import in `path`, at any depth. `from pkg import
+    sub` counts as importing the submodule when `pkg.sub` is a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.append(
+                    (submodule, None, node.lineno) if submodule in modules else (node.module, alias.name, node.lineno)
+                )
+    return found
+
+
+def _layer(module: str, package: str) -> str | None:
+    """'parallel', 'plan', ... for a module of the package; None for the package's own `__init__` (its public API)."""
+    parts = module.split(".")
+    if parts[0] != package or len(parts) == 1:
+        return None
+    return parts[1]
+
+
+def import_problems(package_root: Path, models_root: Path | None = None) -> list[str]:
+    """Every broken rule in the package at `package_root` (and `models_root`), one line each."""
+    package = package_root.name
+    paths = {_module_name(package_root, path): path for path in sorted(package_root.rglob("*.py"))}
+    modules = set(paths)
+    problems, graph = [], {}
+    top_level = sorted(path.name for path in package_root.iterdir() if path.name != "__pycache__")
+    if len(top_level) > 8:
+        problems.append(f"{package}/ has {len(top_level)} entries at its top level (at most 8): {top_level}")
+    for module, path in paths.items():
+        layer = _layer(module, package)
+        where = f"{path.relative_to(package_root.parent)}"
+        graph[module] = set()
+        for imported, name, line in _imports(path, modules):
+            head = imported.split(".")[0]
+            if head in APP_FRAMEWORKS and layer is not None and layer not in FRAMEWORK_LAYERS:
+                problems.append(f"{where}:{line}: imports {imported} below lightning/ and app/")
+            if head == "models" and layer not in (None, "tools"):
+                problems.append(f"{where}:{line}: imports the reference models ({imported}); only tools/ may")
+            if head != package:
+                continue
+            target = imported if imported in modules else None
+            if target is None:
+                continue
+            graph[module].add(target)
+            if name and name.startswith("_") and target != module:
+                problems.append(f"{where}:{line}: imports the private name {name} from {target}")
+            other = _layer(target, package)
+            if layer is None or other is None or other == layer:
+                continue
+            if {layer, other} == {"lightning", "tools"}:
+                problems.append(
+                    f"{where}:{line}: {layer}/ imports {target} ({other}/): the two never import each other"
+                )
+            elif LAYERS.get(other, 0) >= LAYERS.get(layer, 0):
+                problems.append(f"{where}:{line}: {layer}/ imports {target}, a layer above or beside it ({other}/)")
+    problems += [f"import cycle: {' -> '.join(cycle)}" for cycle in _cycles(graph)]
+    if models_root is not None:
+        for path in sorted(models_root.rglob("*.py")):
+            for imported, _, line in _imports(path, set()):
+                if imported.split(".")[0] == package:
+                    problems.append(f"{path.relative_to(models_root.parent)}:{line}: model code imports {imported}")
+    return problems
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected group of modules that import each other (depth-first search)."""
+    cycles, state = [], {}
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycles.append([*stack[stack.index(target) :], target])
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    return cycles
+
+
+def test_tp_train_imports_point_one_way():
+    problems = import_problems(ROOT / "tp_train", ROOT / "models")
+    assert not problems, "\n".join(problems)
+
+
+BROKEN_TREE = {
+    "errors.py": "",
+    "parallel/__init__.py": "",
+    "parallel/layers.py": "from pkg.plan.apply import apply_plan\n",  # upward
+    "plan/__init__.py": "",
+    "plan/apply.py": "import lightning\nfrom pkg.parallel.layers import _private_helper\n",  # framework; private
+    "plan/a.py": "from pkg.plan import b\n",
+    "plan/b.py": "from pkg.plan.a import thing\n",  # a <-> b
+    "tools/__init__.py": "",
+    "tools/bench.py": "from pkg.lightning.strategy import Strategy\n",  # sideways
+    "lightning/__init__.py": "",
+    "lightning/strategy.py": "",
+}
+
+
+@pytest.mark.parametrize(
+    "expected",
+    [
+        "parallel/layers.py:1: parallel/ imports pkg.plan.apply, a layer above or beside it (plan/)",
+        "plan/apply.py:1: imports lightning below lightning/ and app/",
+        "plan/apply.py:2: imports the private name _private_helper from pkg.parallel.layers",
+        "import cycle: pkg.plan.a -> pkg.plan.b -> pkg.plan.a",
+        "tools/bench.py:1: tools/ imports pkg.lightning.strategy (lightning/): the two never import each other",
+        "models/gpt.py:1: model code imports pkg.parallel.layers",
+    ],
+)
+def test_the_checker_flags_each_broken_rule(tmp_path, expected):
+    for relative, source in BROKEN_TREE.items():
+        path = tmp_path / "pkg" / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "gpt.py").write_text("import pkg.parallel.layers\n")
+    problems = import_problems(tmp_path / "pkg", tmp_path / "models")
+    assert any(problem.endswith(expected) or expected in problem for problem in problems), problems
