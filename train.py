@@ -70,7 +70,7 @@ def summarize(trainer: L.Trainer) -> dict | None:
 
 def resume_from(cfg: DictConfig) -> str | None:
     """The checkpoint to resume from: `ckpt_path`, or with `ckpt_path=auto` this command's last run's (see
-    tp_train.resume), decided by the launching process and passed to its child ranks."""
+    tp_train.app.resume), decided by the launching process and passed to its child ranks."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     unresolved = OmegaConf.to_container(hydra_cfg, resolve=False)  # the template, before ${now:...} is filled in

@@ -1,4 +1,5 @@
-"""The collectives in `tp_train.parallel.collectives`: forward value and backward gradient of each, as its docstring states them.
+"""The collectives in `tp_train.parallel.collectives`: forward value and backward gradient of each, as its
+docstring states them.
 
 Every rank builds every rank's input and output gradient from `seed + rank`, so the expected values are computed by
 hand from full tensors. Output gradients differ per rank on purpose: a backward that forgot to sum, or summed what it

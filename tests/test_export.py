@@ -1,5 +1,5 @@
-"""Export: a checkpoint saved at tp=2 (by `tp_train.checkpoint.dcp.save`, or by a `python train.py model=hf` run) becomes
-a `save_pretrained` directory that `AutoModelForCausalLM.from_pretrained` loads to the same logits."""
+"""Export: a checkpoint saved at tp=2 (by `tp_train.checkpoint.dcp.save`, or by a `python train.py model=hf` run)
+becomes a `save_pretrained` directory that `AutoModelForCausalLM.from_pretrained` loads to the same logits."""
 
 from __future__ import annotations
 

@@ -57,8 +57,8 @@ def test_matches_unsharded(tp, model_name, mode):
 
 
 class _CollectiveCounter:
-    """Counts the collectives tp_train.comm issues, by kind: the single-tensor all-gather and reduce-scatter it
-    calls, and torch.distributed.all_reduce."""
+    """Counts the collectives tp_train.parallel.collectives issues, by kind: the single-tensor all-gather and
+    reduce-scatter it calls, and torch.distributed.all_reduce."""
 
     def __init__(self):
         import tp_train.parallel.collectives as comm

@@ -132,7 +132,7 @@ class TextDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # Each epoch's order is a function of (seed, epoch) split over the data-parallel ranks only (the strategy's
         # sampler arguments; Lightning keeps a DistributedSampler as it is), so a checkpoint resumes mid-epoch at
-        # the next untrained batch (see tp_train.resumable_loader).
+        # the next untrained batch (see tp_train.lightning.resumable_loader).
         split = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
         sampler = ResumableDistributedSampler(self.train_dataset, shuffle=True, seed=self.seed, **split)
         return self._dataloader(self.train_dataset, loader=ResumableDataLoader, sampler=sampler)

@@ -93,7 +93,7 @@ def _check_data_source(data: DictConfig) -> None:
 def check_checkpoint(path: str | None) -> None:
     """The checkpoint's files are there and whole; whether they fit the model is checked by the ranks, on load."""
     if path is None or str(path) in ("auto", "last", "best", "hpc") or str(path).startswith("registry"):
-        return  # found later: by tp_train.resume (auto, then checked again), or by Lightning
+        return  # found later: by tp_train.app.resume (auto, then checked again), or by Lightning
     try:
         check_files(os.path.expanduser(str(path)))
     except CheckpointError as error:

@@ -6,8 +6,8 @@ the job's own output directory. `HydraJobLauncher` builds each child's command f
 output directory instead, so a child runs exactly its parent's job and writes where its parent does.
 
 It also replaces Lightning's child-process observer (which looks every 5 s, names no rank when the launcher itself
-fails, and leaves children running when the launcher dies) with `tp_train.lightning.watchdog`: whichever rank dies, the job
-ends within seconds, non-zero, and stderr names the rank.
+fails, and leaves children running when the launcher dies) with `tp_train.lightning.watchdog`: whichever rank
+dies, the job ends within seconds, non-zero, and stderr names the rank.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The auto-planner: infers a column/row tensor-parallel plan from a model's structure, as data for `tp_train.plan.apply`.
+"""The auto-planner: infers a column/row tensor-parallel plan from a model's structure, as data for the plan
+readers (`tp_train.plan.match`, `tp_train.plan.apply`).
 
 It runs one probe batch through the model (a real copy when the model is on the meta device) and reads the
 structure off what happened, not off class names:

@@ -1,5 +1,6 @@
-"""`python -m tp_train.tools.bench`: training-step time and memory of tp_train against PyTorch's DTensor tensor parallelism
-and the plain model, in one run (see tp_train/bench/run.py). Prints a table and its targets, writes JSON."""
+"""`tp-train-bench` (or `python -m tp_train.tools.bench`): training-step time and memory of tp_train against
+PyTorch's DTensor tensor parallelism and the plain model, in one run (see tp_train/tools/bench/run.py). Prints a
+table and its targets, writes JSON."""
 
 from __future__ import annotations
 
