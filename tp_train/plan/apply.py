@@ -23,6 +23,7 @@ from tp_train.parallel.collectives import all_reduce_gradient
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, shard_tensor
+from tp_train.plan.local_view import apply_local_view, parse_attention_style
 from tp_train.plan.styles import (
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
@@ -32,6 +33,7 @@ from tp_train.plan.styles import (
     WIDTH_ATTRIBUTES,
     PlannedModule,
     linear_shape,
+    section_sizes,
 )
 
 
@@ -68,7 +70,7 @@ def apply_plan(
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(module, group, shared)
             else:
-                layer = _parallel_linear(module, style, group, shared, loss_parallel)
+                layer = _parallel_linear(module, style, group, shared, loss_parallel, section_sizes(entry.arguments))
             layer = _keep_subclass_forward(module, layer, SWAPPED_BASES[style])
             _set_submodule(model, name, layer)
             if check is not None:
@@ -77,7 +79,11 @@ def apply_plan(
             continue
         materialize(name, module, device, materialized, init_weights)
         if style == "attention":
-            _localize_heads(module, dist.get_world_size(group))
+            if entry.arguments:  # head counts the usual attribute names do not reach (tp_train.plan.local_view)
+                view = parse_attention_style(f"attention({entry.arguments})")
+                apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
+            else:
+                _localize_heads(module, dist.get_world_size(group))
             rng.run_in(module, SHARDED)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
@@ -177,7 +183,7 @@ def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpe
     return shard
 
 
-def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool):
+def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool, sizes=None):
     in_features, out_features = linear_shape(module)
     transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
     # Built on meta, with no initialisation of its own: its parameters are the slices of the module's.
@@ -191,7 +197,7 @@ def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared:
             out_features,
             group,
             gather_output=style == "colwise_gather_output" and not loss_parallel,
-            sections=(out_features // sections,) * sections,
+            sections=sizes or (out_features // sections,) * sections,
             pad_output=style == "colwise_gather_output",
             **kwargs,
         )

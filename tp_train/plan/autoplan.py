@@ -40,8 +40,9 @@ import torch
 import torch.nn as nn
 
 from tp_train.errors import first_line
-from tp_train.plan.probe import probe_copy, probe_token_ids, producers_of, trace_calls
-from tp_train.plan.styles import linear_shape, pattern_matches
+from tp_train.plan.local_search import capture_calls, find_local_view
+from tp_train.plan.probe import probe_copy, probe_token_ids, producers_of, split_sizes, trace_calls
+from tp_train.plan.styles import LINEAR_STYLES, linear_shape, pattern_matches, split_style
 
 INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
@@ -55,6 +56,12 @@ class _Pair:
     columns: dict[str, str] = field(default_factory=dict)  # column module -> style
     attention: bool = False
     between: set[str] = field(default_factory=set)  # modules whose parameters act between columns and row
+
+
+class InferredPlan(dict):
+    """A plan the auto-planner inferred: {pattern: style}, plus `notes`, one line per attention it kept whole."""
+
+    notes: list[str]
 
 
 class _Stop(Exception):
@@ -78,7 +85,8 @@ def infer_plan(
     with probe_copy(model) as probe:
         inputs = example_input if example_input is not None else probe_token_ids(probe)
         try:
-            styles = _Planner(probe, inputs, shares).styles()
+            planner = _Planner(probe, inputs, shares)
+            styles = planner.styles()
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 - a structure the planner does not understand is a refusal
@@ -86,14 +94,17 @@ def infer_plan(
                 f"the auto-planner cannot plan {type(model).__name__} ({first_line(error)}); "
                 f"give the model a `tp_plan` (or pass plan=...)"
             ) from error
-    return _as_patterns(model, styles)
+    plan = InferredPlan(_as_patterns(model, styles))
+    plan.notes = _kept_whole_notes(model, styles, planner.kept_whole)
+    return plan
 
 
 def format_plan(plan: dict[str, str], source: str) -> str:
-    """The plan as printed: one `pattern: style` line per entry, under where it came from."""
+    """The plan as printed: one `pattern: style` line per entry, under where it came from, then its notes (an
+    attention kept whole: which, why, and how much of the model is sharded)."""
     width = max((len(pattern) for pattern in plan), default=0)
     lines = [f"  {pattern:<{width}}  {style}" for pattern, style in plan.items()]
-    return "\n".join([f"tensor-parallel plan ({source}):", *lines])
+    return "\n".join([f"tensor-parallel plan ({source}):", *lines, *getattr(plan, "notes", [])])
 
 
 class _Planner:
@@ -114,6 +125,7 @@ class _Planner:
         self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
         self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
         self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
+        self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
 
     def _called(self) -> list[str]:
         return sorted(self.calls, key=lambda name: self.calls[name].order)
@@ -123,11 +135,16 @@ class _Planner:
         self.tokens = self._token_embedding()
         self.head = self._head()
         pairs, failures = self._pairs()
+        views = self._local_views(pairs)
         for pair in pairs:
+            enclosing = _enclosing(pair) if pair.attention else None
+            if enclosing in self.kept_whole:
+                styles[enclosing] = "replicate"  # graceful: the rest of the model is still sharded
+                continue
             styles.update(pair.columns)
             styles[pair.row] = "rowwise"
             if pair.attention:
-                self._attention_styles(pair, styles)
+                self._attention_styles(pair, styles, views.get(enclosing, "attention"))
             for name in sorted(pair.between):
                 styles[name] = "replicated_with_grad_allreduce"
         if self.tokens is not None:
@@ -135,6 +152,8 @@ class _Planner:
         if self.head is not None:
             styles[self.head] = "colwise_gather_output"
         for name in self.linears:
+            if any(name.startswith(whole + ".") for whole in self.kept_whole):
+                continue
             if name not in styles and _in_repeated_block(name):
                 shape = linear_shape(self.modules[name])
                 reason = failures.get(name, "its output reaches no Linear through position- and head-wise operations")
@@ -193,19 +212,25 @@ class _Planner:
             return None
         key = ("split", _generic(column), _generic(row), width, row_width)
         if key not in self._cache:
+            candidates = [(style, (width // sections,) * sections) for style, sections in SPLITS]
+            sizes = split_sizes(self.calls[column].output, self.calls[row].input)
+            if sizes and len(set(sizes)) > 1 and len(sizes) == 3:  # [q; k; v] of unequal sizes (grouped-query)
+                candidates.append((f"fused_qkv_colwise({','.join(map(str, sizes))})", sizes))
             self._cache[key] = next(
                 (
                     style
-                    for style, sections in SPLITS
-                    if width % (sections * self.shares) == 0 and self._local(column, row, sections)
+                    for style, sizes in candidates
+                    if sum(sizes) == width
+                    and all(size % self.shares == 0 for size in sizes)
+                    and self._local(column, row, sizes)
                 ),
                 None,
             )
         return self._cache[key]
 
-    def _local(self, column: str, row: str, sections: int) -> bool:
-        """Whether perturbing rank r's share of `column`'s output (split in `sections`) moves only rank r's share
-        of `row`'s input, for every r."""
+    def _local(self, column: str, row: str, sections: tuple[int, ...]) -> bool:
+        """Whether perturbing rank r's share of `column`'s output (split in `sections`, each divided among the
+        ranks) moves only rank r's share of `row`'s input, for every r."""
         base = self._row_input(row, {})
         for share in range(self.shares):
             moved = self._row_input(row, {column: _share_mask(self.calls[column].output, sections, self.shares, share)})
@@ -253,14 +278,35 @@ class _Planner:
             owners.add(owner)
         return owners
 
-    def _attention_styles(self, pair: _Pair, styles: dict[str, str]) -> None:
-        names = [*pair.columns, pair.row]
-        enclosing = names[0].rpartition(".")[0]
-        while enclosing and not all(name.startswith(enclosing + ".") for name in names):
-            enclosing = enclosing.rpartition(".")[0]
+    def _local_views(self, pairs: list[_Pair]) -> dict[str, str]:
+        """The attention style of each attention module: the view under which it runs right on local heads
+        (`tp_train.plan.local_search`), found once per block shape; modules with none go to `kept_whole`."""
+        enclosing = {_enclosing(pair): pair for pair in pairs if pair.attention}
+        enclosing = {name: pair for name, pair in enclosing.items() if name and name in self.calls}
+        if not enclosing:
+            return {}
+        batch = torch.cat([self.inputs, self.inputs])  # two sequences: per-head tensors that fold in the batch show
+        calls = capture_calls(self.model, batch, set(enclosing))
+        views = {}
+        for name, pair in enclosing.items():
+            relative = {column[len(name) + 1 :]: style for column, style in pair.columns.items()}
+            key = ("view", _generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
+            if key not in self._cache:
+                self._cache[key] = find_local_view(
+                    self.modules[name], calls[name], relative, pair.row[len(name) + 1 :], self.shares
+                )
+            style, reason = self._cache[key]
+            if style is None:
+                self.kept_whole[name] = reason
+            else:
+                views[name] = style
+        return views
+
+    def _attention_styles(self, pair: _Pair, styles: dict[str, str], style: str) -> None:
+        enclosing = _enclosing(pair)
         if not enclosing or enclosing not in self.calls:
             return  # no module of its own runs the attention (e.g. it lives in the block's forward)
-        styles[enclosing] = "attention"
+        styles[enclosing] = style
         row_order = self.calls[pair.row].order
         for name, call in self.calls.items():
             after_row = call.order > row_order
@@ -328,11 +374,42 @@ def _last_dim(tensor: torch.Tensor | None) -> int:
     return tensor.shape[-1] if tensor is not None and tensor.dim() else 0
 
 
-def _share_mask(output: torch.Tensor, sections: int, shares: int, share: int) -> torch.Tensor:
+def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, share: int) -> torch.Tensor:
     """True on rank `share`'s part of every section of `output`'s last dimension."""
-    mask = torch.zeros(sections, shares, output.shape[-1] // (sections * shares), dtype=torch.bool)
-    mask[:, share] = True
-    return mask.flatten().expand_as(output).to(output.device)
+    mask = torch.cat([(torch.arange(size) // (size // shares)) == share for size in sections])
+    return mask.expand_as(output).to(output.device)
+
+
+def _enclosing(pair: _Pair) -> str:
+    """The innermost module holding all of a pair's layers ('' for the model itself)."""
+    names = [*pair.columns, pair.row]
+    enclosing = names[0].rpartition(".")[0]
+    while enclosing and not all(name.startswith(enclosing + ".") for name in names):
+        enclosing = enclosing.rpartition(".")[0]
+    return enclosing
+
+
+def _kept_whole_notes(model: nn.Module, styles: dict[str, str], kept_whole: dict[str, str]) -> list[str]:
+    """One line per attention pattern kept whole: the module, why, and the fraction of parameters sharded."""
+    if not kept_whole:
+        return []
+    modules = dict(model.named_modules())
+    swapped = {"embedding_rowwise", *LINEAR_STYLES}
+    sharded = {
+        id(param): param.numel()
+        for name, style in styles.items()
+        if split_style(style)[0] in swapped
+        for param in modules[name].parameters()
+    }
+    total = sum(param.numel() for param in model.parameters())
+    fraction = sum(sharded.values()) / max(total, 1)
+    by_pattern = {}
+    for name, reason in kept_whole.items():
+        by_pattern.setdefault(_generic(name), reason)
+    return [
+        f"note: attention '{pattern}' kept whole on every rank: {reason}; {fraction:.0%} of the parameters are sharded"
+        for pattern, reason in by_pattern.items()
+    ]
 
 
 def _generic(name: str) -> str:

@@ -18,6 +18,8 @@ from tp_train.plan.styles import (
     PlannedModule,
     linear_shape,
     pattern_matches,
+    section_sizes,
+    split_style,
 )
 from tp_train.plan.ties import tie_completions
 
@@ -27,7 +29,7 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
     check_config_heads(model, tp)
     planned: dict[str, PlannedModule] = {}
     for pattern, style in plan.items():
-        style = ALIASES.get(style, style)
+        style, arguments = split_style(ALIASES.get(style, style))
         if style not in STYLES:
             raise ValueError(
                 f"plan entry '{pattern}': unknown style '{style}'; known styles: {', '.join(sorted(STYLES))}"
@@ -44,8 +46,8 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
                     f"module '{name}' is planned twice: '{planned[name].style}' by '{planned[name].pattern}' "
                     f"and '{style}' by '{pattern}'; keep one"
                 )
-            _check_module(name, module, style, pattern, tp)
-            planned[name] = PlannedModule(name, module, style, pattern)
+            _check_module(name, module, style, pattern, tp, arguments)
+            planned[name] = PlannedModule(name, module, style, pattern, arguments)
     for entry in tie_completions(model, planned):
         _check_module(entry.name, entry.module, entry.style, entry.pattern, tp)
         planned[entry.name] = entry
@@ -65,7 +67,7 @@ def check_config_heads(model: nn.Module, tp: int) -> None:
             )
 
 
-def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: int) -> None:
+def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: int, arguments: str = "") -> None:
     where = f"plan entry '{pattern}': module '{name}' ({type(module).__name__})"
     if style in LINEAR_STYLES:
         shape = linear_shape(module)
@@ -74,6 +76,12 @@ def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: in
         in_features, out_features = shape
         if style == "rowwise":
             check_divisible(where, "in_features", in_features, tp)
+        elif section_sizes(arguments):
+            sections = section_sizes(arguments)
+            if sum(sections) != out_features:
+                raise ValueError(f"{where}: sections {sections} do not add up to out_features={out_features}")
+            for size in sections:
+                check_divisible(where, "a section", size, tp)
         elif style in PACKED_SECTIONS:
             sections = PACKED_SECTIONS[style]
             if out_features % sections:
@@ -86,7 +94,7 @@ def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: in
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
-    elif style == "attention":
+    elif style == "attention" and not arguments:
         for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
             value = getattr(module, attribute, None)
             if isinstance(value, int):

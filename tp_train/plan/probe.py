@@ -86,6 +86,27 @@ def producers_of(tensor: torch.Tensor | None, outputs: dict[int, str]) -> tuple[
     return found, params
 
 
+def split_sizes(output: torch.Tensor | None, consumer_input: torch.Tensor | None) -> tuple[int, ...] | None:
+    """The sizes `output` was cut into along its last dimension on the way to `consumer_input` (a `split` with
+    unequal sizes, e.g. litgpt's `qkv.split((q, k, v), dim=-1)`), read off the autograd graph; None when it was not."""
+    target = getattr(output, "grad_fn", None)
+    stack = [consumer_input.grad_fn] if getattr(consumer_input, "grad_fn", None) is not None else []
+    seen, alive = set(), []  # the visited nodes are kept alive, so their ids stay theirs
+    while stack and target is not None:
+        node = stack.pop()
+        if node is None or id(node) in seen or node is target:
+            continue
+        seen.add(id(node))
+        alive.append(node)
+        parents = [next_node for next_node, _ in node.next_functions]
+        if type(node).__name__ == "SplitWithSizesBackward0" and target in parents:
+            dim = node._saved_dim - 2**64 if node._saved_dim >= 2**63 else node._saved_dim  # saved as unsigned
+            if dim in (-1, output.dim() - 1):
+                return tuple(node._saved_split_sizes)
+        stack.extend(parents)
+    return None
+
+
 @contextmanager
 def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
     """`model` itself (in eval mode, its parameters requiring gradients so the forward records its dataflow), or,

@@ -18,6 +18,10 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 |                         |                     | group (a norm applied to each rank's local heads, e.g. QK-norm)  |
 | `replicate`             | any module          | left as it is (every rank holds it whole)                        |
 
+Two styles take arguments in parentheses: `fused_qkv_colwise(64,32,32)` names unequal [q; k; v] sections (grouped-query
+attention's fused projection, litgpt's), and `attention(n_head, config.n_query_groups, input_width, ...)` names where
+the module keeps its head counts (`tp_train.plan.local_view`).
+
 `colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
 """
 
@@ -54,6 +58,7 @@ class PlannedModule:
     module: nn.Module
     style: str
     pattern: str
+    arguments: str = ""  # what the style's parentheses held: `attention(n_head, ...)`, `fused_qkv_colwise(64,32,32)`
 
 
 # The class each swapping style replaces; a subclass's own forward is kept around the sharded layer.
@@ -90,3 +95,22 @@ def style_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpe
     sections = PACKED_SECTIONS.get(style, 1)
     padded = style == "colwise_gather_output"
     return ShardSpec(dim=0, sections=(out_features // sections,) * sections, padded=padded, transposed=transposed)
+
+
+STYLES_WITH_ARGUMENTS = ("attention", "fused_qkv_colwise")
+
+
+def split_style(style: str) -> tuple[str, str]:
+    """A style's name and what its parentheses hold (`"fused_qkv_colwise(64,32,32)"` -> `("fused_qkv_colwise",
+    "64,32,32")`); `""` when it has none."""
+    name, paren, rest = style.partition("(")
+    if not paren:
+        return style, ""
+    if name not in STYLES_WITH_ARGUMENTS or not rest.endswith(")"):
+        raise ValueError(f"style '{style}': only {', '.join(STYLES_WITH_ARGUMENTS)} take arguments in parentheses")
+    return name, rest[:-1]
+
+
+def section_sizes(arguments: str) -> tuple[int, ...] | None:
+    """The section sizes `fused_qkv_colwise(64,32,32)` names, or None (equal thirds)."""
+    return tuple(int(size) for size in arguments.split(",")) if arguments else None

@@ -273,7 +273,10 @@ def _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance) -
             shapes = f"{tuple(output.shape)}, the unsharded model's {tuple(ref_output.shape)}"
             return {}, (f"the sharded model's output has shape {shapes}", None)
         (output.float() * weight).sum().backward()
-    except Exception as error:  # noqa: BLE001 - a plan that breaks the forward is reported like a wrong one
+    except _ForwardFailure as failure:  # a plan that breaks the forward is reported like a wrong one
+        where = f" in the forward of '{failure.module}'" if failure.module else ""
+        return {}, (f"the sharded model fails on a probe batch{where} ({first_line(failure.error)})", failure.module)
+    except Exception as error:  # noqa: BLE001 - in the backward
         return {}, (f"the sharded model fails on a probe batch ({first_line(error)})", None)
     output_error = _relative(output, ref_output)
     if output_error <= tolerance:
@@ -312,21 +315,42 @@ def _first_tensor(output) -> torch.Tensor | None:
     return next((value for value in values if isinstance(value, torch.Tensor)), None)
 
 
+class _ForwardFailure(Exception):
+    """A forward that raised, and the innermost module whose forward was running when it did."""
+
+    def __init__(self, module: str | None, error: Exception):
+        super().__init__(module, error)
+        self.module, self.error = module, error
+
+
 def _forward(model: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The model's output, and each module's first tensor output in the order the modules returned."""
+    """The model's output, and each module's first tensor output in the order the modules returned.
+
+    Raises:
+        _ForwardFailure: naming the innermost module whose forward raised."""
     outputs: dict[str, torch.Tensor] = {}
+    running: list[str] = []  # the modules whose forward has begun and not returned, outermost first
+
+    def enter(name):
+        return lambda module, args: running.append(name)
 
     def record(name):
         def hook(module, args, output):
+            while running and running.pop() != name:
+                pass
             tensor = _first_tensor(output)
             if tensor is not None:
                 outputs.setdefault(name, tensor.detach())
 
         return hook
 
-    handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
+    named = [(name, module) for name, module in model.named_modules() if name]
+    handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
+    handles += [module.register_forward_hook(record(name)) for name, module in named]
     try:
         output = _first_tensor(model(inputs))
+    except Exception as error:  # noqa: BLE001 - re-raised with where it happened
+        raise _ForwardFailure(running[-1] if running else None, error) from error
     finally:
         for handle in handles:
             handle.remove()

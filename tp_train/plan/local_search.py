@@ -1,0 +1,287 @@
+"""Finding the local view an attention module needs (`tp_train.plan.local_view`), by simulating the ranks on
+the one module, in one process.
+
+For each rank r, a copy of the attention module gets rank r's shard of its column layers (as their styles split
+them) and a stand-in for its row layer that records its input and returns the unsharded row layer's output; a
+candidate view is applied to the copy and it runs on the module's own probe call (arguments and keyword arguments
+as the model passed them). The view is right when the ranks' row inputs, side by side, are the unsharded module's
+row input, and every rank's output is the unsharded module's output.
+
+Candidates, smallest first: plain `attention` (the usual attribute names), then sets of up to `MOST_CHANGES` of
+the integers the module can reach (its own attributes, those of configs it holds, of its parameterless submodules
+and their dicts), the input's width, and per-head tensor arguments. The first that holds is taken; none holding is
+a reason to keep the attention whole (`tp_train.plan.autoplan`).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from itertools import combinations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tp_train.errors import first_line
+from tp_train.parallel.sharding import shard_tensor
+from tp_train.plan.local_view import (
+    LocalView,
+    PerHeadArgument,
+    apply_local_view,
+    usual_fields,
+)
+from tp_train.plan.styles import linear_shape, section_sizes, split_style, style_shard_spec
+
+MOST_CHANGES = 4  # largest set of changes tried at once
+MOST_CANDIDATES = 12  # candidates considered, most likely first
+TOLERANCE = 1e-4  # relative to the largest reference value
+HEADISH = ("head", "group", "embd", "embed", "hidden", "width", "dim", "size", "kv")
+
+
+@dataclass
+class ProbeCall:
+    args: tuple
+    kwargs: dict
+
+    def fresh(self) -> tuple[tuple, dict]:
+        """A copy of the arguments for one run: a key/value cache among them fills up as the module runs."""
+        return copy.deepcopy((self.args, self.kwargs))
+
+
+def capture_calls(model: nn.Module, inputs: torch.Tensor, names: set[str]) -> dict[str, ProbeCall]:
+    """The (last) call of each named module in one forward of `model` on `inputs`: its arguments, detached."""
+    calls: dict[str, ProbeCall] = {}
+    modules = dict(model.named_modules())
+
+    def hook(name):
+        def record(module, args, kwargs):
+            calls[name] = ProbeCall(*copy.deepcopy(_detached((args, kwargs))))  # as it was then: a cache fills up
+
+        return record
+
+    handles = [modules[name].register_forward_pre_hook(hook(name), with_kwargs=True) for name in names]
+    try:
+        with torch.no_grad():
+            model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def find_local_view(
+    module: nn.Module, call: ProbeCall, columns: dict[str, str], row: str, tp: int
+) -> tuple[str | None, str]:
+    """The attention style (`attention` or `attention(...)`) under which `module` runs right on local heads, or
+    None and why not.
+
+    Args:
+        module: the unsharded attention module.
+        call: its probe call (`capture_calls`).
+        columns: its column layers, by name relative to `module`, and their styles.
+        row: its row layer's name relative to `module`.
+        tp: the tensor-parallel size to simulate.
+    """
+    reference = _Recorded.run(module, row, call)
+    if reference.error is not None:
+        return None, f"it does not run on the probe call ({reference.error})"
+    first_failure = None
+    for view in _candidates(module, call, columns, row, tp):
+        failure = _simulate(module, call, columns, row, tp, view, reference)
+        if failure is None:
+            return ("attention" if view is None else view.style()), ""
+        first_failure = first_failure or failure
+    return None, f"no view of its head counts makes it run on local heads ({first_failure})"
+
+
+# ---------------------------------------------------------------------------------------------- simulation
+
+
+class _RowStandIn(nn.Module):
+    """The row layer in a rank's copy: records its (local) input, returns the unsharded row layer's output."""
+
+    def __init__(self, output: torch.Tensor):
+        super().__init__()
+        self.output, self.input = output, None
+
+    def forward(self, x):
+        self.input = x
+        return self.output
+
+
+class _LocalLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Recorded:
+    output: torch.Tensor | None = None
+    row_input: torch.Tensor | None = None
+    row_output: torch.Tensor | None = None
+    error: str | None = None
+
+    @staticmethod
+    def run(module: nn.Module, row: str, call: ProbeCall) -> _Recorded:
+        recorded = _Recorded()
+
+        def hook(_, args, output):
+            recorded.row_input, recorded.row_output = args[0].detach(), output.detach()
+
+        handle = module.get_submodule(row).register_forward_hook(hook)
+        try:
+            with torch.no_grad():
+                args, kwargs = call.fresh()
+                recorded.output = _first_tensor(module(*args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - reported as the reason
+            recorded.error = first_line(error)
+        finally:
+            handle.remove()
+        return recorded
+
+
+def _rank_copy(module: nn.Module, columns: dict[str, str], row: str, tp: int, rank: int, reference: _Recorded):
+    memo = {}
+    for name, style in columns.items():
+        child = module.get_submodule(name)
+        base, arguments = split_style(style)
+        spec = style_shard_spec(base, child, "weight")
+        sizes = section_sizes(arguments)
+        if sizes:
+            spec = type(spec)(dim=0, sections=sizes, transposed=spec.transposed)
+        weight = child.weight.detach().t() if spec.transposed else child.weight.detach()
+        bias = child.bias.detach() if getattr(child, "bias", None) is not None else None
+        memo[id(child)] = _LocalLinear(
+            shard_tensor(weight, spec, rank, tp), shard_tensor(bias, type(spec)(0, spec.sections), rank, tp)
+        ) if bias is not None else _LocalLinear(shard_tensor(weight, spec, rank, tp), None)  # fmt: skip
+    stand_in = _RowStandIn(reference.row_output)
+    memo[id(module.get_submodule(row))] = stand_in
+    return copy.deepcopy(module, memo), stand_in
+
+
+def _simulate(module, call, columns, row, tp, view: LocalView | None, reference: _Recorded) -> str | None:
+    """None when `view` makes every simulated rank right; else what went wrong."""
+    row_inputs = []
+    for rank in range(tp):
+        local, stand_in = _rank_copy(module, columns, row, tp, rank, reference)
+        try:
+            apply_local_view(local, view, tp, rank)
+            with torch.no_grad():
+                args, kwargs = call.fresh()
+                output = _first_tensor(local(*args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - a view under which the forward fails is a wrong view
+            return f"on local heads its forward fails: {first_line(error)}"
+        if stand_in.input is None:
+            return "its row layer is not reached"
+        if output is None or output.shape != reference.output.shape or _relative(output, reference.output) > TOLERANCE:
+            return "on local heads its output differs from the unsharded module's"
+        row_inputs.append(stand_in.input)
+    try:
+        side_by_side = torch.cat(row_inputs, dim=-1)
+    except RuntimeError as error:
+        return f"its row layer's local inputs do not line up ({first_line(error)})"
+    if side_by_side.shape != reference.row_input.shape or _relative(side_by_side, reference.row_input) > TOLERANCE:
+        return "on local heads its row layer's input differs from the unsharded module's"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+
+
+def _candidates(module: nn.Module, call: ProbeCall, columns, row, tp: int):
+    yield None  # plain `attention`
+    usual = usual_fields(module)
+    fields = [path for path in _count_fields(module, {*columns, row}, tp)]
+    fields.sort(key=lambda path: (path not in usual, not any(word in path.lower() for word in HEADISH)))
+    bound = inspect.signature(type(module).forward).bind(module, *call.args, **call.kwargs).arguments
+    names = list(bound)[1:]
+    first = bound[names[0]] if names else None
+    toggles: list = fields[: MOST_CANDIDATES - 1]
+    if isinstance(first, torch.Tensor) and first.dim() and first.shape[-1] % tp == 0:
+        toggles.insert(min(len(toggles), 3), "input_width")
+    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
+    for name in names[1:]:
+        value = bound[name]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 2:
+            continue
+        if isinstance(first, torch.Tensor) and value.shape == first.shape:
+            continue  # a residual, not a per-head tensor
+        for dim in (0, 1):
+            size = value.shape[dim]
+            if size > 1 and size % tp == 0:
+                toggles.append(PerHeadArgument(name, dim, False))
+            if dim == 0 and batch > 1 and size % (batch * tp) == 0 and size > batch:
+                toggles.append(PerHeadArgument(name, dim, True))
+    toggles = toggles[:MOST_CANDIDATES]
+    for count in range(1, MOST_CHANGES + 1):
+        for chosen in combinations(toggles, count):
+            per_head = tuple(item for item in chosen if isinstance(item, PerHeadArgument))
+            if len({item.name for item in per_head}) < len(per_head):
+                continue
+            yield LocalView(
+                fields=tuple(item for item in chosen if isinstance(item, str) and item != "input_width"),
+                input_width="input_width" in chosen,
+                per_head=per_head,
+            )
+
+
+def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
+    """Dotted paths of the integers a view could divide: the module's own attributes, the fields of objects it
+    holds (a config), and the attributes and dict entries of its parameterless submodules (einops' layers)."""
+    paths = []
+
+    def add_counts(prefix: str, namespace: dict):
+        for key, value in namespace.items():
+            if not isinstance(key, str) or key.startswith("_"):
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and value >= tp and value % tp == 0:
+                paths.append(prefix + key)
+            elif isinstance(value, dict) and prefix.count(".") < 2:
+                add_counts(f"{prefix}{key}.", value)
+
+    add_counts("", vars(module))
+    for key, value in vars(module).items():
+        if not key.startswith("_") and _config_like(value):
+            add_counts(f"{key}.", vars(value))
+    for name, child in module.named_modules():
+        if name and name not in planned and not any(True for _ in child.parameters(recurse=False)):
+            if linear_shape(child) is None:
+                add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
+    return paths
+
+
+def _config_like(value) -> bool:
+    if isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
+        return False
+    return hasattr(value, "__dict__") and not isinstance(value, (int, float, str, bytes, tuple, list, dict))
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_detached(item) for item in value)
+    if isinstance(value, list):
+        return [_detached(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _detached(item) for key, item in value.items()}
+    return value
+
+
+def _first_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def _relative(tensor: torch.Tensor, reference: torch.Tensor) -> float:
+    scale = max(reference.abs().max().item(), 1e-30)
+    return (tensor.float() - reference.float()).abs().max().item() / scale

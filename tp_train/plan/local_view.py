@@ -1,0 +1,222 @@
+"""Local views: how an attention module is made to run on one rank's heads when its head counts live somewhere
+the `attention` style's attribute list does not reach.
+
+After a column split each rank's q/k/v hold `heads / tp` heads, so every shape the attention's forward computes
+from a head count, a width across heads or the input's width must come out for the local heads. A `LocalView`
+lists where those numbers are, and `apply_local_view` gives the module a view in which they are local, leaving
+everything the module shares with the rest of the model untouched:
+
+- **fields** (`n_head`, `config.n_query_groups`, `split_heads.axes_lengths.h`): integers divided by tp. A field
+  reached through an object the module does not own (a config shared by the whole model, as litgpt's) is set on
+  the module's own shallow copy of that object; a field inside a dict (einops' `axes_lengths`) on a copy of the
+  dict; a parameterless layer built from a pattern and lengths (einops' `Rearrange(pattern, h=heads)`) is rebuilt
+  from its local lengths, since it parses them once when built.
+- **input_width**: the module's first input reports `1/tp` of its last dimension through `size()` and `.shape`
+  (nanoGPT's `B, T, C = x.size()` then `C // n_head`); every operation on it still sees the whole tensor.
+- **per-head arguments** (`alibi[0,batch]`): a tensor argument holding one slice per head (Bloom's ALiBi
+  `(batch * heads, 1, keys)`, MPT's `(heads, 1, keys)`) is cut to this rank's heads along that dimension;
+  `batch` when the dimension folds the batch in front of the heads.
+
+A view is written as the style `attention(<item>, ...)`, e.g. `attention(n_head, n_embd, input_width)`; plain
+`attention` divides the usual attribute names (`tp_train.plan.styles.HEAD_ATTRIBUTES`, ...). The auto-planner
+finds the view by simulating the ranks on one module (`tp_train.plan.local_search`); verification checks it.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from tp_train.plan.styles import HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, WIDTH_ATTRIBUTES
+
+INPUT_WIDTH = "input_width"
+
+
+@dataclass(frozen=True)
+class PerHeadArgument:
+    name: str  # the forward's parameter name
+    dim: int  # the dimension that holds the heads
+    batch_major: bool  # the dimension is (batch, heads) folded into one
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.dim}{',batch' if self.batch_major else ''}]"
+
+
+@dataclass(frozen=True)
+class LocalView:
+    fields: tuple[str, ...] = ()
+    input_width: bool = False
+    per_head: tuple[PerHeadArgument, ...] = ()
+
+    def style(self) -> str:
+        items = [*self.fields, *([INPUT_WIDTH] if self.input_width else []), *map(str, self.per_head)]
+        return f"attention({', '.join(items)})"
+
+
+def parse_attention_style(style: str) -> LocalView | None:
+    """The view an `attention(...)` style names; None for plain `attention` (the usual attribute names)."""
+    if style == "attention":
+        return None
+    if not (style.startswith("attention(") and style.endswith(")")):
+        raise ValueError(f"'{style}' is not an attention style; write 'attention' or 'attention(n_head, ...)'")
+    fields, width, per_head = [], False, []
+    for item in (part.strip() for part in style[len("attention(") : -1].split(", ")):
+        if item == INPUT_WIDTH:
+            width = True
+        elif item.endswith("]") and "[" in item:
+            name, _, where = item[:-1].partition("[")
+            dim, _, batch = where.partition(",")
+            per_head.append(PerHeadArgument(name, int(dim), batch == "batch"))
+        elif item:
+            fields.append(item)
+    return LocalView(tuple(fields), width, tuple(per_head))
+
+
+def is_attention_style(style: str) -> bool:
+    return style == "attention" or (style.startswith("attention(") and style.endswith(")"))
+
+
+def usual_fields(module: nn.Module) -> tuple[str, ...]:
+    """The module's own integer attributes with the usual head-count and width names (what plain `attention`
+    divides)."""
+    names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
+    return tuple(name for name in names if _is_count(getattr(module, name, None)))
+
+
+def field_value(module: nn.Module, path: str):
+    """The value at a dotted `path` under `module` (attributes, or keys of a dict on the way)."""
+    value = module
+    for part in path.split("."):
+        value = value[part] if isinstance(value, dict) else getattr(value, part, None)
+    return value
+
+
+def apply_local_view(module: nn.Module, view: LocalView | None, tp: int, rank: int) -> None:
+    """Makes `module` run on this rank's `1/tp` of the heads, as `view` says (None: the usual attribute names)."""
+    fields = usual_fields(module) if view is None else view.fields
+    rebuilt: dict[int, nn.Module] = {}
+    for path in fields:
+        _divide_field(module, path, tp, rebuilt)
+    for layer in list(rebuilt.values()):
+        _rebuild_pattern_layer(module, layer)
+    if view is None or not (view.input_width or view.per_head):
+        return
+    signature = inspect.signature(type(module).forward)
+
+    def local_inputs(mod, args, kwargs):
+        bound = signature.bind(mod, *args, **kwargs)
+        arguments = bound.arguments
+        names = list(arguments)[1:]  # past `self`
+        first = arguments[names[0]]
+        batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
+        if view.input_width and isinstance(first, torch.Tensor):
+            arguments[names[0]] = LocalWidth.of(first, tp)
+        for argument in view.per_head:
+            value = arguments.get(argument.name)
+            if isinstance(value, torch.Tensor):
+                arguments[argument.name] = heads_of_rank(value, argument, batch, tp, rank)
+        return bound.args[1:], bound.kwargs
+
+    module.register_forward_pre_hook(local_inputs, with_kwargs=True)
+
+
+def heads_of_rank(tensor: torch.Tensor, argument: PerHeadArgument, batch: int, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s heads of a per-head tensor (chunk r of the heads, as the column split gives q's heads)."""
+    dim = argument.dim % tensor.dim()
+    if argument.batch_major:
+        folded = tensor.unflatten(dim, (batch, -1))  # (..., batch, heads, ...)
+        return folded.chunk(tp, dim + 1)[rank].flatten(dim, dim + 1)
+    return tensor.chunk(tp, dim)[rank]
+
+
+class LocalWidth(torch.Tensor):
+    """A tensor whose `size()` and `.shape` report `1/tp` of its last dimension; every operation runs on the whole
+    tensor and returns plain tensors (autograd flows through as usual)."""
+
+    tp: int = 1
+
+    @staticmethod
+    def of(tensor: torch.Tensor, tp: int) -> LocalWidth:
+        view = tensor.as_subclass(LocalWidth)
+        view.tp = tp
+        return view
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.size, torch.Tensor.shape.__get__) and isinstance(args[0], LocalWidth):
+            view = args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                shape = list(view.shape)
+            shape[-1] //= view.tp
+            if func is torch.Tensor.size and (len(args) > 1 or "dim" in kwargs):
+                return shape[args[1] if len(args) > 1 else kwargs["dim"]]
+            return torch.Size(shape)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _divide_field(module: nn.Module, path: str, tp: int, rebuilt: dict[int, nn.Module]) -> None:
+    """Divides the integer at `path` by tp in `module`'s own view: objects on the way that are not submodules
+    (configs, dicts) are replaced by copies on their holder first, so what other modules share stays global."""
+    holder, parts = module, path.split(".")
+    for part in parts[:-1]:
+        value = holder[part] if isinstance(holder, dict) else getattr(holder, part)
+        if isinstance(value, nn.Module):
+            if isinstance(holder, nn.Module) and _builds_from_pattern(value):
+                rebuilt[id(value)] = value
+            holder = value
+            continue
+        local = copy.copy(value)  # the module's own view of a shared object (each path copies once: see below)
+        if not getattr(value, "_tp_local_view", False):
+            try:
+                object.__setattr__(local, "_tp_local_view", True)
+            except (AttributeError, TypeError):
+                pass  # dicts: a fresh copy per path is harmless, they are tiny
+            _set(holder, part, local)
+            value = local
+        holder = value
+    last = parts[-1]
+    value = holder[last] if isinstance(holder, dict) else getattr(holder, last)
+    if not _is_count(value) or value % tp:
+        raise ValueError(f"local view: '{path}' of {type(module).__name__} is {value!r}, not a count tp={tp} divides")
+    _set(holder, last, value // tp)
+
+
+def _set(holder, key: str, value) -> None:
+    if isinstance(holder, dict):
+        holder[key] = value
+        return
+    try:
+        setattr(holder, key, value)  # through the holder's own __setattr__ (a config's attribute map)
+    except (AttributeError, TypeError):  # a frozen dataclass: its copy is ours to change
+        object.__setattr__(holder, key, value)
+
+
+def _builds_from_pattern(layer: nn.Module) -> bool:
+    """A parameterless layer built from a pattern and axis lengths (einops' layers), which it parses when built."""
+    return (
+        isinstance(getattr(layer, "pattern", None), str)
+        and isinstance(getattr(layer, "axes_lengths", None), dict)
+        and not any(True for _ in layer.parameters())
+    )
+
+
+def _rebuild_pattern_layer(module: nn.Module, layer: nn.Module) -> None:
+    extra = (layer.reduction,) if isinstance(getattr(layer, "reduction", None), str) else ()
+    fresh = type(layer)(layer.pattern, *extra, **layer.axes_lengths)
+    for name, child in module.named_modules():
+        if child is layer and name:
+            parent_name, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(parent_name) if parent_name else module, attribute, fresh)
