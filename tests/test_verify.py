@@ -90,7 +90,7 @@ CASES = {
     "row_layer_marked_colwise_gather_output": (
         _gpt,
         lambda: _with(GPT.tp_plan, **{"blocks.*.mlp.proj": "colwise_gather_output"}),
-        ["the sharded model fails on a probe batch (RuntimeError:"],
+        ["the sharded model fails on a probe batch in the forward of 'blocks.0.mlp.proj' (RuntimeError:"],
     ),
 }  # fmt: skip
 

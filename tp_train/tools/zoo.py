@@ -1,0 +1,232 @@
+"""`python -m tp_train.tools.zoo`: every Hugging Face causal-LM family, built from a tiny config with random
+weights, sharded with no plan given (`tp_train.parallelize`, verification on, as by default) on gloo CPU ranks,
+and compared with the unsharded model: logits, every gradient and three SGD steps of losses, within 1e-5.
+
+Each family lands in one class:
+
+- `pass`: sharded, and it matches (a `*` marks one whose attention was kept whole: the rest is sharded);
+- `refused`: `parallelize` refused it in one line (a plan it cannot apply, or verification found a difference);
+- `WRONG`: sharded without complaint, but it computes something else (the worst outcome: none should be here);
+- `error`: anything else (a crash, or no result within `--timeout` seconds);
+- `unbuildable`: no tiny model could be built from the family's config (not counted among the families).
+
+Each family runs in its own processes (one per rank, on a free port), `--jobs` families at a time, so a family that
+hangs or crashes takes only itself down. Options: `--families llama,bloom`, `--tp 2`, `--jobs 2`,
+`--timeout 180`, `--output zoo.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+
+TOLERANCE = 1e-5
+VOCAB = 128
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+CLASSES = ("pass", "refused", "WRONG", "error", "unbuildable")
+
+
+def families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+# ------------------------------------------------------------------------------------------------ one rank
+
+
+def check_family(model_type: str, steps: int = 3) -> dict:
+    """On one rank of an initialised process group: the family's class and what decided it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import tp_train
+    from models.hf import hugging_face_causal_lm
+    from tp_train.errors import first_line
+
+    torch.manual_seed(0)
+    try:
+        reference = hugging_face_causal_lm(model_type, config=SIZES).eval()
+    except Exception as error:  # noqa: BLE001 - a family this config cannot build is not counted
+        return {"class": "unbuildable", "reason": first_line(error)}
+    model = copy.deepcopy(reference)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            tp_train.parallelize(model)
+    except (ValueError, tp_train.PlanVerificationError) as error:
+        return {"class": "refused", "reason": first_line(error)}
+    except Exception as error:  # noqa: BLE001
+        return {"class": "error", "reason": f"parallelize: {type(error).__name__}: {first_line(error)}"}
+    kept_whole = any("kept whole" in line for line in printed.getvalue().splitlines())
+    generator = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=generator) for _ in range(steps)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (reference, model)]
+    specs = {name: spec for name, _, spec in tp_train.named_sharded_parameters(model)}
+    worst, where = 0.0, ""
+    try:
+        for step, idx in enumerate(batches):
+            logits = [getattr(m(idx), "logits", None) for m in (reference, model)]
+            losses = [F.cross_entropy(out[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten()) for out in logits]
+            for loss in losses:
+                loss.backward()
+            differences = {f"loss at step {step}": (losses[0] - losses[1]).abs().item()}
+            if step == 0:
+                differences["logits"] = (logits[0] - logits[1]).abs().max().item()
+                reference_params = dict(reference.named_parameters())
+                for name, param in model.named_parameters():
+                    grad = param.grad
+                    if grad is not None and name in specs:
+                        grad = tp_train.unshard_tensor(grad, specs[name], dist.group.WORLD)
+                    expected = reference_params[name].grad
+                    if grad is not None and expected is not None and grad.shape == expected.shape:
+                        differences[f"gradient of {name}"] = (grad - expected).abs().max().item()
+            for key, value in differences.items():
+                if not value <= worst:  # NaN counts as worst
+                    worst, where = value, key
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    except Exception as error:  # noqa: BLE001
+        return {"class": "error", "reason": f"training step: {type(error).__name__}: {first_line(error)}"}
+    if not worst <= TOLERANCE:
+        return {"class": "WRONG", "reason": f"{where} differs by {worst:.3g}", "kept_whole": kept_whole}
+    return {"class": "pass", "reason": f"largest difference {worst:.1e}", "kept_whole": kept_whole}
+
+
+def _rank_main(model_type: str, rank: int, world_size: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            result = check_family(model_type)
+    except BaseException as error:  # noqa: BLE001 - reported as the family's error
+        result = {"class": "error", "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        results.send(result)
+
+
+# ------------------------------------------------------------------------------------------------ the parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Family:
+    """One family's ranks, each a process forked from a server that imported torch and transformers once."""
+
+    def __init__(self, context, model_type: str, tp: int, timeout: float):
+        self.model_type, self.deadline, port = model_type, time.monotonic() + timeout, _free_port()
+        self.receiver, sender = context.Pipe(duplex=False)
+        self.ranks = [
+            context.Process(target=_rank_main, args=(model_type, rank, tp, port, sender), daemon=True)
+            for rank in range(tp)
+        ]
+        for rank in self.ranks:
+            rank.start()
+        sender.close()
+
+    def result(self) -> dict | None:
+        """The family's result once rank 0 sends it (or its ranks die, or the deadline passes), else None."""
+        if self.receiver.poll():
+            try:
+                result = self.receiver.recv()
+            except EOFError:
+                result = None
+            if result is not None:
+                self._stop(timeout=10)
+                return result
+        if all(not rank.is_alive() for rank in self.ranks):
+            codes = [rank.exitcode for rank in self.ranks]
+            return {"class": "error", "reason": f"ranks exited with codes {codes} and no result"}
+        if time.monotonic() > self.deadline:
+            self._stop(timeout=0)
+            return {"class": "error", "reason": "no result within the time limit"}
+        return None
+
+    def _stop(self, timeout: float) -> None:
+        for rank in self.ranks:
+            rank.join(timeout)
+            if rank.is_alive():
+                rank.kill()
+                rank.join()
+
+
+def run_zoo(model_types: list[str], tp: int = 2, jobs: int = 2, timeout: float = 180, echo=print) -> dict[str, dict]:
+    """{family: result} for each family, `jobs` families at a time."""
+    import multiprocessing
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks' warnings would bury the table
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "tp_train", "models.hf"])
+    pending, running, results = list(model_types), [], {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            running.append(_Family(context, pending.pop(0), tp, timeout))
+        for family in list(running):
+            result = family.result()
+            if result is not None:
+                running.remove(family)
+                results[family.model_type] = result
+                echo(f"{family.model_type:<28} {result['class']:<11} {result['reason']}")
+        time.sleep(0.2)
+    return results
+
+
+def summary(results: dict[str, dict], tp: int) -> str:
+    """The README's table: counts per class, then every family not passing, with its reason."""
+    counts = {name: sum(r["class"] == name for r in results.values()) for name in CLASSES}
+    buildable = len(results) - counts["unbuildable"]
+    partial = sorted(name for name, r in results.items() if r["class"] == "pass" and r.get("kept_whole"))
+    share = counts["pass"] / max(buildable, 1)
+    lines = [
+        f"{counts['pass']} of {buildable} buildable families pass at tp={tp} ({share:.0%}); "
+        f"refused {counts['refused']}, WRONG {counts['WRONG']}, error {counts['error']}; "
+        f"{counts['unbuildable']} not buildable from a tiny config",
+    ]
+    if partial:
+        lines.append(f"pass with attention kept whole ({len(partial)}): {', '.join(partial)}")
+    for name in ("WRONG", "refused", "error"):
+        for family, result in sorted(results.items()):
+            if result["class"] == name:
+                lines.append(f"{name:<8} {family:<26} {result['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.zoo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", help="comma-separated model types (default: every causal-LM family)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="families checked at once")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds per family")
+    parser.add_argument("--output", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    chosen = args.families.split(",") if args.families else families()
+    started = time.monotonic()
+    results = run_zoo(chosen, args.tp, args.jobs, args.timeout)
+    print(f"\n{summary(results, args.tp)}\n({time.monotonic() - started:.0f} s)")
+    if args.output:
+        with open(args.output, "w") as file:
+            json.dump(results, file, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
