@@ -139,12 +139,6 @@ REFUSALS = {
         "packed_colwise, fused_qkv_colwise) at tp=2 gives each rank a share of its output that feeds only that rank's "
         "share of 'layers.0.out'",
     ),
-    "parameter_on_split_features": (
-        ScaledHidden,
-        2,
-        "the auto-planner cannot plan 'blocks.0.proj': parameter of 'blocks.0' (shape (64,)) acts on the features "
-        "split between ['blocks.0.fc'] and it",
-    ),
     "kv_heads_fewer_than_tp": (
         lambda: Unplanned(_hf_llama_kv(2)),
         4,

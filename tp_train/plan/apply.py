@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from tp_train.parallel.collectives import all_reduce_gradient
+from tp_train.parallel.collectives import all_reduce_gradient, copy_to_tensor_parallel_region
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, shard_tensor
+from tp_train.plan.channels import shard_channels
 from tp_train.plan.local_view import apply_local_view, parse_attention_style
 from tp_train.plan.styles import (
+    FEEDS_PARALLEL_REGION,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
@@ -75,6 +77,8 @@ def apply_plan(
             _set_submodule(model, name, layer)
             if check is not None:
                 check(name, module, layer)
+            if entry.arguments == FEEDS_PARALLEL_REGION:  # after the check, which feeds it replicated gradients
+                layer.register_forward_hook(lambda _, __, output: copy_to_tensor_parallel_region(output, group))
             module._parameters.update(module.tp_origins)  # the dropped module lets go of its full tensors
             continue
         materialize(name, module, device, materialized, init_weights)
@@ -85,6 +89,8 @@ def apply_plan(
             else:
                 _localize_heads(module, dist.get_world_size(group))
             rng.run_in(module, SHARDED)
+        elif style == "channelwise":
+            shard_channels(module, group)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":

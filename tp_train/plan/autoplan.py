@@ -56,6 +56,8 @@ class _Pair:
     columns: dict[str, str] = field(default_factory=dict)  # column module -> style
     attention: bool = False
     between: set[str] = field(default_factory=set)  # modules whose parameters act between columns and row
+    replicated: set[str] = field(default_factory=set)  # earlier row layers whose (all-reduced) output feeds it
+    channels: dict[str, str] = field(default_factory=dict)  # modules holding per-channel parameters -> style
 
 
 class InferredPlan(dict):
@@ -137,13 +139,16 @@ class _Planner:
         pairs, failures = self._pairs()
         views = self._local_views(pairs)
         for pair in pairs:
-            enclosing = _enclosing(pair) if pair.attention else None
+            enclosing = _enclosing(pair) if pair.attention and not pair.channels else None
             if enclosing in self.kept_whole:
                 styles[enclosing] = "replicate"  # graceful: the rest of the model is still sharded
                 continue
             styles.update(pair.columns)
-            styles[pair.row] = "rowwise"
-            if pair.attention:
+            styles.setdefault(pair.row, "rowwise")
+            styles.update(pair.channels)
+            for name in pair.replicated:  # its replicated output re-enters a sharded region: f after its g
+                styles[name] = "rowwise(feeds_parallel_region)"
+            if pair.attention and not pair.channels:
                 self._attention_styles(pair, styles, views.get(enclosing, "attention"))
             for name in sorted(pair.between):
                 styles[name] = "replicated_with_grad_allreduce"
@@ -172,17 +177,24 @@ class _Planner:
         for row in self.linears:
             producers, _ = self.producers[row]
             from_linears_only = producers and producers <= set(self.linears)
-            if row in taken or row == self.head or not from_linears_only or producers & taken:
+            rows_done = {pair.row for pair in pairs}
+            columns_done = {column: style for pair in pairs for column, style in pair.columns.items()}
+            # An earlier row layer's output is replicated (all-reduced): it may feed this row's region as is (Mamba's
+            # x_proj feeding the scan); an earlier column may feed it too, split as before (Mamba's in_proj).
+            replicated = producers & rows_done if from_linears_only else set()
+            if row in taken or row == self.head or not from_linears_only or not producers - replicated:
+                continue
+            if (producers - replicated) & taken and not (replicated and producers - replicated <= set(columns_done)):
                 continue
             if (producers | {row}) & self.untraced:
                 continue
             if self.calls[row].calls != 1 or any(self.calls[name].calls != 1 for name in producers):
                 failures.update({name: "it is called more than once per forward" for name in producers | {row}})
                 continue
-            pair = _Pair(row)
-            for column in sorted(producers, key=lambda name: self.calls[name].order):
-                style = self._split(column, row)
-                if style is None:
+            pair = _Pair(row, replicated=replicated)
+            for column in sorted(producers - replicated, key=lambda name: self.calls[name].order):
+                style = self._split(column, row, frozenset(replicated))
+                if style is None or columns_done.get(column, style) != style:
                     reason = (
                         f"no split of '{column}' ({', '.join(s for s, _ in SPLITS)}) at tp={self.shares} gives each "
                         f"rank a share of its output that feeds only that rank's share of '{row}' (heads that tp "
@@ -206,11 +218,11 @@ class _Planner:
                     )
         return pairs, failures
 
-    def _split(self, column: str, row: str) -> str | None:
+    def _split(self, column: str, row: str, frozen: frozenset = frozenset()) -> str | None:
         width, row_width = _last_dim(self.calls[column].output), _last_dim(self.calls[row].input)
         if row_width % self.shares:
             return None
-        key = ("split", _generic(column), _generic(row), width, row_width)
+        key = ("split", _generic(column), _generic(row), width, row_width, tuple(sorted(map(_generic, frozen))))
         if key not in self._cache:
             candidates = [(style, (width // sections,) * sections) for style, sections in SPLITS]
             sizes = split_sizes(self.calls[column].output, self.calls[row].input)
@@ -222,18 +234,20 @@ class _Planner:
                     for style, sizes in candidates
                     if sum(sizes) == width
                     and all(size % self.shares == 0 for size in sizes)
-                    and self._local(column, row, sizes)
+                    and self._local(column, row, sizes, frozen)
                 ),
                 None,
             )
         return self._cache[key]
 
-    def _local(self, column: str, row: str, sections: tuple[int, ...]) -> bool:
+    def _local(self, column: str, row: str, sections: tuple[int, ...], frozen: frozenset = frozenset()) -> bool:
         """Whether perturbing rank r's share of `column`'s output (split in `sections`, each divided among the
-        ranks) moves only rank r's share of `row`'s input, for every r."""
+        ranks) moves only rank r's share of `row`'s input, for every r; the outputs of `frozen` modules (earlier row
+        layers, all-reduced in the sharded model) held as they were."""
         base = self._row_input(row, {})
         for share in range(self.shares):
-            moved = self._row_input(row, {column: _share_mask(self.calls[column].output, sections, self.shares, share)})
+            mask = _share_mask(self.calls[column].output, sections, self.shares, share)
+            moved = self._row_input(row, {column: mask}, frozen)
             delta = (moved - base).abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
             inside = delta.select(-2, share)
             outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
@@ -268,20 +282,27 @@ class _Planner:
             _last_dim(self.calls[pair.row].input)
         }
         owners = set()
+        channels = _last_dim(self.calls[pair.row].input)
         for param in self.producers[pair.row][1]:
             owner = self.owner.get(id(param), "?")
+            if param.dim() and param.shape[0] == channels and owner in self.modules:
+                # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
+                # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`).
+                shape = linear_shape(self.modules[owner])
+                pair.channels[owner] = "colwise" if shape is not None and shape[1] == channels else "channelwise"
+                continue
             if param.dim() and param.shape[-1] in split_widths:
                 raise ValueError(
                     f"the auto-planner cannot plan '{pair.row}': parameter of '{owner}' (shape {tuple(param.shape)}) "
                     f"acts on the features split between {sorted(pair.columns)} and it; give the model a `tp_plan`"
                 )
             owners.add(owner)
-        return owners
+        return owners - set(pair.channels)
 
     def _local_views(self, pairs: list[_Pair]) -> dict[str, str]:
         """The attention style of each attention module: the view under which it runs right on local heads
         (`tp_train.plan.local_search`), found once per block shape; modules with none go to `kept_whole`."""
-        enclosing = {_enclosing(pair): pair for pair in pairs if pair.attention}
+        enclosing = {_enclosing(pair): pair for pair in pairs if pair.attention and not pair.channels}
         enclosing = {name: pair for name, pair in enclosing.items() if name and name in self.calls}
         if not enclosing:
             return {}
@@ -333,8 +354,9 @@ class _Planner:
 
     # ------------------------------------------------------------------------------------------- probe forwards
 
-    def _row_input(self, row: str, masks: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`row`'s input in a probe forward in which `masks[name]` marks entries of `name`'s output to perturb."""
+    def _row_input(self, row: str, masks: dict[str, torch.Tensor], frozen: frozenset = frozenset()) -> torch.Tensor:
+        """`row`'s input in a probe forward in which `masks[name]` marks entries of `name`'s output to perturb, and
+        the outputs of `frozen` modules are held at their unperturbed values."""
         if not masks and row in self._bases:
             return self._bases[row]
         captured = {}
@@ -353,6 +375,10 @@ class _Planner:
         handles += [
             self.modules[name].register_forward_hook(lambda m, a, o, mask=mask: perturb(m, a, o, mask))
             for name, mask in masks.items()
+        ]
+        handles += [
+            self.modules[name].register_forward_hook(lambda m, a, o, name=name: self.calls[name].output.detach())
+            for name in frozen
         ]
         try:
             with torch.no_grad():

@@ -89,6 +89,9 @@ def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: in
             check_divisible(where, f"out_features/{sections}", out_features // sections, tp)
         elif style == "colwise":
             check_divisible(where, "out_features", out_features, tp)
+    elif style == "channelwise":
+        for param_name, param in module.named_parameters(recurse=False):
+            check_divisible(where, f"{param_name}.shape[0]", param.shape[0] if param.dim() else 1, tp)
     elif style == "embedding_rowwise":
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")

@@ -17,6 +17,8 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `replicated_with_grad_allreduce` | any module | its parameters stay whole; their gradients are summed over the TP |
 |                         |                     | group (a norm applied to each rank's local heads, e.g. QK-norm)  |
 | `replicate`             | any module          | left as it is (every rank holds it whole)                        |
+| `channelwise`           | any module          | its own parameters split along dim 0 with the channels of the    |
+|                         |                     | column layer before it (an SSM's conv1d, A_log, D; a gated norm) |
 
 Two styles take arguments in parentheses: `fused_qkv_colwise(64,32,32)` names unequal [q; k; v] sections (grouped-query
 attention's fused projection, litgpt's), and `attention(n_head, config.n_query_groups, input_width, ...)` names where
@@ -40,6 +42,7 @@ STYLES = LINEAR_STYLES | {
     "replicated_rng",
     "replicated_with_grad_allreduce",
     "replicate",
+    "channelwise",
 }
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
@@ -97,7 +100,11 @@ def style_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpe
     return ShardSpec(dim=0, sections=(out_features // sections,) * sections, padded=padded, transposed=transposed)
 
 
-STYLES_WITH_ARGUMENTS = ("attention", "fused_qkv_colwise")
+STYLES_WITH_ARGUMENTS = ("attention", "fused_qkv_colwise", "rowwise")
+# `rowwise(feeds_parallel_region)`: a row layer whose all-reduced output then enters a sharded region again not
+# through a column layer (Mamba's x_proj, read by each rank's channels of the scan): its output gradient is
+# all-reduced too (Megatron's f after its g).
+FEEDS_PARALLEL_REGION = "feeds_parallel_region"
 
 
 def split_style(style: str) -> tuple[str, str]:
@@ -113,4 +120,4 @@ def split_style(style: str) -> tuple[str, str]:
 
 def section_sizes(arguments: str) -> tuple[int, ...] | None:
     """The section sizes `fused_qkv_colwise(64,32,32)` names, or None (equal thirds)."""
-    return tuple(int(size) for size in arguments.split(",")) if arguments else None
+    return tuple(int(size) for size in arguments.split(",")) if arguments[:1].isdigit() else None

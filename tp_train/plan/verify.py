@@ -230,7 +230,10 @@ def verify_parallelized(
     modes = {module: module.training for module in chain(model.modules(), reference.modules())}
     model.eval(), reference.eval()
     try:
-        ref_output, ref_modules = _forward(reference, inputs)
+        try:
+            ref_output, ref_modules = _forward(reference, inputs)
+        except _ForwardFailure as failure:  # the unsharded model itself cannot run the probe: not the plan's fault
+            raise failure.error from None
         weight = torch.randn(ref_output.shape, generator=torch.Generator().manual_seed(0)).to(ref_output)
         (ref_output.float() * weight).sum().backward()
         errors, problem = _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance)
