@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
-from tp_train.parallel.sharding import full_numel, named_sharded_parameters
+from tp_train.parallel.sharding import full_numel, local_part, named_sharded_parameters
 from tp_train.plan.parallelize import attached
 
 MIB = 2**20
@@ -65,7 +65,7 @@ class TrainingMetrics(L.Callback):
         self._start = time.perf_counter()
         self._paused = 0.0  # time spent in validation, which is not training throughput
         self._samples = self._tokens = self._batches = 0
-        params = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        params = sum(local_part(p).numel() * p.element_size() for p in pl_module.parameters())  # FSDP2: this rank's
         pl_module.log("memory/params_mib", params / MIB, rank_zero_only=True)
         if trainer.logger:
             tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
@@ -77,7 +77,8 @@ class TrainingMetrics(L.Callback):
                     "dp": trainer.world_size // tp,
                     "precision": str(trainer.precision),
                     "parameters": total,
-                    "parameters_per_rank": sum(p.numel() for p in pl_module.parameters()),
+                    "parameters_per_rank": sum(local_part(p).numel() for p in pl_module.parameters()),
+                    "data_parallel": getattr(trainer.strategy, "data_parallel", "ddp"),
                 }
             )
 

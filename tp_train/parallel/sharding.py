@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -115,6 +116,27 @@ def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) ->
 def full_numel(local: torch.Tensor, spec: ShardSpec) -> int:
     """Elements of the full (unsharded, unpadded) tensor that `local` is a shard of."""
     return local.numel() // local.shape[spec.dim] * sum(spec.sections)
+
+
+def data_parallel_shard_dim(local_shape: tuple[int, ...], spec: ShardSpec | None, data_parallel_size: int) -> int:
+    """The dimension sharded data parallelism (FSDP2) splits a parameter of this rank's `local_shape` along.
+
+    FSDP2's default is dim 0. A tensor-parallel shard split along dim 0 (column-parallel weights, vocabularies) is
+    split along the largest other dimension that divides evenly instead (FSDP2 shards a dimension other than 0 only
+    evenly), so that each rank's piece stays one box of the full tensor: its (dp, tp) placement is two `Shard`s of
+    different dimensions, which checkpoints address directly. Without such a dimension (a 1-D shard such as a
+    bias): 0, and a checkpoint gathers that tensor's tensor-parallel shard over the data-parallel ranks.
+    """
+    if spec is None or spec.dim != 0:
+        return 0
+    candidates = [d for d in range(1, len(local_shape)) if local_shape[d] % data_parallel_size == 0]
+    return max(candidates, key=lambda d: local_shape[d], default=0)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own elements of `tensor`: the local piece of a DTensor (a parameter, gradient or optimizer state
+    FSDP2 shards over the data-parallel ranks), else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def named_sharded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, ShardSpec]]:

@@ -95,6 +95,7 @@ def parallelize(
         layout = block_layout(model, planned, feature)
         if sequence_parallel:
             check_sequence_parallel(model, layout)
+    blocks = layout.blocks if layout is not None else _blocks_if_any(model, planned)
     device = torch.device(device) if device is not None else _default_device(model)
     rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
@@ -107,6 +108,7 @@ def parallelize(
     if activation_checkpointing:
         checkpoint_blocks(model, layout, rng)
     model.tp_rng = rng
+    model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
     whole_model_errors = None
     if skeleton is not None:
         whole_model_errors = verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
@@ -115,6 +117,14 @@ def parallelize(
     model.tp_comm_counter = _count_communication(model, counter)
     counter.reset()  # verification's traffic is not training's
     return model
+
+
+def _blocks_if_any(model: nn.Module, planned: list) -> list[str]:
+    """The transformer blocks' names, or none when the plan's layers are not in one ModuleList."""
+    try:
+        return block_layout(model, planned, "per-block wrapping").blocks
+    except ValueError:
+        return []
 
 
 def _parameter_bytes(model: nn.Module) -> int:
