@@ -105,7 +105,8 @@ def run(cfg: DictConfig) -> float | None:
         preflight.check(cfg, lambda: instantiate(cfg.model))
         if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
             estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
-            print(estimate.table(f"predicted memory per rank (tp={cfg.tp}, precision={cfg.precision})"), flush=True)
+            title = f"predicted memory per rank (tp={cfg.tp}, {cfg.data_parallel}, precision={cfg.precision})"
+            print(estimate.table(title), flush=True)
         if cfg.get("dry_run"):
             return None
         datamodule = instantiate(cfg.data)

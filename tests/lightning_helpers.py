@@ -83,7 +83,11 @@ class StepRecorder(L.Callback):
 
 
 def make_trainer(
-    tensor_parallel_size: int, callbacks: list | None = None, data_parallel: str = "ddp", **trainer_kwargs: Any
+    tensor_parallel_size: int,
+    callbacks: list | None = None,
+    data_parallel: str = "ddp",
+    strategy_kwargs: dict | None = None,
+    **trainer_kwargs: Any,
 ) -> L.Trainer:
     defaults = dict(
         logger=False,
@@ -93,7 +97,9 @@ def make_trainer(
         num_sanity_val_steps=0,
     )
     return L.Trainer(
-        strategy=TensorParallelStrategy(tensor_parallel_size=tensor_parallel_size, data_parallel=data_parallel),
+        strategy=TensorParallelStrategy(
+            tensor_parallel_size=tensor_parallel_size, data_parallel=data_parallel, **(strategy_kwargs or {})
+        ),
         accelerator="cpu",
         devices=dist.get_world_size(),
         callbacks=callbacks,

@@ -23,6 +23,7 @@ from tp_train.parallel.collectives import all_reduce_gradient
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, shard_tensor
+from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.styles import (
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
@@ -82,8 +83,8 @@ def apply_plan(
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":
-            for param in module.parameters(recurse=False):
-                param.register_hook(lambda grad: all_reduce_gradient(grad, group))
+            for param_name, _ in module.named_parameters(recurse=False):
+                register_gradient_hook(module, param_name, lambda grad: all_reduce_gradient(grad, group))
     _share_sibling_inputs(model, planned, group)
 
 

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from tp_train.parallel.sharding import data_parallel_shard_dim, named_sharded_parameters
+from tp_train.plan.gradient_hooks import keep_gradient_hooks
 
 
 def fully_shard_data_parallel(
@@ -59,6 +60,7 @@ def fully_shard_data_parallel(
             wrapped.append(fully_shard(model.get_submodule(name), **options))
     wrapped.extend(fully_shard(model, **options) for model in models if model is not root)
     wrapped.append(fully_shard(root, **options))
+    keep_gradient_hooks(root)  # tensor parallelism's gradient all-reduces, on FSDP2's unsharded parameters
     for method in extra_methods:
         if callable(getattr(root, method, None)):
             register_fsdp_forward_method(root, method)
