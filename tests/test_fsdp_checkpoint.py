@@ -1,8 +1,11 @@
 """Checkpoints under sharded data parallelism (`data_parallel="fsdp"`): a dp2 x tp2 FSDP2 checkpoint validates the
 same at one device, at tp=2 and at dp2 x tp2 with DDP; training resumes from it exactly; and the DCP layout is the
-same with and without FSDP2, including tensors FSDP2 splits along their tensor-parallel dimension (biases)."""
+same with and without FSDP2, including tensors FSDP2 splits along their tensor-parallel dimension (biases), and
+exports to Hugging Face."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,13 +15,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from models.gpt import GPT, GPTConfig
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import fit, validate
+from tests.parity import next_token_loss
+from tests.test_parallelize import ATOL, VOCAB, _hf_gpt2, _hf_llama
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.parallel.mesh import DATA_PARALLEL, TENSOR_PARALLEL
 from tp_train.parallel.sharding import local_part
 from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
+from tp_train.tools.export import export_hugging_face
 
 EPOCH = 4  # batches per epoch: the checkpoint after step 4 ends an epoch
+EXPORTED = {"gpt2": _hf_gpt2, "llama": _hf_llama}
+IDX = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
 
 
 def _train_and_save(rank, world_size, path):
@@ -116,3 +124,33 @@ def _round_trip(rank, world_size, path):
 def test_fsdp_and_ddp_checkpoints_share_one_layout_biases_included(tmp_path):
     for differences in run_on_ranks(_round_trip, 4, str(tmp_path / "gpt.ckpt"), timeout=300):
         assert differences == {False: 0.0, True: 0.0}
+
+
+def _hugging_face_fsdp_save(rank, world_size, directory):
+    """One SGD step of GPT-2 (tied, padded vocabulary, Conv1D, fused q/k/v) and Llama at dp2 x tp2 under FSDP2,
+    then a checkpoint; returns the logits after the step."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
+    logits = {}
+    for name, build in EXPORTED.items():
+        torch.manual_seed(0)
+        model = parallelize(build(), mesh[TENSOR_PARALLEL])
+        fully_shard_data_parallel(model, [model], mesh[DATA_PARALLEL])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        next_token_loss(model(input_ids=IDX).logits, IDX).backward()
+        optimizer.step()
+        checkpoint_io.save(Path(directory) / name, model, [optimizer], mesh)
+        with torch.no_grad():
+            logits[name] = model(input_ids=IDX).logits
+    return logits
+
+
+def test_an_fsdp_checkpoint_exports_to_hugging_face(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trained = run_on_ranks(_hugging_face_fsdp_save, 4, str(tmp_path), timeout=300)[0]
+    for name, build in EXPORTED.items():
+        out = export_hugging_face(tmp_path / name, tmp_path / f"{name}_hf", config=build().config)
+        exported = AutoModelForCausalLM.from_pretrained(out)
+        with torch.no_grad():
+            error = (exported(input_ids=IDX).logits - trained[name]).abs().max().item()
+        assert error < ATOL, (name, error)
