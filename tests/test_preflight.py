@@ -41,6 +41,7 @@ CASES = {
                            "ckpt_path: checkpoint /no/such/last.ckpt: no such file or directory; use a checkpoint"),
     "unknown_nonfinite_action": (["nonfinite=ignore"], "nonfinite=ignore: use nonfinite=stop (end the run at a NaN"),
     "collective_timeout_not_positive": (["collective_timeout_s=0"], "collective_timeout_s=0: use a positive number"),
+    "unknown_data_parallel": (["data_parallel=zero"], "data_parallel=zero: use data_parallel=ddp (each data-parallel"),
     "checkpoint_is_a_file": (["ckpt_path=train.py"], "checkpoint train.py: a file, not a checkpoint directory"),
 }  # fmt: skip
 
