@@ -32,6 +32,7 @@ from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, Vo
 from tp_train.parallel.random import TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
 from tp_train.plan.autoplan import infer_plan
+from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
 from tp_train.plan.verify import PlanVerificationError, verify_parallelized
 from tp_train.tools.export import export_hugging_face
@@ -66,6 +67,7 @@ __all__ = [
     "estimate_memory",
     "export_hugging_face",
     "full_state_dict",
+    "fully_shard_data_parallel",
     "gather_from_sequence_parallel_region",
     "global_grad_norm",
     "infer_plan",

@@ -18,9 +18,10 @@ from tp_train.app.resolvers import lightning_precision
 from tp_train.checkpoint.checks import check_files
 from tp_train.errors import CheckpointError, ConfigError
 from tp_train.lightning.nonfinite import ACTIONS
+from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
-from tp_train.tools.memory import DATA_PARALLEL_MODES, MemoryEstimate, estimate_memory
+from tp_train.tools.memory import MemoryEstimate, estimate_memory
 
 
 def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:

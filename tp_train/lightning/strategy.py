@@ -42,7 +42,7 @@ from typing_extensions import override
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.lightning.launch import HydraJobLauncher
 from tp_train.lightning.precision import tensor_parallel_precision
-from tp_train.parallel.mesh import DATA_PARALLEL, TENSOR_PARALLEL
+from tp_train.parallel.mesh import DATA_PARALLEL, DATA_PARALLEL_MODES, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
@@ -342,9 +342,6 @@ class TensorParallelStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"{cls.__name__} ({start_method})", start_method=start_method
                 )
-
-
-DATA_PARALLEL_MODES = ("ddp", "fsdp")
 
 
 def _mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 
 import torch.nn as nn
 
+from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
@@ -77,9 +78,6 @@ class MemoryEstimate:
         rows.append(("peak", self.total))
         width = max(len(name) for name, _ in rows)
         return "\n".join([f"{title}:", *(f"  {name:<{width}}  {value / MIB:10.1f} MiB" for name, value in rows)])
-
-
-DATA_PARALLEL_MODES = ("ddp", "fsdp")
 
 
 def parameters_per_rank(
