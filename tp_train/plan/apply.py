@@ -12,6 +12,7 @@ Reading a plan is two passes: `tp_train.plan.match.match_plan` resolves and vali
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -20,18 +21,28 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import all_reduce_gradient
-from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
+from tp_train.parallel.layers import (
+    ColumnParallelLinear,
+    ModuleRegion,
+    RowParallelLinear,
+    SharedInputRegion,
+    VocabParallelEmbedding,
+)
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, shard_tensor
 from tp_train.plan.styles import (
+    CONFIG_HEAD_FIELDS,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
-    PACKED_SECTIONS,
+    REGION_STYLES,
+    ROW_STYLES,
     SWAPPED_BASES,
     WIDTH_ATTRIBUTES,
     PlannedModule,
     linear_shape,
+    output_sections,
+    parameter_shard_spec,
 )
 
 
@@ -68,7 +79,7 @@ def apply_plan(
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(module, group, shared)
             else:
-                layer = _parallel_linear(module, style, group, shared, loss_parallel)
+                layer = _parallel_linear(module, style, group, shared, loss_parallel, getattr(model, "config", None))
             layer = _keep_subclass_forward(module, layer, SWAPPED_BASES[style])
             _set_submodule(model, name, layer)
             if check is not None:
@@ -76,7 +87,12 @@ def apply_plan(
             module._parameters.update(module.tp_origins)  # the dropped module lets go of its full tensors
             continue
         materialize(name, module, device, materialized, init_weights)
-        if style == "attention":
+        if entry is not None and entry.parameters:
+            _shard_parameters(module, entry.parameters, group, shared)
+        if style in REGION_STYLES:
+            module.tp_region = _region(style, group)
+            module.tp_region.install(module)
+        elif style == "attention":
             _localize_heads(module, dist.get_world_size(group))
             rng.run_in(module, SHARDED)
         elif style == "replicated_rng":
@@ -177,21 +193,23 @@ def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpe
     return shard
 
 
-def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool):
+def _parallel_linear(
+    module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool, config=None
+) -> nn.Module:
     in_features, out_features = linear_shape(module)
     transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
     # Built on meta, with no initialisation of its own: its parameters are the slices of the module's.
     kwargs = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
-    if style == "rowwise":
-        layer = RowParallelLinear(in_features, out_features, group, **kwargs)
+    if style in ROW_STYLES:
+        split_input = style == "rowwise_split_input"
+        layer = RowParallelLinear(in_features, out_features, group, split_input=split_input, **kwargs)
     else:
-        sections = PACKED_SECTIONS.get(style, 1)
         layer = ColumnParallelLinear(
             in_features,
             out_features,
             group,
             gather_output=style == "colwise_gather_output" and not loss_parallel,
-            sections=(out_features // sections,) * sections,
+            sections=output_sections(style, out_features, config),
             pad_output=style == "colwise_gather_output",
             **kwargs,
         )
@@ -238,8 +256,50 @@ def _share_sibling_inputs(model: nn.Module, planned: list[PlannedModule], group:
 
 
 def _localize_heads(module: nn.Module, tp: int) -> None:
-    """Rewrites an attention module's head counts and head widths to this rank's share."""
+    """Rewrites an attention module's head counts and head widths to this rank's share. An attention that reads
+    head counts from a config shared with the whole model (phi3's `self.config.num_attention_heads`) gets a copy
+    of it, its own, with the local counts; the model's config is left as it was."""
     for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
         value = getattr(module, attribute, None)
         if isinstance(value, int):
             setattr(module, attribute, value // tp)
+    config = getattr(module, "config", None)
+    counts = {field: getattr(config, field, None) for field in CONFIG_HEAD_FIELDS}
+    counts = {field: value for field, value in counts.items() if isinstance(value, int)}
+    if counts:
+        local = copy.copy(config)
+        for field, value in counts.items():
+            setattr(local, field, value // tp)
+        module.config = local
+
+
+def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessGroup, shared: dict) -> None:
+    """Replaces each of `module`'s parameters that a plan entry names by this rank's shard, recording its split in
+    `module.shard_specs` (as the parallel layers do), so that checkpoints, gathering and export see it."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    specs = getattr(module, "shard_specs", {})
+    for param_name, style in styles.items():
+        spec = parameter_shard_spec(style, module, param_name)
+        if spec is None:
+            continue
+        original = module._parameters[param_name]
+        if id(original) in shared:  # tied to a parameter sharded before: the same split, or refused
+            _, previous_spec, shard = shared[id(original)]
+            if previous_spec != spec:
+                raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
+        else:
+            local = shard_tensor(original.detach(), spec, rank, world_size)
+            shard = nn.Parameter(local, requires_grad=original.requires_grad)
+            shared[id(original)] = (original, spec, shard)
+        module._parameters[param_name] = shard
+        specs[param_name] = spec
+    module.shard_specs = specs
+
+
+def _region(style: str, group: ProcessGroup) -> ModuleRegion:
+    """The collectives around a module of a region style (see `tp_train.plan.styles`)."""
+    if style == "moe_tp_experts":
+        return ModuleRegion(group, enter=True, leave=True)
+    if style == "moe_identity_expert":
+        return ModuleRegion(group, input_scale=1 / dist.get_world_size(group))
+    return ModuleRegion(group, leave=True)  # all_reduce

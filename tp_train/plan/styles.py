@@ -8,6 +8,8 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `colwise`               | Linear / HF Conv1D  | `ColumnParallelLinear`, output sharded (heads, MLP hidden)       |
 | `colwise_gather_output` | Linear / HF Conv1D  | `ColumnParallelLinear`, output gathered (an LM head); vocab padded |
 | `rowwise`               | Linear / HF Conv1D  | `RowParallelLinear`, input sharded, output all-reduced           |
+| `rowwise_split_input`   | Linear / HF Conv1D  | `RowParallelLinear` taking a replicated input: it keeps its own  |
+|                         |                     | share of the features (an input gathered by `colwise_gather_output`) |
 | `packed_colwise`        | Linear / HF Conv1D  | column split of a packed `[gate; up]` projection, half by half   |
 | `fused_qkv_colwise`     | Linear / HF Conv1D  | column split of a fused `[q; k; v]` projection, head-aware       |
 | `embedding_rowwise`     | Embedding           | `VocabParallelEmbedding`, vocab rows sharded and padded          |
@@ -17,26 +19,56 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `replicated_with_grad_allreduce` | any module | its parameters stay whole; their gradients are summed over the TP |
 |                         |                     | group (a norm applied to each rank's local heads, e.g. QK-norm)  |
 | `replicate`             | any module          | left as it is (every rank holds it whole)                        |
+| `moe_tp_experts`        | MoE experts module  | its floating-point inputs (tokens, routing weights) enter the    |
+|                         |                     | parallel region (`f`), its output (each rank's partial sum over  |
+|                         |                     | its share of every expert) is all-reduced (`g`): one all-reduce  |
+| `moe_identity_expert`   | an identity expert  | its input divided by tp, so the experts' all-reduce sums it once |
+| `all_reduce`            | any module          | its output (a partial sum) is all-reduced                        |
+| `local_params`          | any module          | nothing: its sharded parameters are already local tensors        |
+
+Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.*.self_attn.sinks`), as Hugging
+Face's plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
+(`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
+`rowwise` the last (in), `packed_colwise` / `packed_rowwise` the same dimensions as two halves ([gate; up]), or
+plainly where the module stores gate and up interleaved (`is_concatenated = False`); `replicate` keeps it whole.
+Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
+surrounds it.
 
 `colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
 from tp_train.parallel.sharding import ShardSpec
 
-LINEAR_STYLES = {"colwise", "colwise_gather_output", "rowwise", "packed_colwise", "fused_qkv_colwise"}
-STYLES = LINEAR_STYLES | {
-    "embedding_rowwise",
-    "attention",
-    "replicated_rng",
-    "replicated_with_grad_allreduce",
-    "replicate",
+LINEAR_STYLES = {
+    "colwise",
+    "colwise_gather_output",
+    "rowwise",
+    "rowwise_split_input",
+    "packed_colwise",
+    "fused_qkv_colwise",
 }
+ROW_STYLES = {"rowwise", "rowwise_split_input"}
+# Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
+REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce"}
+STYLES = (
+    LINEAR_STYLES
+    | REGION_STYLES
+    | {
+        "embedding_rowwise",
+        "attention",
+        "replicated_rng",
+        "replicated_with_grad_allreduce",
+        "replicate",
+        "local_params",
+    }
+)
+PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate"}
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 
@@ -54,6 +86,7 @@ class PlannedModule:
     module: nn.Module
     style: str
     pattern: str
+    parameters: dict[str, str] = field(default_factory=dict)  # entries naming its own parameters: name -> style
 
 
 # The class each swapping style replaces; a subclass's own forward is kept around the sharded layer.
@@ -74,10 +107,27 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def style_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:
+def output_sections(style: str, out_features: int, config=None) -> tuple[int, ...]:
+    """The sections a column style splits a layer's output into, each split evenly across ranks: one, two halves
+    (`packed_colwise`), or [q; k; v] (`fused_qkv_colwise`), sized from `config`'s head counts when it has fewer kv
+    heads than query heads (q: heads x head_dim, k and v: kv heads x head_dim, as phi3's qkv_proj), else thirds."""
+    sections = PACKED_SECTIONS.get(style, 1)
+    heads, kv_heads = (
+        next((getattr(config, name) for name in names if isinstance(getattr(config, name, None), int)), None)
+        for names in (HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES)
+    )
+    if style == "fused_qkv_colwise" and heads and kv_heads and kv_heads != heads:
+        head_dim, remainder = divmod(out_features, heads + 2 * kv_heads)
+        if not remainder:
+            return (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    return (out_features // sections,) * sections
+
+
+def style_shard_spec(style: str, module: nn.Module, param_name: str, config=None) -> ShardSpec | None:
     """How `style` splits `module`'s parameter `param_name`, in the layout of the parallel layer that replaces it
     (nn.Linear's (out, in); `transposed` when the module stores it the other way, as Conv1D does), or None when
-    every rank holds it whole (a row layer's bias, a style that swaps nothing)."""
+    every rank holds it whole (a row layer's bias, a style that swaps nothing). `config`: the model's, for the
+    sections of a fused [q; k; v] projection (`output_sections`)."""
     if style == "embedding_rowwise":
         return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
     shape = linear_shape(module)
@@ -85,8 +135,25 @@ def style_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpe
         return None
     in_features, out_features = shape
     transposed = not isinstance(module, nn.Linear) and param_name == "weight"
-    if style == "rowwise":
+    if style in ROW_STYLES:
         return ShardSpec(dim=1, sections=(in_features,), transposed=transposed) if param_name == "weight" else None
-    sections = PACKED_SECTIONS.get(style, 1)
     padded = style == "colwise_gather_output"
-    return ShardSpec(dim=0, sections=(out_features // sections,) * sections, padded=padded, transposed=transposed)
+    return ShardSpec(dim=0, sections=output_sections(style, out_features, config), padded=padded, transposed=transposed)
+
+
+def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:
+    """How a plan entry naming `module`'s parameter `param_name` splits it (see the module docstring), or None when
+    every rank holds it whole. Raises `ValueError` for a style that cannot split it."""
+    param = getattr(module, param_name)
+    if style == "replicate":
+        return None
+    rowwise = style in ("rowwise", "packed_rowwise")
+    if style not in PARAMETER_STYLES or (rowwise and param.dim() < 2):
+        raise ValueError(
+            f"style '{style}' cannot split a {param.dim()}-D parameter; a parameter takes one of "
+            f"{', '.join(sorted(PARAMETER_STYLES))} (rowwise ones need 2 or more dims)"
+        )
+    dim = param.dim() - 1 if rowwise else max(param.dim() - 2, 0)
+    size = param.shape[dim]
+    packed = style.startswith("packed_") and getattr(module, "is_concatenated", True)
+    return ShardSpec(dim=dim, sections=(size // 2, size - size // 2) if packed else (size,))

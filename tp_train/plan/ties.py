@@ -13,7 +13,10 @@ from tp_train.plan.styles import LINEAR_STYLES, PlannedModule, linear_shape
 VOCABULARY_SPLIT = "vocabulary"
 
 
-def _split_of(style: str | None, param_name: str) -> str:
+def _split_of(entry: PlannedModule | None, param_name: str) -> str:
+    style = entry.style if entry else None
+    if entry is not None and entry.parameters.get(param_name, "replicate") != "replicate":
+        return f"{entry.parameters[param_name]} (a parameter entry)"
     if style in ("embedding_rowwise", "colwise_gather_output"):
         return VOCABULARY_SPLIT
     if style == "rowwise" and param_name == "bias":
@@ -41,7 +44,7 @@ def tie_completions(model: nn.Module, planned: dict[str, PlannedModule]) -> list
                 )
     completions = []
     for tied in holders.values():
-        sides = [(name, key, module, _split_of(getattr(planned.get(name), "style", None), key))
+        sides = [(name, key, module, _split_of(planned.get(name), key))
                  for name, key, module in tied.values()]  # fmt: skip
         splits = {split for *_, split in sides}
         if len(tied) < 2 or (len(splits) == 1 and not splits & {"copied (a row layer's bias)"}):

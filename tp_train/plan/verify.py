@@ -114,7 +114,7 @@ class SwapCheck:
             inputs = local_inputs = inputs.to(weight.device)
         else:
             inputs = torch.randn(1, PROBE_TOKENS, layer.in_features, generator=generator).to(weight)
-            local_inputs = inputs.chunk(world_size, -1)[rank] if isinstance(layer, RowParallelLinear) else inputs
+            local_inputs = inputs.chunk(world_size, -1)[rank] if _takes_input_shard(layer) else inputs
             inputs, local_inputs = inputs.requires_grad_(), local_inputs.detach().requires_grad_()
         # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
         # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
@@ -141,7 +141,7 @@ class SwapCheck:
         (reference.float() * projection).sum().backward()
         (output.float() * local_projection).sum().backward()
         if inputs.is_floating_point():
-            expected = inputs.grad.chunk(world_size, -1)[rank] if isinstance(layer, RowParallelLinear) else inputs.grad
+            expected = inputs.grad.chunk(world_size, -1)[rank] if _takes_input_shard(layer) else inputs.grad
             errors["input gradient"] = _relative(local_inputs.grad, expected)
         for param_name, param in layer.named_parameters(recurse=False):
             full_grad = getattr(module, param_name).grad
@@ -154,6 +154,11 @@ class SwapCheck:
                 )
             errors[f"{param_name} gradient"] = _relative(param.grad, full_grad)
         return errors
+
+
+def _takes_input_shard(layer: nn.Module) -> bool:
+    """Whether `layer` takes this rank's share of the input features (a row layer that does not split its own)."""
+    return isinstance(layer, RowParallelLinear) and not layer.split_input
 
 
 def _overrides_forward(module: nn.Module) -> bool:
