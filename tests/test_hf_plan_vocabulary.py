@@ -6,11 +6,14 @@
 - `colwise_gather_output` + `rowwise_split_input` inside blocks (olmo2's plan, for its norm over all heads);
 - a head-aware plan in place of Hugging Face's where that one is wasteful (phi3's fused qkv_proj with fewer kv
   heads, and gate_up_proj), with the attention given a local copy of the config it reads head counts from;
+- DeepSeek's latent attention (`mla_kv_a_proj`: the rotary key its replicated projection ends with enters the
+  parallel region), with and without `q_lora_rank`;
 - entries the config removed (Qwen2-MoE's dense MLP when every layer is sparse) skipped and reported, entries
   written without the base model's prefix (Llama4's text plan) resolved against it.
 
 Each family matches the unsharded model at tp 2 and 4 (logits, gradients and 3 steps of losses within 1e-5), each
-rank holding 1/tp of the block matrices (MoE: plus the replicated router, under 2% of them).
+rank holding 1/tp of the block matrices, plus what stays whole on purpose: MoE routers (up to 3% more), DeepSeek's
+latent projections (up to 30% more at this tiny width).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from tp_train.plan.resolve import SKIPPED, resolve_plan
 
 SIZES = dict(pad_token_id=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+
+DEEPSEEK = dict(kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=32,
+                n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1)  # fmt: skip
 
 # model_type, config fields, where the plan comes from, and how far above 1/tp a rank's block share may be (the
 # replicated routers of MoE models).
@@ -52,6 +58,20 @@ FAMILIES = {
         0.0,
     ),
     "olmo2": ("olmo2", {}, "Hugging Face", 0.0),
+    # DeepSeek-V2's latent attention (`mla_kv_a_proj`), with and without a low-rank q (the entry for the q projection
+    # its config does not build is skipped); its latent projections stay whole on every rank, as in HF's plan.
+    "deepseek_v2": (
+        "deepseek_v2",
+        dict(DEEPSEEK, q_lora_rank=None),
+        SKIPPED + " 'model.layers.*.self_attn.q_b_proj'",
+        0.3,
+    ),
+    "deepseek_v2_q_lora": (
+        "deepseek_v2",
+        dict(DEEPSEEK, q_lora_rank=16),
+        SKIPPED + " 'model.layers.*.self_attn.q_proj'",
+        0.3,
+    ),
 }
 
 

@@ -262,7 +262,9 @@ class ModuleRegion(Configurable):
     output, this rank's partial sum, is all-reduced (`reduce_from_tensor_parallel_region`: identity backward): a
     column-then-row split of every expert costs that one all-reduce forward and one backward (plus one for the
     routing weights' small gradient). `input_scale` multiplies the first argument (an identity expert inside an
-    all-reduced region, whose copies on every rank must sum to one).
+    all-reduced region, whose copies on every rank must sum to one). `output_tail` features at the end of the
+    output (replicated) enter the parallel region: in DeepSeek's latent attention, `kv_a_proj_with_mqa` is whole
+    on every rank and the rotary key it ends with goes straight to the local heads, so its gradient is partial.
     """
 
     SETTINGS = ("comm_counter",)
@@ -273,16 +275,17 @@ class ModuleRegion(Configurable):
         enter: bool = False,
         leave: bool = False,
         input_scale: float | None = None,
+        output_tail: int | None = None,
         comm_counter: CommunicationCounter | None = None,
     ):
         self.group = group
-        self.enter, self.leave, self.input_scale = enter, leave, input_scale
+        self.enter, self.leave, self.input_scale, self.output_tail = enter, leave, input_scale, output_tail
         self.comm_counter = comm_counter
 
     def install(self, module: nn.Module) -> None:
         if self.enter or self.input_scale is not None:
             module.register_forward_pre_hook(self._inputs, with_kwargs=True)
-        if self.leave:
+        if self.leave or self.output_tail:
             module.register_forward_hook(self._output)
 
     def _inputs(self, module, args, kwargs):
@@ -299,6 +302,9 @@ class ModuleRegion(Configurable):
         return value
 
     def _output(self, module, args, output):
+        if self.output_tail and isinstance(output, torch.Tensor):
+            head, tail = output.split([output.shape[-1] - self.output_tail, self.output_tail], dim=-1)
+            return torch.cat([head, copy_to_tensor_parallel_region(tail, self.group, self.comm_counter)], dim=-1)
         if isinstance(output, torch.Tensor):
             return reduce_from_tensor_parallel_region(output, self.group, self.comm_counter)
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):

@@ -41,6 +41,7 @@ from tp_train.plan.styles import (
     WIDTH_ATTRIBUTES,
     PlannedModule,
     linear_shape,
+    mla_rope_dim,
     output_sections,
     parameter_shard_spec,
 )
@@ -90,7 +91,7 @@ def apply_plan(
         if entry is not None and entry.parameters:
             _shard_parameters(module, entry.parameters, group, shared)
         if style in REGION_STYLES:
-            module.tp_region = _region(style, group)
+            module.tp_region = _region(style, group, getattr(model, "config", None))
             module.tp_region.install(module)
         elif style == "attention":
             _localize_heads(module, dist.get_world_size(group))
@@ -296,10 +297,12 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
     module.shard_specs = specs
 
 
-def _region(style: str, group: ProcessGroup) -> ModuleRegion:
+def _region(style: str, group: ProcessGroup, config=None) -> ModuleRegion:
     """The collectives around a module of a region style (see `tp_train.plan.styles`)."""
     if style == "moe_tp_experts":
         return ModuleRegion(group, enter=True, leave=True)
     if style == "moe_identity_expert":
         return ModuleRegion(group, input_scale=1 / dist.get_world_size(group))
+    if style == "mla_kv_a_proj":
+        return ModuleRegion(group, output_tail=mla_rope_dim(config))
     return ModuleRegion(group, leave=True)  # all_reduce

@@ -14,12 +14,12 @@ from tp_train.plan.styles import (
     LINEAR_STYLES,
     PACKED_SECTIONS,
     PARAMETER_STYLES,
-    REGION_STYLES,
     ROW_STYLES,
     STYLES,
     WIDTH_ATTRIBUTES,
     PlannedModule,
     linear_shape,
+    mla_rope_dim,
     output_sections,
     parameter_shard_spec,
     pattern_matches,
@@ -65,7 +65,7 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
             _check_parameter(entry, param_name, style, pattern, tp)
             entry.parameters[param_name] = style
     for entry in planned.values():
-        if entry.style in REGION_STYLES - {"moe_identity_expert"} and not _shards_inside(entry, planned):
+        if entry.style in {"moe_tp_experts", "all_reduce"} and not _shards_inside(entry, planned):
             raise ValueError(
                 f"plan entry '{entry.pattern}': module '{entry.name}' is '{entry.style}' but the plan shards none of "
                 f"its parameters or layers, so its all-reduce would add tp copies; plan its weights too "
@@ -150,6 +150,8 @@ def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: in
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
+    elif style == "mla_kv_a_proj":
+        mla_rope_dim(config)
     elif style == "attention":
         for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
             value = getattr(module, attribute, None)

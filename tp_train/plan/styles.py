@@ -25,6 +25,8 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `moe_identity_expert`   | an identity expert  | its input divided by tp, so the experts' all-reduce sums it once |
 | `all_reduce`            | any module          | its output (a partial sum) is all-reduced                        |
 | `local_params`          | any module          | nothing: its sharded parameters are already local tensors        |
+| `mla_kv_a_proj`         | DeepSeek's latent   | whole; the rotary key at the end of its output (`config.         |
+|                         | kv projection       | qk_rope_head_dim` features) enters the parallel region (`f`)     |
 
 Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.*.self_attn.sinks`), as Hugging
 Face's plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
@@ -55,7 +57,7 @@ LINEAR_STYLES = {
 }
 ROW_STYLES = {"rowwise", "rowwise_split_input"}
 # Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
-REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce"}
+REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj"}
 STYLES = (
     LINEAR_STYLES
     | REGION_STYLES
@@ -157,3 +159,12 @@ def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> Shar
     size = param.shape[dim]
     packed = style.startswith("packed_") and getattr(module, "is_concatenated", True)
     return ShardSpec(dim=dim, sections=(size // 2, size - size // 2) if packed else (size,))
+
+
+def mla_rope_dim(config) -> int:
+    """The width of the rotary key at the end of a latent attention's `kv_a_proj_with_mqa` output."""
+    rope_dim = getattr(config, "qk_rope_head_dim", None)
+    if not isinstance(rope_dim, int):
+        where = type(config).__name__
+        raise ValueError(f"style 'mla_kv_a_proj' needs the model config's qk_rope_head_dim; {where} has none")
+    return rope_dim
