@@ -110,7 +110,9 @@ class ColumnParallelLinear(Configurable, nn.Module):
         in_features: input width (replicated).
         out_features: full output width. Split into `sections` (default: one section of all of it), each split
             evenly across ranks; with `pad_output` a single section is padded up to a multiple of the world size
-            (a vocabulary) and the gathered output is trimmed back.
+            (a vocabulary) and the gathered output is trimmed back. `units`: the heads in each section; a section
+            with fewer heads than ranks is replicated, each head held by the ranks whose query heads use it (see
+            `tp_train.parallel.sharding`). Not with `gather_output`.
         group: the tensor-parallel process group.
         gather_output: return the full (replicated) output instead of this rank's shard.
         input_layout, input_region, comm_counter: see `Configurable`.
@@ -126,6 +128,7 @@ class ColumnParallelLinear(Configurable, nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         sections: tuple[int, ...] | None = None,
+        units: tuple[int, ...] | None = None,
         pad_output: bool = False,
         device=None,
         dtype=None,
@@ -141,16 +144,17 @@ class ColumnParallelLinear(Configurable, nn.Module):
         self.input_layout = input_layout  # see enter_column_parallel
         self.input_region = input_region  # one entry into the parallel region shared with sibling layers
         self.comm_counter = comm_counter
-        spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output)
+        spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output, units=units)
         if not pad_output:
-            for size in spec.sections:
-                check_divisible("ColumnParallelLinear", "out_features (per section)", size, dist.get_world_size(group))
+            world_size = dist.get_world_size(group)
+            for size, copies in zip(spec.sections, spec.replicas(world_size), strict=True):
+                check_divisible("ColumnParallelLinear", "out_features (per section)", size * copies, world_size)
         local_out = sum(spec.local_sections(dist.get_world_size(group)))
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
         self.shard_specs = {"weight": spec}
         if bias:
-            self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output)
+            self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output, units=units)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

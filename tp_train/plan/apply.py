@@ -29,10 +29,11 @@ from tp_train.parallel.layers import (
     VocabParallelEmbedding,
 )
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
-from tp_train.parallel.sharding import ShardSpec, shard_tensor
+from tp_train.parallel.sharding import ShardSpec, shard_tensor, sum_replicated_gradient
 from tp_train.plan.styles import (
     CONFIG_HEAD_FIELDS,
     HEAD_ATTRIBUTES,
+    KV_GROUP_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
     REGION_STYLES,
@@ -40,9 +41,9 @@ from tp_train.plan.styles import (
     SWAPPED_BASES,
     WIDTH_ATTRIBUTES,
     PlannedModule,
+    column_layout,
     linear_shape,
     mla_rope_dim,
-    output_sections,
     parameter_shard_spec,
 )
 
@@ -70,6 +71,7 @@ def apply_plan(
     by_name = {entry.name: entry for entry in planned}
     shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
     materialized: dict[int, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once
+    replicated_parents: set[str] = set()  # attentions whose kv heads are replicated, their groups made local
     for name, module in list(model.named_modules()):
         entry = by_name.get(name)
         style = entry.style if entry else None
@@ -80,7 +82,8 @@ def apply_plan(
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(module, group, shared)
             else:
-                layer = _parallel_linear(module, style, group, shared, loss_parallel, getattr(model, "config", None))
+                layer = _parallel_linear(module, style, group, shared, loss_parallel, entry.counts)
+                _sum_replicas(model, name, layer, group, replicated_parents)
             layer = _keep_subclass_forward(module, layer, SWAPPED_BASES[style])
             _set_submodule(model, name, layer)
             if check is not None:
@@ -195,7 +198,7 @@ def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpe
 
 
 def _parallel_linear(
-    module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool, config=None
+    module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool, counts=None
 ) -> nn.Module:
     in_features, out_features = linear_shape(module)
     transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
@@ -205,12 +208,14 @@ def _parallel_linear(
         split_input = style == "rowwise_split_input"
         layer = RowParallelLinear(in_features, out_features, group, split_input=split_input, **kwargs)
     else:
+        sections, units = column_layout(style, out_features, counts)
         layer = ColumnParallelLinear(
             in_features,
             out_features,
             group,
             gather_output=style == "colwise_gather_output" and not loss_parallel,
-            sections=output_sections(style, out_features, config),
+            sections=sections,
+            units=units,
             pad_output=style == "colwise_gather_output",
             **kwargs,
         )
@@ -263,15 +268,46 @@ def _localize_heads(module: nn.Module, tp: int) -> None:
     for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
         value = getattr(module, attribute, None)
         if isinstance(value, int):
-            setattr(module, attribute, value // tp)
+            setattr(module, attribute, _local_count(attribute, value, tp))
     config = getattr(module, "config", None)
     counts = {field: getattr(config, field, None) for field in CONFIG_HEAD_FIELDS}
     counts = {field: value for field, value in counts.items() if isinstance(value, int)}
     if counts:
         local = copy.copy(config)
         for field, value in counts.items():
-            setattr(local, field, value // tp)
+            setattr(local, field, _local_count(field, value, tp))
         module.config = local
+
+
+def _local_count(attribute: str, value: int, tp: int) -> int:
+    """A head count (or width) on one rank: its share, or one replicated kv head when there are fewer than tp."""
+    return max(value // tp, 1) if attribute in KV_HEAD_ATTRIBUTES else value // tp
+
+
+def _sum_replicas(model: nn.Module, name: str, layer: nn.Module, group: ProcessGroup, done: set[str]) -> None:
+    """For a column layer whose kv heads are replicated (fewer than ranks): sums their gradients over the replicas,
+    and gives its attention (the parent) local query groups and one kv head, once per attention."""
+    tp = dist.get_world_size(group)
+    spec = getattr(layer, "shard_specs", {}).get("weight")
+    copies = max(spec.replicas(tp)) if spec is not None else 1
+    if copies == 1:
+        return
+    for param_name, param_spec in layer.shard_specs.items():
+        param = getattr(layer, param_name)
+        if param.requires_grad:
+            param.register_hook(lambda grad, spec=param_spec: sum_replicated_gradient(grad, spec, group))
+    parent_name = name.rpartition(".")[0]
+    if parent_name in done:
+        return
+    done.add(parent_name)
+    parent = model.get_submodule(parent_name) if parent_name else model
+    for attribute in KV_HEAD_ATTRIBUTES:
+        if isinstance(getattr(parent, attribute, None), int):
+            setattr(parent, attribute, 1)
+    for attribute in KV_GROUP_ATTRIBUTES:  # query heads per kv head: each rank's share of them
+        value = getattr(parent, attribute, None)
+        if isinstance(value, int):
+            setattr(parent, attribute, value // copies)
 
 
 def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessGroup, shared: dict) -> None:

@@ -17,10 +17,12 @@ from tp_train.plan.styles import (
     ROW_STYLES,
     STYLES,
     WIDTH_ATTRIBUTES,
+    HeadCounts,
     PlannedModule,
+    column_layout,
+    head_counts,
     linear_shape,
     mla_rope_dim,
-    output_sections,
     parameter_shard_spec,
     pattern_matches,
 )
@@ -57,8 +59,14 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
                     f"module '{name}' is planned twice: '{planned[name].style}' by '{planned[name].pattern}' "
                     f"and '{style}' by '{pattern}'; keep one"
                 )
-            _check_module(name, module, style, pattern, tp, config)
-            planned[name] = PlannedModule(name, module, style, pattern)
+            counts = None
+            if style in LINEAR_STYLES - ROW_STYLES:
+                parent = name.rpartition(".")[0]
+                counts = head_counts(model.get_submodule(parent) if parent else None, config)
+            _check_module(name, module, style, pattern, tp, counts)
+            if style == "mla_kv_a_proj":
+                mla_rope_dim(config)
+            planned[name] = PlannedModule(name, module, style, pattern, counts=counts)
     for pattern, style, parameters in parameter_entries:
         for name, module, param_name in parameters:
             entry = planned.setdefault(name, PlannedModule(name, module, "local_params", pattern))
@@ -72,7 +80,7 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
                 f"(e.g. '{entry.name}.gate_up_proj': 'packed_colwise', '{entry.name}.down_proj': 'rowwise')"
             )
     for entry in tie_completions(model, planned):
-        _check_module(entry.name, entry.module, entry.style, entry.pattern, tp, config)
+        _check_module(entry.name, entry.module, entry.style, entry.pattern, tp)
         planned[entry.name] = entry
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     return sorted(planned.values(), key=lambda entry: order[entry.name])
@@ -120,15 +128,25 @@ def check_config_heads(model: nn.Module, tp: int) -> None:
     config = getattr(model, "config", None)
     for field in CONFIG_HEAD_FIELDS:
         value = getattr(config, field, None)
-        if isinstance(value, int) and value % tp:
-            replication = " (replicating kv heads is not supported)" if field in KV_HEAD_ATTRIBUTES else ""
+        if not isinstance(value, int) or not value % tp:
+            continue
+        if field in KV_HEAD_ATTRIBUTES:  # fewer kv heads than ranks: replicated, if each rank's heads use one
+            if value and not tp % value:
+                continue
             raise ValueError(
-                f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
-                f"heads{replication}; use a tensor_parallel_size in {divisors(value)}"
+                f"config.{field}={value} neither divides nor is divisible by tensor_parallel_size={tp}: each rank "
+                f"must hold whole kv heads, or replicas of one; use a tensor_parallel_size in {divisors(value)} or "
+                f"a multiple of {value}"
             )
+        raise ValueError(
+            f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
+            f"heads; use a tensor_parallel_size in {divisors(value)}"
+        )
 
 
-def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: int, config=None) -> None:
+def _check_module(
+    name: str, module: nn.Module, style: str, pattern: str, tp: int, counts: HeadCounts | None = None
+) -> None:
     where = f"plan entry '{pattern}': module '{name}' ({type(module).__name__})"
     if style in LINEAR_STYLES:
         shape = linear_shape(module)
@@ -137,25 +155,30 @@ def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: in
         in_features, out_features = shape
         if style in ROW_STYLES:
             check_divisible(where, "in_features", in_features, tp)
-        elif style in PACKED_SECTIONS:
-            sections = output_sections(style, out_features, config)
+        elif style in PACKED_SECTIONS or style == "colwise":
+            sections, units = column_layout(style, out_features, counts)
             if sum(sections) != out_features:
                 raise ValueError(f"{where}: out_features={out_features} does not split into {len(sections)} sections")
-            for index, size in enumerate(sections):
-                check_divisible(where, f"out_features section {index}", size, tp)
-        elif style == "colwise":
-            check_divisible(where, "out_features", out_features, tp)
+            for index, (size, unit) in enumerate(zip(sections, units or (None,) * len(sections), strict=True)):
+                what = f"out_features section {index}" if len(sections) > 1 else "out_features"
+                if unit is None or unit >= tp:
+                    check_divisible(where, what, size, tp)
+                elif tp % unit or (size // unit) % (tp // unit):  # replicas: each holds a whole head
+                    raise ValueError(
+                        f"{where}: {unit} kv heads of {size // unit} features cannot be replicated over "
+                        f"tensor_parallel_size={tp}; use a tensor_parallel_size in {divisors(unit)} or a multiple "
+                        f"of {unit} that divides {size}"
+                    )
     elif style == "embedding_rowwise":
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
-    elif style == "mla_kv_a_proj":
-        mla_rope_dim(config)
     elif style == "attention":
         for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
             value = getattr(module, attribute, None)
-            if isinstance(value, int):
+            replicated = attribute in KV_HEAD_ATTRIBUTES and isinstance(value, int) and value and not tp % value
+            if isinstance(value, int) and not replicated:
                 check_divisible(where, attribute, value, tp)
 
 

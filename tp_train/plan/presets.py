@@ -67,7 +67,8 @@ PRESETS: dict[str, dict[str, str]] = {
     # [q_h; k_h; v_h] (classic multi-head) or per kv group as [q_g1..q_gn; k_g; v_g] (new architecture), and the
     # forward views it with -1 heads/groups, so a plain contiguous colwise split hands each rank whole heads/groups
     # (fused_qkv_colwise, which assumes [q; k; v], would be wrong). num_heads and num_kv_heads become local.
-    # Multi-query (one kv head) and ALiBi configs are refused by `_falcon_unsupported`.
+    # Multi-query (one kv head, laid out [q_1..q_H; k; v]) is a fused [q; k; v] split, its one kv head held by
+    # every rank (`CONFIG_VARIANTS`). ALiBi configs are refused by `_falcon_unsupported`.
     "falcon": {
         "word_embeddings": "embedding_rowwise",
         "h.*.self_attention": "attention",
@@ -112,16 +113,19 @@ def _falcon_unsupported(config) -> str | None:
             "ALiBi biases are built for all heads in FalconModel and not sliced to each rank's heads; "
             "use a rotary config (alibi=False)"
         )
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
-        return (
-            "multi-query attention (one kv head, laid out [q_1..q_H; k; v]) cannot be split by heads "
-            "(replicating kv heads is not supported); use multi_query=False or new_decoder_architecture=True"
-        )
     return None
+
+
+def _falcon_variant(config) -> dict[str, str]:
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return {"h.*.self_attention.query_key_value": "fused_qkv_colwise"}
+    return {}
 
 
 # Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
+# Entries of a family's preset that a config changes: model_type -> config -> the entries that replace the preset's.
+CONFIG_VARIANTS = {"falcon": _falcon_variant}
 
 HEAD_PLAN = {"lm_head": "colwise_gather_output"}
 
@@ -136,7 +140,8 @@ def preset_plan(model: nn.Module) -> dict[str, str] | None:
     reason = check(model.config) if check else None
     if reason:
         raise ValueError(f"the built-in '{model_type}' preset cannot shard this config: {reason}")
-    return _for_model(model, base, head=True)
+    variant = CONFIG_VARIANTS.get(model_type)
+    return _for_model(model, {**base, **(variant(model.config) if variant else {})}, head=True)
 
 
 def override_plan(model: nn.Module) -> dict[str, str] | None:

@@ -77,6 +77,7 @@ PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 # Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim).
 HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+KV_GROUP_ATTRIBUTES = ("num_key_value_groups", "num_kv_groups")  # query heads per kv head
 WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim")
 # Config fields that hold head counts, checked whenever a model with such a config is sharded.
 CONFIG_HEAD_FIELDS = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES
@@ -89,6 +90,7 @@ class PlannedModule:
     style: str
     pattern: str
     parameters: dict[str, str] = field(default_factory=dict)  # entries naming its own parameters: name -> style
+    counts: HeadCounts | None = None  # a column layer's attention's head counts, read before any is localised
 
 
 # The class each swapping style replaces; a subclass's own forward is kept around the sharded layer.
@@ -109,27 +111,54 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def output_sections(style: str, out_features: int, config=None) -> tuple[int, ...]:
-    """The sections a column style splits a layer's output into, each split evenly across ranks: one, two halves
-    (`packed_colwise`), or [q; k; v] (`fused_qkv_colwise`), sized from `config`'s head counts when it has fewer kv
-    heads than query heads (q: heads x head_dim, k and v: kv heads x head_dim, as phi3's qkv_proj), else thirds."""
+@dataclass(frozen=True)
+class HeadCounts:
+    """An attention's head counts, as its module (or else the model's config) states them before sharding."""
+
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+
+
+def head_counts(attention: nn.Module | None, config) -> HeadCounts:
+    """The head counts of `attention` (a planned projection's parent), from its own attributes first (Falcon's
+    multi-query keeps `num_kv_heads = 1` while its config says otherwise), then from the model's `config`."""
+
+    def first(names, default=None):
+        found = (getattr(owner, name, None) for owner in (attention, config) for name in names)
+        return next((value for value in found if isinstance(value, int)), default)
+
+    heads, kv_heads = first(HEAD_ATTRIBUTES), first(KV_HEAD_ATTRIBUTES)
+    hidden = first(("hidden_size",))
+    return HeadCounts(heads, kv_heads, first(("head_dim",), hidden // heads if hidden and heads else None))
+
+
+def column_layout(style: str, out_features: int, counts: HeadCounts | None = None) -> tuple[tuple[int, ...], tuple]:
+    """The sections a column style splits a layer's output into (each split evenly across ranks), and the heads in
+    each (None where they do not matter): one section, two halves (`packed_colwise`), or [q; k; v]
+    (`fused_qkv_colwise`), k and v as wide as the kv heads when there are fewer of them than query heads (phi3's
+    qkv_proj, Falcon's multi-query [q_1..q_H; k; v]). A `colwise` projection exactly as wide as the kv heads (a
+    k_proj or v_proj with fewer kv heads than query heads) is one section of `kv_heads` units: replicated when tp
+    exceeds them (see `tp_train.parallel.sharding.ShardSpec`)."""
     sections = PACKED_SECTIONS.get(style, 1)
-    heads, kv_heads = (
-        next((getattr(config, name) for name in names if isinstance(getattr(config, name, None), int)), None)
-        for names in (HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES)
-    )
-    if style == "fused_qkv_colwise" and heads and kv_heads and kv_heads != heads:
+    heads, kv_heads, head_dim = (counts.heads, counts.kv_heads, counts.head_dim) if counts else (None, None, None)
+    grouped = bool(heads and kv_heads and kv_heads < heads)
+    if style == "fused_qkv_colwise" and grouped:
         head_dim, remainder = divmod(out_features, heads + 2 * kv_heads)
         if not remainder:
-            return (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-    return (out_features // sections,) * sections
+            return (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), (heads, kv_heads, kv_heads)
+    if style == "colwise" and grouped and head_dim and out_features == kv_heads * head_dim:
+        return (out_features,), (kv_heads,)
+    return (out_features // sections,) * sections, None
 
 
-def style_shard_spec(style: str, module: nn.Module, param_name: str, config=None) -> ShardSpec | None:
+def style_shard_spec(
+    style: str, module: nn.Module, param_name: str, counts: HeadCounts | None = None
+) -> ShardSpec | None:
     """How `style` splits `module`'s parameter `param_name`, in the layout of the parallel layer that replaces it
     (nn.Linear's (out, in); `transposed` when the module stores it the other way, as Conv1D does), or None when
-    every rank holds it whole (a row layer's bias, a style that swaps nothing). `config`: the model's, for the
-    sections of a fused [q; k; v] projection (`output_sections`)."""
+    every rank holds it whole (a row layer's bias, a style that swaps nothing). `counts`: its attention's head
+    counts, for the sections of a fused [q; k; v] projection and kv heads fewer than ranks (`column_layout`)."""
     if style == "embedding_rowwise":
         return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
     shape = linear_shape(module)
@@ -140,7 +169,8 @@ def style_shard_spec(style: str, module: nn.Module, param_name: str, config=None
     if style in ROW_STYLES:
         return ShardSpec(dim=1, sections=(in_features,), transposed=transposed) if param_name == "weight" else None
     padded = style == "colwise_gather_output"
-    return ShardSpec(dim=0, sections=output_sections(style, out_features, config), padded=padded, transposed=transposed)
+    sections, units = column_layout(style, out_features, counts)
+    return ShardSpec(dim=0, sections=sections, padded=padded, transposed=transposed, units=units)
 
 
 def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:

@@ -40,6 +40,7 @@ from tp_train.parallel.sharding import (
     full_state_dict,
     named_sharded_parameters,
     shard_tensor,
+    split_among_replicas,
     unshard_tensor,
 )
 from tp_train.plan.probe import PROBE_TOKENS, probe_token_ids
@@ -131,13 +132,15 @@ class SwapCheck:
         spec = None
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
             weight_spec = layer.shard_specs["weight"]
-            spec = ShardSpec(dim=output.dim() - 1, sections=weight_spec.sections, padded=weight_spec.padded)
+            spec = ShardSpec(output.dim() - 1, weight_spec.sections, weight_spec.padded, units=weight_spec.units)
         full_output = unshard_tensor(output.detach(), spec, self.group) if spec else output
         errors = {"output": _relative(full_output, reference)}
         if not reference.requires_grad:  # token ids in, no parameter gradient compared: nothing to backpropagate
             return errors
         projection = torch.randn(reference.shape, generator=generator).to(reference)
         local_projection = shard_tensor(projection, spec, rank, world_size) if spec else projection
+        if spec:  # replicated kv heads: each replica backpropagates its share, as its own query heads would
+            local_projection = split_among_replicas(local_projection, spec, world_size)
         (reference.float() * projection).sum().backward()
         (output.float() * local_projection).sum().backward()
         if inputs.is_floating_point():
