@@ -5,8 +5,8 @@ checkpoints store each head once.
 - Falcon multi-query (the preset), Llama with 1 and 2 kv heads and phi3 with 2 (Hugging Face's plan, phi3's
   head-aware one) match the unsharded model at tp 2 and 4 with no plan passed.
 - After 10 AdamW steps at tp=4 the replicas are bit-identical (weights and optimizer state).
-- A tp=4 checkpoint (each head replicated twice) loads at tp=2 (no replication) with the same weights, optimizer
-  state and logits, and exports to a `save_pretrained` directory with the same logits.
+- A tp=4 checkpoint (each head replicated twice) loads at tp=4 and at tp=2 (no replication) with the same weights,
+  optimizer state and logits, and exports to a `save_pretrained` directory with the same logits.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ def _train_and_save(rank, world_size, directory):
     tp_train.save_checkpoint(Path(directory) / "llama", model, [optimizer], mesh)
     with torch.no_grad():
         logits = model(IDX).logits
-    return identical, _gathered(model, optimizer, group), logits
+    gathered, reloaded = _gathered(model, optimizer, group), _load(rank, world_size, directory)[0]
+    identical["reloaded at tp=4"] = all(torch.equal(reloaded[name], tensor) for name, tensor in gathered.items())
+    return identical, gathered, logits
 
 
 def _load(rank, world_size, directory):
