@@ -8,6 +8,7 @@
   heads, and gate_up_proj), with the attention given a local copy of the config it reads head counts from;
 - DeepSeek's latent attention (`mla_kv_a_proj`: the rotary key its replicated projection ends with enters the
   parallel region), with and without `q_lora_rank`;
+- a tied LM-head bias (RoBERTa's `lm_head.bias`, the same parameter as `lm_head.decoder.bias`) split with the head;
 - entries the config removed (Qwen2-MoE's dense MLP when every layer is sparse) skipped and reported, entries
   written without the base model's prefix (Llama4's text plan) resolved against it.
 
@@ -22,7 +23,9 @@ from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import tp_train
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors, parity_of_each
 from tests.test_parallelize import ATOL, VOCAB
@@ -58,6 +61,19 @@ FAMILIES = {
         0.0,
     ),
     "olmo2": ("olmo2", {}, "Hugging Face", 0.0),
+    # RoBERTa's causal LM: no plan, auto-planned; its head's bias is tied to lm_head.bias, which follows the shard.
+    "roberta": (
+        "roberta",
+        dict(
+            is_decoder=True,
+            pad_token_id=1,
+            type_vocab_size=1,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+        "inferred by the auto-planner",
+        0.0,
+    ),
     # DeepSeek-V2's latent attention (`mla_kv_a_proj`), with and without a low-rank q (the entry for the q projection
     # its config does not build is skipped); its latent projections stay whole on every rank, as in HF's plan.
     "deepseek_v2": (
@@ -157,3 +173,22 @@ def _wrong_packed_split(rank, world_size):
 def test_a_wrong_split_of_fused_expert_weights_is_caught():
     error = run_on_ranks(_wrong_packed_split, 2)[0]
     assert error > 1e-3, error  # it runs, but computes something else
+
+
+def _roberta_tie(rank, world_size):
+    torch.manual_seed(0)
+    model = tp_train.parallelize(_build(*FAMILIES["roberta"][:2]))
+    state = tp_train.full_state_dict(model, dist.group.WORLD)
+    head = model.lm_head
+    return (
+        head.bias is head.decoder.bias,
+        tuple(head.bias.shape),
+        torch.equal(state["lm_head.bias"], state["lm_head.decoder.bias"]),
+    )
+
+
+@pytest.mark.slow
+def test_a_tied_head_bias_follows_the_head_shard():
+    for tied, shape, equal in run_on_ranks(_roberta_tie, 2, timeout=300):
+        assert tied and equal
+        assert shape == (51,)  # 101 vocabulary rows padded to 102, 51 per rank

@@ -105,6 +105,19 @@ def apply_plan(
             for param in module.parameters(recurse=False):
                 param.register_hook(lambda grad: all_reduce_gradient(grad, group))
     _share_sibling_inputs(model, planned, group)
+    _share_ties(model, shared)
+
+
+def _share_ties(model: nn.Module, shared: dict) -> None:
+    """Gives every other module still holding a parameter that was sharded (a container tied to a swapped layer's
+    parameter, as RoBERTa's `lm_head.bias` is to `lm_head.decoder.bias`) the shard and its split, so the tie holds
+    and checkpoints, gathering and export see one tensor under both names."""
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and id(param) in shared and shared[id(param)][0] is param:
+                _, spec, shard = shared[id(param)]
+                module._parameters[key] = shard
+                module.shard_specs = {**getattr(module, "shard_specs", {}), key: spec}
 
 
 def materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
