@@ -4,13 +4,15 @@ checkpoints store each head once.
 
 - Falcon multi-query (the preset), Llama with 1 and 2 kv heads and phi3 with 2 (Hugging Face's plan, phi3's
   head-aware one) match the unsharded model at tp 2 and 4 with no plan passed.
-- After 10 AdamW steps at tp=4 the replicas are bit-identical (weights and optimizer state).
+- After 10 AdamW steps at tp=4 the replicas are bit-identical (weights and optimizer state); the global gradient
+  norm (for clipping) counts each replicated head once.
 - A tp=4 checkpoint (each head replicated twice) loads at tp=4 and at tp=2 (no replication) with the same weights,
   optimizer state and logits, and exports to a `save_pretrained` directory with the same logits.
 """
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from pathlib import Path
 
@@ -86,7 +88,14 @@ def _train_and_save(rank, world_size, directory):
     mesh = init_device_mesh("cpu", (world_size,))
     group = mesh.get_group()
     torch.manual_seed(0)
-    model = tp_train.parallelize(_hf("llama", 2), mesh)
+    reference = _hf("llama", 2)
+    model = tp_train.parallelize(copy.deepcopy(reference), mesh)
+    for each in (reference, model):  # the gradient norm counts each replicated kv head once
+        next_token_loss(each(IDX).logits, IDX).backward()
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
+    norms = [tp_train.global_grad_norm(model.parameters(), specs, group).item()]
+    norms.append(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item())
+    model.zero_grad()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(10):
         idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step))
@@ -108,7 +117,7 @@ def _train_and_save(rank, world_size, directory):
         logits = model(IDX).logits
     gathered, reloaded = _gathered(model, optimizer, group), _load(rank, world_size, directory)[0]
     identical["reloaded at tp=4"] = all(torch.equal(reloaded[name], tensor) for name, tensor in gathered.items())
-    return identical, gathered, logits
+    return identical, gathered, logits, norms
 
 
 def _load(rank, world_size, directory):
@@ -131,8 +140,9 @@ def test_replicas_stay_identical_and_a_tp4_checkpoint_loads_at_tp2_and_exports(t
     from tp_train.tools.export import export_hugging_face
 
     saved = run_on_ranks(_train_and_save, 4, str(tmp_path), timeout=300)
-    identical, trained, logits = saved[0]
+    identical, trained, logits, (norm, reference_norm) = saved[0]
     assert identical and all(identical.values()), identical
+    assert abs(norm - reference_norm) < 1e-5 * reference_norm, (norm, reference_norm)
     assert any(".k_proj." in name for name in identical) and any(".v_proj." in name for name in identical)
     loaded, loaded_logits = run_on_ranks(_load, 2, str(tmp_path), timeout=300)[0]
     assert loaded.keys() == trained.keys()

@@ -223,7 +223,7 @@ class TensorParallelStrategy(DDPStrategy):
             root._tp_sharded = True
         plugin = self.precision_plugin
         plugin.tensor_parallel_group = self.tensor_parallel_group
-        plugin.sharded_parameters = frozenset(id(param) for _, param, _ in named_sharded_parameters(root))
+        plugin.sharded_parameters = {id(param): spec for _, param, spec in named_sharded_parameters(root)}
 
     # ------------------------------------------------------------------------------------------- checkpoints
     # A checkpoint is a directory written by every rank in parallel with torch.distributed.checkpoint (each rank

@@ -51,8 +51,10 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
             f"its LM head, or use sequence_parallel=False"
         )
     for name, style in layout.planned.items():
-        if style in REGION_STYLES or style == "rowwise_split_input" or (
-            style == "colwise_gather_output" and layout.in_blocks(name)
+        if (
+            style in REGION_STYLES
+            or style == "rowwise_split_input"
+            or (style == "colwise_gather_output" and layout.in_blocks(name))
         ):
             raise ValueError(
                 f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "
@@ -92,8 +94,10 @@ def apply_sequence_parallel(
             if layer.input_region is not None:
                 layer.input_region.configure(input_layout=layer.input_layout)
     for name, style in layout.planned.items():
-        if style in REGION_STYLES or style == "rowwise_split_input" or (
-            style == "colwise_gather_output" and layout.in_blocks(name)
+        if (
+            style in REGION_STYLES
+            or style == "rowwise_split_input"
+            or (style == "colwise_gather_output" and layout.in_blocks(name))
         ):
             raise ValueError(
                 f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "

@@ -27,7 +27,7 @@ import torch.nn as nn
 from tp_train.parallel.sharding import ceil_div
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
-from tp_train.plan.styles import style_shard_spec
+from tp_train.plan.styles import PlannedModule, parameter_shard_spec, style_shard_spec
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
@@ -76,12 +76,15 @@ def parameters_per_rank(model: nn.Module, tp: int, plan: dict[str, str] | None =
     local: dict[int, int] = {id(p): p.numel() for p in model.parameters()}  # whole unless planned
     for entry in planned:
         for name, param in entry.module.named_parameters(recurse=False):
-            local[id(param)] = _local_numel(entry.style, entry.module, name, param, tp)
+            local[id(param)] = _local_numel(entry, name, param, tp)
     return sum(local.values())
 
 
-def _local_numel(style: str, module: nn.Module, name: str, param: nn.Parameter, tp: int) -> int:
-    spec = style_shard_spec(style, module, name)
+def _local_numel(entry: PlannedModule, name: str, param: nn.Parameter, tp: int) -> int:
+    if name in entry.parameters:  # a plan entry naming the parameter itself (fused MoE expert weights)
+        spec = parameter_shard_spec(entry.parameters[name], entry.module, name)
+    else:
+        spec = style_shard_spec(entry.style, entry.module, name, entry.counts)
     if spec is None:
         return param.numel()
     return spec.local_numel(tuple(reversed(param.shape)) if spec.transposed else tuple(param.shape), tp)
