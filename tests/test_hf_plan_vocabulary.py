@@ -192,3 +192,20 @@ def test_a_tied_head_bias_follows_the_head_shard():
     for tied, shape, equal in run_on_ranks(_roberta_tie, 2, timeout=300):
         assert tied and equal
         assert shape == (51,)  # 101 vocabulary rows padded to 102, 51 per rank
+
+
+def _sequence_parallel_moe(rank, world_size):
+    torch.manual_seed(0)
+    try:
+        tp_train.parallelize(_build(*FAMILIES["mixtral"][:2]), sequence_parallel=True)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_sequence_parallelism_refuses_styles_it_cannot_carry_in_one_line():
+    message = run_on_ranks(_sequence_parallel_moe, 2, timeout=300)[0]
+    assert "\n" not in message
+    expected = "sequence_parallel does not support 'model.layers.0.mlp.experts' planned 'moe_tp_experts'"
+    assert message.startswith(expected), message
