@@ -27,7 +27,17 @@ BUILDERS = {
     "hf_gpt2": _hf_gpt2,  # Conv1D (transposed) weights
     "hf_llama": _hf_llama,  # grouped kv heads
     "swiglu": SwiGLUModel,  # a packed [gate; up] projection
+    "hf_mixtral": lambda: _hf_tiny("mixtral", num_local_experts=4),  # fused 3-D expert weights (parameter entries)
+    "hf_llama_1_kv_head": lambda: _hf_tiny("llama", num_key_value_heads=1),  # replicated at tp 2 and 4
 }
+
+
+def _hf_tiny(model_type: str, **fields):
+    from models.hf import hugging_face_causal_lm
+
+    sizes = dict(pad_token_id=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)  # fmt: skip
+    return hugging_face_causal_lm(model_type, config={**sizes, **fields})
 
 
 def _actual_bytes(rank, world_size):

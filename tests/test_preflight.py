@@ -20,9 +20,9 @@ CASES = {
     "tp_not_positive": (["tp=0"], "tp=0 must be a positive integer"),
     "unknown_precision": (["precision=fp8"], "precision=fp8 is not a precision; use one of 32, 16, bf16"),
     "heads_not_divisible": (["model.config.n_head=2", "tp=4"], "config.n_head=2 is not divisible by tensor_parallel"),
-    "kv_heads_not_divisible": ([SIZED, "+model.kv_heads=1", "tp=2"],
-                               "config.num_key_value_heads=1 is not divisible by tensor_parallel_size=2: each rank "
-                               "must hold whole heads (replicating kv heads is not supported); use a tensor_parallel"),
+    "kv_heads_not_divisible": ([SIZED, "+model.kv_heads=3", "+model.heads=6", "+model.width=96", "tp=2"],
+                               "config.num_key_value_heads=3 neither divides nor is divisible by tensor_parallel_size"
+                               "=2: each rank must hold whole kv heads, or replicas of one; use a tensor_parallel"),
     "hidden_not_divisible": ([SIZED, "+model.width=66", "+model.heads=null", "tp=4"],
                              "module 'attn.q' (Linear): out_features=66 is not divisible by tensor_parallel_size=4; "
                              "use a tensor_parallel_size in [1, 2, 3, 6, 11, 22, 33]"),

@@ -13,6 +13,9 @@ What the checkpoint holds, keyed the same at every tp:
   per section, under `f"{key}/section{i}"`, each an ordinary evenly split tensor. A padded vocabulary is stored
   with its real rows only (global size V, rank r holding `torch.chunk`'s chunk r), so padding never reaches the
   checkpoint.
+- A kv head that several ranks replicate (fewer kv heads than ranks) is stored once, like a section split evenly
+  over all ranks: each replica writes and reads its 1/replicas of the head, and after loading the replicas
+  exchange their pieces (`fill_replicas`), so a checkpoint loads at any tp whatever either replicates.
 - Every other tensor as a plain tensor (replicated: DCP stores one copy).
 - Under sharded data parallelism (FSDP2), a parameter and its optimizer states are DTensors over the data-parallel
   mesh: a tensor-parallel shard FSDP2 split along another dimension (`data_parallel_shard_dim`) is handed to DCP as
@@ -45,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from tp_train.checkpoint.checks import check_files, check_matches
 from tp_train.errors import CheckpointError, first_line
 from tp_train.parallel.mesh import TENSOR_PARALLEL  # the mesh dimension a 2-D mesh shards over
-from tp_train.parallel.sharding import ShardSpec, local_part, named_sharded_parameters
+from tp_train.parallel.sharding import ShardSpec, fill_replicas, local_part, named_sharded_parameters
 
 META_FILE = "meta.pt"  # the caller's `extra` metadata, beside DCP's files
 HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint\'s copy of its Hugging Face model\'s config
@@ -88,6 +91,8 @@ def load_model_state_dict(model: nn.Module, mesh: DeviceMesh, state: dict[str, A
             if spec.padded and local.size(spec.dim) == sum(spec.local_sections(tp)):  # all of its tp shard's rows
                 rows = spec.slices(rank, tp)[0]
                 local.narrow(spec.dim, rows.real, rows.local - rows.real).zero_()
+            if not isinstance(param, DTensor):  # FSDP2 with replicated kv heads is refused before it gets here
+                fill_replicas(param, spec, mesh.get_group(tp_dim))
     extra = {key: value for key, value in state.items() if not isinstance(value, torch.Tensor)}
     if extra:
         model.load_state_dict(extra, strict=False)
@@ -141,6 +146,7 @@ def load_optimizer_state_dict(
     if [group["params"] for group in state["param_groups"]] != [group["params"] for group in live["param_groups"]]:
         raise ValueError("the checkpoint's optimizer parameter groups name other parameters than this optimizer's")
     params = dict(model.named_parameters())
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
     with torch.no_grad():
         for name, entries in state["state"].items():
             for key, value in entries.items():
@@ -149,6 +155,10 @@ def load_optimizer_state_dict(
                     _copy_into(target, value)
                 else:
                     optimizer.state[params[name]][key] = value
+            spec = specs.get(id(params[name]))
+            for value in optimizer.state[params[name]].values() if spec is not None else ():
+                if isinstance(value, torch.Tensor) and value.shape == params[name].shape:
+                    fill_replicas(value, spec, mesh.get_group(_tensor_parallel_dim(mesh)))
     for group, loaded in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update({key: value for key, value in loaded.items() if key != "params"})
 
@@ -268,8 +278,10 @@ def _as_dtensors(
         raise ValueError(f"'{key}' has {local.size(spec.dim)} rows along dim {spec.dim}, not a shard for tp={tp}")
     placements = [Shard(spec.dim) if dim == tp_dim else data_parallel for dim in range(mesh.ndim)]
     pieces, offset = {}, 0
-    for index, (full_size, rows) in enumerate(zip(spec.sections, slices, strict=True)):
+    for index, (full_size, rows, copies) in enumerate(zip(spec.sections, slices, spec.replicas(tp), strict=True)):
         piece = local.narrow(spec.dim, offset, rows.real)
+        if copies > 1:  # a replicated kv head: each replica stores its 1/copies of it, so it is stored once
+            piece = piece.narrow(spec.dim, rank % copies * (rows.real // copies), rows.real // copies)
         offset += rows.local
         shape = shard.shape[: spec.dim] + (full_size,) + shard.shape[spec.dim + 1 :]
         stride = torch.empty(shape, device="meta").stride()

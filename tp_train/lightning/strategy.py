@@ -251,6 +251,14 @@ class TensorParallelStrategy(DDPStrategy):
         step methods gather the parameters as its forward would."""
         if isinstance(root, FSDPModule):
             return
+        for name, _, spec in named_sharded_parameters(root):
+            copies = max(spec.replicas(self.tensor_parallel_size))
+            if copies > 1:
+                raise ValueError(
+                    f"'{name}' holds kv heads replicated over {copies} tensor-parallel ranks, which "
+                    f"data_parallel='fsdp' does not support yet; use data_parallel='ddp', or tp at most the kv-head "
+                    "count"
+                )
         models = [module for _, module in modules_with_plans(root)] if self._plan is None else [root]
         fully_shard_data_parallel(
             root,
@@ -264,7 +272,7 @@ class TensorParallelStrategy(DDPStrategy):
         """The clipping norm's group and the tensor-parallel shards (by id: FSDP2 replaces the parameters)."""
         plugin = self.precision_plugin
         plugin.tensor_parallel_group = self.tensor_parallel_group
-        plugin.sharded_parameters = frozenset(id(param) for _, param, _ in named_sharded_parameters(root))
+        plugin.sharded_parameters = {id(param): spec for _, param, spec in named_sharded_parameters(root)}
 
     @contextmanager
     @override

@@ -20,7 +20,7 @@ from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.resolve import SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
 from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
 
@@ -85,6 +85,8 @@ def parallelize(
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
+    elif SKIPPED in source and dist.get_rank() == 0:
+        print(f"tensor-parallel plan: {source}", flush=True)
     planned = match_plan(model, resolved, dist.get_world_size(group))
     whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
     skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
@@ -151,7 +153,8 @@ def _count_communication(model: nn.Module, counter: CommunicationCounter) -> Com
     for module in model.modules():
         if isinstance(module, Configurable):
             module.configure(comm_counter=counter)
-            region = getattr(module, "input_region", None)
+        for attribute in ("input_region", "tp_region"):  # shared input regions; a region style's collectives
+            region = getattr(module, attribute, None)
             if region is not None:
                 region.configure(comm_counter=counter)
     return counter

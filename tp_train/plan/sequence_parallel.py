@@ -33,6 +33,7 @@ from tp_train.parallel.layers import GATHERED_INPUT, SEQUENCE_SHARDED_INPUT, Col
 from tp_train.parallel.random import SHARDED, TensorParallelRNG
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.layout import BlockLayout
+from tp_train.plan.styles import REGION_STYLES
 
 
 class _Region:
@@ -50,6 +51,16 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
             f"sequence is gathered at its input); {type(model).__name__}'s plan has none: shard a model with "
             f"its LM head, or use sequence_parallel=False"
         )
+    for name, style in layout.planned.items():
+        if (
+            style in REGION_STYLES
+            or style == "rowwise_split_input"
+            or (style == "colwise_gather_output" and layout.in_blocks(name))
+        ):
+            raise ValueError(
+                f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "
+                f"replicated input and output); use sequence_parallel=False"
+            )
     for name in sorted(layout.sub_blocks):
         if type(model.get_submodule(name)).forward is nn.Module.forward:
             raise ValueError(
@@ -83,6 +94,16 @@ def apply_sequence_parallel(
             layer.configure(input_layout=GATHERED_INPUT if inside else SEQUENCE_SHARDED_INPUT)
             if layer.input_region is not None:
                 layer.input_region.configure(input_layout=layer.input_layout)
+    for name, style in layout.planned.items():
+        if (
+            style in REGION_STYLES
+            or style == "rowwise_split_input"
+            or (style == "colwise_gather_output" and layout.in_blocks(name))
+        ):
+            raise ValueError(
+                f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "
+                f"replicated input and output); use sequence_parallel=False"
+            )
     for name in sorted(layout.sub_blocks):
         # One all-gather shared by all the module's column layers (reduce-scatter in backward), made contiguous
         # once here: q, k and v would each copy a strided gather to fold it into a matmul, and keep the copy.

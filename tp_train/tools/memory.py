@@ -36,7 +36,7 @@ from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
-from tp_train.plan.styles import style_shard_spec
+from tp_train.plan.styles import PlannedModule, parameter_shard_spec, style_shard_spec
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
@@ -100,7 +100,7 @@ def _local_shapes(model: nn.Module, tp: int, plan: dict[str, str] | None) -> dic
     local: dict[int, tuple[tuple, ShardSpec | None]] = {id(p): (tuple(p.shape), None) for p in model.parameters()}
     for entry in planned:
         for name, param in entry.module.named_parameters(recurse=False):
-            spec = style_shard_spec(entry.style, entry.module, name)
+            spec = _shard_spec(entry, name)
             if spec is not None:
                 shape = list(reversed(param.shape)) if spec.transposed else list(param.shape)
                 shape[spec.dim] = sum(spec.local_sections(tp))
@@ -130,6 +130,12 @@ def _gathered_elements(model: nn.Module, tp: int, plan: dict[str, str] | None) -
         per_block.append(sum(math.prod(shapes[i][0]) for i in block_params))
     total = sum(math.prod(shape) for shape, _ in shapes.values())
     return total - sum(per_block) + 2 * max(per_block, default=0)
+
+
+def _shard_spec(entry: PlannedModule, name: str) -> ShardSpec | None:
+    if name in entry.parameters:  # a plan entry naming the parameter itself (fused MoE expert weights)
+        return parameter_shard_spec(entry.parameters[name], entry.module, name)
+    return style_shard_spec(entry.style, entry.module, name, entry.counts)
 
 
 def _shape(model: nn.Module) -> tuple[int, int, int, int]:
