@@ -4,12 +4,13 @@ LOCAL_RANK / RANK / WORLD_SIZE as torchrun would, so Lightning joins the existin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tests.parity import next_token_loss
 from tests.test_parallelize import VOCAB, SwiGLUModel
@@ -20,16 +21,19 @@ GLOBAL_BATCH = 4
 
 
 class LitLM(L.LightningModule):
-    def __init__(self, lr: float = 1e-2, build_in_configure_model: bool = False):
+    def __init__(
+        self, lr: float = 1e-2, build_in_configure_model: bool = False, build: Callable[[], Any] = SwiGLUModel
+    ):
         super().__init__()
         self.lr = lr
+        self.build = build
         self.build_in_configure_model = build_in_configure_model
-        self.model = None if build_in_configure_model else SwiGLUModel()
+        self.model = None if build_in_configure_model else build()
 
     def configure_model(self):
         if self.model is None:
             with self.trainer.init_module(empty_init=True):
-                self.model = SwiGLUModel()
+                self.model = self.build()
 
     def training_step(self, batch, batch_idx):
         (idx,) = batch
@@ -69,14 +73,17 @@ class StepRecorder(L.Callback):
         loss = outputs["loss"].detach().float().clone()
         dist.all_reduce(loss)
         self.losses.append(loss.item() / dist.get_world_size())
-        norm = trainer.strategy.precision_plugin.last_grad_norm
+        norm = getattr(trainer.strategy.precision_plugin, "last_grad_norm", None)  # None in plain Lightning
         self.clip_norms.append(None if norm is None else norm.item())
         scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
         self.scales.append(None if scaler is None else scaler.get_scale())
         self.skipped.append(self._checksum == sum(p.detach().double().sum().item() for p in pl_module.parameters()))
 
 
-def make_trainer(tensor_parallel_size: int, callbacks: list | None = None, **trainer_kwargs: Any) -> L.Trainer:
+def make_trainer(tensor_parallel_size: int | None, callbacks: list | None = None, **trainer_kwargs: Any) -> L.Trainer:
+    """A Trainer on every rank with TensorParallelStrategy; with `tensor_parallel_size=None`, plain Lightning on
+    one device (strategy="auto"), the reference the strategy is compared with."""
+    plain = tensor_parallel_size is None
     defaults = dict(
         logger=False,
         enable_checkpointing=False,
@@ -85,22 +92,27 @@ def make_trainer(tensor_parallel_size: int, callbacks: list | None = None, **tra
         num_sanity_val_steps=0,
     )
     return L.Trainer(
-        strategy=TensorParallelStrategy(tensor_parallel_size=tensor_parallel_size),
+        strategy="auto" if plain else TensorParallelStrategy(tensor_parallel_size=tensor_parallel_size),
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=1 if plain else dist.get_world_size(),
         callbacks=callbacks,
         **{**defaults, **trainer_kwargs},
     )
 
 
-def loader(tensor_parallel_size: int, steps: int, seed: int = 0) -> DataLoader:
-    """`steps` global batches, split over the data-parallel ranks."""
+def loader(tensor_parallel_size: int | None, steps: int, seed: int = 0) -> DataLoader:
+    """`steps` global batches, split over the data-parallel ranks (plain Lightning: one device, whole batches)."""
+    if tensor_parallel_size is None:
+        # The order Lightning's distributed sampler (shuffled, seed 0) gives the strategy's runs: each of their
+        # global batches is one of these whole batches.
+        data = token_data(steps, seed)
+        return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(data, num_replicas=1, rank=0))
     dp = dist.get_world_size() // tensor_parallel_size
     return DataLoader(token_data(steps, seed), batch_size=GLOBAL_BATCH // dp)
 
 
 def fit(
-    tensor_parallel_size: int,
+    tensor_parallel_size: int | None,
     steps: int,
     module_kwargs: dict | None = None,
     callbacks: list | None = None,
