@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import tp_train
 from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
-from tests.parity import full_tensors, assert_parity, parity_errors
+from tests.parity import assert_parity, full_tensors, parity_errors
 from tests.test_parallelize import VOCAB, SwiGLUModel, _gpt, _hf_gpt2, _hf_llama, _hf_logits, _logits
 
 ATOL = 1e-5
