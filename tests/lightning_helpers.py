@@ -80,7 +80,12 @@ class StepRecorder(L.Callback):
         self.skipped.append(self._checksum == sum(p.detach().double().sum().item() for p in pl_module.parameters()))
 
 
-def make_trainer(tensor_parallel_size: int | None, callbacks: list | None = None, **trainer_kwargs: Any) -> L.Trainer:
+def make_trainer(
+    tensor_parallel_size: int | None,
+    callbacks: list | None = None,
+    strategy_kwargs: dict | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
     """A Trainer on every rank with TensorParallelStrategy; with `tensor_parallel_size=None`, plain Lightning on
     one device (strategy="auto"), the reference the strategy is compared with."""
     plain = tensor_parallel_size is None
@@ -92,7 +97,7 @@ def make_trainer(tensor_parallel_size: int | None, callbacks: list | None = None
         num_sanity_val_steps=0,
     )
     return L.Trainer(
-        strategy="auto" if plain else TensorParallelStrategy(tensor_parallel_size=tensor_parallel_size),
+        strategy="auto" if plain else TensorParallelStrategy(tensor_parallel_size, **(strategy_kwargs or {})),
         accelerator="cpu",
         devices=1 if plain else dist.get_world_size(),
         callbacks=callbacks,

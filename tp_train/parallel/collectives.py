@@ -140,6 +140,20 @@ def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor
     return _all_reduce(grad.clone(), group)
 
 
+def register_gradient_hook(param: torch.Tensor, hook) -> None:
+    """`param.register_hook(hook)` (e.g. `all_reduce_gradient`), also on a frozen parameter: torch refuses a hook on
+    a tensor that does not require grad, but keeps one across `requires_grad` changes, so a parameter frozen before
+    sharding and unfrozen later still has its gradient summed."""
+    frozen = not param.requires_grad
+    if frozen:
+        param.requires_grad_(True)
+    try:
+        param.register_hook(hook)
+    finally:
+        if frozen:
+            param.requires_grad_(False)
+
+
 def copy_to_tensor_parallel_region(
     x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
 ) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from tp_train.parallel.collectives import all_reduce_gradient
+from tp_train.parallel.collectives import all_reduce_gradient, register_gradient_hook
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, shard_tensor
@@ -83,7 +83,7 @@ def apply_plan(
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":
             for param in module.parameters(recurse=False):
-                param.register_hook(lambda grad: all_reduce_gradient(grad, group))
+                register_gradient_hook(param, lambda grad: all_reduce_gradient(grad, group))
     _share_sibling_inputs(model, planned, group)
 
 

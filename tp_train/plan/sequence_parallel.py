@@ -27,6 +27,7 @@ from tp_train.parallel.collectives import (
     CommunicationCounter,
     all_reduce_gradient,
     gather_from_sequence_parallel_region,
+    register_gradient_hook,
     scatter_to_sequence_parallel_region,
 )
 from tp_train.parallel.layers import GATHERED_INPUT, SEQUENCE_SHARDED_INPUT, ColumnParallelLinear, RowParallelLinear
@@ -141,12 +142,12 @@ def _reduce_replicated_gradients(model: nn.Module, layout: BlockLayout, group: P
             if interior and not isinstance(module, RowParallelLinear):
                 continue
             for param in params:
-                param.register_hook(lambda grad: all_reduce_gradient(grad, group))
+                register_gradient_hook(param, lambda grad: all_reduce_gradient(grad, group))
         else:
             seen = {"in_region": False}
             module.register_forward_pre_hook(lambda *_, seen=seen: seen.update(in_region=region.active))
             for param in params:
-                param.register_hook(lambda grad, seen=seen: _reduce_if(grad, seen["in_region"], group))
+                register_gradient_hook(param, lambda grad, seen=seen: _reduce_if(grad, seen["in_region"], group))
         reduced.update(id(p) for p in params)
 
 
