@@ -81,8 +81,8 @@ def plain_lightning():
 
 @pytest.mark.parametrize(
     "algorithm,world_size,tp",
-    [("norm", 2, 2), ("norm", 4, 2), ("norm", 4, 4), ("value", 2, 2)],
-    ids=["norm-tp2", "norm-dp2xtp2", "norm-tp4", "value-tp2"],
+    [("norm", 2, 2), ("norm", 4, 2), ("value", 2, 2)],
+    ids=["norm-tp2", "norm-dp2xtp2", "value-tp2"],
 )
 def test_clipping_equals_plain_lightning_and_respects_the_limit(algorithm, world_size, tp, plain_lightning):
     limit = LIMITS[algorithm]
@@ -126,7 +126,7 @@ def _clip_directly(rank, world_size, norm_type, max_norm):
 
 @pytest.mark.parametrize("norm_type,max_norm", [(float("inf"), 0.01), (2.0, 0.1)], ids=["inf", "l2"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_clip_grad_norm_equals_torch_on_the_unsharded_model(tp, norm_type, max_norm):
+def test_clip_grad_norm_equals_torch_on_the_unsharded_model(tp, norm_type, max_norm):  # tp=4: several shard norms
     for result in run_on_ranks(_clip_directly, tp, norm_type, max_norm, timeout=120):
         total, ref_total = result["total"]
         assert ref_total > 2 * max_norm  # clipping was active
