@@ -4,6 +4,7 @@ LOCAL_RANK / RANK / WORLD_SIZE as torchrun would, so Lightning joins the existin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -21,16 +22,19 @@ GLOBAL_BATCH = 4
 
 
 class LitLM(L.LightningModule):
-    def __init__(self, lr: float = 1e-2, build_in_configure_model: bool = False):
+    def __init__(
+        self, lr: float = 1e-2, build_in_configure_model: bool = False, build: Callable[[], Any] = SwiGLUModel
+    ):
         super().__init__()
         self.lr = lr
+        self.build = build
         self.build_in_configure_model = build_in_configure_model
-        self.model = None if build_in_configure_model else SwiGLUModel()
+        self.model = None if build_in_configure_model else build()
 
     def configure_model(self):
         if self.model is None:
             with self.trainer.init_module(empty_init=True):
-                self.model = SwiGLUModel()
+                self.model = self.build()
 
     def training_step(self, batch, batch_idx):
         (idx,) = batch
@@ -83,12 +87,15 @@ class StepRecorder(L.Callback):
 
 
 def make_trainer(
-    tensor_parallel_size: int,
+    tensor_parallel_size: int | None,
     callbacks: list | None = None,
     data_parallel: str = "ddp",
     strategy_kwargs: dict | None = None,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
+    """A Trainer on every rank with TensorParallelStrategy; with `tensor_parallel_size=None`, plain Lightning on
+    one device (strategy="auto"), the reference the strategy is compared with."""
+    plain = tensor_parallel_size is None
     defaults = dict(
         logger=False,
         enable_checkpointing=False,
@@ -97,24 +104,32 @@ def make_trainer(
         num_sanity_val_steps=0,
     )
     return L.Trainer(
-        strategy=TensorParallelStrategy(
+        strategy="auto"
+        if plain
+        else TensorParallelStrategy(
             tensor_parallel_size=tensor_parallel_size, data_parallel=data_parallel, **(strategy_kwargs or {})
         ),
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=1 if plain else dist.get_world_size(),
         callbacks=callbacks,
         **{**defaults, **trainer_kwargs},
     )
 
 
-def loader(tensor_parallel_size: int, steps: int, seed: int = 0, micro_batches: int = 1) -> DataLoader:
-    """`steps` global batches, split over the data-parallel ranks, each in `micro_batches` micro-batches."""
+def loader(tensor_parallel_size: int | None, steps: int, seed: int = 0, micro_batches: int = 1) -> DataLoader:
+    """`steps` global batches, split over the data-parallel ranks, each in `micro_batches` micro-batches (plain
+    Lightning, `tensor_parallel_size=None`: one device, whole batches)."""
+    if tensor_parallel_size is None:
+        # The order Lightning's distributed sampler (shuffled, seed 0) gives the strategy's runs: each of their
+        # global batches is one of these whole batches.
+        data = token_data(steps, seed)
+        return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(data, num_replicas=1, rank=0))
     dp = dist.get_world_size() // tensor_parallel_size
     return DataLoader(token_data(steps, seed), batch_size=GLOBAL_BATCH // dp // micro_batches)
 
 
 def fit(
-    tensor_parallel_size: int,
+    tensor_parallel_size: int | None,
     steps: int,
     module_kwargs: dict | None = None,
     callbacks: list | None = None,
@@ -147,25 +162,5 @@ def validate(tensor_parallel_size: int, ckpt_path: str, data_parallel: str = "dd
 
 def fit_plain(steps: int, **trainer_kwargs: Any) -> StepRecorder:
     """The reference: plain Lightning on one device (no tp_train), a LitLM built after seeding 0, `steps` steps of
-    the global batch."""
-    torch.manual_seed(0)
-    module = LitLM()
-    recorder = StepRecorder()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy="auto",
-        callbacks=[recorder],
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **trainer_kwargs,
-    )
-    # The order Lightning's distributed sampler gives the strategy's ranks (shuffled, seed 0), on one replica.
-    data = token_data(steps)
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler))
-    return recorder
+    the global batch in the order the strategy's ranks see it."""
+    return fit(None, steps, **trainer_kwargs)[1]

@@ -51,7 +51,7 @@ def parity_errors(
         errors[f"loss_step{step}"] = (ref_loss - loss).abs().item()
         if step == 0:
             errors["logits"] = (ref_logits - logits).abs().max().item()
-            for name, grad in _full_tensors(model, group, grads=True).items():
+            for name, grad in full_tensors(model, group, grads=True).items():
                 if grad is None and ref_params[name].grad is None:
                     continue  # a parameter the forward never uses (an encoder's, in a decoder-only forward)
                 errors[f"grad:{name}"] = (ref_params[name].grad - grad).abs().max().item()
@@ -59,7 +59,7 @@ def parity_errors(
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
-    for name, param in _full_tensors(model, group, grads=False).items():
+    for name, param in full_tensors(model, group, grads=False).items():
         errors[f"param:{name}"] = (ref_params[name].detach() - param).abs().max().item()
     errors["shard_fraction"] = _shard_fraction(model, dist.get_world_size(group))
     errors["block_fraction"] = _block_fraction(model)
@@ -77,7 +77,7 @@ def parity_of_each(models: dict) -> dict[str, dict[str, float]]:
     return results
 
 
-def _full_tensors(model, group, grads: bool) -> dict[str, torch.Tensor]:
+def full_tensors(model, group, grads: bool) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) of the sharded model, gathered to full size where sharded."""
     specs = {name: spec for name, _, spec in tp_train.named_sharded_parameters(model)}
     out = {}

@@ -16,6 +16,7 @@ from tp_train.lightning.preemption import Preempted, PreemptionCheckpoint
 from tp_train.lightning.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
 from tp_train.lightning.rng_state import RandomStateCheckpoint
 from tp_train.lightning.strategy import TensorParallelStrategy
+from tp_train.lightning.wandb_logger import WandbLogger
 from tp_train.parallel.clipping import clip_grad_norm_, global_grad_norm
 from tp_train.parallel.collectives import (
     CommunicationCounter,
@@ -60,6 +61,7 @@ __all__ = [
     "TensorParallelStrategy",
     "TextDataModule",
     "TrainingMetrics",
+    "WandbLogger",
     "VocabParallelEmbedding",
     "clip_grad_norm_",
     "copy_to_tensor_parallel_region",

@@ -70,7 +70,8 @@ class CausalLMModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
-            self.log("val/ppl", math.exp(min(loss.item(), 50.0)))  # capped: exp overflows for a diverged model
+            # From the already averaged val/loss, the same on every rank; capped: exp overflows for a diverged model.
+            self.log("val/ppl", math.exp(min(loss.item(), 50.0)), sync_dist=True)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])

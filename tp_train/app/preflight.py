@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from tp_train.app.config_values import check_values
 from tp_train.app.resolvers import lightning_precision
 from tp_train.checkpoint.checks import check_files
 from tp_train.errors import CheckpointError, ConfigError
@@ -33,6 +34,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     tp = cfg.tp
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp} must be a positive integer (the tensor-parallel size), e.g. tp=2")
+    check_values(cfg)
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     if isinstance(devices, int) and (devices * nodes) % tp:
         fits = [n * tp for n in range(1, 5)]

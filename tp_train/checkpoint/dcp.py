@@ -201,6 +201,7 @@ def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh)
     """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`."""
     path = Path(path)
     metadata = check_files(path)
+    extra = _read_extra(path)  # before any tensor is copied in: a damaged meta.pt leaves the model as it was
     write_backs: list = []
     state = _checkpoint_state(model, optimizers, mesh, write_backs)
     check_matches(path, metadata, state)
@@ -218,6 +219,14 @@ def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh)
     load_model_state_dict(model, mesh, state["model"])
     for index, optimizer in enumerate(optimizers):
         load_optimizer_state_dict(model, optimizer, mesh, state[f"optimizer_{index}"])
+    return extra
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _read_extra(path: Path) -> dict:
+    """The `extra` metadata `save` wrote to `path/meta.pt` ({} when there is none)."""
     if not (path / META_FILE).exists():
         return {}
     try:  # weights_only=False: arbitrary metadata, written by `save` itself

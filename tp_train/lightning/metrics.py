@@ -66,7 +66,9 @@ class TrainingMetrics(L.Callback):
         self._paused = 0.0  # time spent in validation, which is not training throughput
         self._samples = self._tokens = self._batches = 0
         params = sum(local_part(p).numel() * p.element_size() for p in pl_module.parameters())  # FSDP2: this rank's
-        pl_module.log("memory/params_mib", params / MIB, rank_zero_only=True)
+        # The largest rank's (ranks of a tensor-parallel group hold different shards): a reduction, so every rank
+        # logs it.
+        pl_module.log("memory/params_mib", params / MIB, reduce_fx="max", sync_dist=True)
         if trainer.logger:
             tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
             specs = {id(param): spec for _, param, spec in named_sharded_parameters(pl_module)}

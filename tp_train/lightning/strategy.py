@@ -45,7 +45,7 @@ from tp_train.lightning.precision import tensor_parallel_precision
 from tp_train.parallel.mesh import DATA_PARALLEL, DATA_PARALLEL_MODES, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.data_parallel import fully_shard_data_parallel
-from tp_train.plan.parallelize import parallelize
+from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
 
 
@@ -244,6 +244,9 @@ class TensorParallelStrategy(DDPStrategy):
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
                 _materialize_distributed_module(root, self.root_device)
+            data_parallel_rank = self.device_mesh[DATA_PARALLEL].get_local_rank()
+            for rng in attached(root, "tp_rng"):
+                rng.separate_data_parallel_replicas(data_parallel_rank)
             root._tp_sharded = True
 
     def _fully_shard(self, root: pl.LightningModule) -> None:

@@ -77,6 +77,19 @@ class TensorParallelRNG:
             self._states[region] = _get_state(self.device)
             _set_state(self.device, self._states[previous])
 
+    def separate_data_parallel_replicas(self, data_parallel_rank: int) -> None:
+        """Gives each data-parallel replica its own dropout masks in both streams (replicas see different batches;
+        the same masks would tie their noise together). Each stream is reseeded from its own next draw plus the
+        rank, so the replicated stream stays identical across the TP group (its ranks share a data-parallel rank)
+        and replica 0 keeps its streams. Call once the weights are initialised: they draw from the replicated
+        stream and must agree across replicas."""
+        if data_parallel_rank == 0:
+            return
+        for region in (REPLICATED, SHARDED):
+            self.enter(region)
+            self._manual_seed(int(torch.randint(2**62, ())) + data_parallel_rank)
+            self.exit()
+
     def run_in(self, module: nn.Module, region: str) -> None:
         """Runs every forward of `module` in `region`'s stream."""
         module.register_forward_pre_hook(lambda *_: self.enter(region))

@@ -19,8 +19,9 @@ GradientHook = Callable[[torch.Tensor], torch.Tensor]
 
 
 def register_gradient_hook(module: nn.Module, name: str, hook: GradientHook) -> None:
-    """`hook` on the gradient of `module`'s own parameter `name`, now and on any parameter replacing it."""
-    getattr(module, name).register_hook(hook)
+    """`hook` on the gradient of `module`'s own parameter `name`, now and on any parameter replacing it; also on a
+    frozen parameter, so that one frozen before sharding and unfrozen later still has its gradient summed."""
+    _register(getattr(module, name), hook)
     _mark(getattr(module, name), hook)
     module.__dict__.setdefault("tp_gradient_hooks", {}).setdefault(name, []).append(hook)
 
@@ -38,8 +39,21 @@ def _rehook(module: nn.Module, args) -> None:
         param = getattr(module, name)
         for hook in hooks:
             if hook not in getattr(param, "tp_gradient_hooks", ()):
-                param.register_hook(hook)
+                _register(param, hook)
                 _mark(param, hook)
+
+
+def _register(param: torch.Tensor, hook: GradientHook) -> None:
+    """`param.register_hook(hook)`, also when `param` is frozen: torch refuses a hook on a tensor that does not
+    require grad, but keeps one across `requires_grad` changes."""
+    frozen = not param.requires_grad
+    if frozen:
+        param.requires_grad_(True)
+    try:
+        param.register_hook(hook)
+    finally:
+        if frozen:
+            param.requires_grad_(False)
 
 
 def _mark(param: torch.Tensor, hook: GradientHook) -> None:
