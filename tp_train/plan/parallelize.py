@@ -22,6 +22,7 @@ from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
+from tp_train.plan.styles import PlannedModule, linear_shape
 from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
@@ -60,8 +61,10 @@ def parallelize(
         model: the unsharded model, on the device it will run on.
         tp_group: a ProcessGroup, a 1-D DeviceMesh, or None for the whole world.
         plan: {module-name pattern: style}; `*` matches one name component.
-        loss_parallel: keep `colwise_gather_output` heads sharded along the vocabulary, for
-            `vocab_parallel_cross_entropy`; by default they gather, and the model returns full logits.
+        loss_parallel: keep the `colwise_gather_output` head sharded along the vocabulary, for
+            `vocab_parallel_cross_entropy`: no rank then holds full logits. `model.tp_vocab_size` records the
+            head's real vocabulary size, which that loss needs. By default the head gathers, and the model returns
+            full logits.
         device: where to materialise a model built on the meta device (each rank allocates only its shards, and
             the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
             else CPU.
@@ -86,6 +89,7 @@ def parallelize(
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
     planned = match_plan(model, resolved, dist.get_world_size(group))
+    vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
     whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
     skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
     check = SwapCheck(group) if verify is not False else None
@@ -107,6 +111,8 @@ def parallelize(
     if activation_checkpointing:
         checkpoint_blocks(model, layout, rng)
     model.tp_rng = rng
+    if vocab_size is not None:
+        model.tp_vocab_size = vocab_size
     whole_model_errors = None
     if skeleton is not None:
         whole_model_errors = verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
@@ -115,6 +121,18 @@ def parallelize(
     model.tp_comm_counter = _count_communication(model, counter)
     counter.reset()  # verification's traffic is not training's
     return model
+
+
+def _head_vocab_size(planned: list[PlannedModule], source: str) -> int:
+    """The real vocabulary size of the one head whose logits `loss_parallel` keeps sharded."""
+    heads = {entry.name: linear_shape(entry.module)[1] for entry in planned if entry.style == "colwise_gather_output"}
+    if len(set(heads.values())) != 1:
+        found = ", ".join(f"'{name}' ({size})" for name, size in heads.items()) or "none"
+        raise ValueError(
+            f"loss_parallel=True needs one vocabulary size among the heads planned 'colwise_gather_output' by "
+            f"{source}; found {found} (plan the LM head 'colwise_gather_output', or pass loss_parallel=False)"
+        )
+    return next(iter(heads.values()))
 
 
 def _parameter_bytes(model: nn.Module) -> int:
