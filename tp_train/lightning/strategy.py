@@ -63,6 +63,8 @@ class TensorParallelStrategy(DDPStrategy):
             `strategy.cross_entropy(logits, targets)`, which then never gathers them (Megatron's vocab-parallel
             cross-entropy). `CausalLMModule` does this by default; your own LightningModule calls
             `self.trainer.strategy.cross_entropy` where it called `F.cross_entropy`.
+        compile: compile each sharded model with `torch.compile` (see `tp_train.parallelize`'s `compile`): no graph
+            break for a model without dropout.
         verify_plan: check each sharded model before training (see `tp_train.parallelize`'s `verify`): each
             swapped module against the one it replaced, and the whole model against the unsharded one when it is
             small. Default None: on for every plan; True also forces the whole-model check; False: off.
@@ -82,6 +84,7 @@ class TensorParallelStrategy(DDPStrategy):
         start_method: str = "popen",
         verify_plan: bool | None = None,
         loss_parallel: bool = False,
+        compile: bool = False,
         **kwargs: Any,
     ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -99,6 +102,7 @@ class TensorParallelStrategy(DDPStrategy):
         self._plan = plan
         self._verify_plan = verify_plan
         self.loss_parallel = loss_parallel
+        self.compile = compile
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self._device_mesh: DeviceMesh | None = None
@@ -246,6 +250,7 @@ class TensorParallelStrategy(DDPStrategy):
                     device=self.root_device,
                     verify=self._verify_plan,
                     loss_parallel=self.loss_parallel,
+                    compile=self.compile,
                     sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.activation_checkpointing,
                 )

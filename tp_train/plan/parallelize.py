@@ -14,7 +14,7 @@ from tp_train.checkpoint.pretrained import load_pretrained_modules
 from tp_train.parallel.collectives import CommunicationCounter
 from tp_train.parallel.layers import Configurable
 from tp_train.parallel.mesh import as_process_group
-from tp_train.parallel.random import TensorParallelRNG
+from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.activation_checkpointing import checkpoint_blocks
 from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
@@ -47,6 +47,7 @@ def parallelize(
     weights: str | Path | None = None,
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -83,6 +84,10 @@ def parallelize(
             a multiple of tp. See `tp_train.plan.sequence_parallel`.
         activation_checkpointing: recompute each block's forward in backward instead of keeping its activations
             (dropout replays the same masks). See `tp_train.plan.activation_checkpointing`.
+        compile: compile the sharded model in place (`nn.Module.compile`, torch's default inductor backend) once
+            it is sharded and verified. Its collectives trace as torch's functional collectives, so a model without
+            dropout compiles with no graph break; with dropout, each switch of random stream breaks the graph
+            (`tp_train.parallel.random`). The tensor-parallel traffic of compiled steps is not counted.
     """
     group = as_process_group(tp_group)
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
@@ -100,7 +105,8 @@ def parallelize(
         if sequence_parallel:
             check_sequence_parallel(model, layout)
     device = torch.device(device) if device is not None else _default_device(model)
-    rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
+    # Also syncs the default generator, so every rank inits alike.
+    rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
     if check is not None:
         check.raise_on_difference()
@@ -120,6 +126,8 @@ def parallelize(
         print(_verification_summary(check, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)
     counter.reset()  # verification's traffic is not training's
+    if compile:
+        model.compile()
     return model
 
 
