@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tp_train.checkpoint.dcp import HUGGING_FACE_CONFIG_KEY
+from tp_train.lightning.strategy import TensorParallelStrategy
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -53,6 +54,9 @@ class CausalLMModule(L.LightningModule):
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         logits = self(inputs)
+        if isinstance(self.trainer.strategy, TensorParallelStrategy):
+            # Vocab-sharded logits under `loss_parallel` (the app's default): never gathered.
+            return self.trainer.strategy.cross_entropy(logits, targets)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the softmax in fp32
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

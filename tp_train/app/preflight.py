@@ -141,8 +141,8 @@ def _context_length(model: torch.nn.Module) -> int | None:
 def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> MemoryEstimate:
     """`estimate_memory` for a training config (conf/train.yaml): the model `build_model()()` builds on the meta
     device, `data.batch_size` x `data.block_size` micro-batches, `tp`, the data-parallel size the trainer's devices
-    leave, `precision`, `data_parallel`, and `sequence_parallel` / `activation_checkpointing` (top level or on the
-    strategy)."""
+    leave, `precision`, `data_parallel`, and `sequence_parallel` / `activation_checkpointing` / `loss_parallel` (top
+    level or on the strategy)."""
     with torch.device("meta"):
         model = build_model()()
     strategy = cfg.trainer.get("strategy") or {}
@@ -162,4 +162,5 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
         sequence_parallel=flag("sequence_parallel"),
         activation_checkpointing=flag("activation_checkpointing"),
         data_parallel=_data_parallel_mode(cfg),
+        loss_parallel=flag("loss_parallel"),
     )

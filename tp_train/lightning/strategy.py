@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -42,6 +43,7 @@ from typing_extensions import override
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.lightning.launch import HydraJobLauncher
 from tp_train.lightning.precision import tensor_parallel_precision
+from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.mesh import DATA_PARALLEL, DATA_PARALLEL_MODES, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.data_parallel import fully_shard_data_parallel
@@ -63,6 +65,12 @@ class TensorParallelStrategy(DDPStrategy):
         process_group_backend: "nccl" on GPUs, "gloo" on CPU by default.
         timeout: collective timeout, so a rank that died fails the job instead of hanging it.
         start_method: "popen" (re-run the script per rank), or "spawn" / "fork" (e.g. from a notebook or pytest).
+        loss_parallel: keep the LM head's logits sharded along the vocabulary; compute the loss with
+            `strategy.cross_entropy(logits, targets)`, which then never gathers them (Megatron's vocab-parallel
+            cross-entropy). `CausalLMModule` does this by default; your own LightningModule calls
+            `self.trainer.strategy.cross_entropy` where it called `F.cross_entropy`.
+        compile: compile each sharded model with `torch.compile` (see `tp_train.parallelize`'s `compile`): no graph
+            break for a model without dropout.
         verify_plan: check each sharded model before training (see `tp_train.parallelize`'s `verify`): each
             swapped module against the one it replaced, and the whole model against the unsharded one when it is
             small. Default None: on for every plan; True also forces the whole-model check; False: off.
@@ -85,6 +93,8 @@ class TensorParallelStrategy(DDPStrategy):
         start_method: str = "popen",
         verify_plan: bool | None = None,
         data_parallel: str = "ddp",
+        loss_parallel: bool = False,
+        compile: bool = False,
         **kwargs: Any,
     ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -111,10 +121,13 @@ class TensorParallelStrategy(DDPStrategy):
         self.tensor_parallel_size = tensor_parallel_size
         self._plan = plan
         self._verify_plan = verify_plan
+        self.loss_parallel = loss_parallel
+        self.compile = compile
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
         self._device_mesh: DeviceMesh | None = None
+        self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
     # ------------------------------------------------------------------------------------------------ topology
 
@@ -135,6 +148,28 @@ class TensorParallelStrategy(DDPStrategy):
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // self.tensor_parallel_size
+
+    def cross_entropy(
+        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        """Mean cross-entropy of `logits` (..., vocab) against `target` (...), whichever way the model's head
+        was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
+        statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
+        half precision are reduced in fp32."""
+        if not self.loss_parallel:
+            logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+            return F.cross_entropy(
+                logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing
+            )
+        if self._vocab_size is None:
+            sizes = set(attached(self.lightning_module, "tp_vocab_size"))
+            if len(sizes) != 1:
+                raise RuntimeError(f"loss_parallel: expected one sharded LM head, found vocabulary sizes {sizes}")
+            (self._vocab_size,) = sizes
+        loss = vocab_parallel_cross_entropy(
+            logits, target, self.tensor_parallel_group, self._vocab_size, ignore_index, label_smoothing
+        )
+        return loss.float()
 
     @property
     @override
@@ -238,6 +273,8 @@ class TensorParallelStrategy(DDPStrategy):
                     plan=self._plan,
                     device=self.root_device,
                     verify=self._verify_plan,
+                    loss_parallel=self.loss_parallel,
+                    compile=self.compile,
                     sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.activation_checkpointing,
                 )

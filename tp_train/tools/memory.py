@@ -12,7 +12,8 @@ block without dropout and with fused attention, which keeps no (seq x seq) score
         block's full activations live again while it is recomputed, after the logits below are freed, so the
         larger of the two counts
     after the blocks: the final norm's input and output (2 * b*s*h) and, at the start of the backward pass, the
-        logits, their log-probabilities and the gradients of both (4 * b*s*V): that is when a step peaks
+        logits, their log-probabilities and the gradients of both (4 * b*s*V; 4 * b*s*V/tp with the
+        vocabulary-parallel loss, `loss_parallel`, whose logits stay sharded): that is when a step peaks
 
 with b the micro-batch, s the sequence length, h the hidden width, f the MLP width and V the vocabulary. Gradients
 appear as the activations are freed, so the peak is parameters + optimizer states + the larger of the two.
@@ -164,13 +165,14 @@ def activation_elements(
     tp: int = 1,
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
+    loss_parallel: bool = False,
 ) -> int:
     """Elements autograd keeps for one micro-batch's backward on one rank (see the module docstring)."""
     layers, hidden, mlp, vocab = _shape(model)
     tokens = micro_batch_size * seq_len
     replicated = tokens * hidden // (tp if sequence_parallel else 1)
     block = 4 * replicated + (4 * hidden + 2 * mlp) * tokens // tp
-    loss = 4 * tokens * vocab
+    loss = 4 * tokens * (ceil_div(vocab, tp) if loss_parallel else vocab)
     if activation_checkpointing:  # the recomputed block comes after the loss's backward has freed the logits
         return layers * replicated + 2 * replicated + max(loss, block)
     return layers * block + 2 * replicated + loss
@@ -187,6 +189,7 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     plan: dict[str, str] | None = None,
     data_parallel: str = "ddp",
+    loss_parallel: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory of training `model` with AdamW at `tp` x `dp` (see the module docstring).
 
@@ -196,12 +199,16 @@ def estimate_memory(
         seq_len: tokens per sequence.
         precision: one of Lightning's names ("32-true", "16-mixed", "bf16-mixed", "bf16-true", ...).
         data_parallel: "ddp" or "fsdp", as `TensorParallelStrategy(data_parallel=...)`.
+        loss_parallel: the LM head's logits stay sharded along the vocabulary (`TensorParallelStrategy`'s
+            `loss_parallel`).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
     param_bytes, activation_bytes = PRECISION_BYTES[precision]
     parameters = parameters_per_rank(model, tp, plan, dp, data_parallel) * param_bytes
-    activations = activation_elements(model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing)
+    activations = activation_elements(
+        model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing, loss_parallel
+    )
     fsdp = data_parallel == "fsdp"
     return MemoryEstimate(
         parameters=parameters,
@@ -221,10 +228,11 @@ def tensor_parallel_bytes_per_step(
     bytes_per_element: int = 4,
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
+    loss_parallel: bool = False,
 ) -> int:
     """Bytes the tensor-parallel collectives of one training step move (as `CommunicationCounter` counts them: an
     all-reduce twice, as the reduce-scatter plus all-gather it is) for a transformer sharded Megatron's way, its LM
-    head gathering the logits.
+    head gathering the logits (none of them with `loss_parallel`).
 
     Each block all-reduces b*s*h elements twice forward (after attention and after the MLP) and twice backward
     (their inputs' gradients): 8 b*s*h. The vocabulary-parallel embedding all-reduces once forward and the LM head's
@@ -242,5 +250,6 @@ def tensor_parallel_bytes_per_step(
     tokens = micro_batch_size * seq_len
     per_block = 8 + (2 if activation_checkpointing else 0)
     elements = (per_block * layers + (5 if sequence_parallel else 4)) * tokens * hidden
-    elements += tokens * ceil_div(vocab, tp) * tp
+    if not loss_parallel:  # the vocabulary-parallel loss's per-token all-reduces are not the model's: not counted
+        elements += tokens * ceil_div(vocab, tp) * tp
     return elements * bytes_per_element

@@ -47,8 +47,15 @@ def table(tp: int, dps: list[int], seq_len: int, micro_batch: int, precision: st
         model = llama(name)
         for dp in dps:
             for mode in ("ddp", "fsdp"):
-                estimate = estimate_memory(
-                    model, micro_batch, seq_len, tp=tp, dp=dp, precision=precision, data_parallel=mode
+                estimate = estimate_memory(  # the app's default loss: vocabulary-parallel, logits never gathered
+                    model,
+                    micro_batch,
+                    seq_len,
+                    tp=tp,
+                    dp=dp,
+                    precision=precision,
+                    data_parallel=mode,
+                    loss_parallel=True,
                 )
                 cells = [estimate.parameters, estimate.gradients, estimate.optimizer_states]
                 cells += [estimate.gradient_buckets + estimate.gathered_parameters, estimate.activations]
