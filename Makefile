@@ -1,4 +1,13 @@
-PYTHON ?= python3
+# The environment everything installs into and runs in: an active virtual environment or conda environment as it
+# is, else the project's own .venv (created by `make setup` from the system python3). `make PYTHON=... test` picks
+# an interpreter yourself.
+ifdef VIRTUAL_ENV
+PYTHON ?= $(VIRTUAL_ENV)/bin/python
+else ifdef CONDA_PREFIX
+PYTHON ?= $(CONDA_PREFIX)/bin/python
+else
+PYTHON ?= .venv/bin/python
+endif
 
 .PHONY: setup train test lint
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -30,6 +31,15 @@ from tp_train.lightning.metrics import TrainingMetrics, peak_memory_mib
 from tp_train.lightning.preemption import Preempted
 
 register_resolvers()
+# Lightning 2.6's CombinedLoader builds torch's `LeafSpec()`, which torch 2.13 deprecates with a FutureWarning on
+# every rank ("`isinstance(treespec, LeafSpec)` is deprecated"): nothing a user can change. Only that message,
+# and only from that Lightning module, is silenced.
+warnings.filterwarnings(
+    "ignore",
+    message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    category=FutureWarning,
+    module=r"lightning\.pytorch\.utilities\._pytree",
+)
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
@@ -47,7 +57,12 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
 def summarize(trainer: L.Trainer) -> dict | None:
     """The run's outcome, on rank 0 (every rank must call: peak memory is gathered)."""
     device = trainer.strategy.root_device
-    peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mib(device), device=device))
+    peak = torch.tensor([peak_memory_mib(device)], device=device)
+    peaks = [peak]
+    if torch.distributed.is_initialized():  # a plain collective: Lightning's all_gather uses torch's deprecated one
+        peaks = [torch.empty_like(peak) for _ in range(trainer.world_size)]
+        torch.distributed.all_gather(peaks, peak)
+    peaks = torch.cat(peaks)
     if not trainer.is_global_zero:
         return None
     metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
@@ -105,7 +120,8 @@ def run(cfg: DictConfig) -> float | None:
         preflight.check(cfg, lambda: instantiate(cfg.model))
         if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
             estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
-            print(estimate.table(f"predicted memory per rank (tp={cfg.tp}, precision={cfg.precision})"), flush=True)
+            title = f"predicted memory per rank (tp={cfg.tp}, {cfg.data_parallel}, precision={cfg.precision})"
+            print(estimate.table(title), flush=True)
         if cfg.get("dry_run"):
             return None
         datamodule = instantiate(cfg.data)

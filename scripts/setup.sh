@@ -1,10 +1,39 @@
 #!/usr/bin/env bash
-# Installs tp_train and its dependencies into the current Python environment.
-# torch goes first: on a machine without an NVIDIA GPU we install the CPU build, because letting pip resolve
-# a loose "torch" requirement pulls a multi-GB CUDA build. Override with TORCH_SPEC (e.g. TORCH_SPEC=torch).
+# Installs tp_train (editable, with its test tools) and the exact dependency versions of constraints.txt into the
+# environment of $PYTHON (the Makefile's choice: an active venv or conda env, else .venv).
+#
+# .venv is created here when it is missing, from $BASE_PYTHON (default: python3 on PATH). A project venv, always
+# rather than only where pip refuses (PEP 668's "externally-managed-environment" on Debian/Ubuntu's python3): the
+# same set-up on every machine, and nothing installed into an interpreter the user did not choose.
+#
+# torch goes first: on a machine without an NVIDIA GPU we install the CPU build, because letting pip resolve a
+# loose "torch" requirement pulls a multi-GB CUDA build. Override with TORCH_SPEC (e.g. TORCH_SPEC=torch); an
+# environment's torch that imports is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-.venv/bin/python}
+BASE_PYTHON=${BASE_PYTHON:-python3}
+
+if [ "$PYTHON" = .venv/bin/python ] && [ ! -x .venv/bin/python ]; then
+    if ! command -v "$BASE_PYTHON" >/dev/null 2>&1; then
+        echo "error: setup needs $BASE_PYTHON (Python 3.10+) on PATH, or BASE_PYTHON=/path/to/python3" >&2
+        exit 2
+    fi
+    if ! "$BASE_PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+        echo "error: $BASE_PYTHON is Python $("$BASE_PYTHON" -c 'import platform; print(platform.python_version())'); tp_train needs 3.10+ (set BASE_PYTHON)" >&2
+        exit 2
+    fi
+    echo "setup: creating .venv with $(command -v "$BASE_PYTHON") (Python $("$BASE_PYTHON" -c 'import platform; print(platform.python_version())'))"
+    if ! "$BASE_PYTHON" -m venv .venv >/dev/null; then
+        rm -rf .venv  # a half-made venv would be taken for a working one next time
+        echo "error: $BASE_PYTHON -m venv failed; on Debian/Ubuntu install the venv module: sudo apt install python3-venv" >&2
+        exit 2
+    fi
+elif [ ! -x "$PYTHON" ] && ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "error: PYTHON=$PYTHON is not an interpreter (is the environment still there?)" >&2
+    exit 2
+fi
+
 if [ -z "${TORCH_SPEC:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         TORCH_SPEC="torch"
@@ -12,7 +41,10 @@ if [ -z "${TORCH_SPEC:-}" ]; then
         TORCH_SPEC="torch==2.13.0"
     fi
 fi
+prefix=$("$PYTHON" -c 'import sys; print(sys.prefix)')
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    echo "setup: installing $TORCH_SPEC into $prefix"
     "$PYTHON" -m pip install --quiet "$TORCH_SPEC"
 fi
-"$PYTHON" -m pip install --quiet -e ".[dev]"
+echo "setup: installing tp_train[dev] with constraints.txt into $prefix"
+"$PYTHON" -m pip install --quiet -c constraints.txt -e ".[dev]"

@@ -4,32 +4,37 @@ LOCAL_RANK / RANK / WORLD_SIZE as torchrun would, so Lightning joins the existin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tests.parity import next_token_loss
 from tests.test_parallelize import VOCAB, SwiGLUModel
 from tp_train import TensorParallelStrategy
+from tp_train.parallel.sharding import local_part
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 4
 
 
 class LitLM(L.LightningModule):
-    def __init__(self, lr: float = 1e-2, build_in_configure_model: bool = False):
+    def __init__(
+        self, lr: float = 1e-2, build_in_configure_model: bool = False, build: Callable[[], Any] = SwiGLUModel
+    ):
         super().__init__()
         self.lr = lr
+        self.build = build
         self.build_in_configure_model = build_in_configure_model
-        self.model = None if build_in_configure_model else SwiGLUModel()
+        self.model = None if build_in_configure_model else build()
 
     def configure_model(self):
         if self.model is None:
             with self.trainer.init_module(empty_init=True):
-                self.model = SwiGLUModel()
+                self.model = self.build()
 
     def training_step(self, batch, batch_idx):
         (idx,) = batch
@@ -50,6 +55,11 @@ def token_data(steps: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(torch.randint(0, VOCAB, (steps * GLOBAL_BATCH, SEQ_LEN), generator=generator))
 
 
+def _checksum(module: torch.nn.Module) -> float:
+    """A sum over this rank's parameter elements (its pieces, under FSDP2)."""
+    return sum(local_part(p).detach().double().sum().item() for p in module.parameters())
+
+
 class StepRecorder(L.Callback):
     """Per step: the loss averaged over all ranks (the global batch's loss), the global gradient norm the strategy
     clipped by, and a plain norm of this rank's gradients before clipping."""
@@ -59,24 +69,33 @@ class StepRecorder(L.Callback):
         self._checksum = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._checksum = sum(p.detach().double().sum().item() for p in pl_module.parameters())
+        self._checksum = _checksum(pl_module)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        grads = [local_part(p.grad) for p in pl_module.parameters() if p.grad is not None]
         self.local_norms.append(torch.nn.utils.get_total_norm(grads).item())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"].detach().float().clone()
         dist.all_reduce(loss)
         self.losses.append(loss.item() / dist.get_world_size())
-        norm = trainer.strategy.precision_plugin.last_grad_norm
+        norm = getattr(trainer.strategy.precision_plugin, "last_grad_norm", None)  # None in plain Lightning
         self.clip_norms.append(None if norm is None else norm.item())
         scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
         self.scales.append(None if scaler is None else scaler.get_scale())
-        self.skipped.append(self._checksum == sum(p.detach().double().sum().item() for p in pl_module.parameters()))
+        self.skipped.append(self._checksum == _checksum(pl_module))
 
 
-def make_trainer(tensor_parallel_size: int, callbacks: list | None = None, **trainer_kwargs: Any) -> L.Trainer:
+def make_trainer(
+    tensor_parallel_size: int | None,
+    callbacks: list | None = None,
+    data_parallel: str = "ddp",
+    strategy_kwargs: dict | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    """A Trainer on every rank with TensorParallelStrategy; with `tensor_parallel_size=None`, plain Lightning on
+    one device (strategy="auto"), the reference the strategy is compared with."""
+    plain = tensor_parallel_size is None
     defaults = dict(
         logger=False,
         enable_checkpointing=False,
@@ -85,22 +104,32 @@ def make_trainer(tensor_parallel_size: int, callbacks: list | None = None, **tra
         num_sanity_val_steps=0,
     )
     return L.Trainer(
-        strategy=TensorParallelStrategy(tensor_parallel_size=tensor_parallel_size),
+        strategy="auto"
+        if plain
+        else TensorParallelStrategy(
+            tensor_parallel_size=tensor_parallel_size, data_parallel=data_parallel, **(strategy_kwargs or {})
+        ),
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=1 if plain else dist.get_world_size(),
         callbacks=callbacks,
         **{**defaults, **trainer_kwargs},
     )
 
 
-def loader(tensor_parallel_size: int, steps: int, seed: int = 0) -> DataLoader:
-    """`steps` global batches, split over the data-parallel ranks."""
+def loader(tensor_parallel_size: int | None, steps: int, seed: int = 0, micro_batches: int = 1) -> DataLoader:
+    """`steps` global batches, split over the data-parallel ranks, each in `micro_batches` micro-batches (plain
+    Lightning, `tensor_parallel_size=None`: one device, whole batches)."""
+    if tensor_parallel_size is None:
+        # The order Lightning's distributed sampler (shuffled, seed 0) gives the strategy's runs: each of their
+        # global batches is one of these whole batches.
+        data = token_data(steps, seed)
+        return DataLoader(data, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(data, num_replicas=1, rank=0))
     dp = dist.get_world_size() // tensor_parallel_size
-    return DataLoader(token_data(steps, seed), batch_size=GLOBAL_BATCH // dp)
+    return DataLoader(token_data(steps, seed), batch_size=GLOBAL_BATCH // dp // micro_batches)
 
 
 def fit(
-    tensor_parallel_size: int,
+    tensor_parallel_size: int | None,
     steps: int,
     module_kwargs: dict | None = None,
     callbacks: list | None = None,
@@ -115,15 +144,23 @@ def fit(
     module = LitLM(**(module_kwargs or {}))
     recorder = StepRecorder()
     trainer = make_trainer(tensor_parallel_size, [recorder, *(callbacks or [])], max_steps=steps, **trainer_kwargs)
-    trainer.fit(module, loader(tensor_parallel_size, data_steps or steps), ckpt_path=ckpt_path)
+    micro_batches = trainer_kwargs.get("accumulate_grad_batches", 1)
+    data = loader(tensor_parallel_size, data_steps or steps, micro_batches=micro_batches)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     if save_to:
         trainer.save_checkpoint(save_to)
     return trainer, recorder
 
 
-def validate(tensor_parallel_size: int, ckpt_path: str) -> float:
+def validate(tensor_parallel_size: int, ckpt_path: str, data_parallel: str = "ddp") -> float:
     """The validation loss of the checkpoint at `ckpt_path`, on a fixed held-out set, at this dp x tp."""
     torch.manual_seed(123)  # a different init: everything must come from the checkpoint
-    trainer = make_trainer(tensor_parallel_size)
+    trainer = make_trainer(tensor_parallel_size, data_parallel=data_parallel)
     (metrics,) = trainer.validate(LitLM(), loader(tensor_parallel_size, 3, seed=99), ckpt_path=ckpt_path, verbose=False)
     return metrics["val_loss"]
+
+
+def fit_plain(steps: int, **trainer_kwargs: Any) -> StepRecorder:
+    """The reference: plain Lightning on one device (no tp_train), a LitLM built after seeding 0, `steps` steps of
+    the global batch in the order the strategy's ranks see it."""
+    return fit(None, steps, **trainer_kwargs)[1]

@@ -31,9 +31,26 @@ def test_bench_smoke_writes_every_contender(tmp_path):
         assert 0 < row["model_state_mib"] < row["peak_mib"] < 1000, (name, row)
         assert row["predicted_peak_mib"] > 0
     n_layer = size["size"]["n_layer"]
-    assert rows["ours tp=2"]["collectives_per_step"] == 4 * n_layer + 3
+    # 4 per block; the embedding's forward and the head's input gradient; the vocab-parallel loss's max and sums.
+    assert rows["ours tp=2"]["collectives_per_step"] == 4 * n_layer + 4
     assert rows["ours tp=1"]["collectives_per_step"] == 0
     for name in ("ours tp=2", "ours tp=2 +SP", "ours tp=2 +AC"):
         assert rows[name]["tp_bytes_per_step"] == rows[name]["analytic_tp_bytes_per_step"] > 0, name
     assert rows["ours tp=2"]["model_state_mib"] < 0.55 * rows["ours tp=1"]["model_state_mib"]
     assert {check["target"] for check in report["targets"]} and report["machine"]["cpus"] >= 1
+
+
+@pytest.mark.slow
+def test_data_parallel_bench_smoke_compares_ddp_and_fsdp(tmp_path):
+    output = tmp_path / "bench_dp.json"
+    command = [sys.executable, "-m", "tp_train.tools.bench.data_parallel", "--sizes", "small", "--repeats", "1",
+               "--steps", "1", "--output", str(output)]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ours dp2 x tp2 fsdp" in result.stdout
+    ((size),) = json.loads(output.read_text())
+    ddp, fsdp = size["contenders"]["ddp"], size["contenders"]["fsdp"]
+    for row in (ddp, fsdp):
+        assert 0 < row["step_s"] < 60
+        assert row["model_state_mib"] == pytest.approx(row["predicted_state_mib"], rel=0.05)
+    assert fsdp["model_state_mib"] < 0.55 * ddp["model_state_mib"]

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import tp_train
 from tests.distributed import run_on_ranks
+from tests.parity import next_token_loss
 from tests.test_parallelize import SwiGLUModel
 from tp_train.checkpoint.dcp import load, save
 from tp_train.errors import CheckpointError
@@ -74,6 +75,24 @@ CASES = {
 }  # fmt: skip
 
 
+def _train(model, optimizer, steps: int = 2) -> None:
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        idx = torch.randint(0, model.embed.num_embeddings, (2, 8), generator=generator)
+        next_token_loss(model(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _state(model, optimizer) -> dict[str, torch.Tensor]:
+    """Copies of the model's parameters and the optimizer's per-parameter state (Adam's moments, step)."""
+    state = {f"param:{name}": param.detach().clone() for name, param in model.named_parameters()}
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state.get(param, {}).items():
+            state[f"optimizer:{name}:{key}"] = torch.as_tensor(value).clone()
+    return state
+
+
 def _digest(path: Path) -> dict[str, tuple[str, int]]:
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     return {str(f): (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime_ns) for f in files}
@@ -93,17 +112,27 @@ def _refusals(rank, world_size, directory):
         path = good if case.startswith("other_") else good.with_name(case)
         before = _digest(path)
         model, optimizer = _build(**sizes)
-        weights = {name: param.detach().clone() for name, param in model.named_parameters()}
+        _train(model, optimizer)  # unlike the checkpoint's (untrained) model: a partial load would show
+        before_load = _state(model, optimizer)
         try:
             load(path, model, [optimizer], mesh)
             message = None
         except CheckpointError as error:
             message = str(error)
-        unchanged = all(torch.equal(weights[name], param) for name, param in model.named_parameters())
+        after_load = _state(model, optimizer)
+        unchanged = before_load.keys() == after_load.keys() and all(
+            torch.equal(before_load[key], after_load[key]) for key in before_load
+        )
         results[case] = {"message": message, "files_unchanged": _digest(path) == before, "model_unchanged": unchanged}
         dist.barrier()
+    saved = _state(*_build())  # the checkpoint holds the untrained model
     model, optimizer = _build()
-    results["good_loads"] = load(good, model, [optimizer], mesh) == {"step": 1}
+    _train(model, optimizer)
+    # The control: a load that succeeds does change the trained model, back to the checkpoint's weights.
+    loaded = load(good, model, [optimizer], mesh) == {"step": 1}
+    results["good_loads"] = loaded and all(
+        torch.equal(value, _state(model, optimizer)[key]) for key, value in saved.items()
+    )
     return results
 
 
@@ -122,5 +151,5 @@ def test_bad_checkpoint_is_refused_in_one_line_and_left_as_it_was(refusals, case
         assert expected in result["message"] and "\n" not in result["message"], (rank, result["message"])
         assert result["files_unchanged"], f"rank {rank}: loading {case} changed its files"
         if case != "corrupt_shard":  # found before DCP reads any tensor
-            assert result["model_unchanged"], f"rank {rank}: a refused {case} changed the model"
+            assert result["model_unchanged"], f"rank {rank}: a refused {case} changed the trained model or optimizer"
         assert results["good_loads"]

@@ -95,7 +95,8 @@ def test_preflight_builds_model_hf_on_meta_and_refuses_what_cannot_run(tmp_path)
     check("tp=2")
     with pytest.raises(preflight.ConfigError, match="data.vocab_size=512 exceeds the model's vocabulary of 300"):
         check("tp=2", "model.config.vocab_size=300")
-    with pytest.raises(preflight.ConfigError, match="config.num_key_value_heads=2 is not divisible by .*=4"):
-        check("tp=4")
+    check("tp=4")  # 2 kv heads over 4 ranks: each held by the 2 ranks whose query heads use it
+    with pytest.raises(preflight.ConfigError, match="config.num_attention_heads=4 is not divisible by .*=8"):
+        check("tp=8")
     with pytest.raises(preflight.ConfigError, match="model: config.n_layer=2: LlamaConfig has no field 'n_layer'"):
         check("experiment=smoke")  # the smoke preset sizes models.GPT

@@ -27,7 +27,17 @@ BUILDERS = {
     "hf_gpt2": _hf_gpt2,  # Conv1D (transposed) weights
     "hf_llama": _hf_llama,  # grouped kv heads
     "swiglu": SwiGLUModel,  # a packed [gate; up] projection
+    "hf_mixtral": lambda: _hf_tiny("mixtral", num_local_experts=4),  # fused 3-D expert weights (parameter entries)
+    "hf_llama_1_kv_head": lambda: _hf_tiny("llama", num_key_value_heads=1),  # replicated at tp 2 and 4
 }
+
+
+def _hf_tiny(model_type: str, **fields):
+    from models.hf import hugging_face_causal_lm
+
+    sizes = dict(pad_token_id=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)  # fmt: skip
+    return hugging_face_causal_lm(model_type, config={**sizes, **fields})
 
 
 def _actual_bytes(rank, world_size):
@@ -109,3 +119,29 @@ def test_dry_run_prints_the_estimate_and_exits_without_training(tmp_path):
         assert line in result.stdout
     assert "run summary" not in result.stdout and not (tmp_path / "summary.json").exists()
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_dry_run_knows_the_data_parallel_mode(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "train.py", "experiment=smoke", "tp=2", "dp=2", "data_parallel=fsdp", "dry_run=true",
+         "logger=none", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "predicted memory per rank (tp=2, fsdp" in result.stdout, result.stdout
+    lines = {line.split("  ")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("  ")}
+    assert "0.0 MiB" in lines["gradient buckets"] and "0.0 MiB" not in lines["gathered parameters"], lines
+
+
+def test_fsdp_estimate_splits_the_model_state_over_dp_and_drops_the_buckets():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64))
+    ddp = estimate_memory(model, 2, 64, tp=2, dp=4)
+    fsdp = estimate_memory(model, 2, 64, tp=2, dp=4, data_parallel="fsdp")
+    assert ddp.gradient_buckets == ddp.parameters and fsdp.gradient_buckets == 0
+    assert ddp.parameters / 4 <= fsdp.parameters < ddp.parameters / 4 * 1.01  # rank 0's piece of uneven splits
+    assert fsdp.model_states == fsdp.parameters * 4 and fsdp.activations == ddp.activations
+    assert 0 < fsdp.gathered_parameters <= ddp.parameters  # outside the blocks + two blocks: all of 2 blocks
+    with pytest.raises(ValueError, match="data_parallel='zero'"):
+        estimate_memory(model, 2, 64, tp=2, dp=4, data_parallel="zero")

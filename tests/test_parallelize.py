@@ -145,7 +145,7 @@ def _loss_parallel_parity(rank, world_size):
     import torch.distributed as dist
 
     import tp_train
-    from tests.parity import _full_tensors
+    from tests.parity import full_tensors
 
     torch.manual_seed(0)
     reference = _gpt()
@@ -158,7 +158,7 @@ def _loss_parallel_parity(rank, world_size):
     ref_loss.backward()
     loss.backward()
     ref_params = dict(reference.named_parameters())
-    grads = _full_tensors(model, dist.group.WORLD, grads=True)
+    grads = full_tensors(model, dist.group.WORLD, grads=True)
     grad_error = max((ref_params[name].grad - grad).abs().max().item() for name, grad in grads.items())
     return logits.shape[-1], (ref_loss - loss).abs().item(), grad_error
 

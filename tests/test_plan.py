@@ -25,11 +25,11 @@ def _gpt(**overrides):
     return GPT(GPTConfig(**{**config, **overrides}))
 
 
-def _hf_llama_kv(kv_heads: int):
+def _hf_llama_kv(kv_heads: int, heads: int = 8, hidden: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=96, num_hidden_layers=1, num_attention_heads=heads,
         num_key_value_heads=kv_heads, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return LlamaForCausalLM(config)
@@ -71,11 +71,11 @@ BAD_PLANS = {
         "module 'up' (Linear): out_features=10 is not divisible by tensor_parallel_size=4",
     ),
     "indivisible_heads": (lambda: _gpt(n_head=2), None, "config.n_head=2 is not divisible by tensor_parallel_size=4"),
-    "kv_heads_fewer_than_tp": (
-        lambda: _hf_llama_kv(2),
+    "kv_heads_neither_divide_nor_replicate": (
+        lambda: _hf_llama_kv(3, heads=12, hidden=96),
         None,
-        "config.num_key_value_heads=2 is not divisible by tensor_parallel_size=4: each rank must hold whole heads "
-        "(replicating kv heads is not supported); use a tensor_parallel_size in [1, 2]",
+        "config.num_key_value_heads=3 neither divides nor is divisible by tensor_parallel_size=4: each rank must "
+        "hold whole kv heads, or replicas of one; use a tensor_parallel_size in [1, 3] or a multiple of 3",
     ),
     "indivisible_fused_sections": (
         _NoPlan,

@@ -20,9 +20,9 @@ CASES = {
     "tp_not_positive": (["tp=0"], "tp=0 must be a positive integer"),
     "unknown_precision": (["precision=fp8"], "precision=fp8 is not a precision; use one of 32, 16, bf16"),
     "heads_not_divisible": (["model.config.n_head=2", "tp=4"], "config.n_head=2 is not divisible by tensor_parallel"),
-    "kv_heads_not_divisible": ([SIZED, "+model.kv_heads=1", "tp=2"],
-                               "config.num_key_value_heads=1 is not divisible by tensor_parallel_size=2: each rank "
-                               "must hold whole heads (replicating kv heads is not supported); use a tensor_parallel"),
+    "kv_heads_not_divisible": ([SIZED, "+model.kv_heads=3", "+model.heads=6", "+model.width=96", "tp=2"],
+                               "config.num_key_value_heads=3 neither divides nor is divisible by tensor_parallel_size"
+                               "=2: each rank must hold whole kv heads, or replicas of one; use a tensor_parallel"),
     "hidden_not_divisible": ([SIZED, "+model.width=66", "+model.heads=null", "tp=4"],
                              "module 'attn.q' (Linear): out_features=66 is not divisible by tensor_parallel_size=4; "
                              "use a tensor_parallel_size in [1, 2, 3, 6, 11, 22, 33]"),
@@ -41,7 +41,33 @@ CASES = {
                            "ckpt_path: checkpoint /no/such/last.ckpt: no such file or directory; use a checkpoint"),
     "unknown_nonfinite_action": (["nonfinite=ignore"], "nonfinite=ignore: use nonfinite=stop (end the run at a NaN"),
     "collective_timeout_not_positive": (["collective_timeout_s=0"], "collective_timeout_s=0: use a positive number"),
+    "unknown_data_parallel": (["data_parallel=zero"], "data_parallel=zero: use data_parallel=ddp (each data-parallel"),
     "checkpoint_is_a_file": (["ckpt_path=train.py"], "checkpoint train.py: a file, not a checkpoint directory"),
+    # Numbers Lightning or the data module would reject inside the ranks (tp_train.app.config_values).
+    "batch_size_zero": (["data.batch_size=0"], "data.batch_size=0 is out of range; use a positive integer"),
+    "block_size_one": (["data.block_size=1"], "data.block_size=1 is out of range; use an integer >= 2"),
+    "num_workers_negative": (["data.num_workers=-1"], "data.num_workers=-1 is out of range; use an integer >= 0"),
+    "val_fraction_one": (["data.val_fraction=1.0"], "data.val_fraction=1.0 is out of range; use a fraction in (0, 1)"),
+    "vocab_size_too_small": (["data.vocab_size=100"], "data.vocab_size=100 is out of range"),
+    "max_files_zero": (["data.max_files=0"], "data.max_files=0 is out of range; use a positive integer, or null"),
+    "max_steps_negative": (["trainer.max_steps=-5"], "trainer.max_steps=-5 is out of range; use a positive"),
+    "max_epochs_negative": (["trainer.max_epochs=-2"], "trainer.max_epochs=-2 is out of range"),
+    "min_steps_negative": (["trainer.min_steps=-1"], "trainer.min_steps=-1 is out of range"),
+    "val_check_interval_zero": (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 is out of range"),
+    "val_check_interval_fraction": (["trainer.val_check_interval=0.5"],
+                                    "trainer.val_check_interval=0.5 is a fraction of an epoch, which needs"),
+    "val_check_interval_above_one": (["trainer.val_check_interval=1.5", "trainer.check_val_every_n_epoch=1"],
+                                     "trainer.val_check_interval=1.5 is out of range; use a fraction in (0.0, 1.0]"),
+    "check_val_every_zero": (["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0 is out of"),
+    "accumulate_zero": (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 is out of range"),
+    "limit_train_negative": (["trainer.limit_train_batches=-1"], "trainer.limit_train_batches=-1 is out of range"),
+    "limit_val_above_one": (["trainer.limit_val_batches=1.5"], "trainer.limit_val_batches=1.5 is out of range; use an"),
+    "log_every_negative": (["trainer.log_every_n_steps=-1"], "trainer.log_every_n_steps=-1 is out of range"),
+    "num_sanity_negative": (["trainer.num_sanity_val_steps=-2"], "trainer.num_sanity_val_steps=-2 is out of range"),
+    "clip_negative": (["trainer.gradient_clip_val=-1.0"], "trainer.gradient_clip_val=-1.0 is out of range"),
+    "clip_algorithm": (["trainer.gradient_clip_algorithm=max"], "trainer.gradient_clip_algorithm=max is out of"),
+    "devices_zero": (["trainer.devices=0"], "trainer.devices=0 is out of range"),
+    "dp_zero": (["dp=0"], "dp=0 is out of range; use a positive integer"),
 }  # fmt: skip
 
 

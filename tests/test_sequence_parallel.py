@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import tp_train
 from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
-from tests.parity import _full_tensors, assert_parity, parity_errors
+from tests.parity import assert_parity, full_tensors, parity_errors
 from tests.test_parallelize import VOCAB, SwiGLUModel, _gpt, _hf_gpt2, _hf_llama, _hf_logits, _logits
 
 ATOL = 1e-5
@@ -175,7 +175,7 @@ def _dropout_run(rank, world_size, sequence_parallel, activation_checkpointing, 
         loss.backward()
         losses.append(loss.item())
         if step == 0:
-            grads = _full_tensors(model, dist.group.WORLD, grads=True)
+            grads = full_tensors(model, dist.group.WORLD, grads=True)
         opt.step()
         opt.zero_grad()
     return losses, grads, masks[0]

@@ -16,6 +16,7 @@ from tp_train.lightning.preemption import Preempted, PreemptionCheckpoint
 from tp_train.lightning.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
 from tp_train.lightning.rng_state import RandomStateCheckpoint
 from tp_train.lightning.strategy import TensorParallelStrategy
+from tp_train.lightning.wandb_logger import WandbLogger
 from tp_train.parallel.clipping import clip_grad_norm_, global_grad_norm
 from tp_train.parallel.collectives import (
     CommunicationCounter,
@@ -32,6 +33,7 @@ from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, Vo
 from tp_train.parallel.random import TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
 from tp_train.plan.autoplan import infer_plan
+from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
 from tp_train.plan.verify import PlanVerificationError, verify_parallelized
 from tp_train.tools.export import export_hugging_face
@@ -59,6 +61,7 @@ __all__ = [
     "TensorParallelStrategy",
     "TextDataModule",
     "TrainingMetrics",
+    "WandbLogger",
     "VocabParallelEmbedding",
     "clip_grad_norm_",
     "copy_to_tensor_parallel_region",
@@ -66,6 +69,7 @@ __all__ = [
     "estimate_memory",
     "export_hugging_face",
     "full_state_dict",
+    "fully_shard_data_parallel",
     "gather_from_sequence_parallel_region",
     "global_grad_norm",
     "infer_plan",

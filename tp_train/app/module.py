@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tp_train.checkpoint.dcp import HUGGING_FACE_CONFIG_KEY
+from tp_train.lightning.strategy import TensorParallelStrategy
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -53,6 +54,9 @@ class CausalLMModule(L.LightningModule):
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         logits = self(inputs)
+        if isinstance(self.trainer.strategy, TensorParallelStrategy):
+            # Vocab-sharded logits under `loss_parallel` (the app's default): never gathered.
+            return self.trainer.strategy.cross_entropy(logits, targets)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the softmax in fp32
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -70,7 +74,8 @@ class CausalLMModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
-            self.log("val/ppl", math.exp(min(loss.item(), 50.0)))  # capped: exp overflows for a diverged model
+            # From the already averaged val/loss, the same on every rank; capped: exp overflows for a diverged model.
+            self.log("val/ppl", math.exp(min(loss.item(), 50.0)), sync_dist=True)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])

@@ -14,10 +14,12 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from tp_train.app.config_values import check_values
 from tp_train.app.resolvers import lightning_precision
 from tp_train.checkpoint.checks import check_files
 from tp_train.errors import CheckpointError, ConfigError
 from tp_train.lightning.nonfinite import ACTIONS
+from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
@@ -32,12 +34,19 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     tp = cfg.tp
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp} must be a positive integer (the tensor-parallel size), e.g. tp=2")
+    check_values(cfg)
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     if isinstance(devices, int) and (devices * nodes) % tp:
         fits = [n * tp for n in range(1, 5)]
         raise ConfigError(
             f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
             f"tp={tp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp)"
+        )
+    mode = _data_parallel_mode(cfg)
+    if mode not in DATA_PARALLEL_MODES:
+        raise ConfigError(
+            f"data_parallel={mode}: use data_parallel=ddp (each data-parallel rank holds its whole tensor-parallel "
+            f"shard) or data_parallel=fsdp (shards, gradients and AdamW states split over the data-parallel ranks)"
         )
     _check_data_source(cfg.data)
     check_checkpoint(cfg.get("ckpt_path"))
@@ -72,6 +81,13 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"is not a multiple of {tp}; use data.block_size={block_size - block_size % tp or tp} "
             f"or sequence_parallel=false"
         )
+
+
+def _data_parallel_mode(cfg: DictConfig) -> str:
+    """`data_parallel` as the strategy gets it (top level, or set on the strategy directly)."""
+    strategy = cfg.get("trainer", {}).get("strategy") or {}
+    value = strategy.get("data_parallel") if hasattr(strategy, "get") else None
+    return str(value if value is not None else cfg.get("data_parallel", "ddp"))
 
 
 def _check_data_source(data: DictConfig) -> None:
@@ -125,7 +141,8 @@ def _context_length(model: torch.nn.Module) -> int | None:
 def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> MemoryEstimate:
     """`estimate_memory` for a training config (conf/train.yaml): the model `build_model()()` builds on the meta
     device, `data.batch_size` x `data.block_size` micro-batches, `tp`, the data-parallel size the trainer's devices
-    leave, `precision`, and `sequence_parallel` / `activation_checkpointing` (top level or on the strategy)."""
+    leave, `precision`, `data_parallel`, and `sequence_parallel` / `activation_checkpointing` / `loss_parallel` (top
+    level or on the strategy)."""
     with torch.device("meta"):
         model = build_model()()
     strategy = cfg.trainer.get("strategy") or {}
@@ -144,4 +161,6 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
         precision=lightning_precision(cfg.precision),
         sequence_parallel=flag("sequence_parallel"),
         activation_checkpointing=flag("activation_checkpointing"),
+        data_parallel=_data_parallel_mode(cfg),
+        loss_parallel=flag("loss_parallel"),
     )

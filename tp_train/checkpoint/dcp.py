@@ -13,7 +13,16 @@ What the checkpoint holds, keyed the same at every tp:
   per section, under `f"{key}/section{i}"`, each an ordinary evenly split tensor. A padded vocabulary is stored
   with its real rows only (global size V, rank r holding `torch.chunk`'s chunk r), so padding never reaches the
   checkpoint.
+- A kv head that several ranks replicate (fewer kv heads than ranks) is stored once, like a section split evenly
+  over all ranks: each replica writes and reads its 1/replicas of the head, and after loading the replicas
+  exchange their pieces (`fill_replicas`), so a checkpoint loads at any tp whatever either replicates.
 - Every other tensor as a plain tensor (replicated: DCP stores one copy).
+- Under sharded data parallelism (FSDP2), a parameter and its optimizer states are DTensors over the data-parallel
+  mesh: a tensor-parallel shard FSDP2 split along another dimension (`data_parallel_shard_dim`) is handed to DCP as
+  `Shard` on both mesh dimensions, a view of this rank's piece; one it split along the same dimension (a bias) is
+  gathered over the data-parallel ranks for the save or load (a copy, written back after loading); a replicated
+  tensor goes as FSDP2's own DTensor. The stored layout is the same as without FSDP2, so checkpoints move between
+  `ddp` and `fsdp` and any (dp, tp).
 - Optimizer state keyed by parameter name, in `torch.optim`'s `{"state", "param_groups"}` shape; a state tensor
   shaped like its sharded parameter (Adam's `exp_avg`, `exp_avg_sq`) is split exactly like the parameter.
 
@@ -39,26 +48,28 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from tp_train.checkpoint.checks import check_files, check_matches
 from tp_train.errors import CheckpointError, first_line
 from tp_train.parallel.mesh import TENSOR_PARALLEL  # the mesh dimension a 2-D mesh shards over
-from tp_train.parallel.sharding import ShardSpec, named_sharded_parameters
+from tp_train.parallel.sharding import ShardSpec, fill_replicas, local_part, named_sharded_parameters
 
 META_FILE = "meta.pt"  # the caller's `extra` metadata, beside DCP's files
 HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint\'s copy of its Hugging Face model\'s config
 
 
-def model_state_dict(model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
+def model_state_dict(model: nn.Module, mesh: DeviceMesh, write_backs: list | None = None) -> dict[str, Any]:
     """The model's state for `dcp.save` / `dcp.load`: its `state_dict` keys (a tied parameter under each name),
     sharded tensors as DTensor views of the live parameters, so that loading writes into the parameters.
 
     Args:
         model: a model sharded by `tp_train.plan.parallelize`.
         mesh: the tensor-parallel mesh (1-D), or a 2-D mesh with a "tensor_parallel" dimension.
+        write_backs: where to collect the copies made of FSDP2-sharded tensors (see the module docstring), to be
+            written back into the parameters with `write_back` once DCP has loaded into them.
     """
     _check_mesh(model, mesh)
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
     state: dict[str, Any] = {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: the parameters themselves
         if id(value) in specs:
-            state.update(_as_dtensors(name, value.detach(), specs[id(value)], mesh))
+            state.update(_as_dtensors(name, value.detach(), specs[id(value)], mesh, write_backs))
         else:
             state[name] = value.detach() if isinstance(value, torch.Tensor) else value
     return state
@@ -76,15 +87,20 @@ def load_model_state_dict(model: nn.Module, mesh: DeviceMesh, state: dict[str, A
         tp_dim = _tensor_parallel_dim(mesh)
         rank, tp = mesh.get_local_rank(tp_dim), mesh.size(tp_dim)
         for _, param, spec in named_sharded_parameters(model):
-            if spec.padded:
+            local = local_part(param)
+            if spec.padded and local.size(spec.dim) == sum(spec.local_sections(tp)):  # all of its tp shard's rows
                 rows = spec.slices(rank, tp)[0]
-                param.narrow(spec.dim, rows.real, rows.local - rows.real).zero_()
+                local.narrow(spec.dim, rows.real, rows.local - rows.real).zero_()
+            if not isinstance(param, DTensor):  # FSDP2 with replicated kv heads is refused before it gets here
+                fill_replicas(param, spec, mesh.get_group(tp_dim))
     extra = {key: value for key, value in state.items() if not isinstance(value, torch.Tensor)}
     if extra:
         model.load_state_dict(extra, strict=False)
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh) -> dict[str, Any]:
+def optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, write_backs: list | None = None
+) -> dict[str, Any]:
     """The optimizer's state for DCP: `{"state": {param name: {key: value}}, "param_groups": [...]}`.
 
     A parameter is named by its first name in `model.named_parameters()` (a tied parameter appears once); each
@@ -97,6 +113,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, mes
         model: the parallelized model whose parameters `optimizer` updates.
         optimizer: a `torch.optim.Optimizer` (not Lightning's `LightningOptimizer` wrapper).
         mesh: as for `model_state_dict`.
+        write_backs: as for `model_state_dict`.
     """
     _check_mesh(model, mesh)
     _create_missing_state(optimizer)
@@ -112,7 +129,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, mes
             spec = specs.get(id(param))
             for key, value in optimizer.state.get(param, {}).items():
                 if spec is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
-                    entries.update(_as_dtensors(key, value, spec, mesh))
+                    entries.update(_as_dtensors(key, value, spec, mesh, write_backs))
                 else:
                     entries[key] = value
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
@@ -129,6 +146,7 @@ def load_optimizer_state_dict(
     if [group["params"] for group in state["param_groups"]] != [group["params"] for group in live["param_groups"]]:
         raise ValueError("the checkpoint's optimizer parameter groups name other parameters than this optimizer's")
     params = dict(model.named_parameters())
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
     with torch.no_grad():
         for name, entries in state["state"].items():
             for key, value in entries.items():
@@ -137,6 +155,10 @@ def load_optimizer_state_dict(
                     _copy_into(target, value)
                 else:
                     optimizer.state[params[name]][key] = value
+            spec = specs.get(id(params[name]))
+            for value in optimizer.state[params[name]].values() if spec is not None else ():
+                if isinstance(value, torch.Tensor) and value.shape == params[name].shape:
+                    fill_replicas(value, spec, mesh.get_group(_tensor_parallel_dim(mesh)))
     for group, loaded in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update({key: value for key, value in loaded.items() if key != "params"})
 
@@ -179,7 +201,9 @@ def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh)
     """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`."""
     path = Path(path)
     metadata = check_files(path)
-    state = _checkpoint_state(model, optimizers, mesh)
+    extra = _read_extra(path)  # before any tensor is copied in: a damaged meta.pt leaves the model as it was
+    write_backs: list = []
+    state = _checkpoint_state(model, optimizers, mesh, write_backs)
     check_matches(path, metadata, state)
     try:
         dcp.load(state, checkpoint_id=path)
@@ -189,9 +213,20 @@ def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh)
         raise CheckpointError(
             f"checkpoint {path}: unreadable, reading its tensors failed with {type(failure).__name__} (corrupt shards)"
         ) from error
+    with torch.no_grad():
+        for copy_back in write_backs:
+            copy_back()
     load_model_state_dict(model, mesh, state["model"])
     for index, optimizer in enumerate(optimizers):
         load_optimizer_state_dict(model, optimizer, mesh, state[f"optimizer_{index}"])
+    return extra
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _read_extra(path: Path) -> dict:
+    """The `extra` metadata `save` wrote to `path/meta.pt` ({} when there is none)."""
     if not (path / META_FILE).exists():
         return {}
     try:  # weights_only=False: arbitrary metadata, written by `save` itself
@@ -203,9 +238,13 @@ def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh)
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _checkpoint_state(model: nn.Module, optimizers: list, mesh: DeviceMesh) -> dict[str, Any]:
-    optimizer_states = {f"optimizer_{i}": optimizer_state_dict(model, opt, mesh) for i, opt in enumerate(optimizers)}
-    return {"model": model_state_dict(model, mesh), **optimizer_states}
+def _checkpoint_state(
+    model: nn.Module, optimizers: list, mesh: DeviceMesh, write_backs: list | None = None
+) -> dict[str, Any]:
+    optimizer_states = {
+        f"optimizer_{i}": optimizer_state_dict(model, opt, mesh, write_backs) for i, opt in enumerate(optimizers)
+    }
+    return {"model": model_state_dict(model, mesh, write_backs), **optimizer_states}
 
 
 def _tensor_parallel_dim(mesh: DeviceMesh) -> int:
@@ -225,23 +264,48 @@ def _check_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
             raise ValueError(f"the model is sharded over ranks {ranks}, the mesh's tensor-parallel dim is {mesh_ranks}")
 
 
-def _as_dtensors(key: str, local: torch.Tensor, spec: ShardSpec, mesh: DeviceMesh) -> dict[str, DTensor]:
-    """One DTensor per section of `local` (this rank's shard), each a view of it holding only real data."""
+def _as_dtensors(
+    key: str, shard: torch.Tensor, spec: ShardSpec, mesh: DeviceMesh, write_backs: list | None = None
+) -> dict[str, DTensor]:
+    """One DTensor per section of `shard` (this rank's tensor-parallel shard, or FSDP2's DTensor of it), each a view
+    holding only real data: of the shard, of FSDP2's piece of it, or of a gathered copy (see the module docstring;
+    a callable that writes the copy back into the piece is appended to `write_backs`)."""
     tp_dim = _tensor_parallel_dim(mesh)
     tp, rank = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     slices = spec.slices(rank, tp)
+    data_parallel = Replicate()
+    local = shard
+    if isinstance(shard, DTensor):  # FSDP2: a DTensor over the data-parallel mesh
+        (placement,) = shard.placements
+        if placement.dim != spec.dim:
+            local, data_parallel = shard.to_local(), placement
+        else:
+            local = shard.full_tensor()
+            if write_backs is not None:
+                write_backs.append(lambda: _write_back(shard, local, placement.dim))
     if local.size(spec.dim) != sum(rows.local for rows in slices):
         raise ValueError(f"'{key}' has {local.size(spec.dim)} rows along dim {spec.dim}, not a shard for tp={tp}")
-    placements = [Shard(spec.dim) if dim == tp_dim else Replicate() for dim in range(mesh.ndim)]
+    placements = [Shard(spec.dim) if dim == tp_dim else data_parallel for dim in range(mesh.ndim)]
     pieces, offset = {}, 0
-    for index, (full_size, rows) in enumerate(zip(spec.sections, slices, strict=True)):
+    for index, (full_size, rows, copies) in enumerate(zip(spec.sections, slices, spec.replicas(tp), strict=True)):
         piece = local.narrow(spec.dim, offset, rows.real)
+        if copies > 1:  # a replicated kv head: each replica stores its 1/copies of it, so it is stored once
+            piece = piece.narrow(spec.dim, rank % copies * (rows.real // copies), rows.real // copies)
         offset += rows.local
-        shape = local.shape[: spec.dim] + (full_size,) + local.shape[spec.dim + 1 :]
+        shape = shard.shape[: spec.dim] + (full_size,) + shard.shape[spec.dim + 1 :]
         stride = torch.empty(shape, device="meta").stride()
         name = key if len(spec.sections) == 1 else f"{key}/section{index}"
         pieces[name] = DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=stride)
     return pieces
+
+
+def _write_back(shard: DTensor, gathered: torch.Tensor, dim: int) -> None:
+    """Copies this rank's chunk of `gathered` (FSDP2's torch.chunk split, empty past the last chunk) into `shard`."""
+    local = shard.to_local()
+    chunks = gathered.chunk(shard.device_mesh.size(), dim=dim)
+    rank = shard.device_mesh.get_local_rank()
+    if rank < len(chunks) and local.numel():
+        local.copy_(chunks[rank])
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:

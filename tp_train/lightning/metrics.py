@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
-from tp_train.parallel.sharding import full_numel, named_sharded_parameters
+from tp_train.parallel.sharding import full_numel, local_part, named_sharded_parameters
 from tp_train.plan.parallelize import attached
 
 MIB = 2**20
@@ -65,8 +65,10 @@ class TrainingMetrics(L.Callback):
         self._start = time.perf_counter()
         self._paused = 0.0  # time spent in validation, which is not training throughput
         self._samples = self._tokens = self._batches = 0
-        params = sum(p.numel() * p.element_size() for p in pl_module.parameters())
-        pl_module.log("memory/params_mib", params / MIB, rank_zero_only=True)
+        params = sum(local_part(p).numel() * p.element_size() for p in pl_module.parameters())  # FSDP2: this rank's
+        # The largest rank's (ranks of a tensor-parallel group hold different shards): a reduction, so every rank
+        # logs it.
+        pl_module.log("memory/params_mib", params / MIB, reduce_fx="max", sync_dist=True)
         if trainer.logger:
             tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
             specs = {id(param): spec for _, param, spec in named_sharded_parameters(pl_module)}
@@ -77,7 +79,8 @@ class TrainingMetrics(L.Callback):
                     "dp": trainer.world_size // tp,
                     "precision": str(trainer.precision),
                     "parameters": total,
-                    "parameters_per_rank": sum(p.numel() for p in pl_module.parameters()),
+                    "parameters_per_rank": sum(local_part(p).numel() for p in pl_module.parameters()),
+                    "data_parallel": getattr(trainer.strategy, "data_parallel", "ddp"),
                 }
             )
 

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from tp_train.errors import NonFiniteError
+from tp_train.parallel.sharding import local_part
 
 ACTIONS = ("stop", "skip")
 _LOSS, _GRADIENTS = 1, 2  # what a rank found, as bits
@@ -76,7 +77,7 @@ class NonFiniteGuard(L.Callback):
         if self._loss_found is not None:
             code = code + _LOSS * self._loss_found.to(device)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        grads = [param.grad for param in params if param.grad is not None]
+        grads = [local_part(param.grad) for param in params if param.grad is not None]  # FSDP2: this rank's piece
         if grads and (scaler is None or not scaler.is_enabled()):
             largest = torch.nn.utils.get_total_norm(grads, norm_type=float("inf"))  # inf or NaN if any is
             code = code + _GRADIENTS * (~torch.isfinite(largest)).to(device)

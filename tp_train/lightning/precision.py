@@ -10,6 +10,8 @@ Two things change under tensor parallelism:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
 from tp_train.parallel.clipping import clip_grad_norm_
+from tp_train.parallel.sharding import ShardSpec
 
 
 class _TensorParallelClipping:
@@ -26,7 +29,7 @@ class _TensorParallelClipping:
     the shard ids once the model is sharded; `last_grad_norm` keeps the norm of the last clipped step."""
 
     tensor_parallel_group: ProcessGroup | None = None
-    sharded_parameters: frozenset[int] = frozenset()
+    sharded_parameters: Mapping[int, ShardSpec] = MappingProxyType({})  # id(shard) -> how it is split
     last_grad_norm: torch.Tensor | None = None
 
     @override

@@ -2,11 +2,15 @@
 
     Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), devices=4)   # dp=2 x tp=2
 
+    Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2, data_parallel="fsdp"), devices=8)
+
 The world is a 2-D DeviceMesh ("data_parallel", "tensor_parallel"). Every module of the LightningModule that
 carries a plan (`tp_plan`, Hugging Face's plan, a preset) is sharded over the "tensor_parallel" axis by
-`tp_train.parallelize`; gradients are averaged over the "data_parallel" axis only, by torch DDP on the DP group
-(bucketed, overlapped with backward); the sampler splits data over the DP axis only, so all ranks of a TP group
-see the same batch. Models built under `trainer.init_module(empty_init=True)` are materialised shard by shard.
+`tp_train.parallelize`. Over the "data_parallel" axis, `data_parallel="ddp"` (default) keeps a whole tensor-parallel
+shard per rank and averages gradients with torch DDP on the DP group (bucketed, overlapped with backward);
+`data_parallel="fsdp"` shards each tensor-parallel shard, its gradients and optimizer states over the DP group with
+torch's FSDP2 (`tp_train.plan.data_parallel`). The sampler splits data over the DP axis only, so all ranks of a TP
+group see the same batch. Models built under `trainer.init_module(empty_init=True)` are materialised shard by shard.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,15 +36,18 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.lightning.launch import HydraJobLauncher
 from tp_train.lightning.precision import tensor_parallel_precision
-from tp_train.parallel.mesh import DATA_PARALLEL, TENSOR_PARALLEL
+from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.parallel.mesh import DATA_PARALLEL, DATA_PARALLEL_MODES, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
-from tp_train.plan.parallelize import parallelize
+from tp_train.plan.data_parallel import fully_shard_data_parallel
+from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
 
 
@@ -57,10 +65,19 @@ class TensorParallelStrategy(DDPStrategy):
         process_group_backend: "nccl" on GPUs, "gloo" on CPU by default.
         timeout: collective timeout, so a rank that died fails the job instead of hanging it.
         start_method: "popen" (re-run the script per rank), or "spawn" / "fork" (e.g. from a notebook or pytest).
+        loss_parallel: keep the LM head's logits sharded along the vocabulary; compute the loss with
+            `strategy.cross_entropy(logits, targets)`, which then never gathers them (Megatron's vocab-parallel
+            cross-entropy). `CausalLMModule` does this by default; your own LightningModule calls
+            `self.trainer.strategy.cross_entropy` where it called `F.cross_entropy`.
+        compile: compile each sharded model with `torch.compile` (see `tp_train.parallelize`'s `compile`): no graph
+            break for a model without dropout.
         verify_plan: check each sharded model before training (see `tp_train.parallelize`'s `verify`): each
             swapped module against the one it replaced, and the whole model against the unsharded one when it is
             small. Default None: on for every plan; True also forces the whole-model check; False: off.
-        **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis.
+        data_parallel: "ddp" (replicate each tensor-parallel shard over the data-parallel ranks) or "fsdp" (shard
+            it, with its gradients and optimizer states, over them: about 1/dp of the model state per rank, for
+            one all-gather per block forward and backward and a reduce-scatter in place of DDP's all-reduce).
+        **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis (with "ddp").
     """
 
     strategy_name = "tensor_parallel"
@@ -75,10 +92,23 @@ class TensorParallelStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
         verify_plan: bool | None = None,
+        data_parallel: str = "ddp",
+        loss_parallel: bool = False,
+        compile: bool = False,
         **kwargs: Any,
     ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        if data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(
+                f"data_parallel={data_parallel!r}: use 'ddp' (replicated tensor-parallel shards) or 'fsdp' "
+                f"(shards, gradients and optimizer states sharded over the data-parallel ranks)"
+            )
+        if data_parallel == "fsdp" and kwargs:
+            raise TypeError(
+                f"TensorParallelStrategy(data_parallel='fsdp') got DistributedDataParallel arguments {sorted(kwargs)}; "
+                f"they apply with data_parallel='ddp' only"
+            )
         unknown = sorted(set(kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
         if unknown:  # checked here: at dp=1 there is no DDP to reject them
             raise TypeError(
@@ -91,9 +121,13 @@ class TensorParallelStrategy(DDPStrategy):
         self.tensor_parallel_size = tensor_parallel_size
         self._plan = plan
         self._verify_plan = verify_plan
+        self.loss_parallel = loss_parallel
+        self.compile = compile
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
+        self.data_parallel = data_parallel
         self._device_mesh: DeviceMesh | None = None
+        self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
     # ------------------------------------------------------------------------------------------------ topology
 
@@ -114,6 +148,28 @@ class TensorParallelStrategy(DDPStrategy):
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // self.tensor_parallel_size
+
+    def cross_entropy(
+        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        """Mean cross-entropy of `logits` (..., vocab) against `target` (...), whichever way the model's head
+        was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
+        statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
+        half precision are reduced in fp32."""
+        if not self.loss_parallel:
+            logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+            return F.cross_entropy(
+                logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing
+            )
+        if self._vocab_size is None:
+            sizes = set(attached(self.lightning_module, "tp_vocab_size"))
+            if len(sizes) != 1:
+                raise RuntimeError(f"loss_parallel: expected one sharded LM head, found vocabulary sizes {sizes}")
+            (self._vocab_size,) = sizes
+        loss = vocab_parallel_cross_entropy(
+            logits, target, self.tensor_parallel_group, self._vocab_size, ignore_index, label_smoothing
+        )
+        return loss.float()
 
     @property
     @override
@@ -180,8 +236,11 @@ class TensorParallelStrategy(DDPStrategy):
         self._shard(self.lightning_module)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self.data_parallel == "fsdp":
+            self._fully_shard(self.lightning_module)
+        self._tell_precision_plugin(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.data_parallel_size > 1:
+        if fitting and self.data_parallel_size > 1 and self.data_parallel == "ddp":
             self.configure_ddp()
         if fitting:
             self.setup_optimizers(trainer)
@@ -214,16 +273,62 @@ class TensorParallelStrategy(DDPStrategy):
                     plan=self._plan,
                     device=self.root_device,
                     verify=self._verify_plan,
+                    loss_parallel=self.loss_parallel,
+                    compile=self.compile,
                     sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.activation_checkpointing,
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
                 _materialize_distributed_module(root, self.root_device)
+            data_parallel_rank = self.device_mesh[DATA_PARALLEL].get_local_rank()
+            for rng in attached(root, "tp_rng"):
+                rng.separate_data_parallel_replicas(data_parallel_rank)
             root._tp_sharded = True
+
+    def _fully_shard(self, root: pl.LightningModule) -> None:
+        """FSDP2 over the data-parallel axis, once: per block, per planned model, then the LightningModule, whose
+        step methods gather the parameters as its forward would."""
+        if isinstance(root, FSDPModule):
+            return
+        for name, _, spec in named_sharded_parameters(root):
+            copies = max(spec.replicas(self.tensor_parallel_size))
+            if copies > 1:
+                raise ValueError(
+                    f"'{name}' holds kv heads replicated over {copies} tensor-parallel ranks, which "
+                    f"data_parallel='fsdp' does not support yet; use data_parallel='ddp', or tp at most the kv-head "
+                    "count"
+                )
+        models = [module for _, module in modules_with_plans(root)] if self._plan is None else [root]
+        fully_shard_data_parallel(
+            root,
+            models or [root],
+            self.device_mesh[DATA_PARALLEL],
+            mp_policy=_mixed_precision_policy(self.precision_plugin),
+            extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
+        )
+
+    def _tell_precision_plugin(self, root: torch.nn.Module) -> None:
+        """The clipping norm's group and the tensor-parallel shards (by id: FSDP2 replaces the parameters)."""
         plugin = self.precision_plugin
         plugin.tensor_parallel_group = self.tensor_parallel_group
-        plugin.sharded_parameters = frozenset(id(param) for _, param, _ in named_sharded_parameters(root))
+        plugin.sharded_parameters = {id(param): spec for _, param, spec in named_sharded_parameters(root)}
+
+    @contextmanager
+    @override
+    def block_backward_sync(self):
+        """No data-parallel gradient reduction while Lightning accumulates micro-batches (DDP's `no_sync`, FSDP2's
+        `set_requires_gradient_sync(False)`); the last micro-batch's backward reduces the sum."""
+        root = self.lightning_module
+        if not isinstance(root, FSDPModule):
+            with super().block_backward_sync():
+                yield
+            return
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     # A checkpoint is a directory written by every rank in parallel with torch.distributed.checkpoint (each rank
@@ -285,6 +390,15 @@ class TensorParallelStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"{cls.__name__} ({start_method})", start_method=start_method
                 )
+
+
+def _mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy:
+    """FSDP2 gathers parameters in the autocast dtype under mixed precision and reduces gradients in fp32; under
+    `-true` precisions the parameters already have their dtype."""
+    if isinstance(plugin, MixedPrecision):
+        dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):

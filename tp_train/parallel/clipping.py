@@ -1,59 +1,106 @@
 """Gradient-norm clipping with the true global norm of a tensor-parallel model.
 
 `torch.nn.utils.clip_grad_norm_` on one rank sees only that rank's shards, so each TP rank would clip by a
-different, too-small norm. Here each sharded element counts once (squared norms of shards are summed over the TP
-group) and each replicated parameter counts once (its gradient is the same on every TP rank). Data-parallel
-replicas need no reduction: their gradients were already averaged, so they are equal.
+different, too-small norm. Here every element of the unsharded model counts once:
+- a tensor-parallel shard's squared norm is summed over the TP group; a parameter tensor parallelism replicates
+  counts once (its gradient is the same on every TP rank); a kv head that several TP ranks replicate (see
+  `tp_train.parallel.sharding`) counts once too, each replica adding 1/replicas of its square;
+- under sharded data parallelism (FSDP2) a parameter is a DTensor whose local piece is this rank's share of the
+  data-parallel split: those squared norms are also summed over its data-parallel mesh;
+- under DDP the data-parallel replicas need no reduction: their gradients were already averaged, so they are equal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from tp_train.parallel.sharding import ShardSpec, local_part, replicated_rows
 
 
 def global_grad_norm(
-    parameters: Iterable[torch.Tensor], sharded: set[int], group: ProcessGroup, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor],
+    sharded: Collection[int] | Mapping[int, ShardSpec],
+    group: ProcessGroup,
+    norm_type: float = 2.0,
 ) -> torch.Tensor:
-    """The norm of all gradients as if the model were unsharded (a collective over `group`).
+    """The norm of all gradients as if the model were unsharded (collectives over `group` and, for DTensor
+    parameters, over their data-parallel mesh).
 
     Args:
         parameters: the parameters whose `.grad` count; those without a gradient are skipped.
-        sharded: `id()` of the parameters that are tensor-parallel shards.
+        sharded: `id()` of the parameters that are tensor-parallel shards, or a mapping from it to their
+            `ShardSpec` (needed where kv heads are replicated, so that each counts once).
         group: the tensor-parallel process group.
         norm_type: 2.0 or `inf`.
     """
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"norm_type={norm_type} is not supported with tensor parallelism; use 2.0 or inf")
     parameters = list(parameters)
-    shard_grads, replicated_grads = [], []
+    # (tensor-parallel shard?, data-parallel shard?) -> this rank's gradient pieces
+    buckets: dict[tuple[bool, bool], list[torch.Tensor]] = {key: [] for key in _BUCKETS}
     for p in parameters:
         if p.grad is not None:
-            (shard_grads if id(p) in sharded else replicated_grads).append(p.grad.detach())
+            buckets[(id(p) in sharded, isinstance(p, DTensor))].append(local_part(p.grad.detach()))
     # Where the reduction runs: with the parameters (NCCL needs the GPU), even on a rank with no gradients.
-    device = parameters[0].device if parameters else torch.device("cpu")
+    device = local_part(parameters[0]).device if parameters else torch.device("cpu")
+    data_parallel = next((p.device_mesh for p in parameters if isinstance(p, DTensor)), None)
+    if data_parallel is not None and data_parallel.ndim != 1:
+        raise ValueError(f"norm clipping needs a 1-D data-parallel mesh, got {data_parallel.mesh_dim_names}")
 
-    def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    def part(key: tuple[bool, bool]) -> torch.Tensor:
+        grads = buckets[key]
         if not grads:
             return torch.zeros((), device=device)
-        return torch.nn.utils.get_total_norm(grads, norm_type).float().to(device)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type).float().to(device)
+        return norm.square() if norm_type == 2.0 else norm
 
-    if norm_type == 2.0:  # norms of shards combine as the root of summed squares
-        shard_part = local_norm(shard_grads).square().reshape(1)
-        dist.all_reduce(shard_part, group=group)
-        return (shard_part[0] + local_norm(replicated_grads).square()).sqrt()
-    shard_part = local_norm(shard_grads).reshape(1)
-    dist.all_reduce(shard_part, op=dist.ReduceOp.MAX, group=group)
-    return torch.maximum(shard_part[0], local_norm(replicated_grads))
+    op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+    combine = torch.add if norm_type == 2.0 else torch.maximum
+    tp_parts = [part((True, True)), part((True, False))]
+    specs = sharded if isinstance(sharded, Mapping) else {}
+    if norm_type == 2.0:  # a replicated kv head: each of its replicas adds 1/replicas of its square
+        for p in parameters:
+            spec = specs.get(id(p))
+            if p.grad is not None and spec is not None and replicated_rows(spec, dist.get_world_size(group)):
+                excess = _replicated_excess(p.grad.detach(), spec, group).to(device)
+                tp_parts[0 if isinstance(p, DTensor) else 1] = tp_parts[0 if isinstance(p, DTensor) else 1] - excess
+    over_tp = torch.stack(tp_parts)
+    dist.all_reduce(over_tp, op=op, group=group)
+    total = combine(over_tp[1], part((False, False)))
+    if data_parallel is not None:  # every rank holds DTensors alike, so all of them join this reduction
+        over_dp = combine(over_tp[0], part((False, True))).reshape(1)
+        dist.all_reduce(over_dp, op=op, group=data_parallel.get_group())
+        total = combine(total, over_dp[0])
+    else:
+        total = combine(total, over_tp[0])
+    return total.sqrt() if norm_type == 2.0 else total
+
+
+def _replicated_excess(grad: torch.Tensor, spec: ShardSpec, group: ProcessGroup) -> torch.Tensor:
+    """What this rank's squared norm over-counts of the kv heads it replicates: (1 - 1/replicas) of their square.
+    A DTensor gradient (FSDP2) is gathered over the data-parallel ranks first, each of which then adds 1/dp."""
+    world_size, share = dist.get_world_size(group), 1.0
+    if isinstance(grad, DTensor):
+        share = 1 / grad.device_mesh.size()
+        grad = grad.full_tensor()
+    excess = torch.zeros((), device=grad.device)
+    for start, rows, copies in replicated_rows(spec, world_size):
+        excess += (1 - 1 / copies) * grad.narrow(spec.dim, start, rows).float().square().sum()
+    return excess * share
+
+
+_BUCKETS = [(True, True), (True, False), (False, True), (False, False)]
 
 
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
-    sharded: set[int],
+    sharded: Collection[int] | Mapping[int, ShardSpec],
     group: ProcessGroup,
     norm_type: float = 2.0,
 ) -> torch.Tensor:

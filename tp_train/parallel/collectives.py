@@ -7,12 +7,17 @@ These are Megatron-LM's conjugate operators (Shoeybi et al., arXiv 1909.08053, s
 sequence-sharded (dim 1 of a (batch, seq, hidden) tensor) layouts.
 
 Every function takes the process group explicitly. With a group of one rank they are identities.
+
+Under `torch.compile` the same operators trace into the graph without a break: they issue torch's functional
+collectives (`torch.distributed._functional_collectives`, out of place) instead of the in-place c10d calls, and
+count nothing (a `CommunicationCounter` is a Python side effect; the compiled step's traffic is the eager step's).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.sharding import check_divisible
@@ -24,8 +29,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
+        if _compiling():
+            return funcol.all_reduce(x, "sum", group)
         x = x.contiguous()
         dist.all_reduce(x, group=group)
     return x
@@ -46,8 +57,11 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     if world_size == 1:
         return x
     x = x.contiguous()
-    out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
-    _all_gather_single(out, x, group=group)
+    if _compiling():
+        out = funcol.all_gather_tensor(x, 0, group)
+    else:
+        out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
+        _all_gather_single(out, x, group=group)
     if dim % x.dim() == 0:
         return out
     return torch.cat(out.chunk(world_size), dim=dim)  # one copy, and the result is contiguous
@@ -60,6 +74,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
         return x
     check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
     x = x.movedim(dim, 0).contiguous()
+    if _compiling():
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group).movedim(0, dim)
     out = x.new_empty((x.size(0) // world_size, *x.shape[1:]))
     _reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
@@ -100,7 +116,7 @@ class CommunicationCounter:
         self.calls = 0
 
     def record(self, op, x: torch.Tensor, y: torch.Tensor, group: ProcessGroup) -> None:
-        if op in _COMMUNICATING and dist.get_world_size(group) > 1:
+        if op in _COMMUNICATING and dist.get_world_size(group) > 1 and not _compiling():
             passes = 2 if op in (_sum, _sum_in_place) else 1
             self.bytes += passes * max(x.numel(), y.numel()) * x.element_size()
             self.calls += 1
@@ -137,7 +153,7 @@ def _conjugate_pair(x, forward_op, backward_op, dim, group, counter):
 def all_reduce_gradient(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Not autograd: the sum over the group of a parameter's partial gradients (a gradient hook), for a replicated
     parameter that each rank applies to its own shard only (e.g. a norm over head_dim inside attention)."""
-    return _all_reduce(grad.clone(), group)
+    return _sum(grad, -1, group)
 
 
 def copy_to_tensor_parallel_region(

@@ -20,8 +20,10 @@ from tp_train.parallel.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region_,
     reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
 )
 from tp_train.parallel.sharding import ShardSpec, check_divisible, shard_tensor
 
@@ -108,7 +110,9 @@ class ColumnParallelLinear(Configurable, nn.Module):
         in_features: input width (replicated).
         out_features: full output width. Split into `sections` (default: one section of all of it), each split
             evenly across ranks; with `pad_output` a single section is padded up to a multiple of the world size
-            (a vocabulary) and the gathered output is trimmed back.
+            (a vocabulary) and the gathered output is trimmed back. `units`: the heads in each section; a section
+            with fewer heads than ranks is replicated, each head held by the ranks whose query heads use it (see
+            `tp_train.parallel.sharding`). Not with `gather_output`.
         group: the tensor-parallel process group.
         gather_output: return the full (replicated) output instead of this rank's shard.
         input_layout, input_region, comm_counter: see `Configurable`.
@@ -124,6 +128,7 @@ class ColumnParallelLinear(Configurable, nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         sections: tuple[int, ...] | None = None,
+        units: tuple[int, ...] | None = None,
         pad_output: bool = False,
         device=None,
         dtype=None,
@@ -139,16 +144,17 @@ class ColumnParallelLinear(Configurable, nn.Module):
         self.input_layout = input_layout  # see enter_column_parallel
         self.input_region = input_region  # one entry into the parallel region shared with sibling layers
         self.comm_counter = comm_counter
-        spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output)
+        spec = ShardSpec(dim=0, sections=tuple(sections or (out_features,)), padded=pad_output, units=units)
         if not pad_output:
-            for size in spec.sections:
-                check_divisible("ColumnParallelLinear", "out_features (per section)", size, dist.get_world_size(group))
+            world_size = dist.get_world_size(group)
+            for size, copies in zip(spec.sections, spec.replicas(world_size), strict=True):
+                check_divisible("ColumnParallelLinear", "out_features (per section)", size * copies, world_size)
         local_out = sum(spec.local_sections(dist.get_world_size(group)))
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
         self.shard_specs = {"weight": spec}
         if bias:
-            self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output)
+            self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output, units=units)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -189,11 +195,14 @@ class RowParallelLinear(Configurable, nn.Module):
     computes its own input-shard gradient with no communication.
     Under sequence parallelism (`sequence_parallel`) the partial outputs are reduce-scattered along the sequence
     instead (all-gather in backward), and the bias is added to this rank's chunk.
+    With `split_input` the input arrives whole (replicated, e.g. gathered by a `gather_output` column layer) and
+    the layer keeps its own chunk of the features (`scatter_to_tensor_parallel_region`: all-gather in backward).
 
     Args:
         in_features: full input width, split evenly across ranks.
         out_features: output width (replicated).
         group: the tensor-parallel process group.
+        split_input: take a replicated input and keep this rank's share of its features.
         sequence_parallel, comm_counter: see `Configurable`.
     """
 
@@ -207,11 +216,13 @@ class RowParallelLinear(Configurable, nn.Module):
         bias: bool = True,
         device=None,
         dtype=None,
+        split_input: bool = False,
         sequence_parallel: bool = False,
         comm_counter: CommunicationCounter | None = None,
     ):
         super().__init__()
         self.group = group
+        self.split_input = split_input
         self.sequence_parallel = sequence_parallel  # output reduce-scattered along the sequence
         self.comm_counter = comm_counter
         self.in_features = in_features
@@ -228,6 +239,8 @@ class RowParallelLinear(Configurable, nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = scatter_to_tensor_parallel_region(x, self.group, self.comm_counter)
         if self.sequence_parallel:  # each rank keeps its sequence chunk of the sum; the bias is added to it
             y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group, self.comm_counter)
             return y + self.bias.to(y.dtype) if self.bias is not None else y  # y is a view: not in place
@@ -238,8 +251,69 @@ class RowParallelLinear(Configurable, nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
-            f"bias={self.bias is not None}"
+            f"bias={self.bias is not None}{', split_input=True' if self.split_input else ''}"
         )
+
+
+class ModuleRegion(Configurable):
+    """Collectives around a module that computes on its own shards of parameters and swaps nothing: a mixture of
+    experts' module holding each rank's share of every expert's weights (Hugging Face's fused 3-D `gate_up_proj`
+    and `down_proj`), or a module whose output is a partial sum.
+
+    `install(module)` hooks the module's forward. With `enter`, every floating-point tensor argument (the tokens,
+    the routing weights) enters the parallel region (`copy_to_tensor_parallel_region`: identity forward, all-reduce
+    of the partial gradients backward); integer arguments (expert indices) pass as they are. With `leave`, the
+    output, this rank's partial sum, is all-reduced (`reduce_from_tensor_parallel_region`: identity backward): a
+    column-then-row split of every expert costs that one all-reduce forward and one backward (plus one for the
+    routing weights' small gradient). `input_scale` multiplies the first argument (an identity expert inside an
+    all-reduced region, whose copies on every rank must sum to one). `output_tail` features at the end of the
+    output (replicated) enter the parallel region: in DeepSeek's latent attention, `kv_a_proj_with_mqa` is whole
+    on every rank and the rotary key it ends with goes straight to the local heads, so its gradient is partial.
+    """
+
+    SETTINGS = ("comm_counter",)
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        enter: bool = False,
+        leave: bool = False,
+        input_scale: float | None = None,
+        output_tail: int | None = None,
+        comm_counter: CommunicationCounter | None = None,
+    ):
+        self.group = group
+        self.enter, self.leave, self.input_scale, self.output_tail = enter, leave, input_scale, output_tail
+        self.comm_counter = comm_counter
+
+    def install(self, module: nn.Module) -> None:
+        if self.enter or self.input_scale is not None:
+            module.register_forward_pre_hook(self._inputs, with_kwargs=True)
+        if self.leave or self.output_tail:
+            module.register_forward_hook(self._output)
+
+    def _inputs(self, module, args, kwargs):
+        if self.input_scale is not None and args and isinstance(args[0], torch.Tensor):
+            args = (args[0] * self.input_scale, *args[1:])
+        if self.enter:
+            args = tuple(self._enter(value) for value in args)
+            kwargs = {key: self._enter(value) for key, value in kwargs.items()}
+        return args, kwargs
+
+    def _enter(self, value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return copy_to_tensor_parallel_region(value, self.group, self.comm_counter)
+        return value
+
+    def _output(self, module, args, output):
+        if self.output_tail and isinstance(output, torch.Tensor):
+            head, tail = output.split([output.shape[-1] - self.output_tail, self.output_tail], dim=-1)
+            return torch.cat([head, copy_to_tensor_parallel_region(tail, self.group, self.comm_counter)], dim=-1)
+        if isinstance(output, torch.Tensor):
+            return reduce_from_tensor_parallel_region(output, self.group, self.comm_counter)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (reduce_from_tensor_parallel_region(output[0], self.group, self.comm_counter), *output[1:])
+        raise TypeError(f"{type(module).__name__} returned {type(output).__name__}, not a tensor to all-reduce")
 
 
 class VocabParallelEmbedding(Configurable, nn.Module):

@@ -9,6 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 # The 2-D mesh's axes: data parallelism across replicas, tensor parallelism within one.
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
+# How the data-parallel axis holds a tensor-parallel shard: whole on every rank (DDP), or split over it (FSDP2).
+DATA_PARALLEL_MODES = ("ddp", "fsdp")
 
 
 def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup:

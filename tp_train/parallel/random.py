@@ -9,6 +9,10 @@ Two random streams, as in Megatron-LM's RNG tracker:
 
 Modules are put in a region with forward hooks; regions nest (a replicated dropout inside a sharded attention
 module switches back to the replicated stream for its own forward).
+
+Switching streams reads and writes the generator's state, which `torch.compile` cannot trace (a graph break per
+region). A model that draws no dropout masks (`may_draw_dropout` is False: every rate is zero) needs no switch, so
+under `torch.compile` it skips them and compiles whole; in eager mode the switches always run.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
 class TensorParallelRNG:
     """The two dropout streams of one TP group on one device. Creating it is a collective over `group`."""
 
-    def __init__(self, group: ProcessGroup, device: torch.device):
+    def __init__(self, group: ProcessGroup, device: torch.device, dropout: bool = True):
+        """`dropout`: whether the model may draw dropout masks (`may_draw_dropout`); when False, compiled
+        forwards skip the stream switches."""
         self.device = device
+        self.dropout = dropout
         self.sync_replicated(group)
         # An unseeded process's initial seed is any 64-bit value: fold it into int64's range.
         seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
@@ -64,6 +71,8 @@ class TensorParallelRNG:
 
     def enter(self, region: str) -> None:
         """Switches the default generator to `region`'s stream until the matching `exit`."""
+        if not self.dropout and torch.compiler.is_compiling():
+            return
         current = self._stack[-1]
         self._stack.append(region)
         if region != current:
@@ -71,11 +80,26 @@ class TensorParallelRNG:
             _set_state(self.device, self._states[region])
 
     def exit(self) -> None:
+        if not self.dropout and torch.compiler.is_compiling():
+            return
         region = self._stack.pop()
         previous = self._stack[-1]
         if region != previous:
             self._states[region] = _get_state(self.device)
             _set_state(self.device, self._states[previous])
+
+    def separate_data_parallel_replicas(self, data_parallel_rank: int) -> None:
+        """Gives each data-parallel replica its own dropout masks in both streams (replicas see different batches;
+        the same masks would tie their noise together). Each stream is reseeded from its own next draw plus the
+        rank, so the replicated stream stays identical across the TP group (its ranks share a data-parallel rank)
+        and replica 0 keeps its streams. Call once the weights are initialised: they draw from the replicated
+        stream and must agree across replicas."""
+        if data_parallel_rank == 0:
+            return
+        for region in (REPLICATED, SHARDED):
+            self.enter(region)
+            self._manual_seed(int(torch.randint(2**62, ())) + data_parallel_rank)
+            self.exit()
 
     def run_in(self, module: nn.Module, region: str) -> None:
         """Runs every forward of `module` in `region`'s stream."""
@@ -101,3 +125,18 @@ class TensorParallelRNG:
             yield
         finally:
             self.set_state(live)
+
+
+def may_draw_dropout(model: nn.Module) -> bool:
+    """Whether `model` may draw dropout masks: it has an `nn.Dropout`-like module (an attribute `p`) with a nonzero
+    rate, or a module or config holds a nonzero number under a name containing "dropout" (the rates Hugging Face
+    attention passes to `F.dropout`)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        for owner in (module, getattr(module, "config", None)):
+            for name, value in vars(owner).items() if owner is not None and hasattr(owner, "__dict__") else ():
+                if "dropout" in name.lower() and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    if value > 0:
+                        return True
+    return False

@@ -7,6 +7,11 @@ every section, concatenated: that is what keeps a fused projection head-aware. A
 single section up to a multiple of the world size (`padded=True`); padding rows are zero. `transposed` records
 that the source module stored the weight transposed (Hugging Face's Conv1D), so `unshard` returns it in the
 source layout.
+
+A section may have fewer indivisible units than there are ranks (`units`: the kv heads of a k or v projection when
+tp exceeds their count, multi-query's one head included). Each unit is then held whole by `world_size / units`
+consecutive ranks, its replicas (rank r holds unit r * units // world_size): the kv heads its local query heads
+use. Their gradients are partial on each replica and summed over them (`sum_replicated_gradient`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -63,19 +69,27 @@ class ShardSpec:
     sections: tuple[int, ...]  # full sizes of the packed sections along dim, in order
     padded: bool = False  # single section padded up to a multiple of the world size (vocabulary)
     transposed: bool = False  # the source module stores this 2-D weight transposed
+    units: tuple[int, ...] | None = None  # indivisible units (heads) per section; fewer than ranks: replicated
+
+    def replicas(self, world_size: int) -> tuple[int, ...]:
+        """How many ranks hold each section's chunks alike: 1, or world_size / units for a replicated section."""
+        units = self.units or (world_size,) * len(self.sections)
+        return tuple(world_size // unit if unit < world_size else 1 for unit in units)
 
     def local_sections(self, world_size: int) -> tuple[int, ...]:
         """How many rows every rank holds of each section."""
         if self.padded:
             return (ceil_div(self.sections[0], world_size),)
-        return tuple(size // world_size for size in self.sections)
+        replicas = self.replicas(world_size)
+        return tuple(size * copies // world_size for size, copies in zip(self.sections, replicas, strict=True))
 
     def slices(self, rank: int, world_size: int) -> list[SectionSlice]:
         """Which rows of each section rank `rank` holds: its chunk r of every section, in order (torch.chunk's
-        split; with `padded`, the last ranks' chunks end in zero rows)."""
+        split; with `padded`, the last ranks' chunks end in zero rows; a replicated section's chunk r / replicas)."""
         result, offset = [], 0
-        for full, local in zip(self.sections, self.local_sections(world_size), strict=True):
-            result.append(section_slice(full, local, rank, offset))
+        sizes = zip(self.sections, self.local_sections(world_size), self.replicas(world_size), strict=True)
+        for full, local, copies in sizes:
+            result.append(section_slice(full, local, rank // copies, offset))
             offset += full
         return result
 
@@ -88,12 +102,13 @@ class ShardSpec:
 def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, world_size: int) -> torch.Tensor:
     """This rank's shard of `full` (given in the parameter's local layout, i.e. already transposed if needed)."""
     pieces = []
-    for section in full.split(list(spec.sections), dim=spec.dim):
+    replicas = spec.replicas(world_size)
+    for section, copies in zip(full.split(list(spec.sections), dim=spec.dim), replicas, strict=True):
         if spec.padded:
             extra = ceil_div(section.size(spec.dim), world_size) * world_size - section.size(spec.dim)
             pad = [0, 0] * (section.dim() - 1 - spec.dim) + [0, extra]
             section = F.pad(section, pad)
-        pieces.append(section.chunk(world_size, dim=spec.dim)[rank])
+        pieces.append(section.chunk(world_size // copies, dim=spec.dim)[rank // copies])
     return torch.cat(pieces, dim=spec.dim).contiguous()
 
 
@@ -105,16 +120,99 @@ def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) ->
     local_sizes = list(spec.local_sections(world_size))
     per_rank = [shard.split(local_sizes, dim=spec.dim) for shard in gathered]
     sections = []
-    for index, full_size in enumerate(spec.sections):
-        section = torch.cat([pieces[index] for pieces in per_rank], dim=spec.dim)
+    for index, (full_size, copies) in enumerate(zip(spec.sections, spec.replicas(world_size), strict=True)):
+        section = torch.cat([pieces[index] for pieces in per_rank[::copies]], dim=spec.dim)  # one replica each
         sections.append(section.narrow(spec.dim, 0, full_size))
     full = torch.cat(sections, dim=spec.dim)
     return full.t() if spec.transposed else full
 
 
+def replicated_rows(spec: ShardSpec, world_size: int) -> list[tuple[int, int, int]]:
+    """(first row in the local shard, rows, replicas) of each section that `world_size` ranks replicate."""
+    found, start = [], 0
+    for local, copies in zip(spec.local_sections(world_size), spec.replicas(world_size), strict=True):
+        if copies > 1:
+            found.append((start, local, copies))
+        start += local
+    return found
+
+
+def split_among_replicas(local: torch.Tensor, spec: ShardSpec, world_size: int) -> torch.Tensor:
+    """`local` (this rank's shard of a tensor) with each replicated section divided by its replica count: the ranks'
+    shards then sum to the full tensor, as the partial gradients of replicas do."""
+    local = local.clone()
+    for start, rows, copies in replicated_rows(spec, world_size):
+        local.narrow(spec.dim, start, rows).div_(copies)
+    return local
+
+
+def sum_replicated_gradient(grad: torch.Tensor, spec: ShardSpec, group: ProcessGroup) -> torch.Tensor:
+    """Not autograd: a gradient hook. Each replicated section's gradient summed over the ranks holding it (each
+    replica computed it from its own query heads only): the sections are laid out at their unit's place in one
+    full-size buffer, all-reduced over the group, and read back; other sections are returned as they are."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    replicated = replicated_rows(spec, world_size)
+    if not replicated:
+        return grad
+    pieces = [grad.narrow(spec.dim, start, rows) for start, rows, _ in replicated]
+    units = [world_size // copies for *_, copies in replicated]
+    buffer = torch.cat(
+        [torch.cat([piece if unit == rank // (world_size // count) else torch.zeros_like(piece)
+                    for unit in range(count)], dim=spec.dim)
+         for piece, count in zip(pieces, units, strict=True)],
+        dim=spec.dim,
+    )  # fmt: skip
+    dist.all_reduce(buffer, group=group)
+    grad = grad.clone()
+    offset = 0
+    for (start, rows, copies), count in zip(replicated, units, strict=True):
+        unit = rank // copies
+        grad.narrow(spec.dim, start, rows).copy_(buffer.narrow(spec.dim, offset + unit * rows, rows))
+        offset += count * rows
+    return grad
+
+
+@torch.no_grad()
+def fill_replicas(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) -> None:
+    """Completes, in place, the replicated sections of `local` (this rank's shard) from the piece each replica holds
+    (replica j of a head its j-th 1/replicas of the rows, as a checkpoint loads them): a collective."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    replicated = replicated_rows(spec, world_size)
+    if not replicated:
+        return
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local.contiguous(), group=group)
+    for start, rows, copies in replicated:
+        piece, first = rows // copies, rank - rank % copies
+        for replica in range(copies):
+            source = gathered[first + replica].narrow(spec.dim, start + replica * piece, piece)
+            local.narrow(spec.dim, start + replica * piece, piece).copy_(source)
+
+
 def full_numel(local: torch.Tensor, spec: ShardSpec) -> int:
     """Elements of the full (unsharded, unpadded) tensor that `local` is a shard of."""
     return local.numel() // local.shape[spec.dim] * sum(spec.sections)
+
+
+def data_parallel_shard_dim(local_shape: tuple[int, ...], spec: ShardSpec | None, data_parallel_size: int) -> int:
+    """The dimension sharded data parallelism (FSDP2) splits a parameter of this rank's `local_shape` along.
+
+    FSDP2's default is dim 0. A tensor-parallel shard split along dim 0 (column-parallel weights, vocabularies) is
+    split along the largest other dimension that divides evenly instead (FSDP2 shards a dimension other than 0 only
+    evenly), so that each rank's piece stays one box of the full tensor: its (dp, tp) placement is two `Shard`s of
+    different dimensions, which checkpoints address directly. Without such a dimension (a 1-D shard such as a
+    bias): 0, and a checkpoint gathers that tensor's tensor-parallel shard over the data-parallel ranks.
+    """
+    if spec is None or spec.dim != 0:
+        return 0
+    candidates = [d for d in range(1, len(local_shape)) if local_shape[d] % data_parallel_size == 0]
+    return max(candidates, key=lambda d: local_shape[d], default=0)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own elements of `tensor`: the local piece of a DTensor (a parameter, gradient or optimizer state
+    FSDP2 shards over the data-parallel ranks), else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def named_sharded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, ShardSpec]]:

@@ -12,6 +12,7 @@ Reading a plan is two passes: `tp_train.plan.match.match_plan` resolves and vali
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -20,22 +21,29 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import all_reduce_gradient, copy_to_tensor_parallel_region
-from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, SharedInputRegion, VocabParallelEmbedding
+from tp_train.parallel.layers import (
+    ColumnParallelLinear,
+    ModuleRegion,
+    RowParallelLinear,
+    SharedInputRegion,
+    VocabParallelEmbedding,
+)
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
-from tp_train.parallel.sharding import ShardSpec, shard_tensor
+from tp_train.parallel.sharding import ShardSpec, shard_tensor, sum_replicated_gradient
 from tp_train.plan.channels import shard_channels
-from tp_train.plan.local_view import apply_local_view, parse_attention_style
+from tp_train.plan.gradient_hooks import register_gradient_hook
+from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
 from tp_train.plan.styles import (
     FEEDS_PARALLEL_REGION,
-    HEAD_ATTRIBUTES,
-    KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
-    PACKED_SECTIONS,
+    REGION_STYLES,
+    ROW_STYLES,
     SWAPPED_BASES,
-    WIDTH_ATTRIBUTES,
     PlannedModule,
+    column_layout,
     linear_shape,
-    section_sizes,
+    mla_rope_dim,
+    parameter_shard_spec,
 )
 
 
@@ -62,6 +70,7 @@ def apply_plan(
     by_name = {entry.name: entry for entry in planned}
     shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
     materialized: dict[int, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once
+    replicated_parents: set[str] = set()  # attentions whose kv heads are replicated, their groups made local
     for name, module in list(model.named_modules()):
         entry = by_name.get(name)
         style = entry.style if entry else None
@@ -72,7 +81,8 @@ def apply_plan(
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(module, group, shared)
             else:
-                layer = _parallel_linear(module, style, group, shared, loss_parallel, section_sizes(entry.arguments))
+                layer = _parallel_linear(module, style, group, shared, loss_parallel, entry.counts, entry.arguments)
+                _sum_replicas(model, name, layer, group, replicated_parents)
             layer = _keep_subclass_forward(module, layer, SWAPPED_BASES[style])
             _set_submodule(model, name, layer)
             if check is not None:
@@ -82,21 +92,37 @@ def apply_plan(
             module._parameters.update(module.tp_origins)  # the dropped module lets go of its full tensors
             continue
         materialize(name, module, device, materialized, init_weights)
-        if style == "attention":
-            if entry.arguments:  # head counts the usual attribute names do not reach (tp_train.plan.local_view)
-                view = parse_attention_style(f"attention({entry.arguments})")
-                apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
-            else:
-                _localize_heads(module, dist.get_world_size(group))
+        if entry is not None and entry.parameters:
+            _shard_parameters(module, entry.parameters, group, shared)
+        if style in REGION_STYLES:
+            module.tp_region = _region(style, group, getattr(model, "config", None))
+            module.tp_region.install(module)
+        elif style == "attention":
+            # the usual head-count names, or where the style's arguments say the counts are (plan/local_view.py)
+            view = parse_attention_style(f"attention({entry.arguments})") if entry.arguments else None
+            apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
             rng.run_in(module, SHARDED)
         elif style == "channelwise":
             shard_channels(module, group)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":
-            for param in module.parameters(recurse=False):
-                param.register_hook(lambda grad: all_reduce_gradient(grad, group))
+            for param_name, _ in module.named_parameters(recurse=False):
+                register_gradient_hook(module, param_name, lambda grad: all_reduce_gradient(grad, group))
     _share_sibling_inputs(model, planned, group)
+    _share_ties(model, shared)
+
+
+def _share_ties(model: nn.Module, shared: dict) -> None:
+    """Gives every other module still holding a parameter that was sharded (a container tied to a swapped layer's
+    parameter, as RoBERTa's `lm_head.bias` is to `lm_head.decoder.bias`) the shard and its split, so the tie holds
+    and checkpoints, gathering and export see one tensor under both names."""
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and id(param) in shared and shared[id(param)][0] is param:
+                _, spec, shard = shared[id(param)]
+                module._parameters[key] = shard
+                module.shard_specs = {**getattr(module, "shard_specs", {}), key: spec}
 
 
 def materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
@@ -189,21 +215,25 @@ def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpe
     return shard
 
 
-def _parallel_linear(module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool, sizes=None):
+def _parallel_linear(
+    module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool, counts=None, arguments=""
+) -> nn.Module:
     in_features, out_features = linear_shape(module)
     transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
     # Built on meta, with no initialisation of its own: its parameters are the slices of the module's.
     kwargs = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
-    if style == "rowwise":
-        layer = RowParallelLinear(in_features, out_features, group, **kwargs)
+    if style in ROW_STYLES:
+        split_input = style == "rowwise_split_input"
+        layer = RowParallelLinear(in_features, out_features, group, split_input=split_input, **kwargs)
     else:
-        sections = PACKED_SECTIONS.get(style, 1)
+        sections, units = column_layout(style, out_features, counts, arguments)
         layer = ColumnParallelLinear(
             in_features,
             out_features,
             group,
             gather_output=style == "colwise_gather_output" and not loss_parallel,
-            sections=sizes or (out_features // sections,) * sections,
+            sections=sections,
+            units=units,
             pad_output=style == "colwise_gather_output",
             **kwargs,
         )
@@ -249,9 +279,54 @@ def _share_sibling_inputs(model: nn.Module, planned: list[PlannedModule], group:
         parent.register_forward_hook(lambda *_, region=region: region.reset(), always_call=True)
 
 
-def _localize_heads(module: nn.Module, tp: int) -> None:
-    """Rewrites an attention module's head counts and head widths to this rank's share."""
-    for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
-        value = getattr(module, attribute, None)
-        if isinstance(value, int):
-            setattr(module, attribute, value // tp)
+def _sum_replicas(model: nn.Module, name: str, layer: nn.Module, group: ProcessGroup, done: set[str]) -> None:
+    """For a column layer whose kv heads are replicated (fewer than ranks): sums their gradients over the replicas,
+    and gives its attention (the parent) local query groups and one kv head, once per attention."""
+    tp = dist.get_world_size(group)
+    spec = getattr(layer, "shard_specs", {}).get("weight")
+    copies = max(spec.replicas(tp)) if spec is not None else 1
+    if copies == 1:
+        return
+    for param_name, param_spec in layer.shard_specs.items():
+        if getattr(layer, param_name).requires_grad:  # FSDP2's unsharded parameters get the hook too
+            hook = functools.partial(sum_replicated_gradient, spec=param_spec, group=group)
+            register_gradient_hook(layer, param_name, hook)
+    parent_name = name.rpartition(".")[0]
+    if parent_name in done:
+        return
+    done.add(parent_name)
+    share_replicated_kv_heads(model.get_submodule(parent_name) if parent_name else model, copies)
+
+
+def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessGroup, shared: dict) -> None:
+    """Replaces each of `module`'s parameters that a plan entry names by this rank's shard, recording its split in
+    `module.shard_specs` (as the parallel layers do), so that checkpoints, gathering and export see it."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    specs = getattr(module, "shard_specs", {})
+    for param_name, style in styles.items():
+        spec = parameter_shard_spec(style, module, param_name)
+        if spec is None:
+            continue
+        original = module._parameters[param_name]
+        if id(original) in shared:  # tied to a parameter sharded before: the same split, or refused
+            _, previous_spec, shard = shared[id(original)]
+            if previous_spec != spec:
+                raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
+        else:
+            local = shard_tensor(original.detach(), spec, rank, world_size)
+            shard = nn.Parameter(local, requires_grad=original.requires_grad)
+            shared[id(original)] = (original, spec, shard)
+        module._parameters[param_name] = shard
+        specs[param_name] = spec
+    module.shard_specs = specs
+
+
+def _region(style: str, group: ProcessGroup, config=None) -> ModuleRegion:
+    """The collectives around a module of a region style (see `tp_train.plan.styles`)."""
+    if style == "moe_tp_experts":
+        return ModuleRegion(group, enter=True, leave=True)
+    if style == "moe_identity_expert":
+        return ModuleRegion(group, input_scale=1 / dist.get_world_size(group))
+    if style == "mla_kv_a_proj":
+        return ModuleRegion(group, output_tail=mla_rope_dim(config))
+    return ModuleRegion(group, leave=True)  # all_reduce

@@ -313,9 +313,8 @@ class _Planner:
             relative = {column[len(name) + 1 :]: style for column, style in pair.columns.items()}
             key = ("view", _generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
             if key not in self._cache:
-                self._cache[key] = find_local_view(
-                    self.modules[name], calls[name], relative, pair.row[len(name) + 1 :], self.shares
-                )
+                row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
+                self._cache[key] = find_local_view(self.modules[name], calls[name], relative, row, self.shares, config)
             style, reason = self._cache[key]
             if style is None:
                 self.kept_whole[name] = reason

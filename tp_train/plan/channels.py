@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from tp_train.parallel.sharding import ShardSpec, shard_tensor
+from tp_train.parallel.sharding import shard_tensor
+from tp_train.plan.styles import style_shard_spec
 
 CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "normalized_shape")
 
@@ -23,7 +24,7 @@ def shard_channels(module: nn.Module, group: ProcessGroup) -> None:
     specs = dict(getattr(module, "shard_specs", {}))
     for name, param in list(module.named_parameters(recurse=False)):
         channels = param.shape[0]
-        spec = ShardSpec(dim=0, sections=(param.shape[0],))
+        spec = style_shard_spec("channelwise", module, name)
         local = nn.Parameter(shard_tensor(param.detach(), spec, rank, tp), requires_grad=param.requires_grad)
         setattr(module, name, local)
         specs[name] = spec

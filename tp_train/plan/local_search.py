@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 
 import torch
@@ -30,9 +30,10 @@ from tp_train.plan.local_view import (
     LocalView,
     PerHeadArgument,
     apply_local_view,
+    share_replicated_kv_heads,
     usual_fields,
 )
-from tp_train.plan.styles import linear_shape, section_sizes, split_style, style_shard_spec
+from tp_train.plan.styles import head_counts, linear_shape, split_style, style_shard_spec
 
 MOST_CHANGES = 4  # largest set of changes tried at once
 MOST_CANDIDATES = 12  # candidates considered, most likely first
@@ -72,7 +73,7 @@ def capture_calls(model: nn.Module, inputs: torch.Tensor, names: set[str]) -> di
 
 
 def find_local_view(
-    module: nn.Module, call: ProbeCall, columns: dict[str, str], row: str, tp: int
+    module: nn.Module, call: ProbeCall, columns: dict[str, str], row: str, tp: int, config=None
 ) -> tuple[str | None, str]:
     """The attention style (`attention` or `attention(...)`) under which `module` runs right on local heads, or
     None and why not.
@@ -83,13 +84,15 @@ def find_local_view(
         columns: its column layers, by name relative to `module`, and their styles.
         row: its row layer's name relative to `module`.
         tp: the tensor-parallel size to simulate.
+        config: the model's config, where the column layers' head counts are read as `match_plan` reads them.
     """
     reference = _Recorded.run(module, row, call)
     if reference.error is not None:
         return None, f"it does not run on the probe call ({reference.error})"
     first_failure = None
+    ranks = _Ranks(module, columns, row, tp, config, reference)
     for view in _candidates(module, call, columns, row, tp):
-        failure = _simulate(module, call, columns, row, tp, view, reference)
+        failure = _simulate(ranks, call, view, reference)
         if failure is None:
             return ("attention" if view is None else view.style()), ""
         first_failure = first_failure or failure
@@ -146,32 +149,52 @@ class _Recorded:
         return recorded
 
 
-def _rank_copy(module: nn.Module, columns: dict[str, str], row: str, tp: int, rank: int, reference: _Recorded):
-    memo = {}
-    for name, style in columns.items():
-        child = module.get_submodule(name)
-        base, arguments = split_style(style)
-        spec = style_shard_spec(base, child, "weight")
-        sizes = section_sizes(arguments)
-        if sizes:
-            spec = type(spec)(dim=0, sections=sizes, transposed=spec.transposed)
-        weight = child.weight.detach().t() if spec.transposed else child.weight.detach()
-        bias = child.bias.detach() if getattr(child, "bias", None) is not None else None
-        memo[id(child)] = _LocalLinear(
-            shard_tensor(weight, spec, rank, tp), shard_tensor(bias, type(spec)(0, spec.sections), rank, tp)
-        ) if bias is not None else _LocalLinear(shard_tensor(weight, spec, rank, tp), None)  # fmt: skip
-    stand_in = _RowStandIn(reference.row_output)
-    memo[id(module.get_submodule(row))] = stand_in
-    return copy.deepcopy(module, memo), stand_in
+class _Ranks:
+    """Builds each simulated rank's copy of the attention module: its column layers split as `apply_plan` splits
+    them (the same `ShardSpec`s, from their styles, arguments and head counts, so kv heads fewer than ranks are
+    replicated) and, where they are, its kv heads made one per rank as `apply_plan` makes them."""
+
+    def __init__(self, module: nn.Module, columns: dict[str, str], row: str, tp: int, config, reference: _Recorded):
+        self.module, self.row, self.tp, self.reference = module, row, tp, reference
+        self.specs, self.replicated = {}, {}
+        for name, style in columns.items():
+            child = module.get_submodule(name)
+            parent = name.rpartition(".")[0]
+            counts = head_counts(module.get_submodule(parent) if parent else module, config)
+            base, arguments = split_style(style)
+            spec = style_shard_spec(base, child, "weight", counts, arguments)
+            self.specs[name] = spec
+            copies = max(spec.replicas(tp))
+            if copies > 1:
+                self.replicated[parent] = copies
+
+    def copy(self, rank: int) -> tuple[nn.Module, _RowStandIn]:
+        memo = {}
+        for name, spec in self.specs.items():
+            child = self.module.get_submodule(name)
+            weight = child.weight.detach().t() if spec.transposed else child.weight.detach()
+            bias = child.bias.detach() if getattr(child, "bias", None) is not None else None
+            bias_spec = replace(spec, transposed=False, padded=False)
+            local_bias = None if bias is None else shard_tensor(bias, bias_spec, rank, self.tp)
+            memo[id(child)] = _LocalLinear(shard_tensor(weight, spec, rank, self.tp), local_bias)
+        stand_in = _RowStandIn(self.reference.row_output)
+        memo[id(self.module.get_submodule(self.row))] = stand_in
+        return copy.deepcopy(self.module, memo), stand_in
+
+    def localize(self, local: nn.Module, view: LocalView | None, rank: int) -> None:
+        """`view` on a rank's copy, then its replicated kv heads, in `apply_plan`'s order."""
+        apply_local_view(local, view, self.tp, rank)
+        for parent, copies in self.replicated.items():
+            share_replicated_kv_heads(local.get_submodule(parent) if parent else local, copies)
 
 
-def _simulate(module, call, columns, row, tp, view: LocalView | None, reference: _Recorded) -> str | None:
+def _simulate(ranks: _Ranks, call: ProbeCall, view: LocalView | None, reference: _Recorded) -> str | None:
     """None when `view` makes every simulated rank right; else what went wrong."""
     row_inputs = []
-    for rank in range(tp):
-        local, stand_in = _rank_copy(module, columns, row, tp, rank, reference)
+    for rank in range(ranks.tp):
+        local, stand_in = ranks.copy(rank)
         try:
-            apply_local_view(local, view, tp, rank)
+            ranks.localize(local, view, rank)
             with torch.no_grad():
                 args, kwargs = call.fresh()
                 output = _first_tensor(local(*args, **kwargs))

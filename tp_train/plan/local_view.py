@@ -31,7 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from tp_train.plan.styles import HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, WIDTH_ATTRIBUTES
+from tp_train.plan.styles import (
+    CONFIG_HEAD_FIELDS,
+    HEAD_ATTRIBUTES,
+    KV_GROUP_ATTRIBUTES,
+    KV_HEAD_ATTRIBUTES,
+    WIDTH_ATTRIBUTES,
+)
 
 INPUT_WIDTH = "input_width"
 
@@ -96,14 +102,17 @@ def field_value(module: nn.Module, path: str):
 
 
 def apply_local_view(module: nn.Module, view: LocalView | None, tp: int, rank: int) -> None:
-    """Makes `module` run on this rank's `1/tp` of the heads, as `view` says (None: the usual attribute names)."""
-    fields = usual_fields(module) if view is None else view.fields
+    """Makes `module` run on this rank's `1/tp` of the heads, as `view` says (None: the usual attribute names and
+    its config's head counts, `localize_heads`)."""
+    if view is None:
+        localize_heads(module, tp)
+        return
     rebuilt: dict[int, nn.Module] = {}
-    for path in fields:
+    for path in view.fields:
         _divide_field(module, path, tp, rebuilt)
     for layer in list(rebuilt.values()):
         _rebuild_pattern_layer(module, layer)
-    if view is None or not (view.input_width or view.per_head):
+    if not (view.input_width or view.per_head):
         return
     signature = inspect.signature(type(module).forward)
 
@@ -122,6 +131,35 @@ def apply_local_view(module: nn.Module, view: LocalView | None, tp: int, rank: i
         return bound.args[1:], bound.kwargs
 
     module.register_forward_pre_hook(local_inputs, with_kwargs=True)
+
+
+def localize_heads(module: nn.Module, tp: int) -> None:
+    """Plain `attention`: rewrites the module's head counts and head widths (the usual attribute names) to this
+    rank's share. An attention that reads head counts from a config shared with the whole model (phi3's
+    `self.config.num_attention_heads`) gets a copy of it, its own, with the local counts; the model's config is left
+    as it was. Fewer kv heads than ranks leave one (replicated) kv head per rank."""
+    for attribute in usual_fields(module):
+        setattr(module, attribute, _local_count(attribute, getattr(module, attribute), tp))
+    config = getattr(module, "config", None)
+    counts = {field: getattr(config, field, None) for field in CONFIG_HEAD_FIELDS}
+    counts = {field: value for field, value in counts.items() if _is_count(value)}
+    if counts:
+        local = copy.copy(config)
+        for field, value in counts.items():
+            setattr(local, field, _local_count(field, value, tp))
+        module.config = local
+
+
+def share_replicated_kv_heads(attention: nn.Module, copies: int) -> None:
+    """An attention whose kv heads are replicated over `copies` ranks each (fewer kv heads than ranks): one kv head
+    per rank, and each rank's share of the query heads per kv head."""
+    for attribute in KV_HEAD_ATTRIBUTES:
+        if _is_count(getattr(attention, attribute, None)):
+            setattr(attention, attribute, 1)
+    for attribute in KV_GROUP_ATTRIBUTES:
+        value = getattr(attention, attribute, None)
+        if _is_count(value):
+            setattr(attention, attribute, value // copies)
 
 
 def heads_of_rank(tensor: torch.Tensor, argument: PerHeadArgument, batch: int, tp: int, rank: int) -> torch.Tensor:
@@ -165,6 +203,11 @@ class LocalWidth(torch.Tensor):
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _local_count(attribute: str, value: int, tp: int) -> int:
+    """A head count (or width) on one rank: its share, or one replicated kv head when there are fewer than tp."""
+    return max(value // tp, 1) if attribute in KV_HEAD_ATTRIBUTES else value // tp
 
 
 def _divide_field(module: nn.Module, path: str, tp: int, rebuilt: dict[int, nn.Module]) -> None:

@@ -13,10 +13,17 @@ from tp_train.plan.styles import (
     KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
     PACKED_SECTIONS,
+    PARAMETER_STYLES,
+    ROW_STYLES,
     STYLES,
     WIDTH_ATTRIBUTES,
+    HeadCounts,
     PlannedModule,
+    column_layout,
+    head_counts,
     linear_shape,
+    mla_rope_dim,
+    parameter_shard_spec,
     pattern_matches,
     section_sizes,
     split_style,
@@ -25,29 +32,55 @@ from tp_train.plan.ties import tie_completions
 
 
 def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedModule]:
-    """Every module the plan names, with its style, after checking that the plan applies at this tp."""
+    """Every module the plan names, with its style (and the styles of entries naming its parameters), after checking
+    that the plan applies at this tp."""
     check_config_heads(model, tp)
+    config = getattr(model, "config", None)
     planned: dict[str, PlannedModule] = {}
+    parameter_entries = []
     for pattern, style in plan.items():
         style, arguments = split_style(ALIASES.get(style, style))
-        if style not in STYLES:
-            raise ValueError(
-                f"plan entry '{pattern}': unknown style '{style}'; known styles: {', '.join(sorted(STYLES))}"
-            )
+        if style not in STYLES | PARAMETER_STYLES:
+            known = ", ".join(sorted(STYLES | PARAMETER_STYLES))
+            raise ValueError(f"plan entry '{pattern}': unknown style '{style}'; known styles: {known}")
         matches = [(name, module) for name, module in model.named_modules() if pattern_matches(pattern, name)]
         if not matches:
-            raise ValueError(
-                f"plan entry '{pattern}' matches no module of {type(model).__name__}; "
-                f"module names look like {_example_names(model)}"
-            )
+            parameters = _matching_parameters(model, pattern)
+            if not parameters:
+                raise ValueError(
+                    f"plan entry '{pattern}' matches no module or parameter of {type(model).__name__}; "
+                    f"module names look like {_example_names(model)}"
+                )
+            parameter_entries.append((pattern, style, parameters))
+            continue
+        if style not in STYLES:
+            raise ValueError(f"plan entry '{pattern}': style '{style}' applies to parameters, not modules")
         for name, module in matches:
             if name in planned and planned[name].style != style:
                 raise ValueError(
                     f"module '{name}' is planned twice: '{planned[name].style}' by '{planned[name].pattern}' "
                     f"and '{style}' by '{pattern}'; keep one"
                 )
-            _check_module(name, module, style, pattern, tp, arguments)
-            planned[name] = PlannedModule(name, module, style, pattern, arguments)
+            counts = None
+            if style in LINEAR_STYLES - ROW_STYLES:
+                parent = name.rpartition(".")[0]
+                counts = head_counts(model.get_submodule(parent) if parent else None, config)
+            _check_module(name, module, style, pattern, tp, counts, arguments)
+            if style == "mla_kv_a_proj":
+                mla_rope_dim(config)
+            planned[name] = PlannedModule(name, module, style, pattern, arguments, counts=counts)
+    for pattern, style, parameters in parameter_entries:
+        for name, module, param_name in parameters:
+            entry = planned.setdefault(name, PlannedModule(name, module, "local_params", pattern))
+            _check_parameter(entry, param_name, style, pattern, tp)
+            entry.parameters[param_name] = style
+    for entry in planned.values():
+        if entry.style in {"moe_tp_experts", "all_reduce"} and not _shards_inside(entry, planned):
+            raise ValueError(
+                f"plan entry '{entry.pattern}': module '{entry.name}' is '{entry.style}' but the plan shards none of "
+                f"its parameters or layers, so its all-reduce would add tp copies; plan its weights too "
+                f"(e.g. '{entry.name}.gate_up_proj': 'packed_colwise', '{entry.name}.down_proj': 'rowwise')"
+            )
     for entry in tie_completions(model, planned):
         _check_module(entry.name, entry.module, entry.style, entry.pattern, tp)
         planned[entry.name] = entry
@@ -55,40 +88,97 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
     return sorted(planned.values(), key=lambda entry: order[entry.name])
 
 
+def names_anything(model: nn.Module, pattern: str) -> bool:
+    """Whether `pattern` matches a module or a parameter of `model`."""
+    names = (name for name, _ in model.named_modules())
+    return any(pattern_matches(pattern, name) for name in names) or bool(_matching_parameters(model, pattern))
+
+
+def _matching_parameters(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module, str]]:
+    """(module name, module, parameter name) of every parameter whose full name `pattern` matches."""
+    return [
+        (name, module, param_name)
+        for name, module in model.named_modules()
+        for param_name, param in module._parameters.items()
+        if param is not None and pattern_matches(pattern, f"{name}.{param_name}" if name else param_name)
+    ]
+
+
+def _check_parameter(entry: PlannedModule, param_name: str, style: str, pattern: str, tp: int) -> None:
+    shape = tuple(entry.module._parameters[param_name].shape)
+    where = f"plan entry '{pattern}': parameter '{entry.name}.{param_name}' {shape}"
+    if entry.style in LINEAR_STYLES or entry.style == "embedding_rowwise":
+        raise ValueError(f"{where}: its module is swapped whole as '{entry.style}'; plan the module or the parameter")
+    previous = entry.parameters.get(param_name)
+    if previous is not None and previous != style:
+        raise ValueError(f"{where} is planned twice: '{previous}' and '{style}'; keep one")
+    try:
+        spec = parameter_shard_spec(style, entry.module, param_name)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    for size in spec.sections if spec else ():
+        check_divisible(where, f"dim {spec.dim} (per section)", size, tp)
+
+
+def _shards_inside(entry: PlannedModule, planned: dict[str, PlannedModule]) -> bool:
+    """Whether the plan shards any parameter of `entry`'s module or of a module inside it."""
+    inside = [other for name, other in planned.items() if name == entry.name or name.startswith(entry.name + ".")]
+    return any(other.parameters or other.style in LINEAR_STYLES for other in inside)
+
+
 def check_config_heads(model: nn.Module, tp: int) -> None:
     config = getattr(model, "config", None)
     for field in CONFIG_HEAD_FIELDS:
         value = getattr(config, field, None)
-        if isinstance(value, int) and value % tp:
-            replication = " (replicating kv heads is not supported)" if field in KV_HEAD_ATTRIBUTES else ""
+        if not isinstance(value, int) or not value % tp:
+            continue
+        if field in KV_HEAD_ATTRIBUTES:  # fewer kv heads than ranks: replicated, if each rank's heads use one
+            if value and not tp % value:
+                continue
             raise ValueError(
-                f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
-                f"heads{replication}; use a tensor_parallel_size in {divisors(value)}"
+                f"config.{field}={value} neither divides nor is divisible by tensor_parallel_size={tp}: each rank "
+                f"must hold whole kv heads, or replicas of one; use a tensor_parallel_size in {divisors(value)} or "
+                f"a multiple of {value}"
             )
+        raise ValueError(
+            f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
+            f"heads; use a tensor_parallel_size in {divisors(value)}"
+        )
 
 
-def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: int, arguments: str = "") -> None:
+def _check_module(
+    name: str,
+    module: nn.Module,
+    style: str,
+    pattern: str,
+    tp: int,
+    counts: HeadCounts | None = None,
+    arguments: str = "",
+) -> None:
     where = f"plan entry '{pattern}': module '{name}' ({type(module).__name__})"
     if style in LINEAR_STYLES:
         shape = linear_shape(module)
         if shape is None:
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Linear or a Conv1D")
         in_features, out_features = shape
-        if style == "rowwise":
+        if style in ROW_STYLES:
             check_divisible(where, "in_features", in_features, tp)
-        elif section_sizes(arguments):
-            sections = section_sizes(arguments)
-            if sum(sections) != out_features:
+        elif style in PACKED_SECTIONS or style == "colwise":
+            sections, units = column_layout(style, out_features, counts, arguments)
+            if section_sizes(arguments) and sum(sections) != out_features:
                 raise ValueError(f"{where}: sections {sections} do not add up to out_features={out_features}")
-            for size in sections:
-                check_divisible(where, "a section", size, tp)
-        elif style in PACKED_SECTIONS:
-            sections = PACKED_SECTIONS[style]
-            if out_features % sections:
-                raise ValueError(f"{where}: out_features={out_features} does not split into {sections} sections")
-            check_divisible(where, f"out_features/{sections}", out_features // sections, tp)
-        elif style == "colwise":
-            check_divisible(where, "out_features", out_features, tp)
+            if sum(sections) != out_features:
+                raise ValueError(f"{where}: out_features={out_features} does not split into {len(sections)} sections")
+            for index, (size, unit) in enumerate(zip(sections, units or (None,) * len(sections), strict=True)):
+                what = f"out_features section {index}" if len(sections) > 1 else "out_features"
+                if unit is None or unit >= tp:
+                    check_divisible(where, what, size, tp)
+                elif tp % unit or (size // unit) % (tp // unit):  # replicas: each holds a whole head
+                    raise ValueError(
+                        f"{where}: {unit} kv heads of {size // unit} features cannot be replicated over "
+                        f"tensor_parallel_size={tp}; use a tensor_parallel_size in {divisors(unit)} or a multiple "
+                        f"of {unit} that divides {size}"
+                    )
     elif style == "channelwise":
         for param_name, param in module.named_parameters(recurse=False):
             check_divisible(where, f"{param_name}.shape[0]", param.shape[0] if param.dim() else 1, tp)
@@ -100,7 +190,8 @@ def _check_module(name: str, module: nn.Module, style: str, pattern: str, tp: in
     elif style == "attention" and not arguments:
         for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
             value = getattr(module, attribute, None)
-            if isinstance(value, int):
+            replicated = attribute in KV_HEAD_ATTRIBUTES and isinstance(value, int) and value and not tp % value
+            if isinstance(value, int) and not replicated:
                 check_divisible(where, attribute, value, tp)
 
 

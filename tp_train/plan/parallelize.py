@@ -14,14 +14,15 @@ from tp_train.checkpoint.pretrained import load_pretrained_modules
 from tp_train.parallel.collectives import CommunicationCounter
 from tp_train.parallel.layers import Configurable
 from tp_train.parallel.mesh import as_process_group
-from tp_train.parallel.random import TensorParallelRNG
+from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.activation_checkpointing import checkpoint_blocks
 from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.resolve import SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
+from tp_train.plan.styles import PlannedModule, linear_shape
 from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
@@ -46,6 +47,7 @@ def parallelize(
     weights: str | Path | None = None,
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -60,8 +62,10 @@ def parallelize(
         model: the unsharded model, on the device it will run on.
         tp_group: a ProcessGroup, a 1-D DeviceMesh, or None for the whole world.
         plan: {module-name pattern: style}; `*` matches one name component.
-        loss_parallel: keep `colwise_gather_output` heads sharded along the vocabulary, for
-            `vocab_parallel_cross_entropy`; by default they gather, and the model returns full logits.
+        loss_parallel: keep the `colwise_gather_output` head sharded along the vocabulary, for
+            `vocab_parallel_cross_entropy`: no rank then holds full logits. `model.tp_vocab_size` records the
+            head's real vocabulary size, which that loss needs. By default the head gathers, and the model returns
+            full logits.
         device: where to materialise a model built on the meta device (each rank allocates only its shards, and
             the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
             else CPU.
@@ -80,12 +84,19 @@ def parallelize(
             a multiple of tp. See `tp_train.plan.sequence_parallel`.
         activation_checkpointing: recompute each block's forward in backward instead of keeping its activations
             (dropout replays the same masks). See `tp_train.plan.activation_checkpointing`.
+        compile: compile the sharded model in place (`nn.Module.compile`, torch's default inductor backend) once
+            it is sharded and verified. Its collectives trace as torch's functional collectives, so a model without
+            dropout compiles with no graph break; with dropout, each switch of random stream breaks the graph
+            (`tp_train.parallel.random`). The tensor-parallel traffic of compiled steps is not counted.
     """
     group = as_process_group(tp_group)
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
+    elif SKIPPED in source and dist.get_rank() == 0:
+        print(f"tensor-parallel plan: {source}", flush=True)
     planned = match_plan(model, resolved, dist.get_world_size(group))
+    vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
     whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
     skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
     check = SwapCheck(group) if verify is not False else None
@@ -95,8 +106,10 @@ def parallelize(
         layout = block_layout(model, planned, feature)
         if sequence_parallel:
             check_sequence_parallel(model, layout)
+    blocks = layout.blocks if layout is not None else _blocks_if_any(model, planned)
     device = torch.device(device) if device is not None else _default_device(model)
-    rng = TensorParallelRNG(group, device)  # also syncs the default generator, so every rank inits alike
+    # Also syncs the default generator, so every rank inits alike.
+    rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
     if check is not None:
         check.raise_on_difference()
@@ -107,6 +120,9 @@ def parallelize(
     if activation_checkpointing:
         checkpoint_blocks(model, layout, rng)
     model.tp_rng = rng
+    model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
+    if vocab_size is not None:
+        model.tp_vocab_size = vocab_size
     whole_model_errors = None
     if skeleton is not None:
         whole_model_errors = verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
@@ -114,7 +130,29 @@ def parallelize(
         print(_verification_summary(check, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)
     counter.reset()  # verification's traffic is not training's
+    if compile:
+        model.compile()
     return model
+
+
+def _blocks_if_any(model: nn.Module, planned: list) -> list[str]:
+    """The transformer blocks' names, or none when the plan's layers are not in one ModuleList."""
+    try:
+        return block_layout(model, planned, "per-block wrapping").blocks
+    except ValueError:
+        return []
+
+
+def _head_vocab_size(planned: list[PlannedModule], source: str) -> int:
+    """The real vocabulary size of the one head whose logits `loss_parallel` keeps sharded."""
+    heads = {entry.name: linear_shape(entry.module)[1] for entry in planned if entry.style == "colwise_gather_output"}
+    if len(set(heads.values())) != 1:
+        found = ", ".join(f"'{name}' ({size})" for name, size in heads.items()) or "none"
+        raise ValueError(
+            f"loss_parallel=True needs one vocabulary size among the heads planned 'colwise_gather_output' by "
+            f"{source}; found {found} (plan the LM head 'colwise_gather_output', or pass loss_parallel=False)"
+        )
+    return next(iter(heads.values()))
 
 
 def _parameter_bytes(model: nn.Module) -> int:
@@ -141,7 +179,8 @@ def _count_communication(model: nn.Module, counter: CommunicationCounter) -> Com
     for module in model.modules():
         if isinstance(module, Configurable):
             module.configure(comm_counter=counter)
-            region = getattr(module, "input_region", None)
+        for attribute in ("input_region", "tp_region"):  # shared input regions; a region style's collectives
+            region = getattr(module, attribute, None)
             if region is not None:
                 region.configure(comm_counter=counter)
     return counter

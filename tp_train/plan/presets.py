@@ -1,4 +1,5 @@
-"""Built-in plans for Hugging Face families whose configs ship no `base_model_tp_plan`.
+"""Built-in plans for Hugging Face families whose configs ship no `base_model_tp_plan`, head-aware plans that replace
+a wasteful one, and entries added where Hugging Face's plan leaves block matrices whole.
 
 Keys are relative to the base model (as in Hugging Face's own plans); `preset_plan` prefixes them for a model
 with a head and adds the head. Each preset is data; `tp_train.plan.apply` is what reads it.
@@ -66,7 +67,8 @@ PRESETS: dict[str, dict[str, str]] = {
     # [q_h; k_h; v_h] (classic multi-head) or per kv group as [q_g1..q_gn; k_g; v_g] (new architecture), and the
     # forward views it with -1 heads/groups, so a plain contiguous colwise split hands each rank whole heads/groups
     # (fused_qkv_colwise, which assumes [q; k; v], would be wrong). num_heads and num_kv_heads become local.
-    # Multi-query (one kv head) and ALiBi configs are refused by `_falcon_unsupported`.
+    # Multi-query (one kv head, laid out [q_1..q_H; k; v]) is a fused [q; k; v] split, its one kv head held by
+    # every rank (`CONFIG_VARIANTS`). ALiBi configs are refused by `_falcon_unsupported`.
     "falcon": {
         "word_embeddings": "embedding_rowwise",
         "h.*.self_attention": "attention",
@@ -78,22 +80,52 @@ PRESETS: dict[str, dict[str, str]] = {
 }
 
 
+# Plans that replace Hugging Face's own where it is wasteful. phi3's fused qkv_proj ([q; k; v], k and v with the kv
+# heads' width) and gate_up_proj ([gate; up]) are gathered whole and re-split under HF's plan (`colwise_gather_output`
+# then `rowwise_split_input`: two all-gathers and an all-reduce per block, every head on every rank); split head-aware
+# instead, each attention and each MLP costs one all-reduce. The attention reads its head counts from its config,
+# which the `attention` style gives it a local copy of.
+HEAD_AWARE_OVERRIDES: dict[str, dict[str, str]] = {
+    "phi3": {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn": "attention",
+        "layers.*.self_attn.qkv_proj": "fused_qkv_colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    },
+}
+
+# Entries added to Hugging Face's plan where it leaves a block's matrices whole on every rank: Qwen2-MoE's plan
+# names the dense MLP and the routed experts but not the shared expert beside them.
+ADDITIONS: dict[str, dict[str, str]] = {
+    "qwen2_moe": {
+        "layers.*.mlp.shared_expert.gate_proj": "colwise",
+        "layers.*.mlp.shared_expert.up_proj": "colwise",
+        "layers.*.mlp.shared_expert.down_proj": "rowwise",
+    },
+}
+
+
 def _falcon_unsupported(config) -> str | None:
     if getattr(config, "alibi", False):
         return (
             "ALiBi biases are built for all heads in FalconModel and not sliced to each rank's heads; "
             "use a rotary config (alibi=False)"
         )
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
-        return (
-            "multi-query attention (one kv head, laid out [q_1..q_H; k; v]) cannot be split by heads "
-            "(replicating kv heads is not supported); use multi_query=False or new_decoder_architecture=True"
-        )
     return None
+
+
+def _falcon_variant(config) -> dict[str, str]:
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return {"h.*.self_attention.query_key_value": "fused_qkv_colwise"}
+    return {}
 
 
 # Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
+# Entries of a family's preset that a config changes: model_type -> config -> the entries that replace the preset's.
+CONFIG_VARIANTS = {"falcon": _falcon_variant}
 
 HEAD_PLAN = {"lm_head": "colwise_gather_output"}
 
@@ -108,11 +140,29 @@ def preset_plan(model: nn.Module) -> dict[str, str] | None:
     reason = check(model.config) if check else None
     if reason:
         raise ValueError(f"the built-in '{model_type}' preset cannot shard this config: {reason}")
+    variant = CONFIG_VARIANTS.get(model_type)
+    return _for_model(model, {**base, **(variant(model.config) if variant else {})}, head=True)
+
+
+def override_plan(model: nn.Module) -> dict[str, str] | None:
+    """The head-aware plan that replaces Hugging Face's for `model`'s family (`HEAD_AWARE_OVERRIDES`), or None."""
+    base = HEAD_AWARE_OVERRIDES.get(getattr(getattr(model, "config", None), "model_type", None))
+    return _for_model(model, base, head=True) if base else None
+
+
+def plan_additions(model: nn.Module) -> dict[str, str]:
+    """Entries to add to Hugging Face's plan for `model`'s family (`ADDITIONS`), keyed as `model`'s modules."""
+    base = ADDITIONS.get(getattr(getattr(model, "config", None), "model_type", None))
+    return _for_model(model, base, head=False) if base else {}
+
+
+def _for_model(model: nn.Module, base: dict[str, str], head: bool) -> dict[str, str]:
+    """`base` (keys relative to the base model) keyed as `model`'s module names, with the LM head when `head`."""
     prefix = getattr(model, "base_model_prefix", "")
     if prefix and hasattr(model, prefix):
         plan = {f"{prefix}.{pattern}": style for pattern, style in base.items()}
     else:
         plan = dict(base)
-    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+    if head and isinstance(getattr(model, "lm_head", None), nn.Linear):
         plan.update(HEAD_PLAN)
     return plan

@@ -6,9 +6,12 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, infer_plan
-from tp_train.plan.match import check_config_heads
-from tp_train.plan.presets import preset_plan
+from tp_train.plan.match import check_config_heads, names_anything
+from tp_train.plan.presets import override_plan, plan_additions, preset_plan
 from tp_train.plan.styles import ALIASES, LINEAR_STYLES, linear_shape, pattern_matches
+
+# How the source of a plan lists the entries it skipped (printed by `tp_train.parallelize` on rank 0).
+SKIPPED = "skipped, as this config builds nothing they name:"
 
 
 def find_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
@@ -19,8 +22,16 @@ def find_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
     own_plan = getattr(model, "tp_plan", None)
     if own_plan and own_plan != hugging_face_plan:
         return dict(own_plan), f"{type(model).__name__}.tp_plan"
+    override = override_plan(model) if hugging_face_plan else None
+    if override:
+        model_type = model.config.model_type
+        return override, f"the built-in head-aware plan for model_type '{model_type}' (in place of Hugging Face's)"
     if hugging_face_plan:
-        return dict(hugging_face_plan), f"{type(model).__name__}'s Hugging Face base_model_tp_plan"
+        additions = plan_additions(model)
+        source = f"{type(model).__name__}'s Hugging Face base_model_tp_plan"
+        if additions:
+            source += f", with the built-in additions for model_type '{model.config.model_type}'"
+        return {**hugging_face_plan, **additions}, source
     preset = preset_plan(model)
     if preset:
         return preset, f"the built-in preset for model_type '{model.config.model_type}'"
@@ -35,6 +46,8 @@ def resolve_plan(
     if plan:
         return dict(plan), "the plan argument"
     found = find_plan(model)
+    if found is not None and not found[1].endswith(".tp_plan"):  # built for a family, not for this very model
+        found = _fit_to_config(model, *found)
     if found is not None and not _leaves_blocks_untouched(model, found[0]):
         return found
     if tensor_parallel_size:
@@ -55,6 +68,27 @@ def resolve_plan(
         return inferred, INFERRED_SOURCE
     # The model's own entries win; the auto-planner's fill in the blocks (a head-only plan, as LFM2's).
     return {**inferred, **found[0]}, f"{found[1]}, {COMPLETED_SOURCE}"
+
+
+def _fit_to_config(model: nn.Module, plan: dict[str, str], source: str) -> tuple[dict[str, str], str]:
+    """A family's plan fitted to this model: a key written relative to the base model (Llama4's text plan) resolved
+    against it, and an entry naming nothing this config builds (an optional MoE or LoRA projection it turned off)
+    skipped, as transformers does, and listed in the source (`SKIPPED`)."""
+    # The base model: the child named by `base_model_prefix`, or a child model with a config of its own (Llama4's
+    # `model`, whose class names its prefix 'language_model').
+    prefixes = [name for name, child in model.named_children() if hasattr(child, "config")]
+    fitted, skipped = {}, []
+    for pattern, style in plan.items():
+        prefixed = (f"{prefix}.{pattern}" for prefix in prefixes)
+        if names_anything(model, pattern):
+            fitted[pattern] = style
+        elif (found := next((key for key in prefixed if names_anything(model, key)), None)) is not None:
+            fitted.setdefault(found, style)  # an entry written with the prefix wins
+        else:
+            skipped.append(pattern)
+    if skipped:
+        source += f"; {SKIPPED} {', '.join(repr(pattern) for pattern in skipped)}"
+    return fitted, source
 
 
 def _leaves_blocks_untouched(model: nn.Module, plan: dict[str, str]) -> bool:

@@ -31,7 +31,9 @@ from tp_train.parallel.collectives import (
 )
 from tp_train.parallel.layers import GATHERED_INPUT, SEQUENCE_SHARDED_INPUT, ColumnParallelLinear, RowParallelLinear
 from tp_train.parallel.random import SHARDED, TensorParallelRNG
+from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.layout import BlockLayout
+from tp_train.plan.styles import REGION_STYLES
 
 
 class _Region:
@@ -49,6 +51,16 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
             f"sequence is gathered at its input); {type(model).__name__}'s plan has none: shard a model with "
             f"its LM head, or use sequence_parallel=False"
         )
+    for name, style in layout.planned.items():
+        if (
+            style in REGION_STYLES
+            or style == "rowwise_split_input"
+            or (style == "colwise_gather_output" and layout.in_blocks(name))
+        ):
+            raise ValueError(
+                f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "
+                f"replicated input and output); use sequence_parallel=False"
+            )
     for name in sorted(layout.sub_blocks):
         if type(model.get_submodule(name)).forward is nn.Module.forward:
             raise ValueError(
@@ -82,6 +94,16 @@ def apply_sequence_parallel(
             layer.configure(input_layout=GATHERED_INPUT if inside else SEQUENCE_SHARDED_INPUT)
             if layer.input_region is not None:
                 layer.input_region.configure(input_layout=layer.input_layout)
+    for name, style in layout.planned.items():
+        if (
+            style in REGION_STYLES
+            or style == "rowwise_split_input"
+            or (style == "colwise_gather_output" and layout.in_blocks(name))
+        ):
+            raise ValueError(
+                f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "
+                f"replicated input and output); use sequence_parallel=False"
+            )
     for name in sorted(layout.sub_blocks):
         # One all-gather shared by all the module's column layers (reduce-scatter in backward), made contiguous
         # once here: q, k and v would each copy a strided gather to fold it into a matmul, and keep the copy.
@@ -133,21 +155,23 @@ def _reduce_replicated_gradients(model: nn.Module, layout: BlockLayout, group: P
         if layout.planned.get(name) == "replicated_with_grad_allreduce":
             continue  # summed over the group already (a norm over local heads)
         sharded = getattr(module, "shard_specs", {})
-        params = [p for key, p in module.named_parameters(recurse=False) if key not in sharded and id(p) not in reduced]
+        params = {
+            key: p for key, p in module.named_parameters(recurse=False) if key not in sharded and id(p) not in reduced
+        }
         if not params or id(module) in in_head:
             continue
         if layout.in_blocks(name):
             interior = any(name.startswith(sub + ".") for sub in layout.sub_blocks) or name in layout.sub_blocks
             if interior and not isinstance(module, RowParallelLinear):
                 continue
-            for param in params:
-                param.register_hook(lambda grad: all_reduce_gradient(grad, group))
+            for key in params:
+                register_gradient_hook(module, key, lambda grad: all_reduce_gradient(grad, group))
         else:
             seen = {"in_region": False}
             module.register_forward_pre_hook(lambda *_, seen=seen: seen.update(in_region=region.active))
-            for param in params:
-                param.register_hook(lambda grad, seen=seen: _reduce_if(grad, seen["in_region"], group))
-        reduced.update(id(p) for p in params)
+            for key in params:
+                register_gradient_hook(module, key, lambda grad, seen=seen: _reduce_if(grad, seen["in_region"], group))
+        reduced.update(id(p) for p in params.values())
 
 
 def _reduce_if(grad: torch.Tensor, in_region: bool, group: ProcessGroup) -> torch.Tensor:

@@ -8,6 +8,8 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `colwise`               | Linear / HF Conv1D  | `ColumnParallelLinear`, output sharded (heads, MLP hidden)       |
 | `colwise_gather_output` | Linear / HF Conv1D  | `ColumnParallelLinear`, output gathered (an LM head); vocab padded |
 | `rowwise`               | Linear / HF Conv1D  | `RowParallelLinear`, input sharded, output all-reduced           |
+| `rowwise_split_input`   | Linear / HF Conv1D  | `RowParallelLinear` taking a replicated input: it keeps its own  |
+|                         |                     | share of the features (an input gathered by `colwise_gather_output`) |
 | `packed_colwise`        | Linear / HF Conv1D  | column split of a packed `[gate; up]` projection, half by half   |
 | `fused_qkv_colwise`     | Linear / HF Conv1D  | column split of a fused `[q; k; v]` projection, head-aware       |
 | `embedding_rowwise`     | Embedding           | `VocabParallelEmbedding`, vocab rows sharded and padded          |
@@ -19,37 +21,71 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `replicate`             | any module          | left as it is (every rank holds it whole)                        |
 | `channelwise`           | any module          | its own parameters split along dim 0 with the channels of the    |
 |                         |                     | column layer before it (an SSM's conv1d, A_log, D; a gated norm) |
+| `moe_tp_experts`        | MoE experts module  | its floating-point inputs (tokens, routing weights) enter the    |
+|                         |                     | parallel region (`f`), its output (each rank's partial sum over  |
+|                         |                     | its share of every expert) is all-reduced (`g`): one all-reduce  |
+| `moe_identity_expert`   | an identity expert  | its input divided by tp, so the experts' all-reduce sums it once |
+| `all_reduce`            | any module          | its output (a partial sum) is all-reduced                        |
+| `local_params`          | any module          | nothing: its sharded parameters are already local tensors        |
+| `mla_kv_a_proj`         | DeepSeek's latent   | whole; the rotary key at the end of its output (`config.         |
+|                         | kv projection       | qk_rope_head_dim` features) enters the parallel region (`f`)     |
 
-Two styles take arguments in parentheses: `fused_qkv_colwise(64,32,32)` names unequal [q; k; v] sections (grouped-query
-attention's fused projection, litgpt's), and `attention(n_head, config.n_query_groups, input_width, ...)` names where
-the module keeps its head counts (`tp_train.plan.local_view`).
+Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.*.self_attn.sinks`), as Hugging
+Face's plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
+(`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
+`rowwise` the last (in), `packed_colwise` / `packed_rowwise` the same dimensions as two halves ([gate; up]), or
+plainly where the module stores gate and up interleaved (`is_concatenated = False`); `replicate` keeps it whole.
+Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
+surrounds it.
+
+Three styles take arguments in parentheses: `fused_qkv_colwise(64,32,32)` names unequal [q; k; v] sections
+(grouped-query attention's fused projection, litgpt's, whose head counts no attribute states), `attention(n_head,
+config.n_query_groups, input_width, ...)` names where the module keeps its head counts (`tp_train.plan.local_view`),
+and `rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output enters a sharded region again.
 
 `colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
 from tp_train.parallel.sharding import ShardSpec
 
-LINEAR_STYLES = {"colwise", "colwise_gather_output", "rowwise", "packed_colwise", "fused_qkv_colwise"}
-STYLES = LINEAR_STYLES | {
-    "embedding_rowwise",
-    "attention",
-    "replicated_rng",
-    "replicated_with_grad_allreduce",
-    "replicate",
-    "channelwise",
+LINEAR_STYLES = {
+    "colwise",
+    "colwise_gather_output",
+    "rowwise",
+    "rowwise_split_input",
+    "packed_colwise",
+    "fused_qkv_colwise",
 }
+ROW_STYLES = {"rowwise", "rowwise_split_input"}
+# Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
+REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj"}
+STYLES = (
+    LINEAR_STYLES
+    | REGION_STYLES
+    | {
+        "embedding_rowwise",
+        "attention",
+        "replicated_rng",
+        "replicated_with_grad_allreduce",
+        "replicate",
+        "local_params",
+        "channelwise",
+    }
+)
+PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate"}
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 
 # Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim).
 HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+KV_GROUP_ATTRIBUTES = ("num_key_value_groups", "num_kv_groups")  # query heads per kv head
 WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim")
 # Config fields that hold head counts, checked whenever a model with such a config is sharded.
 CONFIG_HEAD_FIELDS = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES
@@ -62,6 +98,8 @@ class PlannedModule:
     style: str
     pattern: str
     arguments: str = ""  # what the style's parentheses held: `attention(n_head, ...)`, `fused_qkv_colwise(64,32,32)`
+    parameters: dict[str, str] = field(default_factory=dict)  # entries naming its own parameters: name -> style
+    counts: HeadCounts | None = None  # a column layer's attention's head counts, read before any is localised
 
 
 # The class each swapping style replaces; a subclass's own forward is kept around the sharded layer.
@@ -82,22 +120,103 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def style_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:
+@dataclass(frozen=True)
+class HeadCounts:
+    """An attention's head counts, as its module (or else the model's config) states them before sharding."""
+
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+
+
+def head_counts(attention: nn.Module | None, config) -> HeadCounts:
+    """The head counts of `attention` (a planned projection's parent), from its own attributes first (Falcon's
+    multi-query keeps `num_kv_heads = 1` while its config says otherwise), then from the model's `config`."""
+
+    def first(names, default=None):
+        found = (getattr(owner, name, None) for owner in (attention, config) for name in names)
+        return next((value for value in found if isinstance(value, int)), default)
+
+    heads, kv_heads = first(HEAD_ATTRIBUTES), first(KV_HEAD_ATTRIBUTES)
+    hidden = first(("hidden_size",))
+    return HeadCounts(heads, kv_heads, first(("head_dim",), hidden // heads if hidden and heads else None))
+
+
+def column_layout(
+    style: str, out_features: int, counts: HeadCounts | None = None, arguments: str = ""
+) -> tuple[tuple[int, ...], tuple | None]:
+    """The sections a column style splits a layer's output into (each split evenly across ranks), and the heads in
+    each (None where they do not matter): the sections the style's arguments name (`fused_qkv_colwise(64,32,32)`),
+    else one section, two halves (`packed_colwise`), or [q; k; v] (`fused_qkv_colwise`), k and v as wide as the kv
+    heads when there are fewer of them than query heads (phi3's qkv_proj, Falcon's multi-query [q_1..q_H; k; v]).
+    A `colwise` projection exactly as wide as the kv heads (a k_proj or v_proj with fewer kv heads than query heads)
+    is one section of `kv_heads` units: replicated when tp exceeds them (see `tp_train.parallel.sharding.ShardSpec`).
+    Named sections keep the heads `counts` give when they are the same sections, else have none."""
+    named = section_sizes(arguments)
+    sections = PACKED_SECTIONS.get(style, 1)
+    heads, kv_heads, head_dim = (counts.heads, counts.kv_heads, counts.head_dim) if counts else (None, None, None)
+    grouped = bool(heads and kv_heads and kv_heads < heads)
+    layout = (out_features // sections,) * sections, None
+    if style == "fused_qkv_colwise" and grouped:
+        head_dim, remainder = divmod(out_features, heads + 2 * kv_heads)
+        if not remainder:
+            layout = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), (heads, kv_heads, kv_heads)
+    elif style == "colwise" and grouped and head_dim and out_features == kv_heads * head_dim:
+        layout = (out_features,), (kv_heads,)
+    if named and named != layout[0]:
+        return named, None
+    return layout
+
+
+def style_shard_spec(
+    style: str, module: nn.Module, param_name: str, counts: HeadCounts | None = None, arguments: str = ""
+) -> ShardSpec | None:
     """How `style` splits `module`'s parameter `param_name`, in the layout of the parallel layer that replaces it
     (nn.Linear's (out, in); `transposed` when the module stores it the other way, as Conv1D does), or None when
-    every rank holds it whole (a row layer's bias, a style that swaps nothing)."""
+    every rank holds it whole (a row layer's bias, a style that swaps nothing). `counts`: its attention's head
+    counts, and the style's `arguments`, for the sections of a fused [q; k; v] projection and kv heads fewer than
+    ranks (`column_layout`)."""
     if style == "embedding_rowwise":
         return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
+    if style == "channelwise":  # one entry per channel along dim 0 (`tp_train.plan.channels`)
+        return ShardSpec(dim=0, sections=(getattr(module, param_name).shape[0],))
     shape = linear_shape(module)
     if shape is None or style not in LINEAR_STYLES:
         return None
     in_features, out_features = shape
     transposed = not isinstance(module, nn.Linear) and param_name == "weight"
-    if style == "rowwise":
+    if style in ROW_STYLES:
         return ShardSpec(dim=1, sections=(in_features,), transposed=transposed) if param_name == "weight" else None
-    sections = PACKED_SECTIONS.get(style, 1)
     padded = style == "colwise_gather_output"
-    return ShardSpec(dim=0, sections=(out_features // sections,) * sections, padded=padded, transposed=transposed)
+    sections, units = column_layout(style, out_features, counts, arguments)
+    return ShardSpec(dim=0, sections=sections, padded=padded, transposed=transposed, units=units)
+
+
+def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:
+    """How a plan entry naming `module`'s parameter `param_name` splits it (see the module docstring), or None when
+    every rank holds it whole. Raises `ValueError` for a style that cannot split it."""
+    param = getattr(module, param_name)
+    if style == "replicate":
+        return None
+    rowwise = style in ("rowwise", "packed_rowwise")
+    if style not in PARAMETER_STYLES or (rowwise and param.dim() < 2):
+        raise ValueError(
+            f"style '{style}' cannot split a {param.dim()}-D parameter; a parameter takes one of "
+            f"{', '.join(sorted(PARAMETER_STYLES))} (rowwise ones need 2 or more dims)"
+        )
+    dim = param.dim() - 1 if rowwise else max(param.dim() - 2, 0)
+    size = param.shape[dim]
+    packed = style.startswith("packed_") and getattr(module, "is_concatenated", True)
+    return ShardSpec(dim=dim, sections=(size // 2, size - size // 2) if packed else (size,))
+
+
+def mla_rope_dim(config) -> int:
+    """The width of the rotary key at the end of a latent attention's `kv_a_proj_with_mqa` output."""
+    rope_dim = getattr(config, "qk_rope_head_dim", None)
+    if not isinstance(rope_dim, int):
+        where = type(config).__name__
+        raise ValueError(f"style 'mla_kv_a_proj' needs the model config's qk_rope_head_dim; {where} has none")
+    return rope_dim
 
 
 STYLES_WITH_ARGUMENTS = ("attention", "fused_qkv_colwise", "rowwise")

@@ -13,7 +13,10 @@ from tp_train.plan.styles import LINEAR_STYLES, PlannedModule, linear_shape
 VOCABULARY_SPLIT = "vocabulary"
 
 
-def _split_of(style: str | None, param_name: str) -> str:
+def _split_of(entry: PlannedModule | None, param_name: str) -> str:
+    style = entry.style if entry else None
+    if entry is not None and entry.parameters.get(param_name, "replicate") != "replicate":
+        return f"{entry.parameters[param_name]} (a parameter entry)"
     if style in ("embedding_rowwise", "colwise_gather_output"):
         return VOCABULARY_SPLIT
     if style == "rowwise" and param_name == "bias":
@@ -30,8 +33,11 @@ def _vocabulary_style(module: nn.Module) -> str | None:
 
 def tie_completions(model: nn.Module, planned: dict[str, PlannedModule]) -> list[PlannedModule]:
     """Entries that make every shared parameter split alike on each module holding it: the unplanned embedding of
-    a tied pair whose head is sharded (or the head of a sharded embedding). Any other tie split on one side only,
-    or two ways, is refused in one line naming both modules (sharding one side would silently untie them)."""
+    a tied pair whose head is sharded (or the head of a sharded embedding). A module that only holds a tied
+    parameter of a vocabulary split (not a Linear or an Embedding: RoBERTa's `lm_head.bias`, the same parameter as
+    `lm_head.decoder.bias`) is given the shard by `tp_train.plan.apply` (`_share_ties`). Any other tie split on
+    one side only, or two ways, is refused in one line naming both modules (sharding one side would silently untie
+    them)."""
     holders: dict[int, dict[tuple[int, str], tuple[str, str, nn.Module]]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for param_name, param in module._parameters.items():
@@ -41,12 +47,17 @@ def tie_completions(model: nn.Module, planned: dict[str, PlannedModule]) -> list
                 )
     completions = []
     for tied in holders.values():
-        sides = [(name, key, module, _split_of(getattr(planned.get(name), "style", None), key))
+        sides = [(name, key, module, _split_of(planned.get(name), key))
                  for name, key, module in tied.values()]  # fmt: skip
         splits = {split for *_, split in sides}
         if len(tied) < 2 or (len(splits) == 1 and not splits & {"copied (a row layer's bias)"}):
             continue
         unplanned = [side for side in sides if side[3] == "whole"]
+        if splits == {"whole", VOCABULARY_SPLIT} and all(
+            name not in planned and linear_shape(module) is None and not isinstance(module, nn.Embedding)
+            for name, _, module, _ in unplanned
+        ):
+            continue  # held by a container only (RoBERTa's lm_head.bias, tied to lm_head.decoder.bias): it follows
         if splits == {"whole", VOCABULARY_SPLIT} and all(
             key == "weight" and name not in planned and _vocabulary_style(module) for name, key, module, _ in unplanned
         ):

@@ -40,6 +40,7 @@ from tp_train.parallel.sharding import (
     full_state_dict,
     named_sharded_parameters,
     shard_tensor,
+    split_among_replicas,
     unshard_tensor,
 )
 from tp_train.plan.probe import PROBE_TOKENS, probe_token_ids
@@ -114,7 +115,7 @@ class SwapCheck:
             inputs = local_inputs = inputs.to(weight.device)
         else:
             inputs = torch.randn(1, PROBE_TOKENS, layer.in_features, generator=generator).to(weight)
-            local_inputs = inputs.chunk(world_size, -1)[rank] if isinstance(layer, RowParallelLinear) else inputs
+            local_inputs = inputs.chunk(world_size, -1)[rank] if _takes_input_shard(layer) else inputs
             inputs, local_inputs = inputs.requires_grad_(), local_inputs.detach().requires_grad_()
         # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
         # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
@@ -131,17 +132,19 @@ class SwapCheck:
         spec = None
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
             weight_spec = layer.shard_specs["weight"]
-            spec = ShardSpec(dim=output.dim() - 1, sections=weight_spec.sections, padded=weight_spec.padded)
+            spec = ShardSpec(output.dim() - 1, weight_spec.sections, weight_spec.padded, units=weight_spec.units)
         full_output = unshard_tensor(output.detach(), spec, self.group) if spec else output
         errors = {"output": _relative(full_output, reference)}
         if not reference.requires_grad:  # token ids in, no parameter gradient compared: nothing to backpropagate
             return errors
         projection = torch.randn(reference.shape, generator=generator).to(reference)
         local_projection = shard_tensor(projection, spec, rank, world_size) if spec else projection
+        if spec:  # replicated kv heads: each replica backpropagates its share, as its own query heads would
+            local_projection = split_among_replicas(local_projection, spec, world_size)
         (reference.float() * projection).sum().backward()
         (output.float() * local_projection).sum().backward()
         if inputs.is_floating_point():
-            expected = inputs.grad.chunk(world_size, -1)[rank] if isinstance(layer, RowParallelLinear) else inputs.grad
+            expected = inputs.grad.chunk(world_size, -1)[rank] if _takes_input_shard(layer) else inputs.grad
             errors["input gradient"] = _relative(local_inputs.grad, expected)
         for param_name, param in layer.named_parameters(recurse=False):
             full_grad = getattr(module, param_name).grad
@@ -154,6 +157,11 @@ class SwapCheck:
                 )
             errors[f"{param_name} gradient"] = _relative(param.grad, full_grad)
         return errors
+
+
+def _takes_input_shard(layer: nn.Module) -> bool:
+    """Whether `layer` takes this rank's share of the input features (a row layer that does not split its own)."""
+    return isinstance(layer, RowParallelLinear) and not layer.split_input
 
 
 def _overrides_forward(module: nn.Module) -> bool:

@@ -12,22 +12,32 @@ block without dropout and with fused attention, which keeps no (seq x seq) score
         block's full activations live again while it is recomputed, after the logits below are freed, so the
         larger of the two counts
     after the blocks: the final norm's input and output (2 * b*s*h) and, at the start of the backward pass, the
-        logits, their log-probabilities and the gradients of both (4 * b*s*V): that is when a step peaks
+        logits, their log-probabilities and the gradients of both (4 * b*s*V; 4 * b*s*V/tp with the
+        vocabulary-parallel loss, `loss_parallel`, whose logits stay sharded): that is when a step peaks
 
 with b the micro-batch, s the sequence length, h the hidden width, f the MLP width and V the vocabulary. Gradients
 appear as the activations are freed, so the peak is parameters + optimizer states + the larger of the two.
+
+Data parallelism: with `ddp` each rank holds its whole tensor-parallel shard, and DDP's flat gradient buckets add
+one more copy of the gradients. With `fsdp` (FSDP2) parameters, gradients and optimizer states are split once more
+over the dp ranks, each along the dimension `data_parallel_shard_dim` picks (rank 0's piece, the largest, is
+counted); FSDP2 then gathers parameters group by group in the compute dtype: the group outside the blocks
+(embeddings, final norm, head) for the whole forward, and one block plus the next, prefetched.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch.nn as nn
 
-from tp_train.parallel.sharding import ceil_div
+from tp_train.parallel.mesh import DATA_PARALLEL_MODES
+from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
+from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
-from tp_train.plan.styles import style_shard_spec
+from tp_train.plan.styles import PlannedModule, parameter_shard_spec, style_shard_spec
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
@@ -51,11 +61,13 @@ class MemoryEstimate:
     optimizer_states: int
     gradient_buckets: int  # DDP's flat gradient buckets, with data parallelism
     activations: int  # kept for backward, per micro-batch, with the loss's logits and their gradients
+    gathered_parameters: int = 0  # FSDP2's unsharded parameters of the groups in use (fsdp only)
 
     @property
     def total(self) -> int:
         """The peak: gradients are allocated while the backward pass frees the activations."""
-        return self.parameters + self.optimizer_states + self.gradient_buckets + max(self.gradients, self.activations)
+        gathered = self.gradient_buckets + self.gathered_parameters
+        return self.parameters + self.optimizer_states + gathered + max(self.gradients, self.activations)
 
     @property
     def model_states(self) -> int:
@@ -69,22 +81,62 @@ class MemoryEstimate:
         return "\n".join([f"{title}:", *(f"  {name:<{width}}  {value / MIB:10.1f} MiB" for name, value in rows)])
 
 
-def parameters_per_rank(model: nn.Module, tp: int, plan: dict[str, str] | None = None) -> int:
+def parameters_per_rank(
+    model: nn.Module, tp: int, plan: dict[str, str] | None = None, dp: int = 1, data_parallel: str = "ddp"
+) -> int:
     """Elements of the parameters one rank holds once `model` is sharded over `tp` ranks with `plan` (default: the
-    model's own, as `parallelize` resolves it)."""
+    model's own, as `parallelize` resolves it), and with `data_parallel="fsdp"` over `dp` ranks once more (rank 0,
+    whose piece of an uneven split is the largest)."""
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(f"data_parallel={data_parallel!r}: use one of {DATA_PARALLEL_MODES}")
+    shapes = _local_shapes(model, tp, plan)
+    if data_parallel == "ddp":
+        return sum(math.prod(shape) for shape, _ in shapes.values())
+    return sum(math.prod(_data_parallel_piece(shape, spec, dp)) for shape, spec in shapes.values())
+
+
+def _local_shapes(model: nn.Module, tp: int, plan: dict[str, str] | None) -> dict[int, tuple[tuple, ShardSpec | None]]:
+    """id(parameter) -> (its shape on one tensor-parallel rank, its ShardSpec or None); tied parameters once."""
     planned = match_plan(model, resolve_plan(model, plan, tensor_parallel_size=tp)[0], tp)
-    local: dict[int, int] = {id(p): p.numel() for p in model.parameters()}  # whole unless planned
+    local: dict[int, tuple[tuple, ShardSpec | None]] = {id(p): (tuple(p.shape), None) for p in model.parameters()}
     for entry in planned:
         for name, param in entry.module.named_parameters(recurse=False):
-            local[id(param)] = _local_numel(entry.style, entry.module, name, param, tp)
-    return sum(local.values())
+            spec = _shard_spec(entry, name)
+            if spec is not None:
+                shape = list(reversed(param.shape)) if spec.transposed else list(param.shape)
+                shape[spec.dim] = sum(spec.local_sections(tp))
+                local[id(param)] = (tuple(shape), spec)
+    return local
 
 
-def _local_numel(style: str, module: nn.Module, name: str, param: nn.Parameter, tp: int) -> int:
-    spec = style_shard_spec(style, module, name)
-    if spec is None:
-        return param.numel()
-    return spec.local_numel(tuple(reversed(param.shape)) if spec.transposed else tuple(param.shape), tp)
+def _data_parallel_piece(shape: tuple, spec: ShardSpec | None, dp: int) -> tuple:
+    """Rank 0's piece of a tensor-parallel shard of `shape` that FSDP2 splits over `dp` ranks."""
+    if not shape:
+        return shape
+    dim = data_parallel_shard_dim(shape, spec, dp)
+    return shape[:dim] + (ceil_div(shape[dim], dp),) + shape[dim + 1 :]
+
+
+def _gathered_elements(model: nn.Module, tp: int, plan: dict[str, str] | None) -> int:
+    """Unsharded elements FSDP2 holds at once: the group outside the blocks and two blocks (see the docstring)."""
+    shapes = _local_shapes(model, tp, plan)
+    planned = match_plan(model, resolve_plan(model, plan, tensor_parallel_size=tp)[0], tp)
+    try:
+        blocks = block_layout(model, planned, "estimate_memory").blocks
+    except ValueError:
+        blocks = []
+    per_block = []
+    for name in blocks:
+        block_params = {id(p) for p in model.get_submodule(name).parameters()}
+        per_block.append(sum(math.prod(shapes[i][0]) for i in block_params))
+    total = sum(math.prod(shape) for shape, _ in shapes.values())
+    return total - sum(per_block) + 2 * max(per_block, default=0)
+
+
+def _shard_spec(entry: PlannedModule, name: str) -> ShardSpec | None:
+    if name in entry.parameters:  # a plan entry naming the parameter itself (fused MoE expert weights)
+        return parameter_shard_spec(entry.parameters[name], entry.module, name)
+    return style_shard_spec(entry.style, entry.module, name, entry.counts, entry.arguments)
 
 
 def _shape(model: nn.Module) -> tuple[int, int, int, int]:
@@ -113,13 +165,14 @@ def activation_elements(
     tp: int = 1,
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
+    loss_parallel: bool = False,
 ) -> int:
     """Elements autograd keeps for one micro-batch's backward on one rank (see the module docstring)."""
     layers, hidden, mlp, vocab = _shape(model)
     tokens = micro_batch_size * seq_len
     replicated = tokens * hidden // (tp if sequence_parallel else 1)
     block = 4 * replicated + (4 * hidden + 2 * mlp) * tokens // tp
-    loss = 4 * tokens * vocab
+    loss = 4 * tokens * (ceil_div(vocab, tp) if loss_parallel else vocab)
     if activation_checkpointing:  # the recomputed block comes after the loss's backward has freed the logits
         return layers * replicated + 2 * replicated + max(loss, block)
     return layers * block + 2 * replicated + loss
@@ -135,6 +188,8 @@ def estimate_memory(
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
     plan: dict[str, str] | None = None,
+    data_parallel: str = "ddp",
+    loss_parallel: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory of training `model` with AdamW at `tp` x `dp` (see the module docstring).
 
@@ -143,18 +198,25 @@ def estimate_memory(
         micro_batch_size: sequences per micro-batch on one data-parallel rank.
         seq_len: tokens per sequence.
         precision: one of Lightning's names ("32-true", "16-mixed", "bf16-mixed", "bf16-true", ...).
+        data_parallel: "ddp" or "fsdp", as `TensorParallelStrategy(data_parallel=...)`.
+        loss_parallel: the LM head's logits stay sharded along the vocabulary (`TensorParallelStrategy`'s
+            `loss_parallel`).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
     param_bytes, activation_bytes = PRECISION_BYTES[precision]
-    parameters = parameters_per_rank(model, tp, plan) * param_bytes
-    activations = activation_elements(model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing)
+    parameters = parameters_per_rank(model, tp, plan, dp, data_parallel) * param_bytes
+    activations = activation_elements(
+        model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing, loss_parallel
+    )
+    fsdp = data_parallel == "fsdp"
     return MemoryEstimate(
         parameters=parameters,
         gradients=parameters,
         optimizer_states=ADAMW_STATES * parameters,
-        gradient_buckets=parameters if dp > 1 else 0,
+        gradient_buckets=parameters if dp > 1 and not fsdp else 0,
         activations=activations * activation_bytes,
+        gathered_parameters=_gathered_elements(model, tp, plan) * activation_bytes if fsdp else 0,
     )
 
 
@@ -166,10 +228,11 @@ def tensor_parallel_bytes_per_step(
     bytes_per_element: int = 4,
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
+    loss_parallel: bool = False,
 ) -> int:
     """Bytes the tensor-parallel collectives of one training step move (as `CommunicationCounter` counts them: an
     all-reduce twice, as the reduce-scatter plus all-gather it is) for a transformer sharded Megatron's way, its LM
-    head gathering the logits.
+    head gathering the logits (none of them with `loss_parallel`).
 
     Each block all-reduces b*s*h elements twice forward (after attention and after the MLP) and twice backward
     (their inputs' gradients): 8 b*s*h. The vocabulary-parallel embedding all-reduces once forward and the LM head's
@@ -187,5 +250,6 @@ def tensor_parallel_bytes_per_step(
     tokens = micro_batch_size * seq_len
     per_block = 8 + (2 if activation_checkpointing else 0)
     elements = (per_block * layers + (5 if sequence_parallel else 4)) * tokens * hidden
-    elements += tokens * ceil_div(vocab, tp) * tp
+    if not loss_parallel:  # the vocabulary-parallel loss's per-token all-reduces are not the model's: not counted
+        elements += tokens * ceil_div(vocab, tp) * tp
     return elements * bytes_per_element

@@ -1,25 +1,31 @@
 """The contenders of the benchmark: one training step (forward, backward, AdamW) of the same GPT, built three ways.
 
 - `plain`: the unsharded model in one process.
-- `ours`: `tp_train.parallelize` with the model's own `tp_plan`.
+- `ours`: `tp_train.parallelize` with the model's own `tp_plan`, its head's logits kept sharded along the
+  vocabulary and the loss `vocab_parallel_cross_entropy` (the app's default, `loss_parallel`).
 - `native`: PyTorch's DTensor tensor parallelism (`parallelize_module`) with the same layout: q, k, v and the
   MLP's first projection column-wise (the attention module then sees its local heads, since it infers the head
   count from the projection width), the output projections row-wise, the embedding row-wise over the vocabulary
-  (all-reduced output) and the tied LM head column-wise over the vocabulary with gathered logits.
+  (all-reduced output) and the tied LM head column-wise over the vocabulary, its logits sharded, with the loss
+  under torch's own `loss_parallel()`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from models import GPT, GPTConfig
+from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.plan.parallelize import parallelize
 
 
@@ -69,16 +75,22 @@ class Contender:
 
 
 class TrainingStep:
-    """A model, its AdamW and a fixed batch; calling it runs one full training step."""
+    """A model, its AdamW and a fixed batch; calling it runs one full training step. `loss(logits, targets)`
+    defaults to the model's own (full logits); `context` wraps the loss and backward (native's `loss_parallel`)."""
 
-    def __init__(self, model: nn.Module, batch: torch.Tensor):
+    def __init__(self, model: nn.Module, batch: torch.Tensor, loss=None, context=contextlib.nullcontext):
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.inputs, self.targets = batch[:, :-1], batch[:, 1:]
+        self.loss, self.context = loss, context
 
     def __call__(self) -> float:
-        _, loss = self.model(self.inputs, self.targets)
-        loss.backward()
+        with self.context():
+            if self.loss is None:
+                _, loss = self.model(self.inputs, self.targets)
+            else:
+                loss = self.loss(self.model(self.inputs), self.targets)
+            loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -117,18 +129,30 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
         parallelize(
             model,
             group,
+            loss_parallel=True,
             sequence_parallel=contender.sequence_parallel,
             activation_checkpointing=contender.activation_checkpointing,
         )
-    elif contender.kind == "native":
+        loss = functools.partial(_vocab_parallel_loss, group=group, vocab_size=size.vocab)
+        return TrainingStep(model, batch, loss)
+    if contender.kind == "native":
         native_parallelize(model, DeviceMesh.from_group(group, device.type))
+        return TrainingStep(model, batch, _full_loss, context=loss_parallel)
     return TrainingStep(model, batch)
+
+
+def _vocab_parallel_loss(logits, targets, group, vocab_size):
+    return vocab_parallel_cross_entropy(logits, targets, group, vocab_size)
+
+
+def _full_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def native_plan(model: GPT) -> dict:
     plan = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(use_local_output=False),  # logits Shard(-1), for `loss_parallel()`
     }
     for index in range(len(model.blocks)):
         prefix = f"blocks.{index}"

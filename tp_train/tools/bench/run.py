@@ -114,6 +114,7 @@ def benchmark(
                     tp=contender.tp,
                     sequence_parallel=contender.sequence_parallel,
                     activation_checkpointing=contender.activation_checkpointing,
+                    loss_parallel=contender.kind == "ours",
                 ).total
                 / MIB,
                 "variant": contender.variant,
@@ -128,6 +129,7 @@ def benchmark(
                     contender.tp,
                     sequence_parallel=contender.sequence_parallel,
                     activation_checkpointing=contender.activation_checkpointing,
+                    loss_parallel=True,
                 )
             rows[contender.name] = row
             if profile_dir is not None:

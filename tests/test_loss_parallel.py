@@ -1,0 +1,104 @@
+"""The app's loss is vocabulary-parallel: `CausalLMModule` under `TensorParallelStrategy(loss_parallel=True)` (the
+config's default) computes the loss from each rank's slice of the vocabulary, never holds the full (tokens, vocab)
+logits on a rank, and logs the losses of the gathered path."""
+
+from __future__ import annotations
+
+import functools
+
+import lightning as L
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.data import DataLoader
+
+import tp_train
+from models import GPT, GPTConfig
+from tests.distributed import run_on_ranks
+
+VOCAB = 1001  # no tp divides it: the sharded head is padded
+BATCH, SEQ, WIDTH = 4, 16, 32  # tokens per step (64) > width, so the logits are the largest tensor by far
+STEPS = 4
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an operator returns while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.largest = max([self.largest, *sizes])
+        return out
+
+
+class TrainingStepRecorder(L.Callback):
+    """Each step's loss, and the largest tensor made during the training steps (forward, loss, backward, AdamW)."""
+
+    def __init__(self):
+        self.losses, self.mode = [], LargestTensor()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.mode.__exit__(None, None, None)
+        self.losses.append(outputs["loss"].item())
+
+
+def _train(rank, world_size, loss_parallel):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=WIDTH, dropout=0.0))
+    module = tp_train.CausalLMModule(model, functools.partial(torch.optim.AdamW, lr=1e-2))
+    recorder = TrainingStepRecorder()
+    trainer = L.Trainer(
+        strategy=tp_train.TensorParallelStrategy(tensor_parallel_size=world_size, loss_parallel=loss_parallel),
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    data = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    trainer.fit(module, DataLoader(data, batch_size=BATCH))
+    return recorder.losses, recorder.mode.largest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_app_loss_never_holds_full_logits_and_logs_the_gathered_losses(tp):
+    full_logits = BATCH * SEQ * VOCAB
+    gathered = run_on_ranks(_train, tp, False, timeout=240)
+    sharded = run_on_ranks(_train, tp, True, timeout=240)
+    for rank in range(tp):
+        gathered_losses, gathered_largest = gathered[rank]
+        losses, largest = sharded[rank]
+        assert gathered_largest >= full_logits  # the control: the gathered path does hold them
+        assert largest <= BATCH * SEQ * -(-VOCAB // tp) < full_logits, (largest, full_logits)
+        assert len(losses) == STEPS
+        assert max(abs(a - b) for a, b in zip(losses, gathered_losses, strict=True)) < 1e-5, (losses, gathered_losses)
+
+
+def _without_a_sharded_head(rank, world_size):
+    from tests.test_parallelize import SwiGLUModel
+
+    plan = {pattern: style for pattern, style in SwiGLUModel.tp_plan.items() if pattern != "head"}
+    try:
+        tp_train.parallelize(SwiGLUModel(), plan=plan, loss_parallel=True)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_loss_parallel_without_a_vocabulary_sharded_head_is_one_line():
+    (message, _) = run_on_ranks(_without_a_sharded_head, 2)
+    assert message is not None and "\n" not in message
+    assert "loss_parallel=True" in message and "colwise_gather_output" in message and "found none" in message

@@ -1,0 +1,63 @@
+"""Gradient hooks on parameters, kept where a wrapper that replaces the parameters can find them again.
+
+Tensor parallelism sums some replicated parameters' gradients over the tensor-parallel group with a hook on the
+parameter (`replicated_with_grad_allreduce`; norms and row-parallel biases under sequence parallelism). FSDP2
+replaces every parameter by a sharded DTensor and runs forward and backward on unsharded parameters it creates
+itself, which carry no hooks: a hook on the original parameter would silently stop running. So hooks are added
+through `register_gradient_hook`, which also records them on the module (`tp_gradient_hooks`, by parameter name),
+and `keep_gradient_hooks` puts them on whatever parameter the module holds when its forward runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+GradientHook = Callable[[torch.Tensor], torch.Tensor]
+
+
+def register_gradient_hook(module: nn.Module, name: str, hook: GradientHook) -> None:
+    """`hook` on the gradient of `module`'s own parameter `name`, now and on any parameter replacing it; also on a
+    frozen parameter, so that one frozen before sharding and unfrozen later still has its gradient summed."""
+    _register(getattr(module, name), hook)
+    _mark(getattr(module, name), hook)
+    module.__dict__.setdefault("tp_gradient_hooks", {}).setdefault(name, []).append(hook)
+
+
+def keep_gradient_hooks(root: nn.Module) -> None:
+    """After the parameters of `root` were replaced (FSDP2): before each forward of a module with recorded hooks,
+    the parameters it then holds (FSDP2's unsharded ones) get those hooks, once per parameter object."""
+    for module in root.modules():
+        if module.__dict__.get("tp_gradient_hooks"):
+            module.register_forward_pre_hook(_rehook)
+
+
+def _rehook(module: nn.Module, args) -> None:
+    for name, hooks in module.__dict__["tp_gradient_hooks"].items():
+        param = getattr(module, name)
+        for hook in hooks:
+            if hook not in getattr(param, "tp_gradient_hooks", ()):
+                _register(param, hook)
+                _mark(param, hook)
+
+
+def _register(param: torch.Tensor, hook: GradientHook) -> None:
+    """`param.register_hook(hook)`, also when `param` is frozen: torch refuses a hook on a tensor that does not
+    require grad, but keeps one across `requires_grad` changes."""
+    frozen = not param.requires_grad
+    if frozen:
+        param.requires_grad_(True)
+    try:
+        param.register_hook(hook)
+    finally:
+        if frozen:
+            param.requires_grad_(False)
+
+
+def _mark(param: torch.Tensor, hook: GradientHook) -> None:
+    hooks = getattr(param, "tp_gradient_hooks", None)
+    if hooks is None:
+        hooks = param.tp_gradient_hooks = []
+    hooks.append(hook)

@@ -1,0 +1,84 @@
+"""`python -m tp_train.tools.planning_table`: the README's planning table, predicted per-GPU memory of training
+Llama-2 7B, 13B and 70B shapes with AdamW at tp=8 x dp in {1, 8, 64}, DDP against FSDP2, by `estimate_memory`.
+
+The models are Hugging Face's `LlamaForCausalLM` built from Llama-2's published shapes on the meta device (nothing
+is downloaded or allocated) and planned by their own `base_model_tp_plan`, as `train.py model=hf` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tp_train.tools.memory import estimate_memory
+
+GIB = 2**30
+# (hidden, layers, heads, kv heads, MLP width); vocabulary 32000, context 4096 for all three.
+LLAMA_2 = {
+    "Llama-2-7B": (4096, 32, 32, 32, 11008),
+    "Llama-2-13B": (5120, 40, 40, 40, 13824),
+    "Llama-2-70B": (8192, 80, 64, 8, 28672),
+}
+
+
+def llama(name: str) -> torch.nn.Module:
+    hidden, layers, heads, kv_heads, mlp = LLAMA_2[name]
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        max_position_embeddings=4096,
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def table(tp: int, dps: list[int], seq_len: int, micro_batch: int, precision: str, gpu_gib: float) -> str:
+    lines = [
+        "| model | dp | mode | params | grads | AdamW | buckets / gathered | activations | peak | fits |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|---|",
+    ]
+    for name in LLAMA_2:
+        model = llama(name)
+        for dp in dps:
+            for mode in ("ddp", "fsdp"):
+                estimate = estimate_memory(  # the app's default loss: vocabulary-parallel, logits never gathered
+                    model,
+                    micro_batch,
+                    seq_len,
+                    tp=tp,
+                    dp=dp,
+                    precision=precision,
+                    data_parallel=mode,
+                    loss_parallel=True,
+                )
+                cells = [estimate.parameters, estimate.gradients, estimate.optimizer_states]
+                cells += [estimate.gradient_buckets + estimate.gathered_parameters, estimate.activations]
+                cells.append(estimate.total)
+                fits = "yes" if estimate.total <= gpu_gib * GIB else "no"
+                numbers = " | ".join(f"{value / GIB:.1f}" for value in cells)
+                lines.append(f"| {name} | {dp} | {mode} | {numbers} | {fits} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.planning_table", description=__doc__)
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--dp", default="1,8,64", help="data-parallel sizes, comma-separated")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, GiB")
+    args = parser.parse_args(argv)
+    dps = [int(dp) for dp in args.dp.split(",")]
+    print(f"GiB per GPU: tp={args.tp}, {args.precision}, micro-batch {args.micro_batch} x {args.seq_len} tokens")
+    print(table(args.tp, dps, args.seq_len, args.micro_batch, args.precision, args.gpu_gib))
+
+
+if __name__ == "__main__":
+    main()
