@@ -94,16 +94,6 @@ def apply_sequence_parallel(
             layer.configure(input_layout=GATHERED_INPUT if inside else SEQUENCE_SHARDED_INPUT)
             if layer.input_region is not None:
                 layer.input_region.configure(input_layout=layer.input_layout)
-    for name, style in layout.planned.items():
-        if (
-            style in REGION_STYLES
-            or style == "rowwise_split_input"
-            or (style == "colwise_gather_output" and layout.in_blocks(name))
-        ):
-            raise ValueError(
-                f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "
-                f"replicated input and output); use sequence_parallel=False"
-            )
     for name in sorted(layout.sub_blocks):
         # One all-gather shared by all the module's column layers (reduce-scatter in backward), made contiguous
         # once here: q, k and v would each copy a strided gather to fold it into a matmul, and keep the copy.
