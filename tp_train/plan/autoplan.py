@@ -48,6 +48,7 @@ INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
 SPLITS = (("colwise", 1), ("packed_colwise", 2), ("fused_qkv_colwise", 3))  # style, sections of the output
 LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
+SMALL_WHOLE = 0.1  # an unpaired Linear in a block stays whole up to this fraction of its block's parameters
 
 
 @dataclass
@@ -71,7 +72,10 @@ class _Stop(Exception):
 
 
 def infer_plan(
-    model: nn.Module, tensor_parallel_size: int | None = None, example_input: torch.Tensor | None = None
+    model: nn.Module,
+    tensor_parallel_size: int | None = None,
+    example_input: torch.Tensor | None = None,
+    given: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """A plan {module-name pattern: style} for `model`, inferred from its structure (see the module docstring).
 
@@ -79,6 +83,7 @@ def infer_plan(
         model: the unsharded model; a model on the meta device is probed on a materialised copy.
         tensor_parallel_size: the tp the plan must be right for (default 2); shares are checked at this size.
         example_input: the probe input; default (1, 8) random token ids below every embedding's size.
+        given: the model's own plan being completed (its entries win), counted as sharding what it names.
 
     Raises:
         ValueError: (one line, naming the module) when the structure is not one the planner can be sure of.
@@ -87,7 +92,7 @@ def infer_plan(
     with probe_copy(model) as probe:
         inputs = example_input if example_input is not None else probe_token_ids(probe)
         try:
-            planner = _Planner(probe, inputs, shares)
+            planner = _Planner(probe, inputs, shares, given or {})
             styles = planner.styles()
         except ValueError:
             raise
@@ -110,8 +115,8 @@ def format_plan(plan: dict[str, str], source: str) -> str:
 
 
 class _Planner:
-    def __init__(self, model: nn.Module, inputs: torch.Tensor, shares: int):
-        self.model, self.inputs, self.shares = model, inputs, shares
+    def __init__(self, model: nn.Module, inputs: torch.Tensor, shares: int, given: dict[str, str]):
+        self.model, self.inputs, self.shares, self.given = model, inputs, shares, given
         self.modules = dict(model.named_modules())
         self.owner = {id(param): name for name, module in self.modules.items() for param in module.parameters(False)}
         self.calls = trace_calls(model, inputs)
@@ -136,7 +141,7 @@ class _Planner:
         styles: dict[str, str] = {}
         self.tokens = self._token_embedding()
         self.head = self._head()
-        pairs, failures = self._pairs()
+        pairs, failures = self._pairs_feeding_only_their_rows()
         views = self._local_views(pairs)
         for pair in pairs:
             enclosing = _enclosing(pair) if pair.attention and not pair.channels else None
@@ -159,18 +164,52 @@ class _Planner:
         for name in self.linears:
             if any(name.startswith(whole + ".") for whole in self.kept_whole):
                 continue
-            if name not in styles and _in_repeated_block(name):
+            whole = self._whole_fraction(name, styles) if name not in styles and _in_repeated_block(name) else 0
+            if whole > SMALL_WHOLE:
                 shape = linear_shape(self.modules[name])
                 reason = failures.get(name, "its output reaches no Linear through position- and head-wise operations")
+                reason += f" (left whole, its block would keep {whole:.0%} of its parameters whole on every rank)"
                 raise ValueError(
                     f"the auto-planner cannot plan '{name}' ({type(self.modules[name]).__name__} {shape[0]}->"
                     f"{shape[1]}): {reason}; give the model a `tp_plan` (or pass plan=...) for this block"
                 )
         return styles
 
+    def _whole_fraction(self, name: str, styles: dict[str, str]) -> float:
+        """The fraction of the parameters of Linear `name`'s block (`layers.3`) left whole with it under `styles` and
+        the model's own plan: up to `SMALL_WHOLE` (an MoE router beside experts that plan shards), `name` may stay
+        whole, each rank still holding about 1/tp of the block."""
+        parts = name.split(".")
+        block = ".".join(parts[: next(i for i, part in enumerate(parts) if part.isdigit()) + 1])
+        sharded = _sharded_parameters(self.model, {**self.given, **styles})
+        params = list(self.modules[block].parameters())
+        whole = sum(param.numel() for param in params if id(param) not in sharded)
+        return whole / max(sum(param.numel() for param in params), 1)
+
     # ----------------------------------------------------------------------------------------- column/row pairs
 
-    def _pairs(self) -> tuple[list[_Pair], dict[str, str]]:
+    def _pairs_feeding_only_their_rows(self) -> tuple[list[_Pair], dict[str, str]]:
+        """The column/row pairs, none of whose columns feeds a Linear besides its row layer: a pair with such a
+        column is dropped, its row layer no longer taken as a row (ELECTRA's embedding projection, feeding the first
+        block's query, key and value and its residual, is no column of the query), until none is left."""
+        banned: set[str] = set()
+        while True:
+            pairs, failures = self._pairs(banned)
+            rows = {pair.row: pair for pair in pairs}
+            taken = {column for pair in pairs for column in pair.columns}
+            leak = next(
+                ((column, name) for name in self.linears for column in sorted(self.producers[name][0] & taken)
+                 if name not in rows or column not in rows[name].columns),
+                None,
+            )  # fmt: skip
+            if leak is None:
+                return pairs, failures
+            column, name = leak
+            row = next(pair.row for pair in pairs if column in pair.columns)
+            banned.add(row)
+            failures[column] = f"its output feeds '{name}' besides its row layer '{row}', so it cannot be split"
+
+    def _pairs(self, banned: set[str]) -> tuple[list[_Pair], dict[str, str]]:
         pairs, taken = [], set()
         failures = {name: "its output has no autograd graph in the probe forward (computed under no_grad, or "
                     "detached), so the planner cannot see where it goes" for name in self.untraced}  # fmt: skip
@@ -182,7 +221,7 @@ class _Planner:
             # An earlier row layer's output is replicated (all-reduced): it may feed this row's region as is (Mamba's
             # x_proj feeding the scan); an earlier column may feed it too, split as before (Mamba's in_proj).
             replicated = producers & rows_done if from_linears_only else set()
-            if row in taken or row == self.head or not from_linears_only or not producers - replicated:
+            if row in taken or row in banned or row == self.head or not from_linears_only or not producers - replicated:
                 continue
             if (producers - replicated) & taken and not (replicated and producers - replicated <= set(columns_done)):
                 continue
@@ -208,14 +247,6 @@ class _Planner:
                 pair.between = self._between(pair)
                 pairs.append(pair)
                 taken |= set(pair.columns) | {row}
-        rows = {pair.row: pair for pair in pairs}
-        for name in self.linears:  # a column's output may feed nothing but its row layer
-            for column in self.producers[name][0] & (taken - set(rows)):
-                if name not in rows or column not in rows[name].columns:
-                    raise ValueError(
-                        f"the auto-planner cannot plan '{column}': its output feeds '{name}' besides its row layer, "
-                        f"so it cannot be split; give the model a `tp_plan` (or pass plan=...)"
-                    )
         return pairs, failures
 
     def _split(self, column: str, row: str, frozen: frozenset = frozenset()) -> str | None:
@@ -412,6 +443,20 @@ def _enclosing(pair: _Pair) -> str:
     while enclosing and not all(name.startswith(enclosing + ".") for name in names):
         enclosing = enclosing.rpartition(".")[0]
     return enclosing
+
+
+def _sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[int]:
+    """The ids of the parameters `plan` splits: those of modules it swaps or splits by channel, and those it names."""
+    splitting = {"embedding_rowwise", "channelwise", *LINEAR_STYLES}
+    found = set()
+    for name, module in model.named_modules():
+        styles = [style for pattern, style in plan.items() if pattern_matches(pattern, name)]
+        if any(split_style(style)[0] in splitting for style in styles):
+            found |= {id(param) for param in module.parameters()}
+    for name, param in model.named_parameters():
+        if any(style != "replicate" and pattern_matches(pattern, name) for pattern, style in plan.items()):
+            found.add(id(param))
+    return found
 
 
 def _kept_whole_notes(model: nn.Module, styles: dict[str, str], kept_whole: dict[str, str]) -> list[str]:

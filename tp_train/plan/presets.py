@@ -97,8 +97,11 @@ HEAD_AWARE_OVERRIDES: dict[str, dict[str, str]] = {
 }
 
 # Entries added to Hugging Face's plan where it leaves a block's matrices whole on every rank: Qwen2-MoE's plan
-# names the dense MLP and the routed experts but not the shared expert beside them.
+# names the dense MLP and the routed experts but not the shared expert beside them. Apertus's MLP activation (xIELU)
+# holds learned scalars that act on each rank's share of the hidden features, between up_proj and down_proj: their
+# gradients are partial sums, which HF's plan leaves unsummed.
 ADDITIONS: dict[str, dict[str, str]] = {
+    "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     "qwen2_moe": {
         "layers.*.mlp.shared_expert.gate_proj": "colwise",
         "layers.*.mlp.shared_expert.up_proj": "colwise",

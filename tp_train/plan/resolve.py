@@ -53,7 +53,7 @@ def resolve_plan(
     if tensor_parallel_size:
         check_config_heads(model, tensor_parallel_size)
     try:
-        inferred = infer_plan(model, tensor_parallel_size)
+        inferred = infer_plan(model, tensor_parallel_size, given=found[0] if found else None)
     except ValueError as error:
         what = (
             f"{found[1]} shards no transformer block"
