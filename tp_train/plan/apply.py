@@ -95,7 +95,7 @@ def apply_plan(
         if entry is not None and entry.parameters:
             _shard_parameters(module, entry.parameters, group, shared)
         if style in REGION_STYLES:
-            module.tp_region = _region(style, group, getattr(model, "config", None))
+            module.tp_region = _region(style, group, getattr(model, "config", None), bool(entry.parameters))
             module.tp_region.install(module)
         elif style == "attention":
             # the usual head-count names, or where the style's arguments say the counts are (plan/local_view.py)
@@ -177,7 +177,7 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
     The layer's class becomes `(type(module), type(layer), base)`: in that order the subclass's `super().forward`
     reaches the parallel layer's forward, so Gemma's `super().forward(ids) * embed_scale` scales the sharded
     lookup. What the subclass keeps besides parameters (its buffers, such as `embed_scale`, and attributes) moves
-    to the layer. A subclass whose forward never calls `super().forward` keeps the plain layer (see the module
+    to the layer, and so do its child modules. A subclass whose forward never calls `super().forward` keeps the plain layer (see the module
     docstring).
     """
     cls = type(module)
@@ -191,6 +191,9 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
     for key, buffer in module._buffers.items():
         if key not in layer._buffers:
             layer.register_buffer(key, buffer, persistent=key not in module._non_persistent_buffers_set)
+    for key, child in module._modules.items():  # Inkling's embedding normalises its lookup with a child norm
+        if key not in layer._modules:
+            layer.add_module(key, child)
     for key, value in vars(module).items():
         if key not in vars(layer) and key != "tp_origins":  # tp_origins: the full tensors, let go after the swap
             setattr(layer, key, value)
@@ -321,12 +324,14 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
     module.shard_specs = specs
 
 
-def _region(style: str, group: ProcessGroup, config=None) -> ModuleRegion:
-    """The collectives around a module of a region style (see `tp_train.plan.styles`)."""
+def _region(style: str, group: ProcessGroup, config=None, own_shards: bool = False) -> ModuleRegion:
+    """The collectives around a module of a region style (see `tp_train.plan.styles`). An `all_reduce` module
+    whose forward runs its own sharded parameters (`own_shards`: Inkling's shared experts, 3-D weights, no Linears
+    whose column layer would) also enters the parallel region: its input's gradient is a partial sum too."""
     if style == "moe_tp_experts":
         return ModuleRegion(group, enter=True, leave=True)
     if style == "moe_identity_expert":
         return ModuleRegion(group, input_scale=1 / dist.get_world_size(group))
     if style == "mla_kv_a_proj":
         return ModuleRegion(group, output_tail=mla_rope_dim(config))
-    return ModuleRegion(group, leave=True)  # all_reduce
+    return ModuleRegion(group, enter=own_shards, leave=True)  # all_reduce

@@ -77,6 +77,19 @@ PRESETS: dict[str, dict[str, str]] = {
         "h.*.mlp.dense_h_to_4h": "colwise",
         "h.*.mlp.dense_4h_to_h": "rowwise",
     },
+    # GPT-BigCode: c_attn is [q (all heads); k; v] with one kv head (multi_query, the default), which every rank
+    # then holds (`fused_qkv_colwise`, kv-head replication); without multi_query it is laid out per head as
+    # [q_h; k_h; v_h] and viewed with num_heads, so a contiguous split hands each rank whole heads (`CONFIG_VARIANTS`).
+    # The attention keeps embed_dim / num_heads / kv_heads / num_key_value_groups, made local by `attention`.
+    "gpt_bigcode": {
+        "wte": "embedding_rowwise",
+        "h.*.attn": "attention",
+        "h.*.attn.c_attn": "fused_qkv_colwise",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.attn.resid_dropout": "replicated_rng",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    },
 }
 
 
@@ -96,12 +109,16 @@ HEAD_AWARE_OVERRIDES: dict[str, dict[str, str]] = {
     },
 }
 
-# Entries added to Hugging Face's plan where it leaves a block's matrices whole on every rank: Qwen2-MoE's plan
+# Entries added to (or corrected in) Hugging Face's plan where it leaves a block's matrices whole on every rank: Qwen2-MoE's plan
 # names the dense MLP and the routed experts but not the shared expert beside them. Apertus's MLP activation (xIELU)
 # holds learned scalars that act on each rank's share of the hidden features, between up_proj and down_proj: their
 # gradients are partial sums, which HF's plan leaves unsummed.
 ADDITIONS: dict[str, dict[str, str]] = {
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    # Corrections: Inkling's fused expert weights are [gate; up] halves (`chunk(2)` in the experts' forward), which
+    # HF's plan splits `colwise` (rank 0 would hold every gate, rank 1 every up): split half by half.
+    "inkling_text": {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"},
+    "inkling2_text": {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"},
     "qwen2_moe": {
         "layers.*.mlp.shared_expert.gate_proj": "colwise",
         "layers.*.mlp.shared_expert.up_proj": "colwise",
@@ -125,10 +142,14 @@ def _falcon_variant(config) -> dict[str, str]:
     return {}
 
 
+def _gpt_bigcode_variant(config) -> dict[str, str]:
+    return {} if getattr(config, "multi_query", True) else {"h.*.attn.c_attn": "colwise"}
+
+
 # Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
 # Entries of a family's preset that a config changes: model_type -> config -> the entries that replace the preset's.
-CONFIG_VARIANTS = {"falcon": _falcon_variant}
+CONFIG_VARIANTS = {"falcon": _falcon_variant, "gpt_bigcode": _gpt_bigcode_variant}
 
 HEAD_PLAN = {"lm_head": "colwise_gather_output"}
 

@@ -84,7 +84,7 @@ PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 
 # Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim).
 HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
 KV_GROUP_ATTRIBUTES = ("num_key_value_groups", "num_kv_groups")  # query heads per kv head
 WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim")
 # Config fields that hold head counts, checked whenever a model with such a config is sharded.
