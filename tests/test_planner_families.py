@@ -1,0 +1,151 @@
+"""Planner fixes found by the zoo, each on a tiny Hugging Face model of the family that showed it (and a test model
+for the one no small family shows): ELECTRA's embedding projection is no column layer; an MoE router beside experts
+the model's own plan shards stays whole, but a block that would stay mostly whole is refused; GPT-BigCode's
+multi-query attention shards with its one kv head on every rank; Apertus's activation scalars get summed gradients;
+a module running its own sharded 3-D weights under `all_reduce` (Inkling's shared experts) sums its input gradient,
+and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.distributed import run_on_ranks
+from tests.parity import assert_parity, parity_errors
+from tests.test_parallelize import ATOL, _hf_logits
+from tp_train.plan.resolve import resolve_plan
+
+VOCAB = 128  # the zoo's tiny vocabulary
+
+
+def _family(model_type: str, **overrides) -> nn.Module:
+    from models.hf import hugging_face_causal_lm
+    from tp_train.tools.zoo import tiny_config
+
+    torch.manual_seed(0)
+    return hugging_face_causal_lm(model_type, config={**tiny_config(model_type), **overrides}).eval()
+
+
+def test_electras_embedding_projection_is_no_column_of_the_first_query():
+    """Its output feeds the first block's query, key, value and residual: pairing it with the query (its only
+    producer) is dropped, and the block pairs as any BERT's."""
+    plan, _ = resolve_plan(_family("electra"), tensor_parallel_size=2)
+    assert "electra.embeddings_project" not in plan
+    assert plan["electra.encoder.layer.*.attention.self.query"] == "colwise"
+    assert plan["electra.encoder.layer.*.attention.output.dense"] == "rowwise"
+
+
+def test_a_router_beside_experts_the_plan_shards_stays_whole():
+    plan, source = resolve_plan(_family("phimoe"), tensor_parallel_size=2)
+    assert "completed by the auto-planner" in source
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert not any("router" in pattern for pattern in plan)
+
+
+def test_a_block_left_mostly_whole_by_an_unpaired_linear_is_refused():
+    """JetMoE's experts are 3-D weights no plan shards: its routers left whole would leave the whole block whole."""
+    with pytest.raises(ValueError) as refusal:
+        resolve_plan(_family("jetmoe"), tensor_parallel_size=2)
+    message = str(refusal.value)
+    assert "router.layer" in message and "its block would keep 100% of its parameters whole" in message
+    assert "\n" not in message
+
+
+class _SharedExperts(nn.Module):
+    """Inkling's shared experts: fused 3-D weights, (experts, out, in), run by the module's own forward."""
+
+    def __init__(self, width: int, hidden: int, experts: int = 2):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(experts, hidden, width) / width**0.5)
+        self.up_proj = nn.Parameter(torch.randn(experts, hidden, width) / width**0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, width, hidden) / hidden**0.5)
+
+    def forward(self, x):
+        out = 0
+        for gate, up, down in zip(self.gate_proj, self.up_proj, self.down_proj, strict=True):
+            out = out + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        return out
+
+
+class _NormedEmbedding(nn.Embedding):
+    """Inkling's embedding: a subclass whose forward normalises the lookup with a child module."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__(vocab, width)
+        self.embed_norm = nn.LayerNorm(width)
+
+    def forward(self, input_ids):
+        return self.embed_norm(super().forward(input_ids))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.shared_experts = _SharedExperts(width, 2 * width)
+
+    def forward(self, x):
+        return x + self.shared_experts(self.norm(x))
+
+
+class InklingStyleLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, width: int = 16):
+        super().__init__()
+        self.embed = _NormedEmbedding(vocab, width)
+        self.layers = nn.ModuleList(_Block(width) for _ in range(2))
+        self.head = nn.Linear(width, vocab)
+        self.tp_plan = {
+            "embed": "embedding_rowwise",
+            "layers.*.shared_experts.gate_proj": "colwise",
+            "layers.*.shared_experts.up_proj": "colwise",
+            "layers.*.shared_experts.down_proj": "rowwise",
+            "layers.*.shared_experts": "all_reduce",
+        }
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _logits(model, idx):
+    return model(idx)
+
+
+# name -> (build, forward, tps, block_rel_tol: matrices kept whole on purpose, a router or replicated kv heads)
+CASES = {
+    "electra": (lambda: _family("electra"), _hf_logits, (2,), 0.0),
+    "phimoe_router_whole": (lambda: _family("phimoe"), _hf_logits, (2,), 0.05),
+    "gpt_bigcode_multi_query": (lambda: _family("gpt_bigcode"), _hf_logits, (2, 4), 0.3),
+    "gpt_bigcode_multi_head": (lambda: _family("gpt_bigcode", multi_query=False), _hf_logits, (2, 4), 0.0),
+    "apertus_activation_scalars": (lambda: _family("apertus"), _hf_logits, (2,), 0.0),
+    "inkling_style_embedding_and_shared_experts": (InklingStyleLM, _logits, (2,), 0.0),
+}
+
+
+def _parity(rank, world_size):
+    results = {}
+    for name, (build, forward, tps, _) in CASES.items():
+        if world_size in tps:
+            torch.manual_seed(0)
+            results[name] = parity_errors(build(), forward, VOCAB)
+    return results
+
+
+_RESULTS: dict[int, list] = {}
+
+
+def _results(tp: int) -> list:
+    """Every case at `tp`, on one spawn of ranks (spawning dominates the cost); each case is its own test."""
+    if tp not in _RESULTS:
+        _RESULTS[tp] = run_on_ranks(_parity, tp, timeout=600)
+    return _RESULTS[tp]
+
+
+@pytest.mark.parametrize("name, tp", [(name, tp) for name, case in CASES.items() for tp in case[2]])
+def test_the_family_shards_and_matches_unsharded(name, tp):
+    for rank, results in enumerate(_results(tp)):
+        assert_parity(results[name], tp, rank, ATOL, block_rel_tol=CASES[name][3])
