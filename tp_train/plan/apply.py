@@ -177,8 +177,8 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
     The layer's class becomes `(type(module), type(layer), base)`: in that order the subclass's `super().forward`
     reaches the parallel layer's forward, so Gemma's `super().forward(ids) * embed_scale` scales the sharded
     lookup. What the subclass keeps besides parameters (its buffers, such as `embed_scale`, and attributes) moves
-    to the layer, and so do its child modules. A subclass whose forward never calls `super().forward` keeps the plain layer (see the module
-    docstring).
+    to the layer, and so do its child modules (Inkling's `embed_norm`). A subclass whose forward never calls
+    `super().forward` keeps the plain layer (see the module docstring).
     """
     cls = type(module)
     if not isinstance(module, base) or cls.forward is base.forward or not _calls_super_forward(cls):

@@ -40,9 +40,10 @@ import torch
 import torch.nn as nn
 
 from tp_train.errors import first_line
+from tp_train.plan.coverage import as_patterns, generic, in_repeated_block, kept_whole_notes, sharded_parameters
 from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.probe import probe_copy, probe_token_ids, producers_of, split_sizes, trace_calls
-from tp_train.plan.styles import LINEAR_STYLES, linear_shape, pattern_matches, split_style
+from tp_train.plan.styles import linear_shape
 
 INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
@@ -101,8 +102,8 @@ def infer_plan(
                 f"the auto-planner cannot plan {type(model).__name__} ({first_line(error)}); "
                 f"give the model a `tp_plan` (or pass plan=...)"
             ) from error
-    plan = InferredPlan(_as_patterns(model, styles))
-    plan.notes = _kept_whole_notes(model, styles, planner.kept_whole)
+    plan = InferredPlan(as_patterns(model, styles))
+    plan.notes = kept_whole_notes(model, styles, planner.kept_whole)
     return plan
 
 
@@ -164,7 +165,7 @@ class _Planner:
         for name in self.linears:
             if any(name.startswith(whole + ".") for whole in self.kept_whole):
                 continue
-            whole = self._whole_fraction(name, styles) if name not in styles and _in_repeated_block(name) else 0
+            whole = self._whole_fraction(name, styles) if name not in styles and in_repeated_block(name) else 0
             if whole > SMALL_WHOLE:
                 shape = linear_shape(self.modules[name])
                 reason = failures.get(name, "its output reaches no Linear through position- and head-wise operations")
@@ -181,7 +182,7 @@ class _Planner:
         whole, each rank still holding about 1/tp of the block."""
         parts = name.split(".")
         block = ".".join(parts[: next(i for i, part in enumerate(parts) if part.isdigit()) + 1])
-        sharded = _sharded_parameters(self.model, {**self.given, **styles})
+        sharded = sharded_parameters(self.model, {**self.given, **styles})
         params = list(self.modules[block].parameters())
         whole = sum(param.numel() for param in params if id(param) not in sharded)
         return whole / max(sum(param.numel() for param in params), 1)
@@ -253,7 +254,7 @@ class _Planner:
         width, row_width = _last_dim(self.calls[column].output), _last_dim(self.calls[row].input)
         if row_width % self.shares:
             return None
-        key = ("split", _generic(column), _generic(row), width, row_width, tuple(sorted(map(_generic, frozen))))
+        key = ("split", generic(column), generic(row), width, row_width, tuple(sorted(map(generic, frozen))))
         if key not in self._cache:
             candidates = [(style, (width // sections,) * sections) for style, sections in SPLITS]
             sizes = split_sizes(self.calls[column].output, self.calls[row].input)
@@ -289,7 +290,7 @@ class _Planner:
 
     def _mixes_tokens(self, pair: _Pair) -> bool:
         """Whether a perturbation of the columns at the first token moves the row input at later tokens."""
-        key = ("tokens", _generic(pair.row), tuple(_generic(name) for name in pair.columns))
+        key = ("tokens", generic(pair.row), tuple(generic(name) for name in pair.columns))
         if key not in self._cache:
             self._cache[key] = self._perturbed_first_token_moves_later_ones(pair)
         return self._cache[key]
@@ -342,7 +343,7 @@ class _Planner:
         views = {}
         for name, pair in enclosing.items():
             relative = {column[len(name) + 1 :]: style for column, style in pair.columns.items()}
-            key = ("view", _generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
+            key = ("view", generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
             if key not in self._cache:
                 row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
                 self._cache[key] = find_local_view(self.modules[name], calls[name], relative, row, self.shares, config)
@@ -443,65 +444,3 @@ def _enclosing(pair: _Pair) -> str:
     while enclosing and not all(name.startswith(enclosing + ".") for name in names):
         enclosing = enclosing.rpartition(".")[0]
     return enclosing
-
-
-def _sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[int]:
-    """The ids of the parameters `plan` splits: those of modules it swaps or splits by channel, and those it names."""
-    splitting = {"embedding_rowwise", "channelwise", *LINEAR_STYLES}
-    found = set()
-    for name, module in model.named_modules():
-        styles = [style for pattern, style in plan.items() if pattern_matches(pattern, name)]
-        if any(split_style(style)[0] in splitting for style in styles):
-            found |= {id(param) for param in module.parameters()}
-    for name, param in model.named_parameters():
-        if any(style != "replicate" and pattern_matches(pattern, name) for pattern, style in plan.items()):
-            found.add(id(param))
-    return found
-
-
-def _kept_whole_notes(model: nn.Module, styles: dict[str, str], kept_whole: dict[str, str]) -> list[str]:
-    """One line per attention pattern kept whole: the module, why, and the fraction of parameters sharded."""
-    if not kept_whole:
-        return []
-    modules = dict(model.named_modules())
-    swapped = {"embedding_rowwise", *LINEAR_STYLES}
-    sharded = {
-        id(param): param.numel()
-        for name, style in styles.items()
-        if split_style(style)[0] in swapped
-        for param in modules[name].parameters()
-    }
-    total = sum(param.numel() for param in model.parameters())
-    fraction = sum(sharded.values()) / max(total, 1)
-    by_pattern = {}
-    for name, reason in kept_whole.items():
-        by_pattern.setdefault(_generic(name), reason)
-    return [
-        f"note: attention '{pattern}' kept whole on every rank: {reason}; {fraction:.0%} of the parameters are sharded"
-        for pattern, reason in by_pattern.items()
-    ]
-
-
-def _generic(name: str) -> str:
-    return ".".join("*" if part.isdigit() else part for part in name.split("."))
-
-
-def _in_repeated_block(name: str) -> bool:
-    return any(part.isdigit() for part in name.split("."))
-
-
-def _as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
-    """`styles` with numbered names folded into `*` patterns wherever every module a pattern matches has the
-    same style; in the order of `named_modules`."""
-    names = [name for name, _ in model.named_modules() if name]
-    plan: dict[str, str] = {}
-    for name in names:
-        if name not in styles:
-            continue
-        pattern = _generic(name)
-        matched = [other for other in names if pattern_matches(pattern, other)]
-        if all(styles.get(other) == styles[name] for other in matched):
-            plan.setdefault(pattern, styles[name])
-        else:
-            plan[name] = styles[name]
-    return plan

@@ -109,10 +109,10 @@ HEAD_AWARE_OVERRIDES: dict[str, dict[str, str]] = {
     },
 }
 
-# Entries added to (or corrected in) Hugging Face's plan where it leaves a block's matrices whole on every rank: Qwen2-MoE's plan
-# names the dense MLP and the routed experts but not the shared expert beside them. Apertus's MLP activation (xIELU)
-# holds learned scalars that act on each rank's share of the hidden features, between up_proj and down_proj: their
-# gradients are partial sums, which HF's plan leaves unsummed.
+# Entries added to (or corrected in) Hugging Face's plan where it leaves a block's matrices whole on every rank:
+# Qwen2-MoE's plan names the dense MLP and the routed experts but not the shared expert beside them. Apertus's MLP
+# activation (xIELU) holds learned scalars that act on each rank's share of the hidden features, between up_proj and
+# down_proj: their gradients are partial sums, which HF's plan leaves unsummed.
 ADDITIONS: dict[str, dict[str, str]] = {
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     # Corrections: Inkling's fused expert weights are [gate; up] halves (`chunk(2)` in the experts' forward), which

@@ -1,0 +1,63 @@
+"""How much of a model an inferred plan covers, and how its names read: the parameters a plan splits, the note
+printed for each attention kept whole, and module names folded into `*` patterns (`tp_train.plan.autoplan`)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from tp_train.plan.styles import LINEAR_STYLES, pattern_matches, split_style
+
+
+def sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[int]:
+    """The ids of the parameters `plan` splits: those of modules it swaps or splits by channel, and those it names."""
+    splitting = {"embedding_rowwise", "channelwise", *LINEAR_STYLES}
+    found = set()
+    for name, module in model.named_modules():
+        styles = [style for pattern, style in plan.items() if pattern_matches(pattern, name)]
+        if any(split_style(style)[0] in splitting for style in styles):
+            found |= {id(param) for param in module.parameters()}
+    for name, param in model.named_parameters():
+        if any(style != "replicate" and pattern_matches(pattern, name) for pattern, style in plan.items()):
+            found.add(id(param))
+    return found
+
+
+def kept_whole_notes(model: nn.Module, styles: dict[str, str], kept_whole: dict[str, str]) -> list[str]:
+    """One line per attention pattern kept whole: the module, why, and the fraction of parameters sharded."""
+    if not kept_whole:
+        return []
+    sharded = sharded_parameters(model, styles)
+    params = list(model.parameters())
+    fraction = sum(param.numel() for param in params if id(param) in sharded) / max(sum(p.numel() for p in params), 1)
+    by_pattern = {}
+    for name, reason in kept_whole.items():
+        by_pattern.setdefault(generic(name), reason)
+    return [
+        f"note: attention '{pattern}' kept whole on every rank: {reason}; {fraction:.0%} of the parameters are sharded"
+        for pattern, reason in by_pattern.items()
+    ]
+
+
+def generic(name: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def in_repeated_block(name: str) -> bool:
+    return any(part.isdigit() for part in name.split("."))
+
+
+def as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """`styles` with numbered names folded into `*` patterns wherever every module a pattern matches has the
+    same style; in the order of `named_modules`."""
+    names = [name for name, _ in model.named_modules() if name]
+    plan: dict[str, str] = {}
+    for name in names:
+        if name not in styles:
+            continue
+        pattern = generic(name)
+        matched = [other for other in names if pattern_matches(pattern, other)]
+        if all(styles.get(other) == styles[name] for other in matched):
+            plan.setdefault(pattern, styles[name])
+        else:
+            plan[name] = styles[name]
+    return plan
