@@ -77,20 +77,13 @@ PRESETS: dict[str, dict[str, str]] = {
         "h.*.mlp.dense_h_to_4h": "colwise",
         "h.*.mlp.dense_4h_to_h": "rowwise",
     },
-    # GPT-BigCode: c_attn is [q (all heads); k; v] with one kv head (multi_query, the default), which every rank
-    # then holds (`fused_qkv_colwise`, kv-head replication); without multi_query it is laid out per head as
-    # [q_h; k_h; v_h] and viewed with num_heads, so a contiguous split hands each rank whole heads (`CONFIG_VARIANTS`).
-    # The attention keeps embed_dim / num_heads / kv_heads / num_key_value_groups, made local by `attention`.
-    "gpt_bigcode": {
-        "wte": "embedding_rowwise",
-        "h.*.attn": "attention",
-        "h.*.attn.c_attn": "fused_qkv_colwise",
-        "h.*.attn.c_proj": "rowwise",
-        "h.*.attn.resid_dropout": "replicated_rng",
-        "h.*.mlp.c_fc": "colwise",
-        "h.*.mlp.c_proj": "rowwise",
-    },
 }
+# GPT-BigCode: c_attn is [q (all heads); k; v] with one kv head (multi_query, the default), which every rank
+# then holds (`fused_qkv_colwise`, kv-head replication); without multi_query it is laid out per head as
+# [q_h; k_h; v_h] and viewed with num_heads, so a contiguous split hands each rank whole heads (`CONFIG_VARIANTS`).
+# The attention keeps embed_dim / num_heads / kv_heads / num_key_value_groups, made local by `attention`. Its
+# module names are GPT-2's, and so is its plan.
+PRESETS["gpt_bigcode"] = PRESETS["gpt2"]
 
 
 # Plans that replace Hugging Face's own where it is wasteful. phi3's fused qkv_proj ([q; k; v], k and v with the kv
