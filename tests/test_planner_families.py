@@ -53,6 +53,24 @@ def test_a_block_left_mostly_whole_by_an_unpaired_linear_is_refused():
     assert "\n" not in message
 
 
+def test_a_plan_the_auto_planner_completes_still_says_which_attention_it_kept_whole():
+    """As Inkling's: the model's own plan shards no block; the completion keeps an attention whole (a literal head
+    count), and its note counts what the model's own plan shards too."""
+    from tests import attention_styles
+
+    torch.manual_seed(0)
+    model = attention_styles.literal_heads()
+    model.tp_plan = {"lm_head": "colwise_gather_output"}
+    plan, source = resolve_plan(model, tensor_parallel_size=2)
+    assert source.endswith("completed by the auto-planner") and plan["h.*.attn"] == "replicate"
+    (note,) = plan.notes
+    # the MLPs and the embedding, inferred, and the head, from the model's own plan
+    sharded = sum(p.numel() for p in [*model.lm_head.parameters(), *model.wte.parameters()])
+    sharded += sum(p.numel() for block in model.h for p in block.mlp.parameters())
+    fraction = sharded / sum(p.numel() for p in model.parameters())
+    assert "attention 'h.*.attn' kept whole on every rank" in note and f"{fraction:.0%} of the parameters" in note
+
+
 class _SharedExperts(nn.Module):
     """Inkling's shared experts: fused 3-D weights, (experts, out, in), run by the module's own forward."""
 

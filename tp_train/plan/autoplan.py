@@ -103,7 +103,7 @@ def infer_plan(
                 f"give the model a `tp_plan` (or pass plan=...)"
             ) from error
     plan = InferredPlan(as_patterns(model, styles))
-    plan.notes = kept_whole_notes(model, styles, planner.kept_whole)
+    plan.notes = kept_whole_notes(model, {**(given or {}), **styles}, planner.kept_whole)
     return plan
 
 

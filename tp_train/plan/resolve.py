@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, infer_plan
+from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
 from tp_train.plan.match import check_config_heads, names_anything
 from tp_train.plan.presets import override_plan, plan_additions, preset_plan
 from tp_train.plan.styles import ALIASES, LINEAR_STYLES, linear_shape, pattern_matches
@@ -67,7 +67,9 @@ def resolve_plan(
     if found is None:
         return inferred, INFERRED_SOURCE
     # The model's own entries win; the auto-planner's fill in the blocks (a head-only plan, as LFM2's).
-    return {**inferred, **found[0]}, f"{found[1]}, {COMPLETED_SOURCE}"
+    completed = InferredPlan({**inferred, **found[0]})
+    completed.notes = inferred.notes  # an attention kept whole is said, whichever plan it completes
+    return completed, f"{found[1]}, {COMPLETED_SOURCE}"
 
 
 def _fit_to_config(model: nn.Module, plan: dict[str, str], source: str) -> tuple[dict[str, str], str]:
