@@ -71,6 +71,21 @@ def test_a_plan_the_auto_planner_completes_still_says_which_attention_it_kept_wh
     assert "attention 'h.*.attn' kept whole on every rank" in note and f"{fraction:.0%} of the parameters" in note
 
 
+def test_sequence_parallel_refuses_a_row_layer_whose_output_feeds_a_parallel_region():
+    """Mamba's x_proj: under sequence parallelism its output would be sequence-sharded, yet it feeds every token of
+    each rank's channels."""
+    from tests.test_channels import MAMBA_PLAN
+    from tests.test_never_silently_wrong import _hf_family
+    from tp_train.plan.layout import block_layout
+    from tp_train.plan.match import match_plan
+    from tp_train.plan.sequence_parallel import check_sequence_parallel
+
+    model = _hf_family("mamba")
+    layout = block_layout(model, match_plan(model, MAMBA_PLAN, 2), "sequence_parallel")
+    with pytest.raises(ValueError, match=r"does not support 'backbone.layers.0.mixer.x_proj' planned 'rowwise\(feeds"):
+        check_sequence_parallel(model, layout)
+
+
 class _SharedExperts(nn.Module):
     """Inkling's shared experts: fused 3-D weights, (experts, out, in), run by the module's own forward."""
 

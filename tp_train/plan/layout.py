@@ -21,7 +21,7 @@ class BlockLayout:
     sub_blocks: set[str]  # modules inside a block that hold its parallel linears (attention, MLP): their interior
     # sees the whole sequence, between the column layers' all-gather and the row layers' reduce-scatter
     head: str | None  # the `colwise_gather_output` layer after the blocks (the LM head), if there is one
-    planned: dict[str, str]  # module name -> style, for every planned module
+    planned: dict[str, str]  # module name -> style (with its arguments), for every planned module
 
     def in_blocks(self, name: str) -> bool:
         return any(name == block or name.startswith(block + ".") for block in self.blocks)
@@ -47,7 +47,8 @@ def block_layout(model: nn.Module, planned: list[PlannedModule], feature: str) -
         )
     (list_name, blocks), *_ = lists.items()
     names = [f"{list_name}.{index}" for index in range(len(blocks))]
-    layout = BlockLayout(names, set(), None, {entry.name: entry.style for entry in planned})
+    styles = {entry.name: entry.style + (f"({entry.arguments})" if entry.arguments else "") for entry in planned}
+    layout = BlockLayout(names, set(), None, styles)
     for name in linears:
         parent = name.rpartition(".")[0]
         if layout.in_blocks(name) and parent not in layout.blocks:

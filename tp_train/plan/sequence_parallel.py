@@ -33,7 +33,7 @@ from tp_train.parallel.layers import GATHERED_INPUT, SEQUENCE_SHARDED_INPUT, Col
 from tp_train.parallel.random import SHARDED, TensorParallelRNG
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.layout import BlockLayout
-from tp_train.plan.styles import REGION_STYLES
+from tp_train.plan.styles import FEEDS_PARALLEL_REGION, REGION_STYLES
 
 
 class _Region:
@@ -55,6 +55,7 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
         if (
             style in REGION_STYLES
             or style == "rowwise_split_input"
+            or style == f"rowwise({FEEDS_PARALLEL_REGION})"  # its output, sequence-sharded, would feed full channels
             or (style == "colwise_gather_output" and layout.in_blocks(name))
         ):
             raise ValueError(
