@@ -124,14 +124,18 @@ class CommunicationCounter:
 
 class PendingCollective:
     """A collective started with `async_op=True`: it runs on the backend's own thread (gloo) or stream (NCCL) while
-    the caller computes; `wait()` blocks until it is done and returns its result."""
+    the caller computes; `wait()` blocks until it is done and returns its result. The profiler shows the wait as
+    `WAIT_EVENT` (the time the caller spent blocked on it)."""
+
+    WAIT_EVENT = "tp_train::wait_collective"
 
     def __init__(self, work, result: torch.Tensor, finish=None):
         self.work, self.result, self.finish = work, result, finish
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            with torch.profiler.record_function(self.WAIT_EVENT):
+                self.work.wait()
         return self.finish(self.result) if self.finish is not None else self.result
 
 

@@ -135,7 +135,12 @@ class _LinearWithDeferredWeightGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        # 2-D once: the input gradient's and the weight gradient's matmuls share one copy of a strided gradient
+        shape = grad_output.shape
+        grad_output, x = grad_output.reshape(-1, shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.mm(weight).view(*shape[:-1], weight.shape[1]).to(ctx.dtypes[0])
         weight_index, bias_index = ctx.indices
         needs_weight, needs_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if not (needs_weight or needs_bias):
@@ -151,8 +156,7 @@ class _LinearWithDeferredWeightGradient(torch.autograd.Function):
 
 
 def _weight_gradients(grad_output: torch.Tensor, x: torch.Tensor, weight: bool, bias: bool):
-    """The gradients of `F.linear`'s weight and bias from the output gradient and the input, in their dtype."""
-    grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-    weight_grad = grad_2d.t().matmul(x.reshape(-1, x.shape[-1])) if weight else None
-    bias_grad = grad_2d.sum(0) if bias else None
+    """The gradients of `F.linear`'s weight and bias from the 2-D output gradient and input, in their dtype."""
+    weight_grad = grad_output.t().mm(x) if weight else None
+    bias_grad = grad_output.sum(0) if bias else None
     return weight_grad, bias_grad
