@@ -171,3 +171,30 @@ def test_without_overlap_nothing_runs_during_the_collective():
     (_, launched, _), (_, _, finished) = launches[0], collectives[0]
     assert not [start for _, start, _ in matmuls if launched < start < finished]
     assert len(matmuls) == 2
+
+
+# ------------------------------------------------------------------------------------------- mixed precision
+
+
+def _autocast_gradients(rank, world_size, sequence_parallel):
+    """Under bf16 autocast, the sharded model's loss and gradients with and without overlap."""
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = tp_train.parallelize(_gpt(), sequence_parallel=sequence_parallel, overlap=overlap, verify=False)
+        idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = next_token_loss(model(idx), idx)
+        loss.backward()
+        grads = full_tensors(model, dist.group.WORLD, grads=True)
+        assert all(grad.dtype == torch.float32 for grad in grads.values())  # the parameters' dtype
+        out[overlap] = loss.item(), grads
+    (loss_off, grads_off), (loss_on, grads_on) = out[False], out[True]
+    return abs(loss_on - loss_off), max((grads_on[k] - grads_off[k]).abs().max().item() for k in grads_off)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence_parallel"])
+def test_overlap_under_autocast_casts_as_the_plain_path(sequence_parallel):
+    """bf16 matmuls, fp32 gradients: the plain path's numbers exactly (the same ops on the same operands)."""
+    for loss_error, grad_error in run_on_ranks(_autocast_gradients, 2, sequence_parallel):
+        assert loss_error == 0.0 and grad_error == 0.0, (loss_error, grad_error)
