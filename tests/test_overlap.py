@@ -198,3 +198,26 @@ def test_overlap_under_autocast_casts_as_the_plain_path(sequence_parallel):
     """bf16 matmuls, fp32 gradients: the plain path's numbers exactly (the same ops on the same operands)."""
     for loss_error, grad_error in run_on_ranks(_autocast_gradients, 2, sequence_parallel):
         assert loss_error == 0.0 and grad_error == 0.0, (loss_error, grad_error)
+
+
+# -------------------------------------------------------------------------------------------------- Lightning
+
+
+def _lightning(rank, world_size):
+    """Trains through `TensorParallelStrategy(overlap=...)` both ways: the losses, and the setting its layers got."""
+    from tests.lightning_helpers import fit
+    from tp_train.parallel.layers import ColumnParallelLinear
+
+    out = {}
+    for overlap in (True, False):
+        trainer, recorder = fit(2, 3, accumulate_grad_batches=2, strategy_kwargs=dict(overlap=overlap))
+        layers = [m for m in trainer.lightning_module.modules() if isinstance(m, ColumnParallelLinear)]
+        out[overlap] = recorder.losses, {layer.overlap for layer in layers}
+    return out
+
+
+def test_strategy_passes_overlap_to_its_layers():
+    for result in run_on_ranks(_lightning, 2, timeout=300):
+        (losses_on, setting_on), (losses_off, setting_off) = result[True], result[False]
+        assert setting_on == {True} and setting_off == {False}
+        assert len(losses_on) == 6 and losses_on == pytest.approx(losses_off, abs=1e-6)
