@@ -97,26 +97,31 @@ def test_overlap_matches_unsharded(tp, variant):
 def _traffic(rank, world_size):
     """The comm counter's calls and bytes over one training step, with and without overlap."""
     out = {}
-    for sequence_parallel in (False, True):
-        for overlap in (False, True):
-            torch.manual_seed(0)
-            model = tp_train.parallelize(_gpt(), sequence_parallel=sequence_parallel, overlap=overlap, verify=False)
-            idx = torch.randint(0, VOCAB, (2, 16))
-            next_token_loss(model(idx), idx).backward()
-            out[sequence_parallel, overlap] = (model.tp_comm_counter.calls, model.tp_comm_counter.bytes)
+    for frozen in ((), FROZEN):  # frozen: block 0's attention input needs no gradient, so no collective
+        for sequence_parallel in (False, True):
+            for overlap in (False, True):
+                torch.manual_seed(0)
+                model = _gpt(frozen=frozen)
+                model = tp_train.parallelize(model, sequence_parallel=sequence_parallel, overlap=overlap, verify=False)
+                idx = torch.randint(0, VOCAB, (2, 16))
+                next_token_loss(model(idx), idx).backward()
+                counter = model.tp_comm_counter
+                out[bool(frozen), sequence_parallel, overlap] = (counter.calls, counter.bytes)
     return out
 
 
 def test_overlap_moves_the_same_collectives():
     traffic = run_on_ranks(_traffic, 2)[0]
     n_layer = 2
-    for sequence_parallel in (False, True):
-        assert traffic[sequence_parallel, True] == traffic[sequence_parallel, False], traffic
+    for frozen in (False, True):
+        for sequence_parallel in (False, True):
+            assert traffic[frozen, sequence_parallel, True] == traffic[frozen, sequence_parallel, False], traffic
     # Megatron's minimum: per block 2 all-reduces forward and 2 backward, plus the embedding's all-reduce and the
     # head's entry (backward) and gather; under sequence parallelism each all-reduce is an all-gather and a
     # reduce-scatter, plus the scatter into the region (all-gather backward).
-    assert traffic[False, True][0] == 4 * n_layer + 3, traffic
-    assert traffic[True, True][0] == 8 * n_layer + 5, traffic
+    assert traffic[False, False, True][0] == 4 * n_layer + 3, traffic
+    assert traffic[False, True, True][0] == 8 * n_layer + 5, traffic
+    assert traffic[True, False, True][0] < traffic[False, False, True][0], traffic  # what needs no gradient
 
 
 # ------------------------------------------------------------------------------------------ the overlap is real
