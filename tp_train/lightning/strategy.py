@@ -71,6 +71,8 @@ class TensorParallelStrategy(DDPStrategy):
             `self.trainer.strategy.cross_entropy` where it called `F.cross_entropy`.
         compile: compile each sharded model with `torch.compile` (see `tp_train.parallelize`'s `compile`): no graph
             break for a model without dropout.
+        overlap: overlap each column-parallel layer's input-gradient collective with its weight gradient in backward
+            (see `tp_train.parallelize`'s `overlap`); False for the plain path.
         verify_plan: check each sharded model before training (see `tp_train.parallelize`'s `verify`): each
             swapped module against the one it replaced, and the whole model against the unsharded one when it is
             small. Default None: on for every plan; True also forces the whole-model check; False: off.
@@ -95,6 +97,7 @@ class TensorParallelStrategy(DDPStrategy):
         data_parallel: str = "ddp",
         loss_parallel: bool = False,
         compile: bool = False,
+        overlap: bool = True,
         **kwargs: Any,
     ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -123,6 +126,7 @@ class TensorParallelStrategy(DDPStrategy):
         self._verify_plan = verify_plan
         self.loss_parallel = loss_parallel
         self.compile = compile
+        self.overlap = overlap
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
@@ -275,6 +279,7 @@ class TensorParallelStrategy(DDPStrategy):
                     verify=self._verify_plan,
                     loss_parallel=self.loss_parallel,
                     compile=self.compile,
+                    overlap=self.overlap,
                     sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.activation_checkpointing,
                 )

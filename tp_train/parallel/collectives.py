@@ -122,6 +122,53 @@ class CommunicationCounter:
             self.calls += 1
 
 
+class PendingCollective:
+    """A collective started with `async_op=True`: it runs on the backend's own thread (gloo) or stream (NCCL) while
+    the caller computes; `wait()` blocks until it is done and returns its result. The profiler shows the wait as
+    `WAIT_EVENT` (the time the caller spent blocked on it)."""
+
+    WAIT_EVENT = "tp_train::wait_collective"
+
+    def __init__(self, work, result: torch.Tensor, finish=None):
+        self.work, self.result, self.finish = work, result, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            with torch.profiler.record_function(self.WAIT_EVENT):
+                self.work.wait()
+        return self.finish(self.result) if self.finish is not None else self.result
+
+
+def all_reduce_async(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> PendingCollective:
+    """Not autograd: starts the sum of `x` over the group, on a copy of `x` (the backward of `f`,
+    `copy_to_tensor_parallel_region`, started early). Counted as `f`'s all-reduce."""
+    if dist.get_world_size(group) == 1:
+        return PendingCollective(None, x)
+    out = x.clone(memory_format=torch.contiguous_format)
+    if counter is not None:
+        counter.record(_sum, x, out, group)
+    return PendingCollective(dist.all_reduce(out, group=group, async_op=True), out)
+
+
+def reduce_scatter_async(
+    x: torch.Tensor, dim: int, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> PendingCollective:
+    """Not autograd: starts the sum over the group of `x`, of which this rank keeps its chunk along `dim` (the
+    backward of `gather_from_sequence_parallel_region`, started early). Counted as that reduce-scatter."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return PendingCollective(None, x)
+    check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.size(0) // world_size, *moved.shape[1:]))
+    if counter is not None:
+        counter.record(_reduce_scatter, x, out, group)
+    work = _reduce_scatter_single(out, moved, group=group, async_op=True)
+    return PendingCollective(work, out, lambda result: result.movedim(0, dim))
+
+
 class _ConjugatePair(torch.autograd.Function):
     """Applies `forward_op` to the input and `backward_op` to the gradient; each op is `(tensor, dim, group)`.
     An optional `CommunicationCounter` records both."""

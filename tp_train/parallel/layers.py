@@ -25,6 +25,7 @@ from tp_train.parallel.collectives import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from tp_train.parallel.overlap import can_overlap, enter_with_overlap, linear_with_deferred_weight_gradient
 from tp_train.parallel.sharding import ShardSpec, check_divisible, shard_tensor
 
 # How the input of a column-parallel layer is laid out, which decides how it enters the parallel region:
@@ -38,8 +39,10 @@ class Configurable:
 
     `SETTINGS` names what may change: how the input enters the parallel region (`input_layout`, under sequence
     parallelism), a region shared with sibling layers (`input_region`), a row layer's sequence-parallel output
-    (`sequence_parallel`) and the counter of bytes its collectives move (`comm_counter`). `tp_train.plan` sets
-    them when it shares inputs, applies sequence parallelism and counts communication."""
+    (`sequence_parallel`), the counter of bytes its collectives move (`comm_counter`) and whether a column layer's
+    backward overlaps its input gradient's collective with its weight gradient (`overlap`,
+    `tp_train.parallel.overlap`). `tp_train.plan` sets them when it shares inputs, applies sequence parallelism,
+    counts communication and switches overlap."""
 
     SETTINGS: tuple[str, ...] = ()
 
@@ -58,30 +61,50 @@ class SharedInputRegion(Configurable):
     Separate q, k and v projections (or gate and up) all read one replicated tensor. Entering the parallel region
     once for all of them makes autograd sum their partial input gradients first, so the backward pass needs one
     all-reduce instead of one per projection (Megatron's minimum, which fused projections get for free). The
-    cache lives for one forward of the parent module: `reset` runs before and after it.
+    cache lives for one forward of the parent module: `reset` runs before and after it. Its own output passes
+    through unchanged (under sequence parallelism the module's input is entered once, before its layers run).
+    With `overlap` the entry's backward computes the weight gradients of `layers` (those reading its output) while
+    the input gradient's collective runs (`tp_train.parallel.overlap`).
     """
 
-    SETTINGS = ("input_layout", "comm_counter")
+    SETTINGS = ("input_layout", "comm_counter", "overlap")
 
     def __init__(
         self,
         group: ProcessGroup,
         input_layout: str = REPLICATED_INPUT,
         comm_counter: CommunicationCounter | None = None,
+        layers: tuple[nn.Module, ...] = (),
+        overlap: bool = True,
     ):
         self.group = group
         self.input_layout = input_layout
         self.comm_counter = comm_counter
+        self.layers = tuple(layers)
+        self.overlap = overlap
         self.reset()
 
     def reset(self) -> None:
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
+        self.deferred = None  # where the layers reading `_output` defer their weight gradients, with overlap
 
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:
+        if x is self._output:
+            return x
         if self._input is not x:
-            self._input, self._output = x, enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
+            self._input, self.deferred = x, None
+            if self.overlap and self.input_layout != GATHERED_INPUT and can_overlap(self.group):
+                parameters = [p for layer in self.layers for p in (layer.weight, layer.bias)]
+                gather = self.input_layout == SEQUENCE_SHARDED_INPUT
+                self._output, self.deferred = enter_with_overlap(x, parameters, gather, self.group, self.comm_counter)
+            else:
+                self._output = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
         return self._output
+
+    def deferred_for(self, x: torch.Tensor):
+        """Where a layer whose input is `x` defers its weight gradients: this entry's, if `x` is its output."""
+        return self.deferred if x is self._output else None
 
 
 def enter_column_parallel(
@@ -115,10 +138,10 @@ class ColumnParallelLinear(Configurable, nn.Module):
             `tp_train.parallel.sharding`). Not with `gather_output`.
         group: the tensor-parallel process group.
         gather_output: return the full (replicated) output instead of this rank's shard.
-        input_layout, input_region, comm_counter: see `Configurable`.
+        input_layout, input_region, comm_counter, overlap: see `Configurable`.
     """
 
-    SETTINGS = ("input_layout", "input_region", "comm_counter")
+    SETTINGS = ("input_layout", "input_region", "comm_counter", "overlap")
 
     def __init__(
         self,
@@ -135,9 +158,11 @@ class ColumnParallelLinear(Configurable, nn.Module):
         input_layout: str = REPLICATED_INPUT,
         input_region: SharedInputRegion | None = None,
         comm_counter: CommunicationCounter | None = None,
+        overlap: bool = True,
     ):
         super().__init__()
         self.group = group
+        self.overlap = overlap  # backward: the input gradient's collective runs while the weight gradient is computed
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
@@ -163,11 +188,19 @@ class ColumnParallelLinear(Configurable, nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        deferred = None
         if self.input_region is not None:
             x = self.input_region.copy_to(x)
+            deferred = self.input_region.deferred_for(x) if self.overlap else None
+        elif self.overlap and self.input_layout != GATHERED_INPUT and can_overlap(self.group):
+            gather = self.input_layout == SEQUENCE_SHARDED_INPUT
+            x, deferred = enter_with_overlap(x, [self.weight, self.bias], gather, self.group, self.comm_counter)
         else:
             x = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
-        y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
+        if deferred is not None:  # the weight gradient is computed while the input gradient's collective runs
+            y = linear_with_deferred_weight_gradient(x, self.weight, self.bias, deferred)
+        else:
+            y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
         if not self.gather_output:
             return y
         y = gather_from_tensor_parallel_region(y, self.group, self.comm_counter)  # (..., tp * local): rank-major

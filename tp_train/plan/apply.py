@@ -274,7 +274,7 @@ def _share_sibling_inputs(model: nn.Module, planned: list[PlannedModule], group:
     for parent_name, layers in siblings.items():
         if len(layers) < 2:
             continue
-        region = SharedInputRegion(group)
+        region = SharedInputRegion(group, layers=tuple(layers))
         for layer in layers:
             layer.configure(input_region=region)
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -48,6 +48,7 @@ def parallelize(
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    overlap: bool = True,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -88,6 +89,10 @@ def parallelize(
             it is sharded and verified. Its collectives trace as torch's functional collectives, so a model without
             dropout compiles with no graph break; with dropout, each switch of random stream breaks the graph
             (`tp_train.parallel.random`). The tensor-parallel traffic of compiled steps is not counted.
+        overlap: in backward, start each column-parallel entry's collective (the all-reduce of `f`, or sequence
+            parallelism's reduce-scatter) asynchronously and compute the weight gradients while it runs
+            (`tp_train.parallel.overlap`): the same collectives, the same results. Eager only (compiled models
+            use functional collectives). False: the plain path, e.g. to measure what overlap saves.
     """
     group = as_process_group(tp_group)
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
@@ -129,6 +134,7 @@ def parallelize(
     if check is not None and dist.get_rank() == 0:
         print(_verification_summary(check, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)
+    _configure_overlap(model, overlap)
     counter.reset()  # verification's traffic is not training's
     if compile:
         model.compile()
@@ -184,6 +190,14 @@ def _count_communication(model: nn.Module, counter: CommunicationCounter) -> Com
             if region is not None:
                 region.configure(comm_counter=counter)
     return counter
+
+
+def _configure_overlap(model: nn.Module, overlap: bool) -> None:
+    """Switches backward overlap on or off in every column layer of `model` and the regions its layers enter by."""
+    for module in model.modules():
+        for configurable in (module, getattr(module, "input_region", None)):
+            if isinstance(configurable, Configurable) and "overlap" in configurable.SETTINGS:
+                configurable.configure(overlap=overlap)
 
 
 def attached(root: nn.Module, attribute: str) -> list:

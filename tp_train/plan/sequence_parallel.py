@@ -26,10 +26,15 @@ from torch.distributed import ProcessGroup
 from tp_train.parallel.collectives import (
     CommunicationCounter,
     all_reduce_gradient,
-    gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from tp_train.parallel.layers import GATHERED_INPUT, SEQUENCE_SHARDED_INPUT, ColumnParallelLinear, RowParallelLinear
+from tp_train.parallel.layers import (
+    GATHERED_INPUT,
+    SEQUENCE_SHARDED_INPUT,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SharedInputRegion,
+)
 from tp_train.parallel.random import SHARDED, TensorParallelRNG
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.layout import BlockLayout
@@ -83,6 +88,7 @@ def apply_sequence_parallel(
     head = model.get_submodule(layout.head)
     for name in layout.blocks:
         rng.run_in(model.get_submodule(name), SHARDED)
+    inside: dict[str, list[ColumnParallelLinear]] = {name: [] for name in layout.sub_blocks}
     for name, layer in model.named_modules():
         if not layout.in_blocks(name):
             continue
@@ -91,16 +97,24 @@ def apply_sequence_parallel(
         if isinstance(layer, ColumnParallelLinear):
             # Inside an attention / MLP module the module's input was gathered whole (its code may read the
             # sequence length off it); a column layer right in the block gathers its own input.
-            inside = name.rpartition(".")[0] in layout.sub_blocks
-            layer.configure(input_layout=GATHERED_INPUT if inside else SEQUENCE_SHARDED_INPUT)
+            parent = name.rpartition(".")[0]
+            layer.configure(input_layout=GATHERED_INPUT if parent in inside else SEQUENCE_SHARDED_INPUT)
             if layer.input_region is not None:
                 layer.input_region.configure(input_layout=layer.input_layout)
+            if parent in inside:
+                inside[parent].append(layer)
     for name in sorted(layout.sub_blocks):
         # One all-gather shared by all the module's column layers (reduce-scatter in backward), made contiguous
-        # once here: q, k and v would each copy a strided gather to fold it into a matmul, and keep the copy.
-        _map_input(
-            model.get_submodule(name), lambda x: gather_from_sequence_parallel_region(x, group, counter).contiguous()
-        )
+        # once here: q, k and v would each copy a strided gather to fold it into a matmul, and keep the copy. The
+        # layers read it through the same region, whose backward computes their weight gradients while the
+        # reduce-scatter runs (`tp_train.parallel.overlap`).
+        sub_block = model.get_submodule(name)
+        gather = SharedInputRegion(group, SEQUENCE_SHARDED_INPUT, counter, layers=tuple(inside[name]))
+        for layer in inside[name]:
+            layer.configure(input_region=gather)
+        sub_block.register_forward_pre_hook(lambda *_, gather=gather: gather.reset())
+        _map_input(sub_block, gather.copy_to)
+        sub_block.register_forward_hook(lambda *_, gather=gather: gather.reset(), always_call=True)
     head.configure(input_layout=SEQUENCE_SHARDED_INPUT)
     world_size = dist.get_world_size(group)
 

@@ -1,0 +1,162 @@
+"""Backward overlap for column-parallel layers: the input gradient's collective runs while the weight gradients
+are computed (the idea of Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`).
+
+A column-parallel layer enters the parallel region through `f` (identity forward, all-reduce of the input
+gradient backward), or under sequence parallelism through an all-gather (reduce-scatter backward). In backward,
+that collective needs only the input gradient `grad_out @ W`; the weight and bias gradients need only `grad_out`
+and the input. So the backward is split in two autograd nodes:
+
+- each layer's linear (`linear_with_deferred_weight_gradient`) computes its input gradient and hands
+  `(grad_out, input)` to the entry it read its input from, returning no weight gradient;
+- the entry (`enter_with_overlap`: identity or all-gather forward) takes every reading layer's parameters as
+  inputs. Its backward runs once all the layers' input gradients are summed: it starts the all-reduce (or
+  reduce-scatter) asynchronously, computes the deferred weight and bias gradients while it runs, waits, and
+  returns the parameters' gradients to autograd (so hooks, gradient accumulation and FSDP2 see ordinary
+  gradients).
+
+The collectives are the ones of the plain path, one per entry: the counts and bytes do not change. gloo runs a
+collective on its own thread, so the overlap is real on CPU; NCCL runs it on its own stream. A layer defers only
+when its input is the entry's very output, so the entry's backward is sure to run after the layer's; otherwise the
+layer computes its own weight gradient. Eager only: under `torch.compile` the layers use the functional
+collectives of `tp_train.parallel.collectives`, and the compiler schedules them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from tp_train.parallel.collectives import (
+    SEQUENCE_DIM,
+    CommunicationCounter,
+    all_reduce_async,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_async,
+)
+
+
+def can_overlap(group: ProcessGroup) -> bool:
+    """Whether the overlapped path applies: eager, building a graph, more than one rank."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and dist.get_world_size(group) > 1
+
+
+class DeferredWeightGradients:
+    """What the layers reading one entry's output hand to it in backward: per use of a weight, its index (and its
+    bias's) among the entry's parameters, the output gradient and the input."""
+
+    def __init__(self, parameters: list[torch.Tensor]):
+        self.index = {id(p): i for i, p in enumerate(parameters)}
+        self.pending: list[tuple[int, int | None, torch.Tensor, torch.Tensor]] = []
+        self.open = True  # until the entry's backward has run
+
+    def compute(self, count: int, needed: tuple[bool, ...], dtypes: list[torch.dtype]) -> list:
+        """The deferred gradients, one per entry parameter (None where nothing was deferred or none is needed)."""
+        grads: list[torch.Tensor | None] = [None] * count
+        for weight_index, bias_index, grad_output, x in self.pending:
+            weight_grad, bias_grad = _weight_gradients(grad_output, x, needed[weight_index], bias_index is not None)
+            for index, grad in ((weight_index, weight_grad), (bias_index, bias_grad)):
+                if index is None or grad is None or not needed[index]:
+                    continue
+                grad = grad.to(dtypes[index])
+                grads[index] = grad if grads[index] is None else grads[index] + grad
+        self.pending.clear()
+        self.open = False
+        return grads
+
+
+def enter_with_overlap(
+    x: torch.Tensor,
+    parameters: list[torch.Tensor],
+    gather_sequence: bool,
+    group: ProcessGroup,
+    counter: CommunicationCounter | None = None,
+) -> tuple[torch.Tensor, DeferredWeightGradients]:
+    """The column-parallel region's entry with backward overlap, for the layers holding `parameters`.
+
+    Forward: identity (`f`), or with `gather_sequence` the all-gather of the sequence shards (made contiguous).
+    Backward: starts the all-reduce (or reduce-scatter) of the input gradient, computes the weight and bias
+    gradients the layers deferred to it, then waits. Returns the entered input and the object the layers hand
+    their deferred gradients to (`linear_with_deferred_weight_gradient`)."""
+    parameters = [p for p in parameters if p is not None]
+    deferred = DeferredWeightGradients(parameters)
+    entered = _EnterWithOverlap.apply(x, gather_sequence, group, counter, deferred, *parameters)
+    return entered, deferred
+
+
+def linear_with_deferred_weight_gradient(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, deferred: DeferredWeightGradients
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` whose backward computes the input gradient and hands the weight and bias
+    gradients' inputs to `deferred` (the entry `x` came from), which computes them while its collective runs.
+    Under autocast the operands are cast as `F.linear` casts them, and the gradients back to their dtypes."""
+    if id(weight) not in deferred.index or (bias is not None and id(bias) not in deferred.index):
+        return F.linear(x, weight, bias)  # not among the entry's parameters (replaced since): no deferral
+    return _LinearWithDeferredWeightGradient.apply(x, weight, bias, deferred)
+
+
+class _EnterWithOverlap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gather_sequence, group, counter, deferred, *parameters):
+        ctx.gather_sequence, ctx.group, ctx.counter, ctx.deferred = gather_sequence, group, counter, deferred
+        ctx.dtypes = [p.dtype for p in parameters]
+        if gather_sequence:  # autograd is off in here: the plain forward collective, counted
+            return gather_from_sequence_parallel_region(x, group, counter).contiguous()
+        return x  # as `f` returns it (autograd makes the output a view of it)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pending = None
+        if ctx.needs_input_grad[0]:
+            if ctx.gather_sequence:
+                pending = reduce_scatter_async(grad, SEQUENCE_DIM, ctx.group, ctx.counter)
+            else:
+                pending = all_reduce_async(grad, ctx.group, ctx.counter)
+        parameter_grads = ctx.deferred.compute(len(ctx.dtypes), ctx.needs_input_grad[5:], ctx.dtypes)
+        grad_input = pending.wait() if pending is not None else None
+        return (grad_input, None, None, None, None, *parameter_grads)
+
+
+class _LinearWithDeferredWeightGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, deferred):
+        ctx.indices = (deferred.index[id(weight)], deferred.index[id(bias)] if bias is not None else None)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # cast as autocast's F.linear would, so the saved tensors are cast
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        ctx.save_for_backward(x, weight)
+        ctx.deferred = deferred
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        # 2-D once: the input gradient's and the weight gradient's matmuls share one copy of a strided gradient
+        shape = grad_output.shape
+        grad_output, x = grad_output.reshape(-1, shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.mm(weight).view(*shape[:-1], weight.shape[1]).to(ctx.dtypes[0])
+        weight_index, bias_index = ctx.indices
+        needs_weight, needs_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if not (needs_weight or needs_bias):
+            return grad_input, None, None, None
+        if ctx.deferred.open:
+            ctx.deferred.pending.append((weight_index, bias_index if needs_bias else None, grad_output, x))
+            return grad_input, None, None, None
+        # The entry's backward already ran (not expected: it is an ancestor of this node): compute them here.
+        weight_grad, bias_grad = _weight_gradients(grad_output, x, needs_weight, needs_bias)
+        weight_grad = weight_grad.to(ctx.dtypes[1]) if weight_grad is not None else None
+        bias_grad = bias_grad.to(ctx.dtypes[2]) if bias_grad is not None else None
+        return grad_input, weight_grad, bias_grad, None
+
+
+def _weight_gradients(grad_output: torch.Tensor, x: torch.Tensor, weight: bool, bias: bool):
+    """The gradients of `F.linear`'s weight and bias from the 2-D output gradient and input, in their dtype."""
+    weight_grad = grad_output.t().mm(x) if weight else None
+    bias_grad = grad_output.sum(0) if bias else None
+    return weight_grad, bias_grad
