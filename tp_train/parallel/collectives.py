@@ -23,6 +23,10 @@ from torch.distributed import ProcessGroup
 from tp_train.parallel.sharding import check_divisible
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
+# The profiler range around each eager collective: the time this thread spends issuing it and waiting for it
+# (the benchmark sums it per step; compiled code waits in `_c10d_functional::wait_tensor` instead).
+COLLECTIVE_RANGE = "tp_train::collective"
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -33,13 +37,20 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         if _compiling():
-            return funcol.all_reduce(x, "sum", group)
+            return funcol.all_reduce(x, op, group)
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        with torch.profiler.record_function(COLLECTIVE_RANGE):
+            dist.all_reduce(x, op=_REDUCE_OPS[op], group=group)
     return x
+
+
+def all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
+    """Not autograd: `x` reduced over the group (`op` "sum" or "max"), in place when eager and contiguous (use
+    the result)."""
+    return _all_reduce(x, group, op)
 
 
 def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -61,7 +72,8 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
         out = funcol.all_gather_tensor(x, 0, group)
     else:
         out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
-        _all_gather_single(out, x, group=group)
+        with torch.profiler.record_function(COLLECTIVE_RANGE):
+            _all_gather_single(out, x, group=group)
     if dim % x.dim() == 0:
         return out
     return torch.cat(out.chunk(world_size), dim=dim)  # one copy, and the result is contiguous
@@ -77,7 +89,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
     if _compiling():
         return funcol.reduce_scatter_tensor(x, "sum", 0, group).movedim(0, dim)
     out = x.new_empty((x.size(0) // world_size, *x.shape[1:]))
-    _reduce_scatter_single(out, x, group=group)
+    with torch.profiler.record_function(COLLECTIVE_RANGE):
+        _reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
 

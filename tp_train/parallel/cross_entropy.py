@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel.collectives import all_reduce
 from tp_train.parallel.sharding import section_slice
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, ignore_index, label_smoothing):
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        rank = dist.get_rank(group)
         # This rank's columns of the vocabulary; those past the real vocabulary are padding.
         columns = section_slice(vocab_size, logits.size(-1), rank)
         vocab_start, valid_columns = columns.start, columns.real
@@ -27,8 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             if valid_columns
             else logits.new_full((logits.size(0),), float("-inf"))
         )
-        if world_size > 1:
-            dist.all_reduce(max_logits, op=dist.ReduceOp.MAX, group=group)
+        max_logits = all_reduce(max_logits, group, "max")
         shifted = logits - max_logits.unsqueeze(-1)
         shifted[:, valid_columns:] = float("-inf")
 
@@ -38,8 +38,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         # One all-reduce for the three per-token sums.
         stats = torch.stack([target_logit, exp.sum(dim=-1), shifted[:, :valid_columns].sum(dim=-1)])
-        if world_size > 1:
-            dist.all_reduce(stats, group=group)
+        stats = all_reduce(stats, group)
         target_logit, sum_exp, sum_logits = stats
 
         log_sum_exp = sum_exp.log()

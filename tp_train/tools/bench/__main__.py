@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timings per contender (the median is reported)")
     parser.add_argument("--seconds", type=float, default=0.5, help="about how long one timing runs (>= 1 step)")
     parser.add_argument("--output", default="bench.json", help="where the JSON results go")
+    parser.add_argument(
+        "--no-compiled", dest="compiled", action="store_false", help="leave out the torch.compile contenders"
+    )
     parser.add_argument("--profile", type=Path, default=None, help="a directory for per-contender profiler tables")
     args = parser.parse_args(argv)
     unknown = [name for name in args.sizes.split(",") if name not in SIZES]
@@ -52,7 +55,7 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
     if args.profile is not None and rank == 0:
         args.profile.mkdir(parents=True, exist_ok=True)
     sizes = [SIZES[name] for name in args.sizes.split(",")]
-    results = benchmark(rank, sizes, args.tp, args.repeats, args.seconds, device, args.profile)
+    results = benchmark(rank, sizes, args.tp, args.repeats, args.seconds, device, args.profile, args.compiled)
     if rank == 0:
         info = {**info, "load_average_at_end": os.getloadavg(), "seconds": time.perf_counter() - start}
         checks = targets(results)

@@ -8,6 +8,9 @@
   count from the projection width), the output projections row-wise, the embedding row-wise over the vocabulary
   (all-reduced output) and the tied LM head column-wise over the vocabulary, its logits sharded, with the loss
   under torch's own `loss_parallel()`.
+
+`compiled` contenders are the same models under `torch.compile` (torch's default inductor backend): ours through
+`parallelize(compile=True)`, native's through `nn.Module.compile` after `parallelize_module`.
 """
 
 from __future__ import annotations
@@ -60,13 +63,20 @@ class Contender:
     threads: int = 1  # intra-op threads per rank
     sequence_parallel: bool = False  # ours only
     activation_checkpointing: bool = False  # ours only
+    compiled: bool = False
 
     @property
     def name(self) -> str:
         suffix = f" x{self.threads} threads" if self.threads > 1 else ""
         suffix += " +SP" if self.sequence_parallel else ""
         suffix += " +AC" if self.activation_checkpointing else ""
+        suffix += " compiled" if self.compiled else ""
         return f"{self.kind} tp={self.tp}{suffix}"
+
+    @property
+    def native_name(self) -> str:
+        """The native contender this one is compared with: the same tp, compiled or not."""
+        return Contender("native", self.tp, compiled=self.compiled).name
 
     @property
     def variant(self) -> bool:
@@ -132,11 +142,14 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
             loss_parallel=True,
             sequence_parallel=contender.sequence_parallel,
             activation_checkpointing=contender.activation_checkpointing,
+            compile=contender.compiled,
         )
         loss = functools.partial(_vocab_parallel_loss, group=group, vocab_size=size.vocab)
         return TrainingStep(model, batch, loss)
     if contender.kind == "native":
         native_parallelize(model, DeviceMesh.from_group(group, device.type))
+        if contender.compiled:
+            model.compile()
         return TrainingStep(model, batch, _full_loss, context=loss_parallel)
     return TrainingStep(model, batch)
 

@@ -11,7 +11,19 @@ from torch.distributed import ProcessGroup
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tp_train.parallel.collectives import COLLECTIVE_RANGE
 from tp_train.tools.bench.contenders import TrainingStep
+
+# Where a step's thread spends time on tensor-parallel collectives, as the profiler names it: ours eager (issuing
+# and waiting, in one range) and the functional collectives that DTensor and compiled code issue and wait on.
+COLLECTIVE_EVENTS = {
+    COLLECTIVE_RANGE,
+    "_c10d_functional::all_reduce",
+    "_c10d_functional::all_reduce_",
+    "_c10d_functional::all_gather_into_tensor",
+    "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::wait_tensor",
+}
 
 
 @contextmanager
@@ -79,10 +91,37 @@ def collectives_per_step(step: TrainingStep) -> int:
     return mode.count
 
 
+def collective_seconds(step: TrainingStep) -> float:
+    """Time one step's thread spends issuing and waiting on tensor-parallel collectives, from torch.profiler's
+    events (the outermost of nested ones); what overlap with computation hides no longer shows here."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    total = 0.0
+    for event in prof.events():
+        if event.name in COLLECTIVE_EVENTS and not _inside_collective(event):
+            total += event.cpu_time_total
+    return total / 1e6
+
+
+def _inside_collective(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in COLLECTIVE_EVENTS:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def group_max(value: float, group: ProcessGroup, device: torch.device) -> float:
     tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.item()
+
+
+def group_mean(value: float, group: ProcessGroup, device: torch.device) -> float:
+    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, group=group)
+    return tensor.item() / dist.get_world_size(group)
 
 
 def profile_table(step: TrainingStep, rows: int = 25) -> str:

@@ -20,8 +20,10 @@ import torch.distributed as dist
 from models import GPT
 from tp_train.tools.bench.contenders import Contender, Size, build
 from tp_train.tools.bench.measure import (
+    collective_seconds,
     collectives_per_step,
     group_max,
+    group_mean,
     intra_op_threads,
     peak_bytes,
     profile_table,
@@ -32,10 +34,12 @@ from tp_train.tools.memory import estimate_memory, tensor_parallel_bytes_per_ste
 MIB = 2**20
 
 
-def contenders_for(size: Size, tps: list[int], largest: bool) -> list[Contender]:
+def contenders_for(size: Size, tps: list[int], largest: bool, compiled: bool = True) -> list[Contender]:
     contenders = [Contender("plain", 1)]
     for tp in tps:
         contenders += [Contender("ours", tp), Contender("native", tp)]
+        if compiled and tp > 1:
+            contenders += [Contender("ours", tp, compiled=True), Contender("native", tp, compiled=True)]
         if tp == 2:  # what sequence parallelism and activation checkpointing save, and cost
             contenders += [
                 Contender("ours", tp, sequence_parallel=True),
@@ -54,15 +58,22 @@ def benchmark(
     seconds: float,
     device: torch.device,
     profile_dir: Path | None = None,
+    compiled: bool = True,
 ):
     """Runs every size; returns the results on rank 0 (None elsewhere). With `profile_dir`, rank 0 also writes
-    a profiler table of one step of every contender there."""
+    a profiler table of one step of every contender there. `compiled` adds ours and native under torch.compile
+    at every tp above one (each compiles on its first steps, before any timing)."""
     groups = {tp: dist.new_group(list(range(tp))) for tp in sorted(set(tps) | {1})}
     results = []
     for index, size in enumerate(sizes):
-        contenders = contenders_for(size, tps, largest=index == len(sizes) - 1)
+        contenders = contenders_for(size, tps, largest=index == len(sizes) - 1, compiled=compiled)
         mine = [c for c in contenders if rank < c.tp]
         steps = {c: build(c, size, groups[c.tp], device) for c in mine}
+        for contender in contenders:  # compile (forward and backward graphs) before anything is timed
+            dist.barrier()
+            if contender.compiled and contender in steps:
+                for _ in range(2):
+                    steps[contender]()
         with torch.device("meta"):
             meta_model = GPT(size.config())
         warmup = {}
@@ -93,7 +104,8 @@ def benchmark(
             if counter is not None:
                 counter.reset()
             collectives = collectives_per_step(step)
-            counted_bytes = counter.bytes if counter is not None else None
+            counted_bytes = counter.bytes if counter is not None else None  # of that one step
+            collective_s = group_mean(statistics.median(collective_seconds(step) for _ in range(3)), group, device)
             row = {
                 "kind": contender.kind,
                 "tp": contender.tp,
@@ -119,6 +131,8 @@ def benchmark(
                 / MIB,
                 "variant": contender.variant,
                 "collectives_per_step": collectives,
+                "collective_s": collective_s,
+                "compiled": contender.compiled,
             }
             if contender.kind == "ours":
                 row["tp_bytes_per_step"] = counted_bytes
