@@ -10,8 +10,8 @@ import pytest
 
 from tests.test_train_app import ROOT
 
-CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=2", "ours tp=2 +SP", "ours tp=2 +AC",
-              "plain tp=1 x2 threads"]  # fmt: skip
+CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=2", "ours tp=2 no overlap",
+              "ours tp=2 +SP", "ours tp=2 +AC", "plain tp=1 x2 threads"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_bench_smoke_writes_every_contender(tmp_path):
     # 4 per block; the embedding's forward and the head's input gradient; the vocab-parallel loss's max and sums.
     assert rows["ours tp=2"]["collectives_per_step"] == 4 * n_layer + 4
     assert rows["ours tp=1"]["collectives_per_step"] == 0
-    for name in ("ours tp=2", "ours tp=2 +SP", "ours tp=2 +AC"):
+    for name in ("ours tp=2", "ours tp=2 no overlap", "ours tp=2 +SP", "ours tp=2 +AC"):
         assert rows[name]["tp_bytes_per_step"] == rows[name]["analytic_tp_bytes_per_step"] > 0, name
     # The profiler sees this thread's time in collectives: ours' own ranges, native's functional collectives.
     assert 0 < rows["ours tp=2"]["collective_s"] < rows["ours tp=2"]["step_s"]

@@ -137,17 +137,15 @@ class CommunicationCounter:
 
 class PendingCollective:
     """A collective started with `async_op=True`: it runs on the backend's own thread (gloo) or stream (NCCL) while
-    the caller computes; `wait()` blocks until it is done and returns its result. The profiler shows the wait as
-    `WAIT_EVENT` (the time the caller spent blocked on it)."""
-
-    WAIT_EVENT = "tp_train::wait_collective"
+    the caller computes; `wait()` blocks until it is done and returns its result. The profiler shows the launch
+    and the wait (the time the caller spent blocked on it) as `COLLECTIVE_RANGE`."""
 
     def __init__(self, work, result: torch.Tensor, finish=None):
         self.work, self.result, self.finish = work, result, finish
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            with torch.profiler.record_function(self.WAIT_EVENT):
+            with torch.profiler.record_function(COLLECTIVE_RANGE):
                 self.work.wait()
         return self.finish(self.result) if self.finish is not None else self.result
 
@@ -162,7 +160,9 @@ def all_reduce_async(
     out = x.clone(memory_format=torch.contiguous_format)
     if counter is not None:
         counter.record(_sum, x, out, group)
-    return PendingCollective(dist.all_reduce(out, group=group, async_op=True), out)
+    with torch.profiler.record_function(COLLECTIVE_RANGE):
+        work = dist.all_reduce(out, group=group, async_op=True)
+    return PendingCollective(work, out)
 
 
 def reduce_scatter_async(
@@ -178,7 +178,8 @@ def reduce_scatter_async(
     out = moved.new_empty((moved.size(0) // world_size, *moved.shape[1:]))
     if counter is not None:
         counter.record(_reduce_scatter, x, out, group)
-    work = _reduce_scatter_single(out, moved, group=group, async_op=True)
+    with torch.profiler.record_function(COLLECTIVE_RANGE):
+        work = _reduce_scatter_single(out, moved, group=group, async_op=True)
     return PendingCollective(work, out, lambda result: result.movedim(0, dim))
 
 

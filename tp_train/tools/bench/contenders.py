@@ -64,6 +64,7 @@ class Contender:
     sequence_parallel: bool = False  # ours only
     activation_checkpointing: bool = False  # ours only
     compiled: bool = False
+    overlap: bool = True  # ours only: collectives in backward overlapped with the weight gradients
 
     @property
     def name(self) -> str:
@@ -71,6 +72,7 @@ class Contender:
         suffix += " +SP" if self.sequence_parallel else ""
         suffix += " +AC" if self.activation_checkpointing else ""
         suffix += " compiled" if self.compiled else ""
+        suffix += " no overlap" if not self.overlap else ""
         return f"{self.kind} tp={self.tp}{suffix}"
 
     @property
@@ -80,8 +82,8 @@ class Contender:
 
     @property
     def variant(self) -> bool:
-        """Sequence parallelism or activation checkpointing: compared with plain `ours`, not with native."""
-        return self.sequence_parallel or self.activation_checkpointing
+        """Sequence parallelism, activation checkpointing or no overlap: compared with plain `ours`, not native."""
+        return self.sequence_parallel or self.activation_checkpointing or not self.overlap
 
 
 class TrainingStep:
@@ -143,6 +145,7 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
             sequence_parallel=contender.sequence_parallel,
             activation_checkpointing=contender.activation_checkpointing,
             compile=contender.compiled,
+            overlap=contender.overlap,
         )
         loss = functools.partial(_vocab_parallel_loss, group=group, vocab_size=size.vocab)
         return TrainingStep(model, batch, loss)

@@ -87,6 +87,10 @@ def targets(results: list[dict]) -> list[dict]:
                 if f"ours tp={tp}" in rows:
                     ratio = rows[f"ours tp={tp}"]["model_state_mib"] / ours_1["model_state_mib"]
                     check(f"{size}: model state per rank tp={tp} / tp=1", ratio, limit)
+        no_overlap = rows.get("ours tp=2 no overlap")
+        if no_overlap and "ours tp=2" in rows and index == len(results) - 1:
+            ratio = rows["ours tp=2"]["collective_s"] / no_overlap["collective_s"]
+            check(f"{size}: time in TP collectives per step at tp=2, overlap / no overlap", ratio, 0.5)
         two_threads = rows.get("plain tp=1 x2 threads")
         if two_threads and "ours tp=2" in rows:
             ratio = rows["ours tp=2"]["step_s"] / two_threads["step_s"]

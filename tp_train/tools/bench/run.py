@@ -40,8 +40,9 @@ def contenders_for(size: Size, tps: list[int], largest: bool, compiled: bool = T
         contenders += [Contender("ours", tp), Contender("native", tp)]
         if compiled and tp > 1:
             contenders += [Contender("ours", tp, compiled=True), Contender("native", tp, compiled=True)]
-        if tp == 2:  # what sequence parallelism and activation checkpointing save, and cost
+        if tp == 2:  # what overlap gains, and what sequence parallelism and activation checkpointing save and cost
             contenders += [
+                Contender("ours", tp, overlap=False),
                 Contender("ours", tp, sequence_parallel=True),
                 Contender("ours", tp, activation_checkpointing=True),
             ]
