@@ -35,24 +35,65 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unbuildable")
 
 
+# Widths beyond the generic sizes, set wherever a (sub-)config has them as an int: mixture-of-experts widths (tp
+# must divide them), DeepSeek-style latent attention (a rotary and a plain part of each query/key head, values 8
+# wide, compressed ranks), and the widths a vision or audio tower hands to the text model.
+WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shared_experts_intermediate_size=32,
+              expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+              qk_head_dim=8, v_head_dim=8, out_hidden_size=32, hidden_size_global=32, projector_input_dim=32,
+              projector_output_dim=32, vision_output_dim=32, adapter_in_dim=32, adapter_out_dim=32,
+              adapter_input_size=32, linear_key_head_dim=8, linear_value_head_dim=8, index_head_dim=8,
+              index_topk=8, encoder_hash_byte_group_vocab=64, vocab_size_per_layer_input=VOCAB,
+              hidden_size_per_layer_input=8)  # fmt: skip
+
+
 def tiny_config(model_type: str) -> dict:
     """`SIZES`, plus the fields of this family's config that must agree with them: a head width (8) where the
-    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary."""
+    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary, the `WIDTHS`
+    the config has, and each sub-config (a multimodal model's `text_config`, `vision_config`, `audio_config`, ...)
+    made tiny the same way, so no part of the model keeps its full size."""
     from transformers import CONFIG_MAPPING
 
-    config = dict(SIZES)
     try:
         defaults = CONFIG_MAPPING[model_type]()
     except Exception:  # noqa: BLE001 - the build reports it
-        return config
+        return dict(SIZES)
+    return {**SIZES, **_tiny_fields(defaults)}
+
+
+def _tiny_fields(defaults) -> dict:
+    """The fields of one config (`defaults`, a default instance) that `tiny_config` sets beyond `SIZES`; for a
+    sub-config, `SIZES` too, since a sub-config is given as a dict of only the fields it has."""
+    from transformers import PretrainedConfig
+
+    config = {}
     head = SIZES["hidden_size"] // SIZES["num_attention_heads"]
-    for field, value in (("head_dim", head), ("rotary_dim", head // 2)):
-        if isinstance(getattr(defaults, field, None), int):
+    for field, value in (("head_dim", head), ("rotary_dim", head // 2), *WIDTHS.items()):
+        if isinstance(_value(defaults, field), int):
             config[field] = value
+    if "qk_rope_head_dim" in config:  # latent attention: head_dim is the rotary part of a query/key head
+        config["head_dim"] = config["qk_rope_head_dim"]
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(defaults, field, None), int) and getattr(defaults, field) >= VOCAB:
+        if isinstance(_value(defaults, field), int) and _value(defaults, field) >= VOCAB:
             config[field] = VOCAB - 1
+    for field in getattr(type(defaults), "sub_configs", {}):
+        sub = getattr(defaults, field, None)
+        if isinstance(sub, PretrainedConfig):
+            sizes = {key: value for key, value in SIZES.items() if isinstance(_value(sub, key), int)}
+            config[field] = {"model_type": sub.model_type, **sizes, **_tiny_fields(sub)}
+            if "num_hidden_layers" in sizes and isinstance(_value(sub, "mlp_layer_types"), list):
+                # per-layer MLP kinds (dots3's vision tower) are not re-derived from the layer count: keep the first
+                config[field]["mlp_layer_types"] = sub.mlp_layer_types[: SIZES["num_hidden_layers"]]
     return config
+
+
+def _value(config, field: str):
+    """`config.field`, or None where it has none; a field some configs keep per layer (Gemma 4's `head_dim`) is read
+    from the config's own attributes, since reading it as one value raises."""
+    try:
+        return getattr(config, field, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return vars(config).get(field)
 
 
 def families() -> list[str]:
