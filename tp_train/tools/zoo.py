@@ -71,6 +71,8 @@ def _tiny_fields(defaults) -> dict:
     for field, value in (("head_dim", head), ("rotary_dim", head // 2), *WIDTHS.items()):
         if isinstance(_value(defaults, field), int):
             config[field] = value
+    if "num_experts_per_tok" in vars(defaults) and defaults.num_experts_per_tok is None:  # DeepSeek-V2 needs one
+        config["num_experts_per_tok"] = 2
     if "qk_rope_head_dim" in config:  # latent attention: head_dim is the rotary part of a query/key head
         config["head_dim"] = config["qk_rope_head_dim"]
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -114,12 +116,18 @@ def check_family(model_type: str, steps: int = 3) -> dict:
     result = _check_family(model_type, steps, TOLERANCE)
     if result["class"] != "WRONG":
         return result
-    default = torch.get_default_dtype()
+    default, upcast = torch.get_default_dtype(), torch.Tensor.float
     torch.set_default_dtype(torch.float64)
+    # Models that upcast for half precision (`x.float()` in Gemma 4's norms) would drop to float32 here and bring
+    # float32's round-off back: in this re-check, `.float()` leaves a float64 tensor as it is.
+    torch.Tensor.float = lambda self, *args, **kwargs: (
+        self if self.dtype == torch.float64 else upcast(self, *args, **kwargs)
+    )
     try:
         exact = _check_family(model_type, steps, 1e-9)
     finally:
         torch.set_default_dtype(default)
+        torch.Tensor.float = upcast
     if exact["class"] == "pass":
         return {**result, "class": "round-off", "reason": f"float32: {result['reason']}; float64: {exact['reason']}"}
     return result
