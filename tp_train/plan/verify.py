@@ -43,7 +43,7 @@ from tp_train.parallel.sharding import (
     split_among_replicas,
     unshard_tensor,
 )
-from tp_train.plan.probe import PROBE_TOKENS, probe_token_ids
+from tp_train.plan.probe import PROBE_TOKENS, forward_without_cache, probe_token_ids
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
 HALF_PRECISION_TOLERANCE = 3e-2
@@ -359,7 +359,7 @@ def _forward(model: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, dict
     handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
     handles += [module.register_forward_hook(record(name)) for name, module in named]
     try:
-        output = _first_tensor(model(inputs))
+        output = _first_tensor(forward_without_cache(model, inputs))
     except Exception as error:  # noqa: BLE001 - re-raised with where it happened
         raise _ForwardFailure(running[-1] if running else None, error) from error
     finally:

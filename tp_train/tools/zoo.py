@@ -68,8 +68,11 @@ def _tiny_fields(defaults) -> dict:
 
     config = {}
     head = SIZES["hidden_size"] // SIZES["num_attention_heads"]
-    for field, value in (("head_dim", head), ("rotary_dim", head // 2), *WIDTHS.items()):
+    for field, value in (("head_dim", head), ("rotary_dim", head // 2)):
         if isinstance(_value(defaults, field), int):
+            config[field] = value
+    for field, value in WIDTHS.items():  # fields of its own only: xLSTM's `qk_head_dim` is a read-only property
+        if isinstance(vars(defaults).get(field), int):
             config[field] = value
     if "num_experts_per_tok" in vars(defaults) and defaults.num_experts_per_tok is None:  # DeepSeek-V2 needs one
         config["num_experts_per_tok"] = 2
@@ -141,10 +144,13 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
     import tp_train
     from models.hf import hugging_face_causal_lm
     from tp_train.errors import first_line
+    from tp_train.plan.probe import forward_without_cache
 
     torch.manual_seed(0)
     try:
         reference = hugging_face_causal_lm(model_type, config=tiny_config(model_type)).eval()
+        if hasattr(reference, "set_default_language"):  # X-MOD's adapters need a language, unsharded too
+            reference.set_default_language(reference.config.languages[0])
     except Exception as error:  # noqa: BLE001 - a family this config cannot build is not counted
         return {"class": "unbuildable", "reason": first_line(error)}
     model = copy.deepcopy(reference)
@@ -164,7 +170,7 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
     worst, where = 0.0, ""
     try:
         for step, idx in enumerate(batches):
-            logits = [getattr(m(idx), "logits", None) for m in (reference, model)]
+            logits = [getattr(forward_without_cache(m, idx), "logits", None) for m in (reference, model)]
             losses = [F.cross_entropy(out[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten()) for out in logits]
             for loss in losses:
                 loss.backward()
