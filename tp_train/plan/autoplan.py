@@ -41,7 +41,14 @@ import torch.nn as nn
 
 from tp_train.errors import first_line
 from tp_train.plan.local_search import capture_calls, find_local_view
-from tp_train.plan.probe import probe_copy, probe_token_ids, producers_of, split_sizes, trace_calls
+from tp_train.plan.probe import (
+    forward_without_cache,
+    probe_copy,
+    probe_token_ids,
+    producers_of,
+    split_sizes,
+    trace_calls,
+)
 from tp_train.plan.styles import LINEAR_STYLES, linear_shape, pattern_matches, split_style
 
 INFERRED_SOURCE = "inferred by the auto-planner"
@@ -381,7 +388,7 @@ class _Planner:
         ]
         try:
             with torch.no_grad():
-                self.model(self.inputs)
+                forward_without_cache(self.model, self.inputs)
         except _Stop:
             pass
         finally:
