@@ -176,6 +176,12 @@ def unsharded_skeleton(model: nn.Module) -> nn.Module:
     for tensor in chain(model.parameters(), model.buffers()):
         meta = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    # State a forward left on a module as a plain attribute (RecurrentGemma's last recurrent state) is copied without
+    # its autograd history: a tensor that has one cannot be deep-copied.
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None and id(value) not in memo:
+                memo[id(value)] = value.detach().clone()
     return copy.deepcopy(model, memo)
 
 
