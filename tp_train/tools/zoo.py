@@ -32,6 +32,9 @@ TOLERANCE = 1e-5
 VOCAB = 128
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+# Families whose own layout ties two generic sizes: MiMo-V2-Flash's sliding-window layers have twice the kv heads,
+# which must not exceed the query heads.
+FAMILY_FIELDS = {"mimo_v2_flash": dict(num_key_value_heads=2)}
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unbuildable")
 
 
@@ -58,7 +61,7 @@ def tiny_config(model_type: str) -> dict:
         defaults = CONFIG_MAPPING[model_type]()
     except Exception:  # noqa: BLE001 - the build reports it
         return dict(SIZES)
-    return {**SIZES, **_tiny_fields(defaults)}
+    return {**SIZES, **_tiny_fields(defaults), **FAMILY_FIELDS.get(model_type, {})}
 
 
 def _tiny_fields(defaults) -> dict:
