@@ -52,21 +52,38 @@ WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shar
 
 def tiny_config(model_type: str) -> dict:
     """`SIZES`, plus the fields of this family's config that must agree with them: a head width (8) where the
-    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary, the `WIDTHS`
-    the config has, and each sub-config (a multimodal model's `text_config`, `vision_config`, `audio_config`, ...)
-    made tiny the same way, so no part of the model keeps its full size."""
+    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary; and, where the
+    model still builds with them (on the meta device), the `WIDTHS` the config has, `FAMILY_FIELDS`, and each
+    sub-config (a multimodal model's `text_config`, `vision_config`, `audio_config`, ...) made tiny the same way, so
+    no part of the model keeps its full size."""
     from transformers import CONFIG_MAPPING
 
     try:
         defaults = CONFIG_MAPPING[model_type]()
     except Exception:  # noqa: BLE001 - the build reports it
         return dict(SIZES)
-    return {**SIZES, **_tiny_fields(defaults), **FAMILY_FIELDS.get(model_type, {})}
+    base = {**SIZES, **_tiny_fields(defaults, widths=False)}
+    full = {**SIZES, **_tiny_fields(defaults, widths=True), **FAMILY_FIELDS.get(model_type, {})}
+    return full if full == base or _builds(model_type, full) else base
 
 
-def _tiny_fields(defaults) -> dict:
-    """The fields of one config (`defaults`, a default instance) that `tiny_config` sets beyond `SIZES`; for a
-    sub-config, `SIZES` too, since a sub-config is given as a dict of only the fields it has."""
+def _builds(model_type: str, config: dict) -> bool:
+    """Whether the family's causal LM builds from `config` (on the meta device: no memory, no initialisation)."""
+    import torch
+
+    from models.hf import hugging_face_causal_lm
+
+    try:
+        with torch.device("meta"):
+            hugging_face_causal_lm(model_type, config=config)
+    except Exception:  # noqa: BLE001 - some configs reject a field tiny_config sets (Gemma 3n, MusicGen)
+        return False
+    return True
+
+
+def _tiny_fields(defaults, widths: bool) -> dict:
+    """The fields of one config (`defaults`, a default instance) that `tiny_config` sets beyond `SIZES`, with the
+    `WIDTHS` and sub-configs or without; a sub-config is given as a dict of only the fields it has, `SIZES` too."""
     from transformers import PretrainedConfig
 
     config = {}
@@ -74,6 +91,11 @@ def _tiny_fields(defaults) -> dict:
     for field, value in (("head_dim", head), ("rotary_dim", head // 2)):
         if isinstance(_value(defaults, field), int):
             config[field] = value
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(_value(defaults, field), int) and _value(defaults, field) >= VOCAB:
+            config[field] = VOCAB - 1
+    if not widths:
+        return config
     for field, value in WIDTHS.items():  # fields of its own only: xLSTM's `qk_head_dim` is a read-only property
         if isinstance(vars(defaults).get(field), int):
             config[field] = value
@@ -81,14 +103,11 @@ def _tiny_fields(defaults) -> dict:
         config["num_experts_per_tok"] = 2
     if "qk_rope_head_dim" in config:  # latent attention: head_dim is the rotary part of a query/key head
         config["head_dim"] = config["qk_rope_head_dim"]
-    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(_value(defaults, field), int) and _value(defaults, field) >= VOCAB:
-            config[field] = VOCAB - 1
     for field in getattr(type(defaults), "sub_configs", {}):
         sub = getattr(defaults, field, None)
-        if isinstance(sub, PretrainedConfig):
+        if isinstance(sub, PretrainedConfig) and sub.model_type:  # not DBRX's attn_config: part of its parent
             sizes = {key: value for key, value in SIZES.items() if isinstance(_value(sub, key), int)}
-            config[field] = {"model_type": sub.model_type, **sizes, **_tiny_fields(sub)}
+            config[field] = {"model_type": sub.model_type, **sizes, **_tiny_fields(sub, widths=True)}
             if "num_hidden_layers" in sizes and isinstance(_value(sub, "mlp_layer_types"), list):
                 # per-layer MLP kinds (dots3's vision tower) are not re-derived from the layer count: keep the first
                 config[field]["mlp_layer_types"] = sub.mlp_layer_types[: SIZES["num_hidden_layers"]]
