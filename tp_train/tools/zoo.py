@@ -8,6 +8,8 @@ Each family lands in one class:
 - `refused`: `parallelize` refused it in one line (a plan it cannot apply, or verification found a difference);
 - `round-off`: beyond 1e-5 in float32 but within 1e-9 in float64 (the same function, summed in another order);
 - `WRONG`: sharded without complaint, but it computes something else (the worst outcome: none should be here);
+- `unsharded`: it matches, but a rank holds more than 1.1/tp of the block matrices that train (some attention or MLP
+  left whole on every rank without the planner saying so);
 - `error`: anything else (a crash, or no result within `--timeout` seconds);
 - `unbuildable`: no tiny model could be built from the family's config (not counted among the families).
 
@@ -35,7 +37,8 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
 # Families whose own layout ties two generic sizes: MiMo-V2-Flash's sliding-window layers have twice the kv heads,
 # which must not exceed the query heads.
 FAMILY_FIELDS = {"mimo_v2_flash": dict(num_key_value_heads=2)}
-CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unbuildable")
+CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
+UNSHARDED = 1.1  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs stay whole)
 
 
 # Widths beyond the generic sizes, set wherever a (sub-)config has them as an int: mixture-of-experts widths (tp
@@ -200,6 +203,7 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
             if step == 0:
                 differences["logits"] = (logits[0] - logits[1]).abs().max().item()
                 reference_params = dict(reference.named_parameters())
+                share, whole = _block_share(model, reference_params)
                 for name, param in model.named_parameters():
                     grad = param.grad
                     if grad is not None and name in specs:
@@ -217,7 +221,27 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
         return {"class": "error", "reason": f"training step: {type(error).__name__}: {first_line(error)}"}
     if not worst <= tolerance:
         return {"class": "WRONG", "reason": f"{where} differs by {worst:.3g}", "kept_whole": kept_whole}
+    if not kept_whole and share > UNSHARDED / dist.get_world_size():
+        return {
+            "class": "unsharded",
+            "reason": f"matches (largest difference {worst:.1e}), but a rank holds {share:.2f} of the trained block "
+            f"matrices ('{whole}' among those kept whole)",
+        }
     return {"class": "pass", "reason": f"largest difference {worst:.1e}", "kept_whole": kept_whole}
+
+
+def _block_share(model, reference_params: dict) -> tuple[float, str]:
+    """This rank's share of the elements of the block matrices that train (parameters of two or more dims under a
+    numbered module that got a gradient: a vision tower a text batch never reaches does not count), and the first
+    one it holds whole."""
+    held = full = 0
+    whole = ""
+    for name, param in model.named_parameters():
+        expected = reference_params[name]
+        if param.dim() >= 2 and expected.grad is not None and any(part.isdigit() for part in name.split(".")):
+            held, full = held + param.numel(), full + expected.numel()
+            whole = whole or (name if param.numel() == expected.numel() else "")
+    return held / max(full, 1), whole
 
 
 def _rank_main(model_type: str, rank: int, world_size: int, port: int, results) -> None:
@@ -318,12 +342,12 @@ def summary(results: dict[str, dict], tp: int) -> str:
     lines = [
         f"{counts['pass']} of {buildable} buildable families pass at tp={tp} ({share:.0%}); "
         f"round-off {counts['round-off']}, refused {counts['refused']}, WRONG {counts['WRONG']}, "
-        f"error {counts['error']}; "
+        f"error {counts['error']}, unsharded {counts['unsharded']}; "
         f"{counts['unbuildable']} not buildable from a tiny config",
     ]
     if partial:
         lines.append(f"pass with attention kept whole ({len(partial)}): {', '.join(partial)}")
-    for name in ("WRONG", "round-off", "refused", "error"):
+    for name in ("WRONG", "round-off", "unsharded", "refused", "error"):
         for family, result in sorted(results.items()):
             if result["class"] == name:
                 lines.append(f"{name:<8} {family:<26} {result['reason']}")
