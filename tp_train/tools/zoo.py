@@ -45,48 +45,31 @@ UNSHARDED = 1.1  # a pass holds at most this over 1/tp of the trained block matr
 # must divide them), DeepSeek-style latent attention (a rotary and a plain part of each query/key head, values 8
 # wide, compressed ranks), and the widths a vision or audio tower hands to the text model.
 WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shared_experts_intermediate_size=32,
-              expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
-              qk_head_dim=8, v_head_dim=8, out_hidden_size=32, hidden_size_global=32, projector_input_dim=32,
-              projector_output_dim=32, vision_output_dim=32, adapter_in_dim=32, adapter_out_dim=32,
-              adapter_input_size=32, linear_key_head_dim=8, linear_value_head_dim=8, index_head_dim=8,
-              index_topk=8, encoder_hash_byte_group_vocab=64, vocab_size_per_layer_input=VOCAB,
-              hidden_size_per_layer_input=8)  # fmt: skip
+              expert_intermediate_size=32, expert_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16,
+              qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8, v_head_dim=8, out_hidden_size=32,
+              hidden_size_global=32, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32,
+              adapter_in_dim=32, adapter_out_dim=32, adapter_input_size=32, linear_key_head_dim=8,
+              linear_value_head_dim=8, index_head_dim=8, index_topk=8, encoder_hash_byte_group_vocab=64,
+              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)  # fmt: skip
 
 
 def tiny_config(model_type: str) -> dict:
     """`SIZES`, plus the fields of this family's config that must agree with them: a head width (8) where the
-    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary; and, where the
-    model still builds with them (on the meta device), the `WIDTHS` the config has, `FAMILY_FIELDS`, and each
-    sub-config (a multimodal model's `text_config`, `vision_config`, `audio_config`, ...) made tiny the same way, so
-    no part of the model keeps its full size."""
+    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary, the `WIDTHS`
+    the config has, `FAMILY_FIELDS`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
+    `audio_config`, ...) made tiny the same way, so no part of the model keeps its full size."""
     from transformers import CONFIG_MAPPING
 
     try:
         defaults = CONFIG_MAPPING[model_type]()
     except Exception:  # noqa: BLE001 - the build reports it
         return dict(SIZES)
-    base = {**SIZES, **_tiny_fields(defaults, widths=False)}
-    full = {**SIZES, **_tiny_fields(defaults, widths=True), **FAMILY_FIELDS.get(model_type, {})}
-    return full if full == base or _builds(model_type, full) else base
+    return {**SIZES, **_tiny_fields(defaults), **FAMILY_FIELDS.get(model_type, {})}
 
 
-def _builds(model_type: str, config: dict) -> bool:
-    """Whether the family's causal LM builds from `config` (on the meta device: no memory, no initialisation)."""
-    import torch
-
-    from models.hf import hugging_face_causal_lm
-
-    try:
-        with torch.device("meta"):
-            hugging_face_causal_lm(model_type, config=config)
-    except Exception:  # noqa: BLE001 - some configs reject a field tiny_config sets (Gemma 3n, MusicGen)
-        return False
-    return True
-
-
-def _tiny_fields(defaults, widths: bool) -> dict:
-    """The fields of one config (`defaults`, a default instance) that `tiny_config` sets beyond `SIZES`, with the
-    `WIDTHS` and sub-configs or without; a sub-config is given as a dict of only the fields it has, `SIZES` too."""
+def _tiny_fields(defaults) -> dict:
+    """The fields of one config (`defaults`, a default instance) that `tiny_config` sets beyond `SIZES`; a
+    sub-config is given as a dict of only the fields it has, `SIZES` too."""
     from transformers import PretrainedConfig
 
     config = {}
@@ -97,8 +80,6 @@ def _tiny_fields(defaults, widths: bool) -> dict:
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(_value(defaults, field), int) and _value(defaults, field) >= VOCAB:
             config[field] = VOCAB - 1
-    if not widths:
-        return config
     for field, value in WIDTHS.items():  # fields of its own only: xLSTM's `qk_head_dim` is a read-only property
         if isinstance(vars(defaults).get(field), int):
             config[field] = value
@@ -110,7 +91,7 @@ def _tiny_fields(defaults, widths: bool) -> dict:
         sub = getattr(defaults, field, None)
         if isinstance(sub, PretrainedConfig) and sub.model_type:  # not DBRX's attn_config: part of its parent
             sizes = {key: value for key, value in SIZES.items() if isinstance(_value(sub, key), int)}
-            config[field] = {"model_type": sub.model_type, **sizes, **_tiny_fields(sub, widths=True)}
+            config[field] = {"model_type": sub.model_type, **sizes, **_tiny_fields(sub)}
             if "num_hidden_layers" in sizes and isinstance(_value(sub, "mlp_layer_types"), list):
                 # per-layer MLP kinds (dots3's vision tower) are not re-derived from the layer count: keep the first
                 config[field]["mlp_layer_types"] = sub.mlp_layer_types[: SIZES["num_hidden_layers"]]
