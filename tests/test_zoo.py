@@ -22,3 +22,32 @@ def test_the_zoo_classifies_a_passing_and_a_refused_family():
     text = summary(results, tp=2)
     assert text.startswith("1 of 2 buildable families pass at tp=2 (50%); round-off 0, refused 1, WRONG 0"), text
     assert "refused  rwkv" in text
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "mllama", "qwen3_5", "phi4_multimodal", "dots3_note"])
+def test_tiny_config_shrinks_every_sub_config(model_type):
+    """Multimodal families keep their sizes in sub-configs (text, vision, audio): each is made tiny, so the model
+    builds small (at full size they ran out of time or memory in the zoo)."""
+    import torch
+
+    from models.hf import hugging_face_causal_lm
+    from tp_train.tools.zoo import tiny_config
+
+    with torch.device("meta"):
+        model = hugging_face_causal_lm(model_type, config=tiny_config(model_type))
+    assert sum(p.numel() for p in model.parameters()) < 7_000_000
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash", "mimo_v2_flash"])
+def test_tiny_config_is_consistent_for_latent_attention_and_doubled_kv_heads(model_type):
+    """Latent attention's rotary, plain and value widths, and MiMo's doubled sliding-window kv heads, agree with the
+    tiny sizes: the unsharded model runs."""
+    import torch
+
+    from models.hf import hugging_face_causal_lm
+    from tp_train.plan.probe import forward_without_cache
+    from tp_train.tools.zoo import VOCAB, tiny_config
+
+    torch.manual_seed(0)
+    model = hugging_face_causal_lm(model_type, config=tiny_config(model_type))
+    assert forward_without_cache(model, torch.randint(0, VOCAB, (1, 8))).logits.shape == (1, 8, VOCAB)

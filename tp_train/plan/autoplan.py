@@ -42,7 +42,14 @@ import torch.nn as nn
 from tp_train.errors import first_line
 from tp_train.plan.coverage import as_patterns, generic, in_repeated_block, kept_whole_notes, sharded_parameters
 from tp_train.plan.local_search import capture_calls, find_local_view
-from tp_train.plan.probe import probe_copy, probe_token_ids, producers_of, split_sizes, trace_calls
+from tp_train.plan.probe import (
+    forward_without_cache,
+    probe_copy,
+    probe_token_ids,
+    producers_of,
+    split_sizes,
+    trace_calls,
+)
 from tp_train.plan.styles import linear_shape
 
 INFERRED_SOURCE = "inferred by the auto-planner"
@@ -413,7 +420,7 @@ class _Planner:
         ]
         try:
             with torch.no_grad():
-                self.model(self.inputs)
+                forward_without_cache(self.model, self.inputs)
         except _Stop:
             pass
         finally:

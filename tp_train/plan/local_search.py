@@ -33,6 +33,7 @@ from tp_train.plan.local_view import (
     share_replicated_kv_heads,
     usual_fields,
 )
+from tp_train.plan.probe import forward_without_cache
 from tp_train.plan.styles import head_counts, linear_shape, split_style, style_shard_spec
 
 MOST_CHANGES = 4  # largest set of changes tried at once
@@ -65,7 +66,7 @@ def capture_calls(model: nn.Module, inputs: torch.Tensor, names: set[str]) -> di
     handles = [modules[name].register_forward_pre_hook(hook(name), with_kwargs=True) for name in names]
     try:
         with torch.no_grad():
-            model(inputs)
+            forward_without_cache(model, inputs)
     finally:
         for handle in handles:
             handle.remove()

@@ -6,6 +6,7 @@ on the meta device.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ def trace_calls(model: nn.Module, inputs: torch.Tensor) -> dict[str, ModuleCall]
             handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave(name))]
     try:
         with torch.enable_grad():
-            model(inputs)
+            forward_without_cache(model, inputs)
     except Exception as error:  # noqa: BLE001 - any failure of the probe is reported as one line
         raise ValueError(
             f"the auto-planner could not run {type(model).__name__} on a probe batch of shape {tuple(inputs.shape)} "
@@ -64,6 +65,17 @@ def trace_calls(model: nn.Module, inputs: torch.Tensor) -> dict[str, ModuleCall]
         for handle in handles:
             handle.remove()
     return calls
+
+
+def forward_without_cache(model: nn.Module, inputs: torch.Tensor):
+    """`model(inputs)`, with `use_cache=False` where its forward takes `use_cache` (Hugging Face models): a probe
+    wants the dataflow, not a generation cache, and some models' default cache cannot be built from their layers
+    (the decoder of BART or Pegasus used as a causal LM, a hybrid whose layers are all linear attention)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        parameters = {}
+    return model(inputs, use_cache=False) if "use_cache" in parameters else model(inputs)
 
 
 def producers_of(tensor: torch.Tensor | None, outputs: dict[int, str]) -> tuple[set[str], list[nn.Parameter]]:

@@ -43,7 +43,7 @@ from tp_train.parallel.sharding import (
     split_among_replicas,
     unshard_tensor,
 )
-from tp_train.plan.probe import PROBE_TOKENS, probe_token_ids
+from tp_train.plan.probe import PROBE_TOKENS, forward_without_cache, probe_token_ids
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
 HALF_PRECISION_TOLERANCE = 3e-2
@@ -176,6 +176,12 @@ def unsharded_skeleton(model: nn.Module) -> nn.Module:
     for tensor in chain(model.parameters(), model.buffers()):
         meta = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    # State a forward left on a module as a plain attribute (RecurrentGemma's last recurrent state) is copied without
+    # its autograd history: a tensor that has one cannot be deep-copied.
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None and id(value) not in memo:
+                memo[id(value)] = value.detach().clone()
     return copy.deepcopy(model, memo)
 
 
@@ -359,7 +365,7 @@ def _forward(model: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, dict
     handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
     handles += [module.register_forward_hook(record(name)) for name, module in named]
     try:
-        output = _first_tensor(model(inputs))
+        output = _first_tensor(forward_without_cache(model, inputs))
     except Exception as error:  # noqa: BLE001 - re-raised with where it happened
         raise _ForwardFailure(running[-1] if running else None, error) from error
     finally:

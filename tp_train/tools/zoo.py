@@ -8,6 +8,8 @@ Each family lands in one class:
 - `refused`: `parallelize` refused it in one line (a plan it cannot apply, or verification found a difference);
 - `round-off`: beyond 1e-5 in float32 but within 1e-9 in float64 (the same function, summed in another order);
 - `WRONG`: sharded without complaint, but it computes something else (the worst outcome: none should be here);
+- `unsharded`: it matches, but a rank holds more than 1.15/tp of the block matrices that train (some attention or MLP
+  left whole on every rank without the planner saying so);
 - `error`: anything else (a crash, or no result within `--timeout` seconds);
 - `unbuildable`: no tiny model could be built from the family's config (not counted among the families).
 
@@ -32,27 +34,77 @@ TOLERANCE = 1e-5
 VOCAB = 128
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
-CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unbuildable")
+# Families whose own layout ties two generic sizes: MiMo-V2-Flash's sliding-window layers have twice the kv heads,
+# which must not exceed the query heads.
+FAMILY_FIELDS = {"mimo_v2_flash": dict(num_key_value_heads=2)}
+CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
+UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
+
+
+# Widths beyond the generic sizes, set wherever a (sub-)config has them as an int: mixture-of-experts widths (tp
+# must divide them), DeepSeek-style latent attention (a rotary and a plain part of each query/key head, values 8
+# wide, compressed ranks), and the widths a vision or audio tower hands to the text model.
+WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shared_experts_intermediate_size=32,
+              expert_intermediate_size=32, expert_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16,
+              qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8, v_head_dim=8, out_hidden_size=32,
+              hidden_size_global=32, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32,
+              adapter_in_dim=32, adapter_out_dim=32, adapter_input_size=32, linear_key_head_dim=8,
+              linear_value_head_dim=8, index_head_dim=8, index_topk=8, encoder_hash_byte_group_vocab=64,
+              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)  # fmt: skip
 
 
 def tiny_config(model_type: str) -> dict:
     """`SIZES`, plus the fields of this family's config that must agree with them: a head width (8) where the
-    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary."""
+    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary, the `WIDTHS`
+    the config has, `FAMILY_FIELDS`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
+    `audio_config`, ...) made tiny the same way, so no part of the model keeps its full size."""
     from transformers import CONFIG_MAPPING
 
-    config = dict(SIZES)
     try:
         defaults = CONFIG_MAPPING[model_type]()
     except Exception:  # noqa: BLE001 - the build reports it
-        return config
+        return dict(SIZES)
+    return {**SIZES, **_tiny_fields(defaults), **FAMILY_FIELDS.get(model_type, {})}
+
+
+def _tiny_fields(defaults) -> dict:
+    """The fields of one config (`defaults`, a default instance) that `tiny_config` sets beyond `SIZES`; a
+    sub-config is given as a dict of only the fields it has, `SIZES` too."""
+    from transformers import PretrainedConfig
+
+    config = {}
     head = SIZES["hidden_size"] // SIZES["num_attention_heads"]
     for field, value in (("head_dim", head), ("rotary_dim", head // 2)):
-        if isinstance(getattr(defaults, field, None), int):
+        if isinstance(_value(defaults, field), int):
             config[field] = value
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(defaults, field, None), int) and getattr(defaults, field) >= VOCAB:
+        if isinstance(_value(defaults, field), int) and _value(defaults, field) >= VOCAB:
             config[field] = VOCAB - 1
+    for field, value in WIDTHS.items():  # fields of its own only: xLSTM's `qk_head_dim` is a read-only property
+        if isinstance(vars(defaults).get(field), int):
+            config[field] = value
+    if "num_experts_per_tok" in vars(defaults) and defaults.num_experts_per_tok is None:  # DeepSeek-V2 needs one
+        config["num_experts_per_tok"] = 2
+    if "qk_rope_head_dim" in config:  # latent attention: head_dim is the rotary part of a query/key head
+        config["head_dim"] = config["qk_rope_head_dim"]
+    for field in getattr(type(defaults), "sub_configs", {}):
+        sub = getattr(defaults, field, None)
+        if isinstance(sub, PretrainedConfig) and sub.model_type:  # not DBRX's attn_config: part of its parent
+            sizes = {key: value for key, value in SIZES.items() if isinstance(_value(sub, key), int)}
+            config[field] = {"model_type": sub.model_type, **sizes, **_tiny_fields(sub)}
+            if "num_hidden_layers" in sizes and isinstance(_value(sub, "mlp_layer_types"), list):
+                # per-layer MLP kinds (dots3's vision tower) are not re-derived from the layer count: keep the first
+                config[field]["mlp_layer_types"] = sub.mlp_layer_types[: SIZES["num_hidden_layers"]]
     return config
+
+
+def _value(config, field: str):
+    """`config.field`, or None where it has none; a field some configs keep per layer (Gemma 4's `head_dim`) is read
+    from the config's own attributes, since reading it as one value raises."""
+    try:
+        return getattr(config, field, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return vars(config).get(field)
 
 
 def families() -> list[str]:
@@ -73,12 +125,18 @@ def check_family(model_type: str, steps: int = 3) -> dict:
     result = _check_family(model_type, steps, TOLERANCE)
     if result["class"] != "WRONG":
         return result
-    default = torch.get_default_dtype()
+    default, upcast = torch.get_default_dtype(), torch.Tensor.float
     torch.set_default_dtype(torch.float64)
+    # Models that upcast for half precision (`x.float()` in Gemma 4's norms) would drop to float32 here and bring
+    # float32's round-off back: in this re-check, `.float()` leaves a float64 tensor as it is.
+    torch.Tensor.float = lambda self, *args, **kwargs: (
+        self if self.dtype == torch.float64 else upcast(self, *args, **kwargs)
+    )
     try:
         exact = _check_family(model_type, steps, 1e-9)
     finally:
         torch.set_default_dtype(default)
+        torch.Tensor.float = upcast
     if exact["class"] == "pass":
         return {**result, "class": "round-off", "reason": f"float32: {result['reason']}; float64: {exact['reason']}"}
     return result
@@ -92,10 +150,13 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
     import tp_train
     from models.hf import hugging_face_causal_lm
     from tp_train.errors import first_line
+    from tp_train.plan.probe import forward_without_cache
 
     torch.manual_seed(0)
     try:
         reference = hugging_face_causal_lm(model_type, config=tiny_config(model_type)).eval()
+        if hasattr(reference, "set_default_language"):  # X-MOD's adapters need a language, unsharded too
+            reference.set_default_language(reference.config.languages[0])
     except Exception as error:  # noqa: BLE001 - a family this config cannot build is not counted
         return {"class": "unbuildable", "reason": first_line(error)}
     model = copy.deepcopy(reference)
@@ -115,7 +176,7 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
     worst, where = 0.0, ""
     try:
         for step, idx in enumerate(batches):
-            logits = [getattr(m(idx), "logits", None) for m in (reference, model)]
+            logits = [getattr(forward_without_cache(m, idx), "logits", None) for m in (reference, model)]
             losses = [F.cross_entropy(out[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten()) for out in logits]
             for loss in losses:
                 loss.backward()
@@ -123,6 +184,7 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
             if step == 0:
                 differences["logits"] = (logits[0] - logits[1]).abs().max().item()
                 reference_params = dict(reference.named_parameters())
+                share, whole = _block_share(model, reference_params)
                 for name, param in model.named_parameters():
                     grad = param.grad
                     if grad is not None and name in specs:
@@ -140,7 +202,27 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
         return {"class": "error", "reason": f"training step: {type(error).__name__}: {first_line(error)}"}
     if not worst <= tolerance:
         return {"class": "WRONG", "reason": f"{where} differs by {worst:.3g}", "kept_whole": kept_whole}
+    if not kept_whole and share > UNSHARDED / dist.get_world_size():
+        return {
+            "class": "unsharded",
+            "reason": f"matches (largest difference {worst:.1e}), but a rank holds {share:.2f} of the trained block "
+            f"matrices ('{whole}' among those kept whole)",
+        }
     return {"class": "pass", "reason": f"largest difference {worst:.1e}", "kept_whole": kept_whole}
+
+
+def _block_share(model, reference_params: dict) -> tuple[float, str]:
+    """This rank's share of the elements of the block matrices that train (parameters of two or more dims under a
+    numbered module that got a gradient: a vision tower a text batch never reaches does not count), and the first
+    one it holds whole."""
+    held = full = 0
+    whole = ""
+    for name, param in model.named_parameters():
+        expected = reference_params[name]
+        if param.dim() >= 2 and expected.grad is not None and any(part.isdigit() for part in name.split(".")):
+            held, full = held + param.numel(), full + expected.numel()
+            whole = whole or (name if param.numel() == expected.numel() else "")
+    return held / max(full, 1), whole
 
 
 def _rank_main(model_type: str, rank: int, world_size: int, port: int, results) -> None:
@@ -241,12 +323,12 @@ def summary(results: dict[str, dict], tp: int) -> str:
     lines = [
         f"{counts['pass']} of {buildable} buildable families pass at tp={tp} ({share:.0%}); "
         f"round-off {counts['round-off']}, refused {counts['refused']}, WRONG {counts['WRONG']}, "
-        f"error {counts['error']}; "
+        f"error {counts['error']}, unsharded {counts['unsharded']}; "
         f"{counts['unbuildable']} not buildable from a tiny config",
     ]
     if partial:
         lines.append(f"pass with attention kept whole ({len(partial)}): {', '.join(partial)}")
-    for name in ("WRONG", "round-off", "refused", "error"):
+    for name in ("WRONG", "round-off", "unsharded", "refused", "error"):
         for family, result in sorted(results.items()):
             if result["class"] == name:
                 lines.append(f"{name:<8} {family:<26} {result['reason']}")

@@ -1,0 +1,74 @@
+"""The auto-planner's probe forward and verification run a model the way training does, without a generation cache:
+Hugging Face models whose default cache cannot be built from their layers (the decoder of BART used as a causal
+LM, a hybrid whose first layers are all linear attention) are planned, sharded and match the unsharded model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.distributed import run_on_ranks
+from tests.parity import assert_parity, parity_errors
+from tests.test_parallelize import ATOL
+from tp_train.plan.probe import forward_without_cache
+from tp_train.plan.verify import unsharded_skeleton
+from tp_train.tools.zoo import VOCAB, tiny_config
+
+# Both fail unsharded when called with the default cache: BART's decoder indexes a cache of no layers, and two
+# linear-attention layers leave Qwen3.5's hybrid cache no attention layer to read the sequence length from.
+CACHE_FAMILIES = ("bart", "qwen3_5_text")
+
+
+def _build(model_type: str) -> nn.Module:
+    from models.hf import hugging_face_causal_lm
+
+    torch.manual_seed(0)
+    return hugging_face_causal_lm(model_type, config=tiny_config(model_type)).eval()
+
+
+def _logits(model, idx):
+    return forward_without_cache(model, idx).logits
+
+
+def _cache_families_parity(rank, world_size):
+    torch.set_num_threads(1)
+    return {name: parity_errors(_build(name), _logits, VOCAB) for name in CACHE_FAMILIES}
+
+
+def test_these_models_fail_with_their_default_cache():
+    idx = torch.randint(0, VOCAB, (1, 8))
+    for name in CACHE_FAMILIES:
+        model = _build(name)
+        with pytest.raises((IndexError, ValueError)):
+            model(idx)
+        assert forward_without_cache(model, idx).logits.shape == (1, 8, VOCAB)
+
+
+def test_models_whose_default_cache_cannot_be_built_are_auto_planned_and_match_unsharded():
+    for rank, results in enumerate(run_on_ranks(_cache_families_parity, 2, timeout=300)):
+        for errors in results.values():
+            # BART's cross-attention (no encoder here, so it never runs) and Qwen3.5's depthwise conv stay whole
+            assert_parity(errors, 2, rank, ATOL, block_rel_tol=0.05)
+
+
+class _KeepsState(nn.Module):
+    """A module that leaves its last output on itself as a plain attribute, as RecurrentGemma's RG-LRU does."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.state = None
+
+    def forward(self, x):
+        self.state = self.linear(x)
+        return self.state
+
+
+def test_the_unsharded_skeleton_copies_state_a_forward_left_with_autograd_history():
+    model = _KeepsState()
+    model(torch.ones(2, 4))
+    assert model.state.grad_fn is not None
+    skeleton = unsharded_skeleton(model)
+    assert skeleton.linear.weight.is_meta and skeleton.state.grad_fn is None
+    assert torch.equal(skeleton.state, model.state.detach())
