@@ -71,9 +71,10 @@ def parallelize(
             the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
             else CPU.
         verify: check the sharding and raise `PlanVerificationError` on a difference (`tp_train.plan.verify`): each
-            swapped module against the module it replaced (one module's tensors at a time), then the whole
-            sharded model against the unsharded one on a probe batch, outputs and gradients (a full copy per rank
-            while it runs). Default None: both for every plan, the whole-model check only for models of at most
+            swapped module against the module it replaced (one module's tensors at a time), each module a region
+            style wraps (MoE experts, `all_reduce`) against itself before sharding on its probe arguments, then the
+            whole sharded model against the unsharded one on a probe batch, outputs and gradients (a full copy per
+            rank while it runs). Default None: both for every plan, the whole-model check only for models of at most
             `WHOLE_MODEL_CHECK_BYTES` of parameters; True: both always; False: neither. Rank 0 prints one line
             saying what was checked and the largest difference.
         weights: pretrained safetensors weights (a file, or a `save_pretrained` directory) to fill the sharded

@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 from tp_train.errors import first_line
 from tp_train.plan.probe import PROBE_TOKENS, probe_token_ids
 from tp_train.plan.styles import PlannedModule
-from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, _first_tensor, _raise_first, _relative
+from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
 
 # Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
 # compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design).
@@ -115,7 +115,7 @@ class RegionCheck:
                     + f" {what}"
                 )
         self._references.clear()
-        _raise_first(problem, self.group)
+        raise_first(problem, self.group)
 
 
 class _Run:
@@ -147,7 +147,7 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, whole) -> _Run:
         for param in flags:
             param.requires_grad_(param.is_floating_point())
         with torch.enable_grad():
-            output = _first_tensor(module(*call_args, **call_kwargs))
+            output = first_tensor(module(*call_args, **call_kwargs))
             if output is None:
                 raise TypeError(f"{type(module).__name__} returned no tensor")
             projection = torch.randn(output.shape, generator=torch.Generator().manual_seed(0)).to(output)
@@ -182,7 +182,7 @@ def _detached(value):
 
 
 def _relative_or_inf(tensor: torch.Tensor, reference: torch.Tensor) -> float:
-    return math.inf if tensor.shape != reference.shape else _relative(tensor, reference)
+    return math.inf if tensor.shape != reference.shape else relative_difference(tensor, reference)
 
 
 class _eval:
