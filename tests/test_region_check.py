@@ -4,6 +4,9 @@ is skipped (a model above `WHOLE_MODEL_CHECK_BYTES`, here lowered to 0 in each r
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 import torch.nn as nn
@@ -62,8 +65,15 @@ class _Inner(nn.Module):
 
     def __init__(self, width: int, hidden: int):
         super().__init__()
-        self.w_in = nn.Parameter(torch.randn(hidden, width) / width**0.5)
-        self.w_out = nn.Parameter(torch.randn(width, hidden) / hidden**0.5)
+        self.w_in = nn.Parameter(torch.empty(hidden, width))
+        self.w_out = nn.Parameter(torch.empty(width, hidden))
+        if not self.w_in.is_meta:
+            self.reset_parameters()
+
+    def reset_parameters(self):  # a model built on the meta device is initialised by it, per module
+        with torch.no_grad():
+            self.w_in.copy_(torch.randn(self.w_in.shape) / self.w_in.shape[1] ** 0.5)
+            self.w_out.copy_(torch.randn(self.w_out.shape) / self.w_out.shape[1] ** 0.5)
 
     def forward(self, x):
         return torch.tanh(x @ self.w_in.t()) @ self.w_out.t()
@@ -118,3 +128,18 @@ def test_an_all_reduce_region_entering_the_parallel_region_passes_with_parity():
     for rank, errors in enumerate(run_on_ranks(_region, 2, RIGHT, timeout=300)):
         assert not isinstance(errors, str), errors
         assert_parity(errors, 2, rank)
+
+
+def _on_meta(rank, world_size):
+    with torch.device("meta"):
+        model = _TinyLM()
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        tp_train.parallelize(model, plan=RIGHT, device="cpu", verify=None)
+    return output.getvalue()
+
+
+def test_a_model_on_the_meta_device_skips_the_region_check_and_says_so():
+    """Nothing to compute before sharding there (its weights are made module by module while it is sharded)."""
+    printed = run_on_ranks(_on_meta, 2, timeout=300)[0]
+    assert "region modules not checked (the model is on the meta device)" in printed, printed
