@@ -20,6 +20,7 @@ from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
+from tp_train.plan.region_check import RegionCheck
 from tp_train.plan.resolve import SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
 from tp_train.plan.styles import PlannedModule, linear_shape
@@ -71,9 +72,10 @@ def parallelize(
             the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
             else CPU.
         verify: check the sharding and raise `PlanVerificationError` on a difference (`tp_train.plan.verify`): each
-            swapped module against the module it replaced (one module's tensors at a time), then the whole
-            sharded model against the unsharded one on a probe batch, outputs and gradients (a full copy per rank
-            while it runs). Default None: both for every plan, the whole-model check only for models of at most
+            swapped module against the module it replaced (one module's tensors at a time), each module a region
+            style wraps (MoE experts, `all_reduce`) against itself before sharding on its probe arguments, then the
+            whole sharded model against the unsharded one on a probe batch, outputs and gradients (a full copy per
+            rank while it runs). Default None: both for every plan, the whole-model check only for models of at most
             `WHOLE_MODEL_CHECK_BYTES` of parameters; True: both always; False: neither. Rank 0 prints one line
             saying what was checked and the largest difference.
         weights: pretrained safetensors weights (a file, or a `save_pretrained` directory) to fill the sharded
@@ -105,6 +107,7 @@ def parallelize(
     whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
     skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
     check = SwapCheck(group) if verify is not False else None
+    regions = RegionCheck(group, planned) if verify is not False else None
     layout = None
     if sequence_parallel or activation_checkpointing:
         feature = "sequence_parallel" if sequence_parallel else "activation_checkpointing"
@@ -115,9 +118,12 @@ def parallelize(
     device = torch.device(device) if device is not None else _default_device(model)
     # Also syncs the default generator, so every rank inits alike.
     rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
+    if regions is not None:  # the unsharded region modules' arguments and results, before any weight changes
+        regions.record(model)
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
     if check is not None:
         check.raise_on_difference()
+        regions.check(model)  # before pretrained weights replace those its references were computed with
     load_pretrained_modules(model, group, weights)
     counter = CommunicationCounter()
     if sequence_parallel:
@@ -132,7 +138,7 @@ def parallelize(
     if skeleton is not None:
         whole_model_errors = verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
     if check is not None and dist.get_rank() == 0:
-        print(_verification_summary(check, whole_model_errors), flush=True)
+        print(_verification_summary(check, regions, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)
     _configure_overlap(model, overlap)
     counter.reset()  # verification's traffic is not training's
@@ -165,13 +171,18 @@ def _parameter_bytes(model: nn.Module) -> int:
     return sum(param.numel() * param.element_size() for param in model.parameters())
 
 
-def _verification_summary(check: SwapCheck, whole_model: dict[str, float] | None) -> str:
+def _verification_summary(check: SwapCheck, regions: RegionCheck, whole_model: dict[str, float] | None) -> str:
     """One line: what verification checked and the largest relative difference it saw."""
     worst = max(check.errors.values(), default=0.0)
     text = f"tensor-parallel plan verified: {len(check.errors)} swapped modules against the modules they replaced"
     text += f" (largest relative difference {worst:.1e})"
     if check.skipped:
         text += f", {len(check.skipped)} through the module they are tied to"
+    if regions.errors:
+        worst = max(regions.errors.values())
+        text += f", {len(regions.errors)} region modules against themselves unsharded ({worst:.1e})"
+    elif regions.entries and regions.skipped:
+        text += f", region modules not checked ({regions.skipped})"
     if whole_model is None:
         return text + "; whole-model check skipped (model above the size for a full copy; verify=True forces it)"
     return text + (

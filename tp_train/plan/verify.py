@@ -1,12 +1,15 @@
 """Plan verification: before training, the sharded model must compute what the unsharded model computes.
 
-A wrong split usually still runs and trains, just as a different function. Two checks turn that into an error,
+A wrong split usually still runs and trains, just as a different function. Three checks turn that into an error,
 on by default for every plan (`tp_train.parallelize`):
 
 - `SwapCheck`, per swapped module: right after `apply_plan` replaces a module, while the module still holds its
   full tensors, one probe input goes through both and their outputs and gradients are compared. It catches a
   swap that loses what the module did (a subclass's scale, a transposed weight, a bias, a fused layout the layer
   reassembles wrongly) and costs one module's tensors at a time, never a copy of the model.
+- `RegionCheck` (`tp_train.plan.region_check`), per module a region style wraps (`moe_tp_experts`, `all_reduce`),
+  with the parameters sharded in place under it (fused 3-D expert weights): its output and gradients on the
+  arguments it took in a probe forward of the unsharded model, before and after sharding.
 - `verify_parallelized`, the whole model, where a full copy is affordable: it catches a wrong plan (the wrong
   layers paired, heads not localised).
 
@@ -103,7 +106,7 @@ class SwapCheck:
 
     def raise_on_difference(self) -> None:
         """Raises `PlanVerificationError` on every rank when any rank's check found a difference (a collective)."""
-        _raise_first(self.problem, self.group)
+        raise_first(self.problem, self.group)
 
     def _differences(self, module: nn.Module, layer: nn.Module) -> dict[str, float]:
         rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -134,7 +137,7 @@ class SwapCheck:
             weight_spec = layer.shard_specs["weight"]
             spec = ShardSpec(output.dim() - 1, weight_spec.sections, weight_spec.padded, units=weight_spec.units)
         full_output = unshard_tensor(output.detach(), spec, self.group) if spec else output
-        errors = {"output": _relative(full_output, reference)}
+        errors = {"output": relative_difference(full_output, reference)}
         if not reference.requires_grad:  # token ids in, no parameter gradient compared: nothing to backpropagate
             return errors
         projection = torch.randn(reference.shape, generator=generator).to(reference)
@@ -145,7 +148,7 @@ class SwapCheck:
         (output.float() * local_projection).sum().backward()
         if inputs.is_floating_point():
             expected = inputs.grad.chunk(world_size, -1)[rank] if _takes_input_shard(layer) else inputs.grad
-            errors["input gradient"] = _relative(local_inputs.grad, expected)
+            errors["input gradient"] = relative_difference(local_inputs.grad, expected)
         for param_name, param in layer.named_parameters(recurse=False):
             full_grad = getattr(module, param_name).grad
             if not compare_parameters or param.grad is None or full_grad is None:
@@ -155,7 +158,7 @@ class SwapCheck:
                 full_grad = shard_tensor(
                     full_grad.t() if param_spec.transposed else full_grad, param_spec, rank, world_size
                 )
-            errors[f"{param_name} gradient"] = _relative(param.grad, full_grad)
+            errors[f"{param_name} gradient"] = relative_difference(param.grad, full_grad)
         return errors
 
 
@@ -260,11 +263,11 @@ def verify_parallelized(
     if problem is not None:
         text, suspect = problem
         problem = f"{text}{_entries_near(suspect, planned)}"
-    _raise_first(problem, group)
+    raise_first(problem, group)
     return errors
 
 
-def _raise_first(problem: str | None, group: ProcessGroup) -> None:
+def raise_first(problem: str | None, group: ProcessGroup) -> None:
     """Raises the first rank's problem on every rank (a collective), or returns when no rank has one."""
     problems: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
@@ -295,10 +298,12 @@ def _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance) -
         return {}, (f"the sharded model fails on a probe batch{where} ({first_line(failure.error)})", failure.module)
     except Exception as error:  # noqa: BLE001 - in the backward
         return {}, (f"the sharded model fails on a probe batch ({first_line(error)})", None)
-    output_error = _relative(output, ref_output)
+    output_error = relative_difference(output, ref_output)
     if output_error <= tolerance:
         return {"output": output_error}, None
-    differing = (name for name, ref in ref_modules.items() if _relative(modules.get(name, ref), ref) > tolerance)
+    differing = (
+        name for name, ref in ref_modules.items() if relative_difference(modules.get(name, ref), ref) > tolerance
+    )
     suspect = next(differing, None)
     return {}, (
         f"the sharded model's output differs from the unsharded model's by {output_error:.3g} (relative; tolerance "
@@ -322,7 +327,7 @@ def _compare_gradients(model, reference, group, tolerance) -> tuple[float, Probl
     )
 
 
-def _first_tensor(output) -> torch.Tensor | None:
+def first_tensor(output) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
     logits = getattr(output, "logits", None)
@@ -355,7 +360,7 @@ def _forward(model: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, dict
         def hook(module, args, output):
             while running and running.pop() != name:
                 pass
-            tensor = _first_tensor(output)
+            tensor = first_tensor(output)
             if tensor is not None:
                 outputs.setdefault(name, tensor.detach())
 
@@ -365,7 +370,7 @@ def _forward(model: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, dict
     handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
     handles += [module.register_forward_hook(record(name)) for name, module in named]
     try:
-        output = _first_tensor(forward_without_cache(model, inputs))
+        output = first_tensor(forward_without_cache(model, inputs))
     except Exception as error:  # noqa: BLE001 - re-raised with where it happened
         raise _ForwardFailure(running[-1] if running else None, error) from error
     finally:
@@ -397,7 +402,7 @@ def _gradient_errors(gradients: dict[str, torch.Tensor], reference: dict[str, nn
     return errors
 
 
-def _relative(tensor: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_difference(tensor: torch.Tensor, reference: torch.Tensor) -> float:
     if tensor.shape != reference.shape:
         return 0.0  # a sharded module's local output: not comparable, and not the first difference
     scale = max(reference.abs().max().item(), 1e-30)

@@ -1,0 +1,200 @@
+"""Per-module verification of the plan entries that swap no module: region styles and parameters sharded in place.
+
+`SwapCheck` (`tp_train.plan.verify`) compares each swapped Linear or Embedding with its parallel layer. A module
+planned `moe_tp_experts` or `all_reduce` is not swapped: its own parameters are sharded in place (fused 3-D expert
+weights split by entries such as `mlp.experts.gate_up_proj: packed_colwise`) and collectives are hooked around its
+forward. A wrong split there (a fused [gate; up] weight split as one block while the forward chunks it in two
+halves) or a missing collective still runs; `RegionCheck` turns it into an error without a copy of the model.
+
+`record(model)`, before `apply_plan`, runs one probe forward of the unsharded model (no gradients kept) and captures
+the arguments each such module is first called with (hidden states, top-k indices and weights, ...); it then runs
+each module alone on them, backpropagates a random projection of its output, and keeps the output, the floating
+arguments' gradients and the gradients of its own whole (replicated) parameters: activations of the probe, no
+weights. `check(model)`, after `apply_plan`, runs each sharded module, with its collectives, on the same arguments
+on every rank and compares; both modules' outputs are whole (the region all-reduces the partial sums). A model on
+the meta device has no weights to compute with before `apply_plan`: there the check is skipped, as `SwapCheck`
+skips modules whose full tensors are gone, and so is a model the probe batch cannot run.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from tp_train.errors import first_line
+from tp_train.plan.probe import PROBE_TOKENS, forward_without_cache, probe_token_ids
+from tp_train.plan.styles import PlannedModule
+from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
+
+# Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
+# compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design).
+CHECKED_STYLES = ("moe_tp_experts", "all_reduce")
+
+
+class RegionCheck:
+    """Checks each module planned in `CHECKED_STYLES` against itself before sharding (see the module docstring).
+
+    Attributes:
+        errors: the largest relative difference per checked module.
+        skipped: why nothing was checked (a model on the meta device, a probe batch the model cannot run), or None.
+    """
+
+    def __init__(self, group: ProcessGroup, planned: list[PlannedModule], tolerance: float | None = None):
+        self.group = group
+        self.entries = {entry.name: entry for entry in planned if entry.style in CHECKED_STYLES}
+        self.tolerance = tolerance
+        self.errors: dict[str, float] = {}
+        self.skipped: str | None = None
+        self._references: dict[str, _Run] = {}
+
+    def record(self, model: nn.Module) -> None:
+        """Captures each checked module's arguments and its unsharded results (before `apply_plan`; no collective)."""
+        if not self.entries:
+            return
+        if any(tensor.is_meta for tensor in chain(model.parameters(), model.buffers())):
+            self.skipped = "the model is on the meta device"
+            return
+        arguments: dict[str, tuple] = {}
+
+        def capture(name):
+            def hook(module, args, kwargs):
+                captured = tuple(_detached(value) for value in args), {k: _detached(v) for k, v in kwargs.items()}
+                arguments.setdefault(name, captured)
+
+            return hook
+
+        modules = {name: model.get_submodule(name) for name in self.entries}
+        handles = [
+            module.register_forward_pre_hook(capture(name), with_kwargs=True) for name, module in modules.items()
+        ]
+        length = math.lcm(PROBE_TOKENS, dist.get_world_size(self.group))
+        try:
+            with _eval(model), torch.no_grad():
+                forward_without_cache(model, probe_token_ids(model, length, batch=2))
+        except Exception as error:  # noqa: BLE001 - not the plan's fault; the whole-model check reports it if on
+            self.skipped = f"the unsharded model cannot run a probe batch ({first_line(error)})"
+            return
+        finally:
+            for handle in handles:
+                handle.remove()
+        for name, (args, kwargs) in arguments.items():
+            with _eval(modules[name]):
+                self._references[name] = _run(modules[name], args, kwargs, _whole(modules[name], self.entries[name]))
+
+    def check(self, model: nn.Module) -> None:
+        """Runs each sharded module on its captured arguments and raises `PlanVerificationError` on every rank when
+        any rank's differs (after `apply_plan`, before other weights are loaded; a collective)."""
+        problem = None
+        for name, reference in self._references.items():
+            module, entry = model.get_submodule(name), self.entries[name]
+            dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+            tolerance = self.tolerance or TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
+            try:
+                with _eval(module):
+                    errors = reference.differences(_run(module, *reference.arguments, reference.param_grads))
+            except Exception as error:  # noqa: BLE001 - a module that cannot run is reported like a wrong one
+                errors, failure = {"output": math.inf}, f"fails on the probe's arguments ({first_line(error)})"
+            else:
+                failure = None
+            worst = max(errors, key=errors.get)
+            self.errors[name] = errors[worst]
+            if problem is None and (failure or errors[worst] > tolerance):
+                entries = ", ".join(f"'{name}.{key}': '{style}'" for key, style in entry.parameters.items())
+                what = failure or (
+                    f"differs from the unsharded module by {errors[worst]:.3g} in its {worst} (relative; tolerance "
+                    f"{tolerance:.0e}) on the probe batch's arguments"
+                )
+                problem = (
+                    f"module '{name}' ({type(module).__name__}) planned '{entry.style}'"
+                    + (f" with {entries}" if entries else "")
+                    + f" {what}"
+                )
+        self._references.clear()
+        raise_first(problem, self.group)
+
+
+class _Run:
+    """One module's results on captured arguments: its output, the floating arguments' gradients, and the gradients
+    of its own parameters every rank holds whole, by name."""
+
+    def __init__(self, arguments, output, input_grads, param_grads):
+        self.arguments, self.output, self.input_grads, self.param_grads = arguments, output, input_grads, param_grads
+
+    def differences(self, other: _Run) -> dict[str, float]:
+        errors = {"output": _relative_or_inf(other.output, self.output)}
+        for label, expected in self.input_grads.items():
+            errors[f"gradient of {label}"] = _relative_or_inf(other.input_grads[label], expected)
+        for param_name, expected in self.param_grads.items():
+            if param_name in other.param_grads:
+                errors[f"{param_name} gradient"] = _relative_or_inf(other.param_grads[param_name], expected)
+        return errors
+
+
+def _run(module: nn.Module, args: tuple, kwargs: dict, whole) -> _Run:
+    """`module` on fresh leaf copies of the arguments, and one random projection of its output backpropagated;
+    the gradients kept are those of its own parameters named in `whole`."""
+    inputs = [value.clone().requires_grad_() for value in chain(args, kwargs.values()) if _floating(value)]
+    fresh = iter(inputs)
+    call_args = tuple(next(fresh) if _floating(value) else value for value in args)
+    call_kwargs = {key: next(fresh) if _floating(value) else value for key, value in kwargs.items()}
+    flags = {param: param.requires_grad for param in module.parameters()}
+    try:
+        for param in flags:
+            param.requires_grad_(param.is_floating_point())
+        with torch.enable_grad():
+            output = first_tensor(module(*call_args, **call_kwargs))
+            if output is None:
+                raise TypeError(f"{type(module).__name__} returned no tensor")
+            projection = torch.randn(output.shape, generator=torch.Generator().manual_seed(0)).to(output)
+            (output.float() * projection).sum().backward()
+        params = dict(module.named_parameters(recurse=False))
+        param_grads = {name: params[name].grad.detach() for name in whole if params[name].grad is not None}
+        labels = [f"argument {i}" for i, v in enumerate(args) if _floating(v)]
+        labels += [f"argument '{key}'" for key, v in kwargs.items() if _floating(v)]
+        input_grads = {
+            label: value.grad if value.grad is not None else torch.zeros_like(value)
+            for label, value in zip(labels, inputs, strict=True)
+        }
+        return _Run((args, kwargs), output.detach(), input_grads, param_grads)
+    finally:
+        for param, flag in flags.items():
+            param.requires_grad_(flag)
+        module.zero_grad(set_to_none=True)
+
+
+def _whole(module: nn.Module, entry: PlannedModule) -> list[str]:
+    """`module`'s own parameters that no entry of the plan splits (every rank keeps them whole)."""
+    split = {key for key, style in entry.parameters.items() if style != "replicate"}
+    return [name for name, _ in module.named_parameters(recurse=False) if name not in split]
+
+
+def _floating(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _detached(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _relative_or_inf(tensor: torch.Tensor, reference: torch.Tensor) -> float:
+    return math.inf if tensor.shape != reference.shape else relative_difference(tensor, reference)
+
+
+class _eval:
+    """Puts a module in eval mode for the duration, restoring each submodule's mode after."""
+
+    def __init__(self, module: nn.Module):
+        self.modes = {sub: sub.training for sub in module.modules()}
+        self.module = module
+
+    def __enter__(self):
+        self.module.eval()
+
+    def __exit__(self, *exc):
+        for sub, mode in self.modes.items():
+            sub.train(mode)
