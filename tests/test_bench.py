@@ -37,8 +37,8 @@ def test_bench_smoke_writes_every_contender(tmp_path):
     for name in ("ours tp=2", "ours tp=2 no overlap", "ours tp=2 +SP", "ours tp=2 +AC"):
         assert rows[name]["tp_bytes_per_step"] == rows[name]["analytic_tp_bytes_per_step"] > 0, name
     # The profiler sees this thread's time in collectives: ours' own ranges, native's functional collectives.
-    assert 0 < rows["ours tp=2"]["collective_s"] < rows["ours tp=2"]["step_s"]
-    assert 0 < rows["native tp=2"]["collective_s"] < rows["native tp=2"]["step_s"]
+    for name in ("ours tp=2", "native tp=2"):
+        assert rows[name]["collective_s"] > 0 and 0 < rows[name]["collective_share"] < 1, (name, rows[name])
     assert rows["ours tp=1"]["collective_s"] == 0
     assert rows["ours tp=2"]["model_state_mib"] < 0.55 * rows["ours tp=1"]["model_state_mib"]
     assert {check["target"] for check in report["targets"]} and report["machine"]["cpus"] >= 1

@@ -91,16 +91,19 @@ def collectives_per_step(step: TrainingStep) -> int:
     return mode.count
 
 
-def collective_seconds(step: TrainingStep) -> float:
-    """Time one step's thread spends issuing and waiting on tensor-parallel collectives, from torch.profiler's
-    events (the outermost of nested ones); what overlap with computation hides no longer shows here."""
+def collective_seconds(step: TrainingStep) -> tuple[float, float]:
+    """(Time one step's thread spends issuing and waiting on tensor-parallel collectives, that step's wall time),
+    both from torch.profiler's events of one profiled step (the outermost of nested collective events); what
+    overlap with computation hides no longer shows in the first."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         step()
+        wall = time.perf_counter() - start
     total = 0.0
     for event in prof.events():
         if event.name in COLLECTIVE_EVENTS and not _inside_collective(event):
             total += event.cpu_time_total
-    return total / 1e6
+    return total / 1e6, wall
 
 
 def _inside_collective(event) -> bool:

@@ -106,7 +106,9 @@ def benchmark(
                 counter.reset()
             collectives = collectives_per_step(step)
             counted_bytes = counter.bytes if counter is not None else None  # of that one step
-            collective_s = group_mean(statistics.median(collective_seconds(step) for _ in range(3)), group, device)
+            profiled = [collective_seconds(step) for _ in range(3)]  # (in collectives, whole step), profiled
+            collective_s = group_mean(statistics.median(c for c, _ in profiled), group, device)
+            collective_share = group_mean(statistics.median(c / wall for c, wall in profiled), group, device)
             row = {
                 "kind": contender.kind,
                 "tp": contender.tp,
@@ -133,6 +135,7 @@ def benchmark(
                 "variant": contender.variant,
                 "collectives_per_step": collectives,
                 "collective_s": collective_s,
+                "collective_share": collective_share,  # of the profiled step's wall time
                 "compiled": contender.compiled,
             }
             if contender.kind == "ours":
