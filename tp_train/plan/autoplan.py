@@ -40,7 +40,14 @@ import torch
 import torch.nn as nn
 
 from tp_train.errors import first_line
-from tp_train.plan.coverage import as_patterns, generic, in_repeated_block, kept_whole_notes, sharded_parameters
+from tp_train.plan.coverage import (
+    as_patterns,
+    block_whole_fraction,
+    covered_linears,
+    generic,
+    in_repeated_block,
+    kept_whole_notes,
+)
 from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.probe import (
     forward_without_cache,
@@ -125,6 +132,7 @@ def format_plan(plan: dict[str, str], source: str) -> str:
 class _Planner:
     def __init__(self, model: nn.Module, inputs: torch.Tensor, shares: int, given: dict[str, str]):
         self.model, self.inputs, self.shares, self.given = model, inputs, shares, given
+        self.covered = covered_linears(model, given)
         self.modules = dict(model.named_modules())
         self.owner = {id(param): name for name, module in self.modules.items() for param in module.parameters(False)}
         self.calls = trace_calls(model, inputs)
@@ -150,6 +158,7 @@ class _Planner:
         self.tokens = self._token_embedding()
         self.head = self._head()
         pairs, failures = self._pairs_feeding_only_their_rows()
+        pairs = [pair for pair in pairs if not self.covered & {pair.row, *pair.columns}]  # the given plan's entries win
         views = self._local_views(pairs)
         for pair in pairs:
             enclosing = _enclosing(pair) if pair.attention and not pair.channels else None
@@ -170,9 +179,11 @@ class _Planner:
         if self.head is not None:
             styles[self.head] = "colwise_gather_output"
         for name in self.linears:
-            if any(name.startswith(whole + ".") for whole in self.kept_whole):
+            if name in self.covered or any(name.startswith(whole + ".") for whole in self.kept_whole):
                 continue
-            whole = self._whole_fraction(name, styles) if name not in styles and in_repeated_block(name) else 0
+            # Up to `SMALL_WHOLE` of its block (an MoE router beside experts the plan shards) may stay whole.
+            unplanned = name not in styles and in_repeated_block(name)
+            whole = block_whole_fraction(self.model, name, {**self.given, **styles}) if unplanned else 0
             if whole > SMALL_WHOLE:
                 shape = linear_shape(self.modules[name])
                 reason = failures.get(name, "its output reaches no Linear through position- and head-wise operations")
@@ -182,17 +193,6 @@ class _Planner:
                     f"{shape[1]}): {reason}; give the model a `tp_plan` (or pass plan=...) for this block"
                 )
         return styles
-
-    def _whole_fraction(self, name: str, styles: dict[str, str]) -> float:
-        """The fraction of the parameters of Linear `name`'s block (`layers.3`) left whole with it under `styles` and
-        the model's own plan: up to `SMALL_WHOLE` (an MoE router beside experts that plan shards), `name` may stay
-        whole, each rank still holding about 1/tp of the block."""
-        parts = name.split(".")
-        block = ".".join(parts[: next(i for i, part in enumerate(parts) if part.isdigit()) + 1])
-        sharded = sharded_parameters(self.model, {**self.given, **styles})
-        params = list(self.modules[block].parameters())
-        whole = sum(param.numel() for param in params if id(param) not in sharded)
-        return whole / max(sum(param.numel() for param in params), 1)
 
     # ----------------------------------------------------------------------------------------- column/row pairs
 
@@ -336,7 +336,13 @@ class _Planner:
                     f"acts on the features split between {sorted(pair.columns)} and it; give the model a `tp_plan`"
                 )
             owners.add(owner)
-        return owners - set(pair.channels)
+        mixed = sorted(owners & set(pair.channels))  # per-channel parameters beside others (Kimi's per-head A_log)
+        if mixed:
+            raise ValueError(
+                f"the auto-planner cannot plan '{pair.row}': '{mixed[0]}' holds per-channel parameters beside others "
+                f"no style splits with the channels; give the model a `tp_plan`"
+            )
+        return owners
 
     def _local_views(self, pairs: list[_Pair]) -> dict[str, str]:
         """The attention style of each attention module: the view under which it runs right on local heads

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.plan.styles import LINEAR_STYLES, pattern_matches, split_style
+from tp_train.plan.styles import LINEAR_STYLES, linear_shape, pattern_matches, split_style
 
 
 def sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[int]:
@@ -20,6 +20,29 @@ def sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[int]:
         if any(style != "replicate" and pattern_matches(pattern, name) for pattern, style in plan.items()):
             found.add(id(param))
     return found
+
+
+def covered_linears(model: nn.Module, plan: dict[str, str]) -> set[str]:
+    """The Linears `plan` says something about: named by an entry (any style), or inside a module it keeps whole
+    (`replicate`): the auto-planner, completing a plan, pairs only the others."""
+    whole = [name for name, _ in model.named_modules() if any(
+        style == "replicate" and pattern_matches(pattern, name) for pattern, style in plan.items())]  # fmt: skip
+    return {
+        name
+        for name, module in model.named_modules()
+        if linear_shape(module) is not None
+        and (any(pattern_matches(pattern, name) for pattern in plan) or any(name.startswith(w + ".") for w in whole))
+    }
+
+
+def block_whole_fraction(model: nn.Module, name: str, plan: dict[str, str], sharded: set[int] | None = None) -> float:
+    """The fraction of the parameters of the repeated block (`layers.3`) holding module `name` that `plan` leaves
+    whole on every rank (`sharded`: `sharded_parameters(model, plan)`, when known)."""
+    parts = name.split(".")
+    block = model.get_submodule(".".join(parts[: next(i for i, part in enumerate(parts) if part.isdigit()) + 1]))
+    sharded = sharded_parameters(model, plan) if sharded is None else sharded
+    params = list(block.parameters())
+    return sum(param.numel() for param in params if id(param) not in sharded) / max(sum(p.numel() for p in params), 1)
 
 
 def kept_whole_notes(model: nn.Module, styles: dict[str, str], kept_whole: dict[str, str]) -> list[str]:

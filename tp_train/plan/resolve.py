@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
+from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, SMALL_WHOLE, InferredPlan, infer_plan
+from tp_train.plan.coverage import block_whole_fraction, covered_linears, in_repeated_block, sharded_parameters
 from tp_train.plan.match import check_config_heads, names_anything
 from tp_train.plan.presets import override_plan, plan_additions, preset_plan
 from tp_train.plan.styles import ALIASES, LINEAR_STYLES, linear_shape, pattern_matches
@@ -49,7 +50,7 @@ def resolve_plan(
     if found is not None and not found[1].endswith(".tp_plan"):  # built for a family, not for this very model
         found = _fit_to_config(model, *found)
     if found is not None and not _leaves_blocks_untouched(model, found[0]):
-        return found
+        return _completed(model, *found, tensor_parallel_size) if _leaves_linears_whole(model, found[0]) else found
     if tensor_parallel_size:
         check_config_heads(model, tensor_parallel_size)
     try:
@@ -70,6 +71,33 @@ def resolve_plan(
     completed = InferredPlan({**inferred, **found[0]})
     completed.notes = inferred.notes  # an attention kept whole is said, whichever plan it completes
     return completed, f"{found[1]}, {COMPLETED_SOURCE}"
+
+
+def _completed(
+    model: nn.Module, plan: dict[str, str], source: str, tensor_parallel_size: int | None
+) -> tuple[dict[str, str], str]:
+    """A model's own plan that shards some blocks, with the Linears it leaves whole in them (Hugging Face plans that
+    shard only the MLP or the experts, not attention) paired by the auto-planner; its own entries untouched. When
+    the auto-planner cannot pair them, the plan as it is, with one line saying what stays whole."""
+    try:
+        inferred = infer_plan(model, tensor_parallel_size, given=plan)
+    except ValueError as error:
+        kept = InferredPlan(plan)
+        kept.notes = [f"note: what the plan leaves whole in its blocks stays whole on every rank: {error}"]
+        return kept, f"{source}, {COMPLETED_SOURCE}"
+    completed = InferredPlan({**inferred, **plan})
+    completed.notes = inferred.notes
+    return completed, f"{source}, {COMPLETED_SOURCE}"
+
+
+def _leaves_linears_whole(model: nn.Module, plan: dict[str, str]) -> bool:
+    """Whether a block Linear `plan` names nothing about leaves more than `SMALL_WHOLE` of its block whole."""
+    covered, sharded = covered_linears(model, plan), sharded_parameters(model, plan)
+    return any(
+        block_whole_fraction(model, name, plan, sharded) > SMALL_WHOLE
+        for name, module in model.named_modules()
+        if linear_shape(module) is not None and in_repeated_block(name) and name not in covered
+    )
 
 
 def _fit_to_config(model: nn.Module, plan: dict[str, str], source: str) -> tuple[dict[str, str], str]:
