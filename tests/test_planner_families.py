@@ -155,6 +155,8 @@ CASES = {
     "gpt_bigcode_multi_query": (lambda: _family("gpt_bigcode"), _hf_logits, (2, 4), 0.3),
     "gpt_bigcode_multi_head": (lambda: _family("gpt_bigcode", multi_query=False), _hf_logits, (2, 4), 0.0),
     "apertus_activation_scalars": (lambda: _family("apertus"), _hf_logits, (2,), 0.0),
+    # HF's plan shards only the MLP and experts; V2's latent-attention entries are added (q_a, kv_a's norm whole).
+    "deepseek_v3_latent_attention": (lambda: _family("deepseek_v3"), _hf_logits, (2,), 0.15),
     "inkling_style_embedding_and_shared_experts": (InklingStyleLM, _logits, (2,), 0.0),
 }
 

@@ -106,7 +106,19 @@ HEAD_AWARE_OVERRIDES: dict[str, dict[str, str]] = {
 # Qwen2-MoE's plan names the dense MLP and the routed experts but not the shared expert beside them. Apertus's MLP
 # activation (xIELU) holds learned scalars that act on each rank's share of the hidden features, between up_proj and
 # down_proj: their gradients are partial sums, which HF's plan leaves unsummed.
+# DeepSeek-V3's and Youtu's plans shard only the MLP and the experts; their attention is DeepSeek-V2's latent
+# attention (the same modules), so they take the attention entries of V2's plan: q_b (or q without a q LoRA) and
+# kv_b split by heads, the kv latent projection split as `mla_kv_a_proj`, o_proj by rows, q_a kept whole.
+LATENT_ATTENTION = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.q_b_proj": "colwise",
+    "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+    "layers.*.self_attn.kv_b_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
 ADDITIONS: dict[str, dict[str, str]] = {
+    "deepseek_v3": LATENT_ATTENTION,
+    "youtu": LATENT_ATTENTION,
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     # Corrections: Inkling's fused expert weights are [gate; up] halves (`chunk(2)` in the experts' forward), which
     # HF's plan splits `colwise` (rank 0 would hold every gate, rank 1 every up): split half by half.

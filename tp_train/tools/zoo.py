@@ -36,21 +36,28 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
              num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
 # Families whose own layout ties two generic sizes: MiMo-V2-Flash's sliding-window layers have twice the kv heads,
 # which must not exceed the query heads.
-FAMILY_FIELDS = {"mimo_v2_flash": dict(num_key_value_heads=2)}
+FAMILY_FIELDS = {
+    "mimo_v2_flash": dict(num_key_value_heads=2),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # one (global, local) pair: the 2 tiny layers
+    "mamba2": dict(num_heads=8, n_groups=1),  # heads x head width = expand x hidden
+}
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
 
 
 # Widths beyond the generic sizes, set wherever a (sub-)config has them as an int: mixture-of-experts widths (tp
 # must divide them), DeepSeek-style latent attention (a rotary and a plain part of each query/key head, values 8
-# wide, compressed ranks), and the widths a vision or audio tower hands to the text model.
+# wide, compressed ranks), the widths a vision or audio tower hands to the text model, and an encoder-decoder's
+# own head counts, layers and MLP widths (the decoder of Whisper or PLBart keeps its own).
 WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shared_experts_intermediate_size=32,
               expert_intermediate_size=32, expert_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16,
               qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8, v_head_dim=8, out_hidden_size=32,
               hidden_size_global=32, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32,
               adapter_in_dim=32, adapter_out_dim=32, adapter_input_size=32, linear_key_head_dim=8,
               linear_value_head_dim=8, index_head_dim=8, index_topk=8, encoder_hash_byte_group_vocab=64,
-              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)  # fmt: skip
+              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+              decoder_ffn_dim=64)  # fmt: skip
 
 
 def tiny_config(model_type: str) -> dict:
@@ -75,7 +82,7 @@ def _tiny_fields(defaults) -> dict:
     config = {}
     head = SIZES["hidden_size"] // SIZES["num_attention_heads"]
     for field, value in (("head_dim", head), ("rotary_dim", head // 2)):
-        if isinstance(_value(defaults, field), int):
+        if isinstance(_value(defaults, field), int) and _settable(defaults, field):
             config[field] = value
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(_value(defaults, field), int) and _value(defaults, field) >= VOCAB:
@@ -96,6 +103,12 @@ def _tiny_fields(defaults) -> dict:
                 # per-layer MLP kinds (dots3's vision tower) are not re-derived from the layer count: keep the first
                 config[field]["mlp_layer_types"] = sub.mlp_layer_types[: SIZES["num_hidden_layers"]]
     return config
+
+
+def _settable(config, field: str) -> bool:
+    """False for a read-only property (Falcon's `head_dim`, derived from the sizes)."""
+    attribute = getattr(type(config), field, None)
+    return not isinstance(attribute, property) or attribute.fset is not None
 
 
 def _value(config, field: str):
