@@ -15,16 +15,22 @@ from tp_train.plan.probe import forward_without_cache
 from tp_train.plan.verify import unsharded_skeleton
 from tp_train.tools.zoo import VOCAB, tiny_config
 
-# Both fail unsharded when called with the default cache: BART's decoder indexes a cache of no layers, and two
-# linear-attention layers leave Qwen3.5's hybrid cache no attention layer to read the sequence length from.
+# Both fail unsharded when called with the default cache: BART's decoder, deeper than its encoder, indexes a cache
+# sized by the encoder's layers, and two linear-attention layers leave Qwen3.5's hybrid cache no attention layer to
+# read the sequence length from.
 CACHE_FAMILIES = ("bart", "qwen3_5_text")
+OVERRIDES = {"bart": {"decoder_layers": 4}}
+# Matrices kept whole on purpose: BART's cross-attention (no encoder here, so it never runs: a third of each tiny
+# decoder layer's matrices, so a rank holds 2/3 of them at tp=2), Qwen3.5's depthwise conv.
+BLOCK_REL_TOL = {"bart": 1 / 3, "qwen3_5_text": 0.05}
 
 
 def _build(model_type: str) -> nn.Module:
     from models.hf import hugging_face_causal_lm
 
     torch.manual_seed(0)
-    return hugging_face_causal_lm(model_type, config=tiny_config(model_type)).eval()
+    config = {**tiny_config(model_type), **OVERRIDES.get(model_type, {})}
+    return hugging_face_causal_lm(model_type, config=config).eval()
 
 
 def _logits(model, idx):
@@ -47,9 +53,8 @@ def test_these_models_fail_with_their_default_cache():
 
 def test_models_whose_default_cache_cannot_be_built_are_auto_planned_and_match_unsharded():
     for rank, results in enumerate(run_on_ranks(_cache_families_parity, 2, timeout=300)):
-        for errors in results.values():
-            # BART's cross-attention (no encoder here, so it never runs) and Qwen3.5's depthwise conv stay whole
-            assert_parity(errors, 2, rank, ATOL, block_rel_tol=0.05)
+        for name, errors in results.items():
+            assert_parity(errors, 2, rank, ATOL, block_rel_tol=BLOCK_REL_TOL[name])
 
 
 class _KeepsState(nn.Module):
