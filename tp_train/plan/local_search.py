@@ -35,6 +35,7 @@ from tp_train.plan.local_view import (
 )
 from tp_train.plan.probe import forward_without_cache
 from tp_train.plan.styles import head_counts, linear_shape, split_style, style_shard_spec
+from tp_train.plan.verify import first_tensor, relative_difference
 
 MOST_CHANGES = 4  # largest set of changes tried at once
 MOST_CANDIDATES = 12  # candidates considered, most likely first
@@ -142,7 +143,7 @@ class _Recorded:
         try:
             with torch.no_grad():
                 args, kwargs = call.fresh()
-                recorded.output = _first_tensor(module(*args, **kwargs))
+                recorded.output = first_tensor(module(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - reported as the reason
             recorded.error = first_line(error)
         finally:
@@ -198,19 +199,24 @@ def _simulate(ranks: _Ranks, call: ProbeCall, view: LocalView | None, reference:
             ranks.localize(local, view, rank)
             with torch.no_grad():
                 args, kwargs = call.fresh()
-                output = _first_tensor(local(*args, **kwargs))
+                output = first_tensor(local(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - a view under which the forward fails is a wrong view
             return f"on local heads its forward fails: {first_line(error)}"
         if stand_in.input is None:
             return "its row layer is not reached"
-        if output is None or output.shape != reference.output.shape or _relative(output, reference.output) > TOLERANCE:
+        if (
+            output is None
+            or output.shape != reference.output.shape
+            or relative_difference(output, reference.output) > TOLERANCE
+        ):
             return "on local heads its output differs from the unsharded module's"
         row_inputs.append(stand_in.input)
     try:
         side_by_side = torch.cat(row_inputs, dim=-1)
     except RuntimeError as error:
         return f"its row layer's local inputs do not line up ({first_line(error)})"
-    if side_by_side.shape != reference.row_input.shape or _relative(side_by_side, reference.row_input) > TOLERANCE:
+    mismatched = side_by_side.shape != reference.row_input.shape  # relative_difference does not compare shapes
+    if mismatched or relative_difference(side_by_side, reference.row_input) > TOLERANCE:
         return "on local heads its row layer's input differs from the unsharded module's"
     return None
 
@@ -296,16 +302,3 @@ def _detached(value):
     if isinstance(value, dict):
         return {key: _detached(item) for key, item in value.items()}
     return value
-
-
-def _first_tensor(output) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return None
-
-
-def _relative(tensor: torch.Tensor, reference: torch.Tensor) -> float:
-    scale = max(reference.abs().max().item(), 1e-30)
-    return (tensor.float() - reference.float()).abs().max().item() / scale

@@ -76,11 +76,6 @@ class Contender:
         return f"{self.kind} tp={self.tp}{suffix}"
 
     @property
-    def native_name(self) -> str:
-        """The native contender this one is compared with: the same tp, compiled or not."""
-        return Contender("native", self.tp, compiled=self.compiled).name
-
-    @property
     def variant(self) -> bool:
         """Sequence parallelism, activation checkpointing or no overlap: compared with plain `ours`, not native."""
         return self.sequence_parallel or self.activation_checkpointing or not self.overlap

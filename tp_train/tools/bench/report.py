@@ -38,7 +38,7 @@ def _native(row: dict, rows: dict) -> dict | None:
     """The native row an `ours` row is compared with (the same tp, compiled or not); None for variants."""
     if row["kind"] != "ours" or row["variant"]:
         return None
-    return rows.get(Contender("ours", row["tp"], compiled=row["compiled"]).native_name)
+    return rows.get(Contender("native", row["tp"], compiled=row["compiled"]).name)
 
 
 def _per_block(row: dict, size: dict) -> str:
