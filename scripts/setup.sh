@@ -34,6 +34,20 @@ elif [ ! -x "$PYTHON" ] && ! command -v "$PYTHON" >/dev/null 2>&1; then
     exit 2
 fi
 
+# `make test` and `make train` run this first: when the environment already holds this checkout's install of these
+# exact requirements (the stamp names their hash) and its packages are all there, pip is not run again.
+prefix=$("$PYTHON" -c 'import sys; print(sys.prefix)')
+stamp="$prefix/.tp_train-setup"
+wanted="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1) $(pwd)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ] \
+    && "$PYTHON" -I -c "
+import importlib.util as u, sys
+spec = u.find_spec('tp_train')
+found = all(u.find_spec(name) for name in ('torch', 'lightning', 'transformers', 'datasets', 'hydra', 'wandb', 'pytest'))
+sys.exit(not (found and spec and spec.origin.startswith('$(pwd)/')))" >/dev/null 2>&1; then
+    echo "setup: $prefix already holds tp_train[dev] with constraints.txt"
+    exit 0
+fi
 if [ -z "${TORCH_SPEC:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         TORCH_SPEC="torch"
@@ -41,10 +55,10 @@ if [ -z "${TORCH_SPEC:-}" ]; then
         TORCH_SPEC="torch==2.13.0"
     fi
 fi
-prefix=$("$PYTHON" -c 'import sys; print(sys.prefix)')
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing $TORCH_SPEC into $prefix"
     "$PYTHON" -m pip install --quiet "$TORCH_SPEC"
 fi
 echo "setup: installing tp_train[dev] with constraints.txt into $prefix"
 "$PYTHON" -m pip install --quiet -c constraints.txt -e ".[dev]"
+echo "$wanted" > "$stamp"
