@@ -27,6 +27,7 @@ from tp_train.errors import first_line
 LAUNCHER_PID = "TP_TRAIN_LAUNCHER_PID"  # set in each child's environment by the launcher
 POLL_SECONDS = 0.5
 GRACE_SECONDS = 5.0  # after a failure, how long to wait for the rank that caused it to be seen dead
+EXIT_WAIT_SECONDS = 60.0  # how long the launcher, at its exit, waits for its children to end
 USER_ERROR_STATUS = 2  # train.py's status for a user error, reported once by rank 0
 
 
@@ -54,8 +55,18 @@ class ChildRanks:
         self._stopped = False
 
     def watch(self) -> None:
-        """Starts a daemon thread that ends the job (status 1) once a child exits non-zero."""
+        """Starts a daemon thread that ends the job (status 1) once a child exits non-zero, and has the launcher's
+        exit wait for the children (`await_children`)."""
         threading.Thread(target=self._watch, name="tp-train-child-ranks", daemon=True).start()
+        atexit.register(self.await_children, EXIT_WAIT_SECONDS)
+
+    def await_children(self, timeout: float) -> None:
+        """At the launcher's exit, waits up to `timeout` seconds for the children, which are finishing the same
+        program: none then sees its launcher gone while it ends, and one that fails as it ends is still reported
+        (by the watch thread, with status 1) rather than lost behind the launcher's status 0."""
+        deadline = time.monotonic() + timeout
+        while not self._stopped and time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs):
+            time.sleep(POLL_SECONDS / 5)
 
     def failed(self) -> list[str]:
         """'rank 1 (pid 123) was killed by SIGKILL' for each child that exited non-zero."""
