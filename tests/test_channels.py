@@ -41,6 +41,25 @@ def test_a_per_channel_scale_between_column_and_row_goes_with_the_channels():
     assert plan["blocks.*"] == "channelwise" and plan["blocks.*.fc"] == "colwise" and plan["blocks.*.proj"] == "rowwise"
 
 
+def test_sectioned_channelwise_keeps_each_ranks_share_of_every_section():
+    """`channelwise(4,4,8)` on a depthwise conv1d over [q; k; v] of separate column layers: rank r keeps chunk r of
+    q's, k's and v's channels, as the column layers hand it; the sections must add up and each split evenly."""
+    from tp_train.parallel.sharding import shard_tensor
+    from tp_train.plan.match import match_plan
+    from tp_train.plan.styles import split_style, style_shard_spec
+
+    conv = torch.nn.Conv1d(16, 16, kernel_size=3, groups=16, bias=False)
+    style, arguments = split_style("channelwise(4,4,8)")
+    spec = style_shard_spec(style, conv, "weight", arguments=arguments)
+    channels = torch.arange(16.0).view(16, 1, 1)
+    assert shard_tensor(channels, spec, 1, 2).flatten().tolist() == [2, 3, 6, 7, 12, 13, 14, 15]
+    model = torch.nn.Sequential(conv)
+    with pytest.raises(ValueError, match=r"sections \(4, 4, 4\) do not add up to weight.shape\[0\]=16"):
+        match_plan(model, {"0": "channelwise(4,4,4)"}, 2)
+    with pytest.raises(ValueError, match=r"weight.shape\[0\] section 0=5 is not divisible"):
+        match_plan(model, {"0": "channelwise(5,3,8)"}, 2)
+
+
 def _logits(model, idx):
     return model(idx)
 

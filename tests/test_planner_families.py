@@ -3,7 +3,8 @@ for the one no small family shows): ELECTRA's embedding projection is no column 
 the model's own plan shards stays whole, but a block that would stay mostly whole is refused; GPT-BigCode's
 multi-query attention shards with its one kv head on every rank; Apertus's activation scalars get summed gradients;
 a module running its own sharded 3-D weights under `all_reduce` (Inkling's shared experts) sums its input gradient,
-and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm)."""
+and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm); gated delta-net linear attention
+(OLMo-Hybrid, Kimi-Linear, Ling) is split by heads, its conv1d by the [q; k; v] sections."""
 
 from __future__ import annotations
 
@@ -148,6 +149,7 @@ def _logits(model, idx):
     return model(idx)
 
 
+MIXED = ["linear_attention", "full_attention"]
 # name -> (build, forward, tps, block_rel_tol: matrices kept whole on purpose, a router or replicated kv heads)
 CASES = {
     "electra": (lambda: _family("electra"), _hf_logits, (2,), 0.0),
@@ -158,6 +160,13 @@ CASES = {
     # HF's plan shards only the MLP and experts; V2's latent-attention entries are added (q_a, kv_a's norm whole).
     "deepseek_v3_latent_attention": (lambda: _family("deepseek_v3"), _hf_logits, (2,), 0.15),
     "inkling_style_embedding_and_shared_experts": (InklingStyleLM, _logits, (2,), 0.0),
+    # Gated delta-net linear attention split by heads (`tp_train.plan.presets.DELTA_NET`): OLMo-Hybrid with twice
+    # as many value heads as key heads (a conv1d over [q; k; v] of sections 32, 32, 64) beside its full attention
+    # (Hugging Face's gathering plan); Kimi-Linear and Ling with a linear and a latent-attention layer (whose
+    # latent projections stay whole), Kimi's low-rank gate projections whole.
+    "olmo_hybrid_delta_net": (lambda: _family("olmo_hybrid", linear_num_value_heads=8), _hf_logits, (2, 4), 0.0),
+    "kimi_linear_delta_net": (lambda: _family("kimi_linear", layer_types=MIXED), _hf_logits, (2, 4), 0.05),
+    "bailing_hybrid_delta_net": (lambda: _family("bailing_hybrid", layer_types=MIXED), _hf_logits, (2, 4), 0.12),
 }
 
 

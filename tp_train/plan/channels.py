@@ -1,7 +1,8 @@
 """The `channelwise` style: a module whose own parameters hold one entry per channel of the activation between a
 column and a row layer (a state-space block's depthwise conv1d, A_log and D; a gated norm's weight) keeps, on each
 rank, the entries of that rank's channels, so it runs on the column layer's local output. Nothing is communicated:
-the gradients of those entries are whole on the rank that holds them."""
+the gradients of those entries are whole on the rank that holds them. `channelwise(32,32,64)` names sections of the
+channels (a conv1d over [q; k; v] fed by three column layers): each rank keeps its share of every section."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from tp_train.plan.styles import style_shard_spec
 CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "normalized_shape")
 
 
-def shard_channels(module: nn.Module, group: ProcessGroup) -> None:
-    """Replaces each of `module`'s own parameters by this rank's contiguous chunk along dim 0, records the split in
-    `module.shard_specs` (for checkpoints and gathering), and divides its channel counts (a Conv's `groups`,
-    `in_channels`, `out_channels`) by tp."""
+def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") -> None:
+    """Replaces each of `module`'s own parameters by this rank's chunk along dim 0 (of each section the style's
+    `arguments` name, else one contiguous chunk), records the split in `module.shard_specs` (for checkpoints and
+    gathering), and divides its channel counts (a Conv's `groups`, `in_channels`, `out_channels`) by tp."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
     channels = None
     specs = dict(getattr(module, "shard_specs", {}))
     for name, param in list(module.named_parameters(recurse=False)):
         channels = param.shape[0]
-        spec = style_shard_spec("channelwise", module, name)
+        spec = style_shard_spec("channelwise", module, name, arguments=arguments)
         local = nn.Parameter(shard_tensor(param.detach(), spec, rank, tp), requires_grad=param.requires_grad)
         setattr(module, name, local)
         specs[name] = spec

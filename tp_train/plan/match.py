@@ -180,8 +180,14 @@ def _check_module(
                         f"of {unit} that divides {size}"
                     )
     elif style == "channelwise":
+        named = section_sizes(arguments)
         for param_name, param in module.named_parameters(recurse=False):
-            check_divisible(where, f"{param_name}.shape[0]", param.shape[0] if param.dim() else 1, tp)
+            channels = param.shape[0] if param.dim() else 1
+            if named and sum(named) != channels:
+                raise ValueError(f"{where}: sections {named} do not add up to {param_name}.shape[0]={channels}")
+            for index, size in enumerate(named or (channels,)):
+                what = f"{param_name}.shape[0] section {index}" if named else f"{param_name}.shape[0]"
+                check_divisible(where, what, size, tp)
     elif style == "embedding_rowwise":
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")

@@ -116,8 +116,57 @@ LATENT_ATTENTION = {
     "layers.*.self_attn.kv_b_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
 }
+# Gated delta-net linear attention (OLMo-Hybrid's `linear_attn`; Kimi-Linear's and Ling's (BailingHybrid)
+# `self_attn` in their linear layers), which Hugging Face's plans leave whole: q, k and v (separate Linears) feed a
+# depthwise conv1d over their concatenated channels, then a per-head recurrence gated by per-head decays (A_log,
+# dt_bias, a forget gate) and betas (b_proj), then a norm gated by g_proj over each head and o_proj. Split by heads:
+# q/k/v and the per-head projections by columns, the conv1d by channels in the three sections [q; k; v]
+# (`channelwise(q,k,v)`, sized per config in `CONFIG_VARIANTS`), A_log and dt_bias with the heads, the gated norm
+# (one weight over a head's width, shared by all heads) whole with its gradient summed over the ranks' heads, o_proj by
+# rows. Low-rank projections (Kimi's f_a_proj, g_a_proj) stay whole; what follows them is split by columns. The
+# module's own widths across heads (`key_dim`, `qkv_dim`) become local through its `attention(...)` view.
+DELTA_NET = {
+    "q_proj": "colwise",
+    "k_proj": "colwise",
+    "v_proj": "colwise",
+    "b_proj": "colwise",
+    "o_norm": "replicated_with_grad_allreduce",
+    "o_proj": "rowwise",
+}
+OLMO_HYBRID_DELTA_NET = {
+    **DELTA_NET,
+    "a_proj": "colwise",
+    "g_proj": "colwise",
+    "A_log": "colwise",
+    "dt_bias": "colwise",
+}
+KIMI_DELTA_NET = {
+    **DELTA_NET,
+    "g_b_proj": "colwise",
+    "forget_gate.f_b_proj": "colwise",
+    "forget_gate.A_log": "colwise",  # (1, 1, heads, 1): split along the heads (dim 2)
+    "forget_gate.dt_bias": "colwise",
+}
+BAILING_DELTA_NET = {
+    **DELTA_NET,
+    "g_proj": "colwise",  # a per-channel gate in linear layers, a per-head one in latent attention layers
+    "forget_gate": "attention",  # its forward views with num_heads
+    "forget_gate.f_proj": "colwise",
+    "forget_gate.A_log": "colwise",
+    "forget_gate.dt_bias": "colwise",
+}
+
+
+def _under(prefix: str, entries: dict[str, str]) -> dict[str, str]:
+    return {f"{prefix}.{name}": style for name, style in entries.items()}
+
+
 ADDITIONS: dict[str, dict[str, str]] = {
     "deepseek_v3": LATENT_ATTENTION,
+    "olmo_hybrid": _under("layers.*.linear_attn", OLMO_HYBRID_DELTA_NET),
+    # Kimi-Linear's and Ling's full-attention layers are DeepSeek's latent attention, under the same name.
+    "kimi_linear": {**LATENT_ATTENTION, **_under("layers.*.self_attn", KIMI_DELTA_NET)},
+    "bailing_hybrid": {**LATENT_ATTENTION, **_under("layers.*.self_attn", BAILING_DELTA_NET)},
     "youtu": LATENT_ATTENTION,
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     # Corrections: Inkling's fused expert weights are [gate; up] halves (`chunk(2)` in the experts' forward), which
@@ -151,10 +200,41 @@ def _gpt_bigcode_variant(config) -> dict[str, str]:
     return {} if getattr(config, "multi_query", True) else {"h.*.attn.c_attn": "colwise"}
 
 
+def _delta_net_conv(config, attention: str, q: int, k: int, v: int) -> dict[str, str]:
+    return {f"layers.*.{attention}.conv1d": f"channelwise({q},{k},{v})"}
+
+
+def _olmo_hybrid_variant(config) -> dict[str, str]:
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    view = "attention(num_k_heads, num_v_heads, key_dim, value_dim)"
+    return {"layers.*.linear_attn": view, **_delta_net_conv(config, "linear_attn", key_dim, key_dim, value_dim)}
+
+
+def _latent_and_delta_variant(config) -> dict[str, str]:
+    """Kimi-Linear / Ling: `self_attn` is a delta net in linear layers (its view makes `qkv_dim` local) and latent
+    attention in full ones, so where a config mixes them the attention entry is given per layer."""
+    width = config.linear_num_heads * config.linear_head_dim
+    delta = "attention(num_heads, qkv_dim)"
+    views = [delta if kind == "linear_attention" else "attention" for kind in config.layer_types]
+    if len(set(views)) == 1:
+        attention = {"layers.*.self_attn": views[0]}
+    else:
+        attention = {f"layers.{index}.self_attn": view for index, view in enumerate(views)}
+    return {**attention, **_delta_net_conv(config, "self_attn", width, width, width)}
+
+
 # Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
-# Entries of a family's preset that a config changes: model_type -> config -> the entries that replace the preset's.
-CONFIG_VARIANTS = {"falcon": _falcon_variant, "gpt_bigcode": _gpt_bigcode_variant}
+# Entries of a family's preset (or additions) that a config changes: model_type -> config -> the entries that replace
+# or join the preset's.
+CONFIG_VARIANTS = {
+    "falcon": _falcon_variant,
+    "gpt_bigcode": _gpt_bigcode_variant,
+    "olmo_hybrid": _olmo_hybrid_variant,
+    "kimi_linear": _latent_and_delta_variant,
+    "bailing_hybrid": _latent_and_delta_variant,
+}
 
 HEAD_PLAN = {"lm_head": "colwise_gather_output"}
 
@@ -169,8 +249,12 @@ def preset_plan(model: nn.Module) -> dict[str, str] | None:
     reason = check(model.config) if check else None
     if reason:
         raise ValueError(f"the built-in '{model_type}' preset cannot shard this config: {reason}")
+    return _for_model(model, {**base, **_variant(model_type, model.config)}, head=True)
+
+
+def _variant(model_type: str, config) -> dict[str, str]:
     variant = CONFIG_VARIANTS.get(model_type)
-    return _for_model(model, {**base, **(variant(model.config) if variant else {})}, head=True)
+    return variant(config) if variant else {}
 
 
 def override_plan(model: nn.Module) -> dict[str, str] | None:
@@ -181,8 +265,9 @@ def override_plan(model: nn.Module) -> dict[str, str] | None:
 
 def plan_additions(model: nn.Module) -> dict[str, str]:
     """Entries to add to Hugging Face's plan for `model`'s family (`ADDITIONS`), keyed as `model`'s modules."""
-    base = ADDITIONS.get(getattr(getattr(model, "config", None), "model_type", None))
-    return _for_model(model, base, head=False) if base else {}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    base = ADDITIONS.get(model_type)
+    return _for_model(model, {**base, **_variant(model_type, model.config)}, head=False) if base else {}
 
 
 def _for_model(model: nn.Module, base: dict[str, str], head: bool) -> dict[str, str]:

@@ -40,6 +40,7 @@ FAMILY_FIELDS = {
     "mimo_v2_flash": dict(num_key_value_heads=2),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # one (global, local) pair: the 2 tiny layers
     "mamba2": dict(num_heads=8, n_groups=1),  # heads x head width = expand x hidden
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8),  # 32 heads of 128 by default
 }
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
