@@ -184,3 +184,12 @@ def _results(tp: int) -> list:
 def test_the_family_shards_and_matches_unsharded(name, tp):
     for rank, results in enumerate(_results(tp)):
         assert_parity(results[name], tp, rank, ATOL, block_rel_tol=CASES[name][3])
+
+
+def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():
+    """Gemma 4's text config keeps `head_dim` per layer (its full-attention layers are wider), and reading it as one
+    value raises: the planner takes each attention's own head width and shards every block's attention and MLP."""
+    plan, _ = resolve_plan(_family("gemma4_text"), tensor_parallel_size=2)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"

@@ -68,7 +68,8 @@ UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block mat
 # must divide them), DeepSeek-style latent attention (a rotary and a plain part of each query/key head, values 8
 # wide, compressed ranks), the widths a vision or audio tower hands to the text model, and an encoder-decoder's
 # own head counts, layers and MLP widths (the decoder of Whisper or PLBart keeps its own, ProphetNet has no single
-# layer count), and a Mamba2 mixer's heads (8 heads of 8 channels: expand x hidden).
+# layer count), a Mamba2 mixer's heads (8 heads of 8 channels: expand x hidden) and Gemma 3n's low-rank residual
+# (LAuReL: its rank of 64 would be twice the tiny width).
 WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shared_experts_intermediate_size=32,
               expert_intermediate_size=32, expert_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16,
               qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8, v_head_dim=8, out_hidden_size=32,
@@ -78,7 +79,8 @@ WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shar
               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, encoder_attention_heads=4,
               decoder_attention_heads=4, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
               decoder_ffn_dim=64, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
-              num_decoder_attention_heads=4, mamba_n_heads=8, mamba_d_head=8, mamba_d_ssm=64)  # fmt: skip
+              num_decoder_attention_heads=4, mamba_n_heads=8, mamba_d_head=8, mamba_d_ssm=64,
+              laurel_rank=8)  # fmt: skip
 
 
 def tiny_config(model_type: str) -> dict:
