@@ -37,7 +37,6 @@ from tp_train.plan.styles import (
     KV_GROUP_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     WIDTH_ATTRIBUTES,
-    config_value,
 )
 
 INPUT_WIDTH = "input_width"
@@ -142,7 +141,7 @@ def localize_heads(module: nn.Module, tp: int) -> None:
     for attribute in usual_fields(module):
         setattr(module, attribute, _local_count(attribute, getattr(module, attribute), tp))
     config = getattr(module, "config", None)
-    counts = {field: config_value(config, field) for field in CONFIG_HEAD_FIELDS}
+    counts = {field: getattr(config, field, None) for field in CONFIG_HEAD_FIELDS}
     counts = {field: value for field, value in counts.items() if _is_count(value)}
     if counts:
         local = copy.copy(config)

@@ -20,7 +20,6 @@ from tp_train.plan.styles import (
     HeadCounts,
     PlannedModule,
     column_layout,
-    config_value,
     head_counts,
     linear_shape,
     mla_rope_dim,
@@ -130,7 +129,7 @@ def _shards_inside(entry: PlannedModule, planned: dict[str, PlannedModule]) -> b
 def check_config_heads(model: nn.Module, tp: int) -> None:
     config = getattr(model, "config", None)
     for field in CONFIG_HEAD_FIELDS:
-        value = config_value(config, field)
+        value = getattr(config, field, None)
         if not isinstance(value, int) or not value % tp:
             continue
         if field in KV_HEAD_ATTRIBUTES:  # fewer kv heads than ranks: replicated, if each rank's heads use one
