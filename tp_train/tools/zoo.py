@@ -84,9 +84,11 @@ WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shar
 
 
 def tiny_config(model_type: str) -> dict:
-    """`SIZES`, plus the fields of this family's config that must agree with them: a head width (8) where the
-    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary, the `WIDTHS`
-    the config has, `FAMILY_FIELDS`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
+    """`SIZES` (but a size the family refuses to set), plus the fields of this family's config that must agree with
+    them: a head width (8) where the config has one, a rotary width that fits a head, special token ids inside the
+    tiny vocabulary, the `WIDTHS` the config has, expert counts its default leaves None, per-layer lists it would keep
+    at the default layer count (shortened, one layer of each kind first), fewer kv-sharing layers than the tiny
+    model has, `FAMILY_FIELDS`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
     `audio_config`, ...) made tiny the same way, so no part of the model keeps its full size."""
     from transformers import CONFIG_MAPPING
 
@@ -154,7 +156,10 @@ def _per_layer_lists(defaults) -> dict:
     for field, value in vars(defaults).items():
         if isinstance(value, (list, tuple)) and len(value) == layers and not field.startswith("_"):
             if len(shrunk.get(field) or ()) != tiny:
-                kept = [0] + [value.index(kind) for kind in dict.fromkeys(value) if kind != value[0]]
+                kept = [0]
+                for index, kind in enumerate(value):  # == rather than hashing: a kind may be a list
+                    if all(kind != value[other] for other in kept):
+                        kept.append(index)
                 kept = sorted((kept + [i for i in range(layers) if i not in kept])[:tiny])
                 lists[field] = type(value)(value[i] for i in kept)
     return lists
