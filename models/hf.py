@@ -63,6 +63,23 @@ def hugging_face_causal_lm(
         raise ValueError(f"type={type}: {' '.join(str(error).split())}") from None
 
 
+def _has_field(config, field: str) -> bool:
+    """Whether the config has the field; one it keeps per layer (Gemma 4's `head_dim`) raises when read as one
+    value, yet it is a field to set."""
+    try:
+        return hasattr(config, field)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return field in vars(config)
+
+
+def _field_value(config, field: str):
+    """`config.field` (0 where it has none); a per-layer field read from the config's own attributes."""
+    try:
+        return getattr(config, field, 0)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return vars(config).get(field, 0)
+
+
 def _config_fields(model_type: str | None, config: dict) -> dict:
     from transformers import CONFIG_MAPPING
 
@@ -75,9 +92,9 @@ def _config_fields(model_type: str | None, config: dict) -> dict:
     defaults = config_class()  # resolves the family's attribute_map: hasattr(GPT2Config(), "hidden_size")
     fields = {}
     for key, value in config.items():
-        name = key if hasattr(defaults, key) else None
+        name = key if _has_field(defaults, key) else None
         if name is None:
-            name = next((alias for alias in SIZE_ALIASES.get(key, ()) if hasattr(defaults, alias)), None)
+            name = next((alias for alias in SIZE_ALIASES.get(key, ()) if _has_field(defaults, alias)), None)
         if name is not None:
             fields[name] = value
         elif key not in SIZE_FIELDS:
@@ -86,7 +103,7 @@ def _config_fields(model_type: str | None, config: dict) -> dict:
                 f"its fields include {', '.join(sorted(defaults.to_diff_dict())[:8])}, ..."
             )
     # Some families (HunYuan) leave head_dim None by default and then fail to build: derive it from the sizes.
-    if getattr(defaults, "head_dim", 0) is None and "head_dim" not in fields:
+    if _field_value(defaults, "head_dim") is None and "head_dim" not in fields:
         hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
         if hidden and heads:
             fields["head_dim"] = hidden // heads

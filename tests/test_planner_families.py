@@ -193,3 +193,17 @@ def _results(tp: int) -> list:
 def test_the_family_shards_and_matches_unsharded(name, tp):
     for rank, results in enumerate(_results(tp)):
         assert_parity(results[name], tp, rank, ATOL, block_rel_tol=CASES[name][3])
+
+
+def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():
+    """Gemma 4's text config keeps `head_dim` per layer (its full-attention layers are wider), and reading it as one
+    value raises: the planner takes each attention's own head width and shards every block's attention and MLP."""
+    from tp_train.plan.match import match_plan
+
+    model = _family("gemma4_text")  # a sliding-window layer, then a full-attention one
+    plan, _ = resolve_plan(model, tensor_parallel_size=2)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    counts = {entry.name: entry.counts for entry in match_plan(model, plan, 2) if entry.name.endswith("q_proj")}
+    assert counts["model.layers.0.self_attn.q_proj"].head_dim == 8
+    assert counts["model.layers.1.self_attn.q_proj"].head_dim == model.model.layers[1].self_attn.head_dim > 8

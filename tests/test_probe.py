@@ -77,3 +77,15 @@ def test_the_unsharded_skeleton_copies_state_a_forward_left_with_autograd_histor
     skeleton = unsharded_skeleton(model)
     assert skeleton.linear.weight.is_meta and skeleton.state.grad_fn is None
     assert torch.equal(skeleton.state, model.state.detach())
+
+
+def test_split_sizes_are_read_through_an_element_wise_step():
+    """DBRX clamps its fused q/k/v projection's output before splitting it into [q; k; v] of unequal widths: the
+    sizes are read through the clamp, as straight off the projection."""
+    from tp_train.plan.probe import split_sizes
+
+    projection = nn.Linear(8, 16)
+    output = projection(torch.randn(2, 3, 8))
+    for fused in (output, output.clamp(-8.0, 8.0)):
+        q, k, v = fused.split([8, 4, 4], dim=-1)
+        assert split_sizes(output, torch.cat([q, k * 2, v], dim=-1)) == (8, 4, 4)

@@ -54,3 +54,44 @@ def test_tiny_config_is_consistent_for_latent_attention_and_doubled_kv_heads(mod
     torch.manual_seed(0)
     model = hugging_face_causal_lm(model_type, config=tiny_config(model_type))
     assert forward_without_cache(model, torch.randint(0, VOCAB, (1, 8))).logits.shape == (1, 8, VOCAB)
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "prophetnet",  # refuses num_hidden_layers (encoder and decoder counts instead)
+        "xlnet",  # refuses max_position_embeddings; its d_head must be hidden / heads
+        "zamba2",  # a fixed 54-entry layers_block_type, kept at the default count
+        "granitemoehybrid",  # Mamba2 heads x head width = expand x hidden
+        "falcon_h1",  # the same, with the mixer's width given as mamba_d_ssm
+        "dots1",  # expert counts None by default
+        "gemma3n_text",  # more kv-sharing layers than the tiny model has
+        "gemma4_text",  # head_dim kept per layer: read as one value it raises
+        "zamba",  # its shared attention is tied across hybrid layers: two of them
+        # defaults that build no model that runs (FAMILY_FIELDS carries what a checkpoint sets)
+        "dbrx",
+        "lfm2_moe",
+        "cohere_compass_text",
+        "reformer",
+    ],
+)
+def test_tiny_config_builds_families_whose_defaults_disagree_with_the_tiny_sizes(model_type):
+    """Each family here was `unbuildable` in the zoo because of the tiny config, not the family: it builds and the
+    unsharded model runs."""
+    import torch
+
+    from models.hf import hugging_face_causal_lm
+    from tp_train.plan.probe import forward_without_cache
+    from tp_train.tools.zoo import VOCAB, tiny_config
+
+    torch.manual_seed(0)
+    model = hugging_face_causal_lm(model_type, config=tiny_config(model_type)).eval()  # Reformer trains on 64
+    assert forward_without_cache(model, torch.randint(0, VOCAB, (1, 8))).logits.shape == (1, 8, VOCAB)
+
+
+def test_tiny_config_keeps_one_layer_of_each_kind_of_a_per_layer_list():
+    """Zamba2's default layer list starts with Mamba layers: shortened, it keeps the first layer and a hybrid one."""
+    from tp_train.tools.zoo import tiny_config
+
+    assert tiny_config("zamba2")["layers_block_type"] == ["linear_attention", "hybrid"]
+    assert "layer_types" not in tiny_config("qwen2")  # a list the family re-derives from the tiny count is left alone

@@ -100,7 +100,9 @@ def producers_of(tensor: torch.Tensor | None, outputs: dict[int, str]) -> tuple[
 
 def split_sizes(output: torch.Tensor | None, consumer_input: torch.Tensor | None) -> tuple[int, ...] | None:
     """The sizes `output` was cut into along its last dimension on the way to `consumer_input` (a `split` with
-    unequal sizes, e.g. litgpt's `qkv.split((q, k, v), dim=-1)`), read off the autograd graph; None when it was not."""
+    unequal sizes, e.g. litgpt's `qkv.split((q, k, v), dim=-1)`, also after an element-wise step such as DBRX's
+    `clamp`), read off the autograd graph; None when it was not. The sizes are a candidate only: the planner keeps
+    them if perturbing each rank's share moves only that rank's share of the consumer."""
     target = getattr(output, "grad_fn", None)
     stack = [consumer_input.grad_fn] if getattr(consumer_input, "grad_fn", None) is not None else []
     seen, alive = set(), []  # the visited nodes are kept alive, so their ids stay theirs
@@ -111,12 +113,25 @@ def split_sizes(output: torch.Tensor | None, consumer_input: torch.Tensor | None
         seen.add(id(node))
         alive.append(node)
         parents = [next_node for next_node, _ in node.next_functions]
-        if type(node).__name__ == "SplitWithSizesBackward0" and target in parents:
+        if type(node).__name__ == "SplitWithSizesBackward0" and _through_elementwise(parents, target):
             dim = node._saved_dim - 2**64 if node._saved_dim >= 2**63 else node._saved_dim  # saved as unsigned
             if dim in (-1, output.dim() - 1):
                 return tuple(node._saved_split_sizes)
         stack.extend(parents)
     return None
+
+
+def _through_elementwise(parents: list, target, steps: int = 3) -> bool:
+    """Whether `target` is among `parents`, or reached from them through up to `steps` nodes with one input from the
+    graph each (a clamp, a scaling: element-wise, so the split's sizes are the output's)."""
+    for _ in range(steps + 1):
+        if target in parents:
+            return True
+        inputs = [node for node in parents if node is not None and type(node).__name__ != "AccumulateGrad"]
+        if len(inputs) != 1:
+            return False
+        parents = [next_node for next_node, _ in inputs[0].next_functions]
+    return False
 
 
 @contextmanager

@@ -133,12 +133,21 @@ class HeadCounts:
     head_dim: int | None = None
 
 
+def config_value(config, field: str):
+    """`config.field`, or None where the config has no such field or keeps it per layer (Gemma 4's `head_dim`, read
+    as one value, raises transformers' AmbiguousGlobalPerLayerAttributeError: each attention module holds its own)."""
+    try:
+        return getattr(config, field, None)
+    except RuntimeError:
+        return None
+
+
 def head_counts(attention: nn.Module | None, config) -> HeadCounts:
     """The head counts of `attention` (a planned projection's parent), from its own attributes first (Falcon's
     multi-query keeps `num_kv_heads = 1` while its config says otherwise), then from the model's `config`."""
 
     def first(names, default=None):
-        found = (getattr(owner, name, None) for owner in (attention, config) for name in names)
+        found = (config_value(owner, name) for owner in (attention, config) for name in names)
         return next((value for value in found if isinstance(value, int)), default)
 
     heads, kv_heads = first(HEAD_ATTRIBUTES), first(KV_HEAD_ATTRIBUTES)

@@ -41,6 +41,25 @@ FAMILY_FIELDS = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # one (global, local) pair: the 2 tiny layers
     "mamba2": dict(num_heads=8, n_groups=1),  # heads x head width = expand x hidden
     "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8),  # 32 heads of 128 by default
+    # Reformer's causal LM asserts is_decoder (the default config is an encoder's); its axial position embeddings
+    # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=(16, 16), axial_pos_shape=(8, 8)),
+    "zamba": dict(layers_block_type=["hybrid", "hybrid"]),  # its shared attention is tied across two hybrid layers
+}
+# Families whose default config builds no model that runs (transformers 5's defaults lack what every checkpoint of the
+# family sets): the fields a checkpoint would carry, at the tiny sizes.
+FAMILY_FIELDS |= {
+    # attention reads attn_config.rope_theta and clamps q/k/v by clip_qkv, which the defaults leave out; the experts'
+    # width follows `d_model` only when it is set by that name
+    "dbrx": dict(
+        d_model=32,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+    ),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default layer kinds
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),  # all-Mamba2 fails its forward
+    # rotary parameters are looked up per layer kind, and the default has none
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
@@ -49,7 +68,9 @@ UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block mat
 # Widths beyond the generic sizes, set wherever a (sub-)config has them as an int: mixture-of-experts widths (tp
 # must divide them), DeepSeek-style latent attention (a rotary and a plain part of each query/key head, values 8
 # wide, compressed ranks), the widths a vision or audio tower hands to the text model, and an encoder-decoder's
-# own head counts, layers and MLP widths (the decoder of Whisper or PLBart keeps its own).
+# own head counts, layers and MLP widths (the decoder of Whisper or PLBart keeps its own, ProphetNet has no single
+# layer count), a Mamba2 mixer's heads (8 heads of 8 channels: expand x hidden) and Gemma 3n's low-rank residual
+# (LAuReL: its rank of 64 would be twice the tiny width).
 WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shared_experts_intermediate_size=32,
               expert_intermediate_size=32, expert_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16,
               qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8, v_head_dim=8, out_hidden_size=32,
@@ -58,13 +79,17 @@ WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shar
               linear_value_head_dim=8, index_head_dim=8, index_topk=8, encoder_hash_byte_group_vocab=64,
               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, encoder_attention_heads=4,
               decoder_attention_heads=4, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
-              decoder_ffn_dim=64)  # fmt: skip
+              decoder_ffn_dim=64, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+              num_decoder_attention_heads=4, mamba_n_heads=8, mamba_d_head=8, mamba_d_ssm=64,
+              laurel_rank=8)  # fmt: skip
 
 
 def tiny_config(model_type: str) -> dict:
-    """`SIZES`, plus the fields of this family's config that must agree with them: a head width (8) where the
-    config has one, a rotary width that fits a head, special token ids inside the tiny vocabulary, the `WIDTHS`
-    the config has, `FAMILY_FIELDS`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
+    """`SIZES` (but a size the family refuses to set), plus the fields of this family's config that must agree with
+    them: a head width (8) where the config has one, a rotary width that fits a head, special token ids inside the
+    tiny vocabulary, the `WIDTHS` the config has, expert counts its default leaves None, per-layer lists it would keep
+    at the default layer count (shortened, one layer of each kind first), fewer kv-sharing layers than the tiny
+    model has, `FAMILY_FIELDS`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
     `audio_config`, ...) made tiny the same way, so no part of the model keeps its full size."""
     from transformers import CONFIG_MAPPING
 
@@ -72,7 +97,8 @@ def tiny_config(model_type: str) -> dict:
         defaults = CONFIG_MAPPING[model_type]()
     except Exception:  # noqa: BLE001 - the build reports it
         return dict(SIZES)
-    return {**SIZES, **_tiny_fields(defaults), **FAMILY_FIELDS.get(model_type, {})}
+    sizes = {field: value for field, value in SIZES.items() if _accepts(defaults, field, value)}
+    return {**sizes, **_tiny_fields(defaults), **FAMILY_FIELDS.get(model_type, {})}
 
 
 def _tiny_fields(defaults) -> dict:
@@ -82,7 +108,12 @@ def _tiny_fields(defaults) -> dict:
 
     config = {}
     head = SIZES["hidden_size"] // SIZES["num_attention_heads"]
-    for field, value in (("head_dim", head), ("rotary_dim", head // 2)):
+    for field, value in (
+        ("head_dim", head),
+        ("d_head", head),
+        ("attention_head_size", head),
+        ("rotary_dim", head // 2),
+    ):
         if isinstance(_value(defaults, field), int) and _settable(defaults, field):
             config[field] = value
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -91,8 +122,13 @@ def _tiny_fields(defaults) -> dict:
     for field, value in WIDTHS.items():  # fields of its own only: xLSTM's `qk_head_dim` is a read-only property
         if isinstance(vars(defaults).get(field), int):
             config[field] = value
-    if "num_experts_per_tok" in vars(defaults) and defaults.num_experts_per_tok is None:  # DeepSeek-V2 needs one
-        config["num_experts_per_tok"] = 2
+    for field, value in (("num_experts_per_tok", 2), ("n_routed_experts", 4), ("n_shared_experts", 1)):  # dots1
+        if field in vars(defaults) and vars(defaults)[field] is None:
+            config[field] = value
+    config.update(_per_layer_lists(defaults))
+    shared = vars(defaults).get("num_kv_shared_layers")  # Gemma 3n: the last layers reuse earlier layers' keys/values
+    if isinstance(shared, int) and shared >= SIZES["num_hidden_layers"]:
+        config["num_kv_shared_layers"] = SIZES["num_hidden_layers"] - 1  # one layer must still produce them
     if "qk_rope_head_dim" in config:  # latent attention: head_dim is the rotary part of a query/key head
         config["head_dim"] = config["qk_rope_head_dim"]
     for field in getattr(type(defaults), "sub_configs", {}):
@@ -104,6 +140,40 @@ def _tiny_fields(defaults) -> dict:
                 # per-layer MLP kinds (dots3's vision tower) are not re-derived from the layer count: keep the first
                 config[field]["mlp_layer_types"] = sub.mlp_layer_types[: SIZES["num_hidden_layers"]]
     return config
+
+
+def _per_layer_lists(defaults) -> dict:
+    """Per-layer lists (`layer_types`, Zamba's `layers_block_type`) that the config keeps at its default layer count
+    when given the tiny one (a fixed default, or one derived with a fixed prefix), shortened to the tiny count: the
+    first layer, then the first of each other kind, so a hybrid keeps an attention and a mixer layer."""
+    layers, tiny = _value(defaults, "num_hidden_layers"), SIZES["num_hidden_layers"]
+    if not isinstance(layers, int) or layers <= tiny:
+        return {}
+    try:
+        shrunk = vars(type(defaults)(num_hidden_layers=tiny))
+    except Exception:  # noqa: BLE001 - its own validation rejects the lists the tiny count leaves
+        shrunk = {}
+    lists = {}
+    for field, value in vars(defaults).items():
+        if isinstance(value, (list, tuple)) and len(value) == layers and not field.startswith("_"):
+            if len(shrunk.get(field) or ()) != tiny:
+                kept = [0]
+                for index, kind in enumerate(value):  # == rather than hashing: a kind may be a list
+                    if all(kind != value[other] for other in kept):
+                        kept.append(index)
+                kept = sorted((kept + [i for i in range(layers) if i not in kept])[:tiny])
+                lists[field] = type(value)(value[i] for i in kept)
+    return lists
+
+
+def _accepts(config, field: str, value) -> bool:
+    """False where the family refuses to set a generic size (ProphetNet's `num_hidden_layers`, XLNet's
+    `max_position_embeddings`: properties whose setters raise)."""
+    try:
+        setattr(copy.deepcopy(config), field, value)
+    except (NotImplementedError, AttributeError):
+        return False
+    return True
 
 
 def _settable(config, field: str) -> bool:
