@@ -3,7 +3,9 @@ for the one no small family shows): ELECTRA's embedding projection is no column 
 the model's own plan shards stays whole, but a block that would stay mostly whole is refused; GPT-BigCode's
 multi-query attention shards with its one kv head on every rank; Apertus's activation scalars get summed gradients;
 a module running its own sharded 3-D weights under `all_reduce` (Inkling's shared experts) sums its input gradient,
-and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm)."""
+and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm). Mamba2's mixer shards by
+heads and groups, as Megatron does (in_proj's [z; x; B; C; dt] and conv1d's [x; B; C] section by section), and a
+config whose n_groups tp does not divide is refused in one line."""
 
 from __future__ import annotations
 
@@ -144,6 +146,27 @@ class InklingStyleLM(nn.Module):
         return self.head(x)
 
 
+def test_mamba2_is_sharded_by_heads_and_groups_section_by_section():
+    plan, source = resolve_plan(_family("mamba2"), tensor_parallel_size=2)
+    assert source == "the built-in preset for model_type 'mamba2'"
+    # tiny config: 8 heads of 8 (inner 64), 8 groups with a 16-wide state (B and C 128 each)
+    assert plan["backbone.layers.*.mixer.in_proj"] == "colwise(64,64,128,128,8)"
+    assert plan["backbone.layers.*.mixer.conv1d"] == "channelwise(64,128,128)"
+
+
+def test_mamba2_with_fewer_groups_than_ranks_is_refused_in_one_line():
+    """One group (Bamba's, Zamba2's default) would need B and C on every rank and a norm across ranks."""
+    from tp_train.plan.match import match_plan
+
+    model = _family("mamba2", n_groups=1)
+    plan, _ = resolve_plan(model, tensor_parallel_size=2)
+    with pytest.raises(ValueError) as refusal:
+        match_plan(model, plan, 2)
+    message = str(refusal.value)
+    assert "'backbone.layers.0.mixer' (Mamba2Mixer): n_groups=1 is not divisible by tensor_parallel_size=2" in message
+    assert "use a tensor_parallel_size in [1]" in message and "\n" not in message
+
+
 def _logits(model, idx):
     return model(idx)
 
@@ -158,6 +181,7 @@ CASES = {
     # HF's plan shards only the MLP and experts; V2's latent-attention entries are added (q_a, kv_a's norm whole).
     "deepseek_v3_latent_attention": (lambda: _family("deepseek_v3"), _hf_logits, (2,), 0.15),
     "inkling_style_embedding_and_shared_experts": (InklingStyleLM, _logits, (2,), 0.0),
+    "mamba2_heads_and_groups": (lambda: _family("mamba2"), _hf_logits, (2, 4), 0.0),
 }
 
 

@@ -103,7 +103,7 @@ def apply_plan(
             apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
             rng.run_in(module, SHARDED)
         elif style == "channelwise":
-            shard_channels(module, group)
+            shard_channels(module, group, entry.arguments)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":

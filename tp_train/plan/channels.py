@@ -15,8 +15,9 @@ from tp_train.plan.styles import style_shard_spec
 CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "normalized_shape")
 
 
-def shard_channels(module: nn.Module, group: ProcessGroup) -> None:
-    """Replaces each of `module`'s own parameters by this rank's contiguous chunk along dim 0, records the split in
+def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") -> None:
+    """Replaces each of `module`'s own parameters by this rank's contiguous chunk along dim 0 (of each section
+    `arguments` names, `channelwise(64,16,16)`, else of the whole), records the split in
     `module.shard_specs` (for checkpoints and gathering), and divides its channel counts (a Conv's `groups`,
     `in_channels`, `out_channels`) by tp."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
@@ -24,7 +25,7 @@ def shard_channels(module: nn.Module, group: ProcessGroup) -> None:
     specs = dict(getattr(module, "shard_specs", {}))
     for name, param in list(module.named_parameters(recurse=False)):
         channels = param.shape[0]
-        spec = style_shard_spec("channelwise", module, name)
+        spec = style_shard_spec("channelwise", module, name, arguments=arguments)
         local = nn.Parameter(shard_tensor(param.detach(), spec, rank, tp), requires_grad=param.requires_grad)
         setattr(module, name, local)
         specs[name] = spec

@@ -77,6 +77,24 @@ PRESETS: dict[str, dict[str, str]] = {
         "h.*.mlp.dense_h_to_4h": "colwise",
         "h.*.mlp.dense_4h_to_h": "rowwise",
     },
+    # Mamba2, as Megatron shards it: in_proj's output is [z; x; B; C; dt] (z and x by heads, B and C by groups, dt one
+    # per head), each section split evenly (`_mamba2_variant` names their sizes), so each rank holds its heads' z, x
+    # and dt and its groups' B and C, which those heads read when tp divides n_groups; the depthwise conv1d over
+    # [x; B; C] the same channels; A_log, D and dt_bias of its heads; the gated norm's weights of its channels (it
+    # normalises each group on its own, and each rank holds whole groups, so its group_size stays); out_proj by rows.
+    # The mixer's counts become local. Where tp does not divide n_groups (a group's B and C would be replicated and its
+    # norm span ranks) the mixer's entry refuses the config.
+    "mamba2": {
+        "embeddings": "embedding_rowwise",
+        "layers.*.mixer": "attention(num_heads, intermediate_size, n_groups, conv_dim)",
+        "layers.*.mixer.A_log": "colwise",
+        "layers.*.mixer.D": "colwise",
+        "layers.*.mixer.dt_bias": "colwise",
+        "layers.*.mixer.in_proj": "colwise",  # sections: `_mamba2_variant`
+        "layers.*.mixer.conv1d": "channelwise",  # sections: `_mamba2_variant`
+        "layers.*.mixer.norm": "channelwise",
+        "layers.*.mixer.out_proj": "rowwise",
+    },
 }
 # GPT-BigCode: c_attn is [q (all heads); k; v] with one kv head (multi_query, the default), which every rank
 # then holds (`fused_qkv_colwise`, kv-head replication); without multi_query it is laid out per head as
@@ -151,10 +169,19 @@ def _gpt_bigcode_variant(config) -> dict[str, str]:
     return {} if getattr(config, "multi_query", True) else {"h.*.attn.c_attn": "colwise"}
 
 
+def _mamba2_variant(config) -> dict[str, str]:
+    inner = int(config.expand * config.hidden_size)
+    b_or_c = config.n_groups * config.state_size
+    return {
+        "layers.*.mixer.in_proj": f"colwise({inner},{inner},{b_or_c},{b_or_c},{config.num_heads})",
+        "layers.*.mixer.conv1d": f"channelwise({inner},{b_or_c},{b_or_c})",
+    }
+
+
 # Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
 # Entries of a family's preset that a config changes: model_type -> config -> the entries that replace the preset's.
-CONFIG_VARIANTS = {"falcon": _falcon_variant, "gpt_bigcode": _gpt_bigcode_variant}
+CONFIG_VARIANTS = {"falcon": _falcon_variant, "gpt_bigcode": _gpt_bigcode_variant, "mamba2": _mamba2_variant}
 
 HEAD_PLAN = {"lm_head": "colwise_gather_output"}
 

@@ -39,7 +39,9 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
 FAMILY_FIELDS = {
     "mimo_v2_flash": dict(num_key_value_heads=2),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # one (global, local) pair: the 2 tiny layers
-    "mamba2": dict(num_heads=8, n_groups=1),  # heads x head width = expand x hidden
+    # Mamba2: heads x head width = expand x hidden; n_groups stays at its default (8, one group per head), which
+    # tp 2 and 4 divide (tp must, as in Megatron); a 16-wide state keeps B and C (n_groups x state_size) small.
+    "mamba2": dict(num_heads=8, state_size=16),
 }
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
