@@ -5,7 +5,7 @@ multi-query attention shards with its one kv head on every rank; Apertus's activ
 a module running its own sharded 3-D weights under `all_reduce` (Inkling's shared experts) sums its input gradient,
 and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm). Mamba2's mixer shards by
 heads and groups, as Megatron does (in_proj's [z; x; B; C; dt] and conv1d's [x; B; C] section by section), and a
-config whose n_groups tp does not divide is refused in one line."""
+config whose n_groups tp does not divide is refused in one line; Nemotron-H's Mamba2 layers the same way."""
 
 from __future__ import annotations
 
@@ -154,16 +154,23 @@ def test_mamba2_is_sharded_by_heads_and_groups_section_by_section():
     assert plan["backbone.layers.*.mixer.conv1d"] == "channelwise(64,128,128)"
 
 
-def test_mamba2_with_fewer_groups_than_ranks_is_refused_in_one_line():
+MIXERS = {
+    "mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)",
+    "nemotron_h": "model.layers.0.mixer' (NemotronHMamba2Mixer)",
+}
+
+
+@pytest.mark.parametrize("model_type", list(MIXERS))
+def test_mamba2_with_fewer_groups_than_ranks_is_refused_in_one_line(model_type):
     """One group (Bamba's, Zamba2's default) would need B and C on every rank and a norm across ranks."""
     from tp_train.plan.match import match_plan
 
-    model = _family("mamba2", n_groups=1)
+    model = _family(model_type, n_groups=1)
     plan, _ = resolve_plan(model, tensor_parallel_size=2)
     with pytest.raises(ValueError) as refusal:
         match_plan(model, plan, 2)
     message = str(refusal.value)
-    assert "'backbone.layers.0.mixer' (Mamba2Mixer): n_groups=1 is not divisible by tensor_parallel_size=2" in message
+    assert f"'{MIXERS[model_type]}: n_groups=1 is not divisible by tensor_parallel_size=2" in message
     assert "use a tensor_parallel_size in [1]" in message and "\n" not in message
 
 
@@ -174,7 +181,7 @@ def _logits(model, idx):
 # name -> (build, forward, tps, block_rel_tol: matrices kept whole on purpose, a router or replicated kv heads)
 CASES = {
     "electra": (lambda: _family("electra"), _hf_logits, (2,), 0.0),
-    "phimoe_router_whole": (lambda: _family("phimoe"), _hf_logits, (2,), 0.05),
+    "phimoe_router_whole": (lambda: _family("phimoe"), _hf_logits, (2,), 0.01),
     "gpt_bigcode_multi_query": (lambda: _family("gpt_bigcode"), _hf_logits, (2, 4), 0.3),
     "gpt_bigcode_multi_head": (lambda: _family("gpt_bigcode", multi_query=False), _hf_logits, (2, 4), 0.0),
     "apertus_activation_scalars": (lambda: _family("apertus"), _hf_logits, (2,), 0.0),
@@ -182,6 +189,8 @@ CASES = {
     "deepseek_v3_latent_attention": (lambda: _family("deepseek_v3"), _hf_logits, (2,), 0.15),
     "inkling_style_embedding_and_shared_experts": (InklingStyleLM, _logits, (2,), 0.0),
     "mamba2_heads_and_groups": (lambda: _family("mamba2"), _hf_logits, (2, 4), 0.0),
+    # its Mamba2 layer by the same entries, beside HF's expert plan and the auto-planner's attention and MLP
+    "nemotron_h_mamba2_layer": (lambda: _family("nemotron_h"), _hf_logits, (2,), 0.01),
 }
 
 

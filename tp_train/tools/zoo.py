@@ -42,6 +42,8 @@ FAMILY_FIELDS = {
     # Mamba2: heads x head width = expand x hidden; n_groups stays at its default (8, one group per head), which
     # tp 2 and 4 divide (tp must, as in Megatron); a 16-wide state keeps B and C (n_groups x state_size) small.
     "mamba2": dict(num_heads=8, state_size=16),
+    # Nemotron-H's Mamba2 layers the same way (8 heads of 8, its default 8 groups, a 16-wide state).
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16),
 }
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
