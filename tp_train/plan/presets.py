@@ -180,6 +180,14 @@ def _mamba2_variant(config) -> dict[str, str]:
     return mamba2_mixer("layers.*.mixer", config.num_heads, inner, config.n_groups * config.state_size)
 
 
+def _mamba_layers(config) -> dict[str, str]:
+    """The Mamba2 mixers of hybrids that keep them at `layers.*.mamba` with `mamba_`-prefixed fields (Bamba,
+    GraniteMoeHybrid)."""
+    inner = int(config.mamba_expand * config.hidden_size)
+    b_or_c = config.mamba_n_groups * config.mamba_d_state
+    return mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, b_or_c)
+
+
 def _nemotron_h_additions(config) -> dict[str, str]:
     """Nemotron-H's Mamba2 mixers (its `linear_attention` layers; `mixer` also names the other layers' attention,
     MLP or MoE, so each is named by its index). Hugging Face's plan shards the experts; the auto-planner completes
@@ -195,10 +203,16 @@ def _nemotron_h_additions(config) -> dict[str, str]:
 # Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
 # Entries of a family's preset that a config changes: model_type -> config -> the entries that replace the preset's.
-CONFIG_VARIANTS = {"falcon": _falcon_variant, "gpt_bigcode": _gpt_bigcode_variant, "mamba2": _mamba2_variant}
+CONFIG_VARIANTS = {
+    "falcon": _falcon_variant,
+    "gpt_bigcode": _gpt_bigcode_variant,
+    "mamba2": _mamba2_variant,
+}
 
 # Entries added to Hugging Face's plan that a config decides: model_type -> config -> the entries.
-CONFIG_ADDITIONS = {"nemotron_h": _nemotron_h_additions}
+# Bamba's and GraniteMoeHybrid's plans shard only the head or the experts: their Mamba2 mixers are added, and the
+# auto-planner completes attention and the MLPs.
+CONFIG_ADDITIONS = {"nemotron_h": _nemotron_h_additions, "bamba": _mamba_layers, "granitemoehybrid": _mamba_layers}
 
 HEAD_PLAN = {"lm_head": "colwise_gather_output"}
 

@@ -44,6 +44,10 @@ FAMILY_FIELDS = {
     "mamba2": dict(num_heads=8, state_size=16),
     # Nemotron-H's Mamba2 layers the same way (8 heads of 8, its default 8 groups, a 16-wide state).
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16),
+    # Bamba and GraniteMoeHybrid: 8 Mamba heads of 8 (their defaults do not fit the tiny width) and a 16-wide state;
+    # their default of one group, which no tp above 1 divides, is kept: they are refused, as Megatron refuses them.
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16),
+    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16),
 }
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
