@@ -5,7 +5,8 @@ multi-query attention shards with its one kv head on every rank; Apertus's activ
 a module running its own sharded 3-D weights under `all_reduce` (Inkling's shared experts) sums its input gradient,
 and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm). Mamba2's mixer shards by
 heads and groups, as Megatron does (in_proj's [z; x; B; C; dt] and conv1d's [x; B; C] section by section), and a
-config whose n_groups tp does not divide is refused in one line; Nemotron-H's Mamba2 layers the same way."""
+config whose n_groups tp does not divide is refused in one line; Nemotron-H's and Bamba's Mamba2 layers the same
+way."""
 
 from __future__ import annotations
 
@@ -157,6 +158,7 @@ def test_mamba2_is_sharded_by_heads_and_groups_section_by_section():
 MIXERS = {
     "mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)",
     "nemotron_h": "model.layers.0.mixer' (NemotronHMamba2Mixer)",
+    "bamba": "model.layers.0.mamba' (BambaMixer)",
 }
 
 
@@ -165,7 +167,7 @@ def test_mamba2_with_fewer_groups_than_ranks_is_refused_in_one_line(model_type):
     """One group (Bamba's, Zamba2's default) would need B and C on every rank and a norm across ranks."""
     from tp_train.plan.match import match_plan
 
-    model = _family(model_type, n_groups=1)
+    model = _family(model_type, **{"mamba_n_groups" if model_type == "bamba" else "n_groups": 1})
     plan, _ = resolve_plan(model, tensor_parallel_size=2)
     with pytest.raises(ValueError) as refusal:
         match_plan(model, plan, 2)
@@ -176,6 +178,12 @@ def test_mamba2_with_fewer_groups_than_ranks_is_refused_in_one_line(model_type):
 
 def _logits(model, idx):
     return model(idx)
+
+
+def forward_without_cache_logits(model, idx):
+    from tp_train.plan.probe import forward_without_cache
+
+    return forward_without_cache(model, idx).logits
 
 
 # name -> (build, forward, tps, block_rel_tol: matrices kept whole on purpose, a router or replicated kv heads)
@@ -191,6 +199,8 @@ CASES = {
     "mamba2_heads_and_groups": (lambda: _family("mamba2"), _hf_logits, (2, 4), 0.0),
     # its Mamba2 layer by the same entries, beside HF's expert plan and the auto-planner's attention and MLP
     "nemotron_h_mamba2_layer": (lambda: _family("nemotron_h"), _hf_logits, (2,), 0.01),
+    # Mamba layers only, whose cache its forward cannot build: called without one
+    "bamba_two_groups": (lambda: _family("bamba", mamba_n_groups=2), forward_without_cache_logits, (2,), 0.0),
 }
 
 

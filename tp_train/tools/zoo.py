@@ -46,8 +46,11 @@ FAMILY_FIELDS = {
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16),
     # Bamba and GraniteMoeHybrid: 8 Mamba heads of 8 (their defaults do not fit the tiny width) and a 16-wide state;
     # their default of one group, which no tp above 1 divides, is kept: they are refused, as Megatron refuses them.
+    # GraniteMoeHybrid's second layer is attention (with Mamba layers only, its forward cannot build its cache).
     "bamba": dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16),
-    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16),
+    "granitemoehybrid": dict(
+        mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, layer_types=["linear_attention", "full_attention"]
+    ),
 }
 CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
