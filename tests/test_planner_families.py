@@ -155,11 +155,7 @@ def test_mamba2_is_sharded_by_heads_and_groups_section_by_section():
     assert plan["backbone.layers.*.mixer.conv1d"] == "channelwise(64,128,128)"
 
 
-MIXERS = {
-    "mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)",
-    "nemotron_h": "model.layers.0.mixer' (NemotronHMamba2Mixer)",
-    "bamba": "model.layers.0.mamba' (BambaMixer)",
-}
+MIXERS = {"mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)", "bamba": "model.layers.0.mamba' (BambaMixer)"}
 
 
 @pytest.mark.parametrize("model_type", list(MIXERS))
@@ -237,7 +233,7 @@ def _mamba2_checkpoint(rank, world_size, directory, train: bool):
     from torch.distributed.device_mesh import init_device_mesh
 
     import tp_train
-    from tests.test_kv_replication import _gathered
+    from tests.test_kv_replication import gathered_and_logits
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0 if train else 1)
@@ -252,9 +248,7 @@ def _mamba2_checkpoint(rank, world_size, directory, train: bool):
         tp_train.save_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
     else:
         tp_train.load_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
-    with torch.no_grad():
-        logits = model(idx).logits
-    return _gathered(model, optimizer, mesh.get_group()), logits
+    return gathered_and_logits(model, optimizer, mesh, idx)
 
 
 @pytest.mark.slow
