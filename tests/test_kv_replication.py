@@ -128,8 +128,13 @@ def _load(rank, world_size, directory):
     model = tp_train.parallelize(_hf("llama", 2), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tp_train.load_checkpoint(Path(directory) / "llama", model, [optimizer], mesh)
+    return gathered_and_logits(model, optimizer, mesh, IDX)
+
+
+def gathered_and_logits(model, optimizer, mesh, idx) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`_gathered`, and the logits on `idx`."""
     with torch.no_grad():
-        logits = model(IDX).logits
+        logits = model(idx).logits
     return _gathered(model, optimizer, mesh.get_group()), logits
 
 

@@ -4,7 +4,10 @@ the model's own plan shards stays whole, but a block that would stay mostly whol
 multi-query attention shards with its one kv head on every rank; Apertus's activation scalars get summed gradients;
 a module running its own sharded 3-D weights under `all_reduce` (Inkling's shared experts) sums its input gradient,
 and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm); gated delta-net linear attention
-(OLMo-Hybrid, Kimi-Linear, Ling) is split by heads, its conv1d by the [q; k; v] sections."""
+(OLMo-Hybrid, Kimi-Linear, Ling) is split by heads, its conv1d by the [q; k; v] sections. Mamba2's mixer shards by
+heads and groups, as Megatron does (in_proj's [z; x; B; C; dt] and conv1d's [x; B; C] section by section), and a
+config whose n_groups tp does not divide is refused in one line; Nemotron-H's and Bamba's Mamba2 layers the same
+way."""
 
 from __future__ import annotations
 
@@ -145,15 +148,46 @@ class InklingStyleLM(nn.Module):
         return self.head(x)
 
 
+def test_mamba2_is_sharded_by_heads_and_groups_section_by_section():
+    plan, source = resolve_plan(_family("mamba2"), tensor_parallel_size=2)
+    assert source == "the built-in preset for model_type 'mamba2'"
+    # tiny config: 8 heads of 8 (inner 64), 8 groups with a 16-wide state (B and C 128 each)
+    assert plan["backbone.layers.*.mixer.in_proj"] == "colwise(64,64,128,128,8)"
+    assert plan["backbone.layers.*.mixer.conv1d"] == "channelwise(64,128,128)"
+
+
+MIXERS = {"mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)", "bamba": "model.layers.0.mamba' (BambaMixer)"}
+
+
+@pytest.mark.parametrize("model_type", list(MIXERS))
+def test_mamba2_with_fewer_groups_than_ranks_is_refused_in_one_line(model_type):
+    """One group (Bamba's, Zamba2's default) would need B and C on every rank and a norm across ranks."""
+    from tp_train.plan.match import match_plan
+
+    model = _family(model_type, **{"mamba_n_groups" if model_type == "bamba" else "n_groups": 1})
+    plan, _ = resolve_plan(model, tensor_parallel_size=2)
+    with pytest.raises(ValueError) as refusal:
+        match_plan(model, plan, 2)
+    message = str(refusal.value)
+    assert f"'{MIXERS[model_type]}: n_groups=1 is not divisible by tensor_parallel_size=2" in message
+    assert "use a tensor_parallel_size in [1]" in message and "\n" not in message
+
+
 def _logits(model, idx):
     return model(idx)
+
+
+def forward_without_cache_logits(model, idx):
+    from tp_train.plan.probe import forward_without_cache
+
+    return forward_without_cache(model, idx).logits
 
 
 MIXED = ["linear_attention", "full_attention"]
 # name -> (build, forward, tps, block_rel_tol: matrices kept whole on purpose, a router or replicated kv heads)
 CASES = {
     "electra": (lambda: _family("electra"), _hf_logits, (2,), 0.0),
-    "phimoe_router_whole": (lambda: _family("phimoe"), _hf_logits, (2,), 0.05),
+    "phimoe_router_whole": (lambda: _family("phimoe"), _hf_logits, (2,), 0.01),
     "gpt_bigcode_multi_query": (lambda: _family("gpt_bigcode"), _hf_logits, (2, 4), 0.3),
     "gpt_bigcode_multi_head": (lambda: _family("gpt_bigcode", multi_query=False), _hf_logits, (2, 4), 0.0),
     "apertus_activation_scalars": (lambda: _family("apertus"), _hf_logits, (2,), 0.0),
@@ -167,6 +201,11 @@ CASES = {
     "olmo_hybrid_delta_net": (lambda: _family("olmo_hybrid", linear_num_value_heads=8), _hf_logits, (2, 4), 0.0),
     "kimi_linear_delta_net": (lambda: _family("kimi_linear", layer_types=MIXED), _hf_logits, (2, 4), 0.05),
     "bailing_hybrid_delta_net": (lambda: _family("bailing_hybrid", layer_types=MIXED), _hf_logits, (2, 4), 0.12),
+    "mamba2_heads_and_groups": (lambda: _family("mamba2"), _hf_logits, (2, 4), 0.0),
+    # its Mamba2 layer by the same entries, beside HF's expert plan and the auto-planner's attention and MLP
+    "nemotron_h_mamba2_layer": (lambda: _family("nemotron_h"), _hf_logits, (2,), 0.01),
+    # Mamba layers only, whose cache its forward cannot build: called without one
+    "bamba_two_groups": (lambda: _family("bamba", mamba_n_groups=2), forward_without_cache_logits, (2,), 0.0),
 }
 
 
@@ -207,3 +246,40 @@ def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():
     counts = {entry.name: entry.counts for entry in match_plan(model, plan, 2) if entry.name.endswith("q_proj")}
     assert counts["model.layers.0.self_attn.q_proj"].head_dim == 8
     assert counts["model.layers.1.self_attn.q_proj"].head_dim == model.model.layers[1].self_attn.head_dim > 8
+
+
+def _mamba2_checkpoint(rank, world_size, directory, train: bool):
+    """Mamba2 at this tp: trained 2 AdamW steps and saved (`train`), or built with other weights and loaded. Returns
+    the full parameters and AdamW moments, and the logits."""
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tp_train
+    from tests.test_kv_replication import gathered_and_logits
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0 if train else 1)
+    model = tp_train.parallelize(_family("mamba2"), mesh, verify=False)  # the parity case verifies the split
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    if train:
+        for _ in range(2):
+            F.cross_entropy(model(idx).logits.flatten(0, 1), idx.flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        tp_train.save_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
+    else:
+        tp_train.load_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
+    return gathered_and_logits(model, optimizer, mesh, idx)
+
+
+@pytest.mark.slow
+def test_a_mamba2_checkpoint_saved_at_tp4_loads_at_tp2(tmp_path):
+    """Its sections ([z; x; B; C; dt], the conv's [x; B; C]) are laid out per rank differently at each tp."""
+    trained, logits = run_on_ranks(_mamba2_checkpoint, 4, str(tmp_path), True, timeout=300)[0]
+    loaded, loaded_logits = run_on_ranks(_mamba2_checkpoint, 2, str(tmp_path), False, timeout=300)[0]
+    assert loaded.keys() == trained.keys() and any("conv1d" in name for name in trained)
+    for name, tensor in trained.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert (loaded_logits - logits).abs().max().item() < ATOL

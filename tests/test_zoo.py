@@ -38,13 +38,15 @@ def test_tiny_config_shrinks_every_sub_config(model_type):
     assert sum(p.numel() for p in model.parameters()) < 7_000_000
 
 
-@pytest.mark.parametrize(
-    "model_type", ["deepseek_v3", "longcat_flash", "mimo_v2_flash", "falcon", "gpt_neo", "whisper", "plbart", "mamba2"]
-)
+CONSISTENT = ["deepseek_v3", "longcat_flash", "mimo_v2_flash", "falcon", "gpt_neo", "whisper", "plbart", "mamba2",
+              "nemotron_h", "bamba", "granitemoehybrid"]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", CONSISTENT)
 def test_tiny_config_is_consistent_for_latent_attention_and_doubled_kv_heads(model_type):
     """Latent attention's rotary, plain and value widths, MiMo's doubled sliding-window kv heads, Falcon's derived
-    (read-only) head width, GPT-Neo's per-layer attention kinds, encoder-decoder head counts and Mamba2's heads agree
-    with the tiny sizes: the model builds and the unsharded model runs."""
+    (read-only) head width, GPT-Neo's per-layer attention kinds, encoder-decoder head counts and the heads and groups
+    of Mamba2-style hybrids agree with the tiny sizes: the model builds and the unsharded model runs."""
     import torch
 
     from models.hf import hugging_face_causal_lm

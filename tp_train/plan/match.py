@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tp_train.parallel.sharding import check_divisible, divisors
+from tp_train.plan.local_view import field_value, parse_attention_style
 from tp_train.plan.styles import (
     ALIASES,
     CONFIG_HEAD_FIELDS,
@@ -15,6 +16,7 @@ from tp_train.plan.styles import (
     PACKED_SECTIONS,
     PARAMETER_STYLES,
     ROW_STYLES,
+    SECTIONED_STYLES,
     STYLES,
     WIDTH_ATTRIBUTES,
     HeadCounts,
@@ -156,6 +158,8 @@ def _check_module(
     arguments: str = "",
 ) -> None:
     where = f"plan entry '{pattern}': module '{name}' ({type(module).__name__})"
+    if arguments and style in SECTIONED_STYLES and not section_sizes(arguments):
+        raise ValueError(f"{where}: '{style}({arguments})' must name section sizes, e.g. '{style}(64,16,16)'")
     if style in LINEAR_STYLES:
         shape = linear_shape(module)
         if shape is None:
@@ -193,7 +197,12 @@ def _check_module(
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
-    elif style == "attention" and not arguments:
+    elif style == "attention" and arguments:  # each count its view divides (Mamba2's n_groups: whole groups per rank)
+        for path in parse_attention_style(f"attention({arguments})").fields:
+            value = field_value(module, path)
+            if isinstance(value, int):
+                check_divisible(where, path, value, tp)
+    elif style == "attention":
         for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
             value = getattr(module, attribute, None)
             replicated = attribute in KV_HEAD_ATTRIBUTES and isinstance(value, int) and value and not tp % value

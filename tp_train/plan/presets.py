@@ -77,6 +77,9 @@ PRESETS: dict[str, dict[str, str]] = {
         "h.*.mlp.dense_h_to_4h": "colwise",
         "h.*.mlp.dense_4h_to_h": "rowwise",
     },
+    # Mamba2, as Megatron shards it: its mixer's entries are `mamba2_mixer`'s, their sections sized by the config
+    # (`_mamba2_variant`).
+    "mamba2": {"embeddings": "embedding_rowwise"},
 }
 # GPT-BigCode: c_attn is [q (all heads); k; v] with one kv head (multi_query, the default), which every rank
 # then holds (`fused_qkv_colwise`, kv-head replication); without multi_query it is laid out per head as
@@ -224,16 +227,68 @@ def _latent_and_delta_variant(config) -> dict[str, str]:
     return {**attention, **_delta_net_conv(config, "self_attn", width, width, width)}
 
 
+def mamba2_mixer(mixer: str, heads: int, inner: int, b_or_c: int) -> dict[str, str]:
+    """The entries that shard a Mamba2 mixer (named by the pattern `mixer`) as Megatron does. Its in_proj's output is
+    [z; x; B; C; dt] (z and x `inner` wide, by heads; B and C `b_or_c` = n_groups x state wide, by groups; dt one
+    per head), each section split evenly, so each rank holds its heads' z, x and dt and its groups' B and C, which
+    exactly those heads read when tp divides n_groups; the depthwise conv1d over [x; B; C] the same channels; A_log,
+    D and dt_bias of its heads; the gated norm's weights of its channels (it normalises each group on its own, and
+    each rank holds whole groups, so its group_size stays); out_proj by rows. The mixer's counts become local; where
+    tp does not divide n_groups (a group's B and C would be needed on several ranks and its norm would span them)
+    the mixer's entry refuses the config in one line."""
+    return {
+        mixer: "attention(num_heads, intermediate_size, n_groups, conv_dim)",
+        f"{mixer}.A_log": "colwise",
+        f"{mixer}.D": "colwise",
+        f"{mixer}.dt_bias": "colwise",
+        f"{mixer}.in_proj": f"colwise({inner},{inner},{b_or_c},{b_or_c},{heads})",
+        f"{mixer}.conv1d": f"channelwise({inner},{b_or_c},{b_or_c})",
+        f"{mixer}.norm": "channelwise",
+        f"{mixer}.out_proj": "rowwise",
+    }
+
+
+def _mamba2_variant(config) -> dict[str, str]:
+    inner = int(config.expand * config.hidden_size)
+    return mamba2_mixer("layers.*.mixer", config.num_heads, inner, config.n_groups * config.state_size)
+
+
+def _mamba_layers(config) -> dict[str, str]:
+    """The Mamba2 mixers of hybrids that keep them at `layers.*.mamba` with `mamba_`-prefixed fields (Bamba,
+    GraniteMoeHybrid)."""
+    inner = int(config.mamba_expand * config.hidden_size)
+    b_or_c = config.mamba_n_groups * config.mamba_d_state
+    return mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, b_or_c)
+
+
+def _nemotron_h_additions(config) -> dict[str, str]:
+    """Nemotron-H's Mamba2 mixers (its `linear_attention` layers; `mixer` also names the other layers' attention,
+    MLP or MoE, so each is named by its index). Hugging Face's plan shards the experts; the auto-planner completes
+    attention and the MLPs."""
+    heads, width = config.mamba_num_heads, config.mamba_num_heads * config.mamba_head_dim
+    entries = {}
+    for index, kind in enumerate(config.layers_block_type):
+        if kind == "linear_attention":
+            entries |= mamba2_mixer(f"layers.{index}.mixer", heads, width, config.n_groups * config.ssm_state_size)
+    return entries
+
+
 # Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
-# Entries of a family's preset (or additions) that a config changes: model_type -> config -> the entries that replace
-# or join the preset's.
+# Entries of a family's preset, or of its additions to Hugging Face's plan, that a config decides: model_type ->
+# config -> the entries that replace or join the preset's or the additions'. Bamba's, GraniteMoeHybrid's and
+# Nemotron-H's plans shard only the head or the experts: their Mamba2 mixers are added, and the auto-planner
+# completes attention and the MLPs.
 CONFIG_VARIANTS = {
     "falcon": _falcon_variant,
     "gpt_bigcode": _gpt_bigcode_variant,
+    "mamba2": _mamba2_variant,
     "olmo_hybrid": _olmo_hybrid_variant,
     "kimi_linear": _latent_and_delta_variant,
     "bailing_hybrid": _latent_and_delta_variant,
+    "nemotron_h": _nemotron_h_additions,
+    "bamba": _mamba_layers,
+    "granitemoehybrid": _mamba_layers,
 }
 
 HEAD_PLAN = {"lm_head": "colwise_gather_output"}
@@ -264,10 +319,13 @@ def override_plan(model: nn.Module) -> dict[str, str] | None:
 
 
 def plan_additions(model: nn.Module) -> dict[str, str]:
-    """Entries to add to Hugging Face's plan for `model`'s family (`ADDITIONS`), keyed as `model`'s modules."""
+    """Entries to add to Hugging Face's plan for `model`'s family (`ADDITIONS`, and `CONFIG_VARIANTS` for a family
+    without a preset), keyed as `model`'s modules."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    base = ADDITIONS.get(model_type)
-    return _for_model(model, {**base, **_variant(model_type, model.config)}, head=False) if base else {}
+    base = dict(ADDITIONS.get(model_type, {}))
+    if model_type not in PRESETS:
+        base |= _variant(model_type, model.config)
+    return _for_model(model, base, head=False) if base else {}
 
 
 def _for_model(model: nn.Module, base: dict[str, str], head: bool) -> dict[str, str]:

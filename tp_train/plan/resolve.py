@@ -128,7 +128,8 @@ def _leaves_blocks_untouched(model: nn.Module, plan: dict[str, str]) -> bool:
         for name, module in model.named_modules()
         if linear_shape(module) is not None and any(part.isdigit() for part in name.split("."))
     ]
-    sharding = [pattern for pattern, style in plan.items() if ALIASES.get(style, style) in LINEAR_STYLES]
+    names = {pattern: style.partition("(")[0] for pattern, style in plan.items()}  # `colwise(64,64,16,16,8)` too
+    sharding = [pattern for pattern, name in names.items() if ALIASES.get(name, name) in LINEAR_STYLES]
     return bool(block_linears) and not any(
         pattern_matches(pattern, name) for pattern in sharding for name in block_linears
     )

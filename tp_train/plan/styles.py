@@ -40,10 +40,11 @@ plainly where the module stores gate and up interleaved (`is_concatenated = Fals
 Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
 surrounds it.
 
-Four styles take arguments in parentheses: `fused_qkv_colwise(64,32,32)` names unequal [q; k; v] sections
-(grouped-query attention's fused projection, litgpt's, whose head counts no attribute states), `channelwise(32,32,64)`
-the sections of the channels (each rank keeps its share of every section, as the column layers that feed them give
-it: a linear attention's depthwise conv1d over the concatenated q, k and v), `attention(n_head,
+Some styles take arguments in parentheses: `fused_qkv_colwise(64,32,32)` names unequal [q; k; v] sections
+(grouped-query attention's fused projection, litgpt's, whose head counts no attribute states); `colwise(64,64,16,16,8)`
+and `channelwise(64,16,16)` name any sections, each split evenly across ranks (Mamba2's in_proj [z; x; B; C; dt] and
+its conv1d over [x; B; C], so each rank holds its heads' z, x and dt and its groups' B and C; a linear
+attention's depthwise conv1d over the concatenated q, k and v); `attention(n_head,
 config.n_query_groups, input_width, ...)` names where the module keeps its head counts (`tp_train.plan.local_view`),
 and `rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output enters a sharded region again.
 
@@ -191,7 +192,7 @@ def style_shard_spec(
     ranks (`column_layout`)."""
     if style == "embedding_rowwise":
         return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
-    if style == "channelwise":  # one entry per channel along dim 0, in sections (`tp_train.plan.channels`)
+    if style == "channelwise":  # one entry per channel along dim 0 (`tp_train.plan.channels`), by named sections
         return ShardSpec(dim=0, sections=section_sizes(arguments) or (getattr(module, param_name).shape[0],))
     shape = linear_shape(module)
     if shape is None or style not in LINEAR_STYLES:
@@ -232,7 +233,9 @@ def mla_rope_dim(config) -> int:
     return rope_dim
 
 
-STYLES_WITH_ARGUMENTS = ("attention", "fused_qkv_colwise", "rowwise", "channelwise")
+STYLES_WITH_ARGUMENTS = ("attention", "fused_qkv_colwise", "colwise", "channelwise", "rowwise")
+# Styles whose parentheses may name only section sizes (`colwise(64,64,16,16,8)`).
+SECTIONED_STYLES = ("fused_qkv_colwise", "colwise", "channelwise")
 # `rowwise(feeds_parallel_region)`: a row layer whose all-reduced output then enters a sharded region again not
 # through a column layer (Mamba's x_proj, read by each rank's channels of the scan): its output gradient is
 # all-reduced too (Megatron's f after its g).
@@ -251,6 +254,6 @@ def split_style(style: str) -> tuple[str, str]:
 
 
 def section_sizes(arguments: str) -> tuple[int, ...] | None:
-    """The section sizes `fused_qkv_colwise(64,32,32)` or `channelwise(32,32,64)` names, or None (the style's
-    default: equal thirds, one section)."""
+    """The section sizes `fused_qkv_colwise(64,32,32)` or `channelwise(64,16,16)` names, or None (the style's own
+    layout: equal thirds, one section)."""
     return tuple(int(size) for size in arguments.split(",")) if arguments[:1].isdigit() else None

@@ -417,5 +417,6 @@ def _entries_near(name: str | None, planned: Sequence) -> str:
     near = [entry for entry in planned if not parent or entry.name == parent or entry.name.startswith(parent + ".")]
     if not near:
         return ""
-    listed = ", ".join(f"'{entry.name}': '{entry.style}'" for entry in near[:6])
+    styles = [entry.style + (f"({entry.arguments})" if entry.arguments else "") for entry in near[:6]]
+    listed = ", ".join(f"'{entry.name}': '{style}'" for entry, style in zip(near, styles, strict=False))
     return f"; plan entries there: {listed}{', ...' if len(near) > 6 else ''}"
