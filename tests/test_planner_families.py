@@ -4,7 +4,8 @@ the model's own plan shards stays whole, but a block that would stay mostly whol
 multi-query attention shards with its one kv head on every rank; Apertus's activation scalars get summed gradients;
 a module running its own sharded 3-D weights under `all_reduce` (Inkling's shared experts) sums its input gradient,
 and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm); gated delta-net linear attention
-(OLMo-Hybrid, Kimi-Linear, Ling) is split by heads, its conv1d by the [q; k; v] sections."""
+(OLMo-Hybrid, Kimi-Linear, Ling) is split by heads, its conv1d by the [q; k; v] sections; BitNet's RMS norms between
+the column and the row layers are split with the features and normalise over all of them."""
 
 from __future__ import annotations
 
@@ -167,6 +168,9 @@ CASES = {
     "olmo_hybrid_delta_net": (lambda: _family("olmo_hybrid", linear_num_value_heads=8), _hf_logits, (2, 4), 0.0),
     "kimi_linear_delta_net": (lambda: _family("kimi_linear", layer_types=MIXED), _hf_logits, (2, 4), 0.05),
     "bailing_hybrid_delta_net": (lambda: _family("bailing_hybrid", layer_types=MIXED), _hf_logits, (2, 4), 0.12),
+    # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
+    # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
+    "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),
 }
 
 
