@@ -1,8 +1,9 @@
 """`rmsnorm_parallel`: an RMS norm between a column and a row layer, over features split across ranks, has its weight
 split with them and normalises over the whole width (the sum of squares all-reduced forward and backward). Checked on
 hand-written norms (Hugging Face's float32 form, torch's `nn.RMSNorm` with its default epsilon, Gemma's `1 + w`) in
-a tiny LM at tp 2; a norm the correction does not fit (one that centres its input) is refused by verification, and a
-module with no epsilon by the plan reader. BitNet's parity is in `tests/test_planner_families.py`."""
+a tiny LM at tp 2, planned by hand and by the auto-planner; a norm the correction does not fit (one that centres its
+input) is refused by verification, and a module with no epsilon by the plan reader. BitNet's parity is in
+`tests/test_planner_families.py`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tp_train.plan.match import match_plan
 PLAN = {"layers.*.up": "colwise", "layers.*.norm": "rmsnorm_parallel", "layers.*.down": "rowwise"}
 
 
-class FloatStatisticsNorm(nn.Module):
+class HandWrittenRMSNorm(nn.Module):
     """Hugging Face's form: statistics in float32, the epsilon as `variance_epsilon`."""
 
     def __init__(self, width: int, eps: float = 1e-6):
@@ -36,7 +37,7 @@ class FloatStatisticsNorm(nn.Module):
         return self.weight * (x.float() * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
 
 
-class OffsetNorm(nn.Module):
+class OffsetRMSNorm(nn.Module):
     """Gemma's form: scaled by `1 + weight`; a large epsilon, so that where it is added matters."""
 
     def __init__(self, width: int, eps: float = 0.3):
@@ -71,9 +72,9 @@ class NoEpsilonNorm(nn.Module):
 
 
 NORMS = {
-    "float_statistics": FloatStatisticsNorm,
+    "float_statistics": HandWrittenRMSNorm,
     "torch_rmsnorm_default_eps": nn.RMSNorm,
-    "offset_large_eps": OffsetNorm,
+    "offset_large_eps": OffsetRMSNorm,
     "centered": CenteredNorm,
     "no_epsilon": NoEpsilonNorm,
 }
@@ -111,6 +112,12 @@ def _build(norm: str):
     return lambda: NormedMLPLM(norm)
 
 
+def _auto_planned():
+    model = NormedMLPLM("float_statistics")
+    del model.tp_plan
+    return model
+
+
 MATCHING = ("float_statistics", "torch_rmsnorm_default_eps", "offset_large_eps")
 
 
@@ -119,7 +126,7 @@ def _on_ranks(rank, world_size):
     total = sum_across_tensor_parallel_region(x, dist.group.WORLD)
     (total * 10 * (rank + 1)).sum().backward()  # each rank uses the total with its own weight
     collective = (total.item(), x.grad.item())
-    parity = parity_of_each({name: (_build(name), _logits) for name in MATCHING})
+    parity = parity_of_each({name: (_build(name), _logits) for name in MATCHING} | {"auto": (_auto_planned, _logits)})
     torch.manual_seed(0)
     try:
         tp_train.parallelize(NormedMLPLM("centered"))
@@ -144,7 +151,7 @@ def test_the_sum_across_ranks_is_all_reduced_forward_and_backward():
         assert collective == (3.0, 30.0), f"rank {rank}: total and gradient {collective}"
 
 
-@pytest.mark.parametrize("norm", MATCHING)
+@pytest.mark.parametrize("norm", [*MATCHING, "auto"])
 def test_a_norm_over_split_features_matches_unsharded(norm):
     """Logits, gradients and three steps of losses within 1e-5; each rank holds half of every sharded parameter
     (the norm's weight included) and of the block matrices."""
@@ -165,3 +172,16 @@ def test_a_norm_with_no_epsilon_attribute_is_refused_in_one_line():
     message = str(refusal.value)
     assert "module 'layers.0.norm' (NoEpsilonNorm) cannot take style 'rmsnorm_parallel'" in message
     assert "variance_epsilon" in message and "\n" not in message
+
+
+def test_the_auto_planner_puts_an_rms_norm_between_column_and_row_in_the_new_style():
+    """Its statistic held in the planner's perturbed probes, the norm spreads no share to the others; BitNet, given no
+    plan, is planned as its preset plans it."""
+    from tests.test_planner_families import _family
+    from tp_train.plan.presets import PRESETS
+
+    plan = tp_train.infer_plan(_auto_planned(), tensor_parallel_size=2)
+    assert {key: plan[key] for key in PLAN} == PLAN
+    bitnet = tp_train.infer_plan(_family("bitnet"), tensor_parallel_size=2)
+    preset = {f"model.{key}": style for key, style in PRESETS["bitnet"].items()}
+    assert dict(bitnet) == preset | {"lm_head": "colwise_gather_output"}

@@ -39,6 +39,28 @@ def norm_epsilon(module: nn.Module) -> tuple[bool, float | None]:
     return False, None
 
 
+def is_rms_norm(module: nn.Module) -> bool:
+    """Whether `module` is recognisably an RMS norm with 1-D weights: torch's `nn.RMSNorm`, or a class named
+    `...RMSNorm` (Hugging Face's `LlamaRMSNorm`, `BitNetRMSNorm`; not a gated one) keeping its epsilon. What it
+    computes is not inferred from this: verification checks it."""
+    params = list(module.parameters(recurse=False))
+    named = isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+    return named and norm_epsilon(module)[0] and bool(params) and all(param.dim() == 1 for param in params)
+
+
+def hold_statistic(module: nn.Module, x: torch.Tensor, output: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """An RMS norm's `output` on `x` rescaled as if its mean of squares were that of `reference` (an input it saw
+    before): it then acts on each feature alone, as it will on each rank's share once `rmsnorm_parallel` corrects
+    it (the auto-planner's probes, which look for what moves which features)."""
+    eps = norm_epsilon(module)[1]
+    eps = eps if eps is not None else torch.finfo(x.dtype).eps
+    held = reference.detach().float().pow(2).mean(-1, keepdim=True)
+    now = x.float().pow(2).mean(-1, keepdim=True)
+    # Exactly 1 where the statistic did not move: a row nothing perturbed must not move by round-off either.
+    scale = torch.where(now == held, 1.0, torch.sqrt(now + eps) * torch.rsqrt(held + eps))
+    return output * scale.to(output)
+
+
 class ParallelRMSNormRegion(Configurable):
     """Corrects an RMS norm running on this rank's features to normalise over every rank's (see the module
     docstring). `install(module)` hooks its forward; its first floating-point tensor argument is the input."""

@@ -13,7 +13,8 @@ structure off what happened, not off class names:
    share in turn and watching which share of the row input moves, for the contiguous split (`colwise`), the split
    of two halves (`packed_colwise`, [gate; up]) and of three thirds (`fused_qkv_colwise`, [q; k; v]), and takes
    the first that holds. Heads are thereby respected: a split through a head, or a [q; k; v] split as one matrix,
-   moves other shares and fails.
+   moves other shares and fails. An RMS norm between them (BitNet's sub-norms) has its statistic held in these
+   probes: it gets `rmsnorm_parallel`, which normalises over every rank's features.
 3. **Attention.** A pair whose perturbation at the first token moves later tokens mixes positions: it is
    attention, and the module enclosing the pair gets the `attention` style (local head counts, sharded dropout
    stream). Dropout modules inside it that run after the row layer get `replicated_rng`; modules whose
@@ -40,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from tp_train.errors import first_line
+from tp_train.parallel.norm import hold_statistic, is_rms_norm
 from tp_train.plan.coverage import (
     as_patterns,
     block_whole_fraction,
@@ -148,6 +150,13 @@ class _Planner:
         self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
         self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
         self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
+        # RMS norms called once: their statistic is held in perturbed probes (`rmsnorm_parallel` normalises over
+        # every rank's features), so one between a column and a row layer does not spread a share to the others.
+        self.rms_norms = [
+            name
+            for name, call in self.calls.items()
+            if call.calls == 1 and isinstance(call.input, torch.Tensor) and is_rms_norm(self.modules[name])
+        ]
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
 
     def _called(self) -> list[str]:
@@ -326,9 +335,12 @@ class _Planner:
             owner = self.owner.get(id(param), "?")
             if param.dim() and param.shape[0] == channels and owner in self.modules:
                 # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
-                # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`).
+                # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`), or an
+                # RMS norm over them, normalising over every rank's (`rmsnorm_parallel`).
                 shape = linear_shape(self.modules[owner])
                 pair.channels[owner] = "colwise" if shape is not None and shape[1] == channels else "channelwise"
+                if owner in self.rms_norms:
+                    pair.channels[owner] = "rmsnorm_parallel"
                 continue
             if param.dim() and param.shape[-1] in split_widths:
                 raise ValueError(
@@ -424,6 +436,13 @@ class _Planner:
             self.modules[name].register_forward_hook(lambda m, a, o, name=name: self.calls[name].output.detach())
             for name in frozen
         ]
+        if masks:
+            handles += [
+                self.modules[name].register_forward_hook(
+                    lambda m, a, o, name=name: hold_statistic(m, a[0], o, self.calls[name].input)
+                )
+                for name in self.rms_norms
+            ]
         try:
             with torch.no_grad():
                 forward_without_cache(self.model, self.inputs)
