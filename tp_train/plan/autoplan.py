@@ -59,7 +59,7 @@ from tp_train.plan.probe import (
     split_sizes,
     trace_calls,
 )
-from tp_train.plan.styles import linear_shape
+from tp_train.plan.styles import HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, WIDTH_ATTRIBUTES, linear_shape
 
 INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
@@ -262,9 +262,27 @@ class _Planner:
             else:
                 pair.attention = self._mixes_tokens(pair)
                 pair.between = self._between(pair)
+                if self._counts_heads_beside_a_norm(pair):
+                    reason = (
+                        f"an RMS norm between '{row}' and its column layers normalises over the split features in an "
+                        f"attention that keeps head counts, which the planner cannot check together"
+                    )
+                    failures.update({name: reason for name in producers | {row}})
+                    continue
                 pairs.append(pair)
                 taken |= set(pair.columns) | {row}
         return pairs, failures
+
+    def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
+        """Whether `pair` is attention with an `rmsnorm_parallel` norm between its layers whose enclosing module keeps
+        head counts or widths: the local-view search (`tp_train.plan.local_search`), which simulates ranks without
+        the norm's all-reduce, skips pairs with channels, so those counts would stay whole (MiniMax's lightning
+        attention). An attention that views heads with -1 (BitNet's) needs no view."""
+        if not pair.attention or "rmsnorm_parallel" not in pair.channels.values():
+            return False
+        module = self.modules.get(_enclosing(pair))
+        names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
+        return module is None or any(isinstance(getattr(module, name, None), int) for name in names)
 
     def _split(self, column: str, row: str, frozen: frozenset = frozenset()) -> str | None:
         width, row_width = _last_dim(self.calls[column].output), _last_dim(self.calls[row].input)
