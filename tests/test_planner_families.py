@@ -7,7 +7,8 @@ and a swapped embedding keeps its subclass's child modules (Inkling's embedding 
 (OLMo-Hybrid, Kimi-Linear, Ling) is split by heads, its conv1d by the [q; k; v] sections. Mamba2's mixer shards by
 heads and groups, as Megatron does (in_proj's [z; x; B; C; dt] and conv1d's [x; B; C] section by section), and a
 config whose n_groups tp does not divide is refused in one line; Nemotron-H's and Bamba's Mamba2 layers the same
-way."""
+way. BitNet's RMS norms between the column and the row layers are split with the features and normalise over
+all of them."""
 
 from __future__ import annotations
 
@@ -207,6 +208,9 @@ CASES = {
     "nemotron_h_mamba2_layer": (lambda: _family("nemotron_h"), forward_without_cache_logits, (2,), 0.01),
     # Mamba layers only, whose cache its forward cannot build: called without one
     "bamba_two_groups": (lambda: _family("bamba", mamba_n_groups=2), forward_without_cache_logits, (2,), 0.0),
+    # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
+    # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
+    "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),
 }
 
 

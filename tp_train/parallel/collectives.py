@@ -242,6 +242,16 @@ def reduce_from_tensor_parallel_region_(
     return _conjugate_pair(x, _sum_in_place, _identity, -1, group, counter)
 
 
+def sum_across_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """A partial sum that every rank goes on to use (the sum of squares of a norm over features split across ranks).
+    Forward: all-reduce (sum) of every rank's partial value. Backward: all-reduce (sum) of the gradient: each rank's
+    partial value feeds every rank's total, so its gradient is the sum of every rank's gradient of the total (unlike
+    `g`, whose output is then used identically on every rank, and so whose gradient is already whole)."""
+    return _conjugate_pair(x, _sum, _sum, -1, group, counter)
+
+
 def scatter_to_tensor_parallel_region(
     x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
 ) -> torch.Tensor:

@@ -28,6 +28,7 @@ from tp_train.parallel.layers import (
     SharedInputRegion,
     VocabParallelEmbedding,
 )
+from tp_train.parallel.norm import ParallelRMSNormRegion, norm_epsilon
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, shard_tensor, sum_replicated_gradient
 from tp_train.plan.channels import shard_channels
@@ -104,6 +105,10 @@ def apply_plan(
             rng.run_in(module, SHARDED)
         elif style == "channelwise":
             shard_channels(module, group, entry.arguments)
+        elif style == "rmsnorm_parallel":
+            shard_channels(module, group)
+            module.tp_region = ParallelRMSNormRegion(group, norm_epsilon(module)[1])
+            module.tp_region.install(module)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":

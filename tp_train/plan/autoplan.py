@@ -13,7 +13,8 @@ structure off what happened, not off class names:
    share in turn and watching which share of the row input moves, for the contiguous split (`colwise`), the split
    of two halves (`packed_colwise`, [gate; up]) and of three thirds (`fused_qkv_colwise`, [q; k; v]), and takes
    the first that holds. Heads are thereby respected: a split through a head, or a [q; k; v] split as one matrix,
-   moves other shares and fails.
+   moves other shares and fails. An RMS norm between them (BitNet's sub-norms) has its statistic held in these
+   probes: it gets `rmsnorm_parallel`, which normalises over every rank's features.
 3. **Attention.** A pair whose perturbation at the first token moves later tokens mixes positions: it is
    attention, and the module enclosing the pair gets the `attention` style (local head counts, sharded dropout
    stream). Dropout modules inside it that run after the row layer get `replicated_rng`; modules whose
@@ -40,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from tp_train.errors import first_line
+from tp_train.parallel.norm import hold_statistic, is_rms_norm
 from tp_train.plan.coverage import (
     as_patterns,
     block_whole_fraction,
@@ -57,7 +59,7 @@ from tp_train.plan.probe import (
     split_sizes,
     trace_calls,
 )
-from tp_train.plan.styles import linear_shape
+from tp_train.plan.styles import HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, WIDTH_ATTRIBUTES, linear_shape
 
 INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
@@ -148,6 +150,13 @@ class _Planner:
         self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
         self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
         self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
+        # RMS norms called once: their statistic is held in perturbed probes (`rmsnorm_parallel` normalises over
+        # every rank's features), so one between a column and a row layer does not spread a share to the others.
+        self.rms_norms = [
+            name
+            for name, call in self.calls.items()
+            if call.calls == 1 and isinstance(call.input, torch.Tensor) and is_rms_norm(self.modules[name])
+        ]
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
 
     def _called(self) -> list[str]:
@@ -253,9 +262,27 @@ class _Planner:
             else:
                 pair.attention = self._mixes_tokens(pair)
                 pair.between = self._between(pair)
+                if self._counts_heads_beside_a_norm(pair):
+                    reason = (
+                        f"an RMS norm between '{row}' and its column layers normalises over the split features in an "
+                        f"attention that keeps head counts, which the planner cannot check together"
+                    )
+                    failures.update({name: reason for name in producers | {row}})
+                    continue
                 pairs.append(pair)
                 taken |= set(pair.columns) | {row}
         return pairs, failures
+
+    def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
+        """Whether `pair` is attention with an `rmsnorm_parallel` norm between its layers whose enclosing module keeps
+        head counts or widths: the local-view search (`tp_train.plan.local_search`), which simulates ranks without
+        the norm's all-reduce, skips pairs with channels, so those counts would stay whole (MiniMax's lightning
+        attention). An attention that views heads with -1 (BitNet's) needs no view."""
+        if not pair.attention or "rmsnorm_parallel" not in pair.channels.values():
+            return False
+        module = self.modules.get(_enclosing(pair))
+        names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
+        return module is None or any(isinstance(getattr(module, name, None), int) for name in names)
 
     def _split(self, column: str, row: str, frozen: frozenset = frozenset()) -> str | None:
         width, row_width = _last_dim(self.calls[column].output), _last_dim(self.calls[row].input)
@@ -326,9 +353,12 @@ class _Planner:
             owner = self.owner.get(id(param), "?")
             if param.dim() and param.shape[0] == channels and owner in self.modules:
                 # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
-                # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`).
+                # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`), or an
+                # RMS norm over them, normalising over every rank's (`rmsnorm_parallel`).
                 shape = linear_shape(self.modules[owner])
                 pair.channels[owner] = "colwise" if shape is not None and shape[1] == channels else "channelwise"
+                if owner in self.rms_norms:
+                    pair.channels[owner] = "rmsnorm_parallel"
                 continue
             if param.dim() and param.shape[-1] in split_widths:
                 raise ValueError(
@@ -424,6 +454,13 @@ class _Planner:
             self.modules[name].register_forward_hook(lambda m, a, o, name=name: self.calls[name].output.detach())
             for name in frozen
         ]
+        if masks:
+            handles += [
+                self.modules[name].register_forward_hook(
+                    lambda m, a, o, name=name: hold_statistic(m, a[0], o, self.calls[name].input)
+                )
+                for name in self.rms_norms
+            ]
         try:
             with torch.no_grad():
                 forward_without_cache(self.model, self.inputs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from tp_train.parallel.norm import EPSILON_ATTRIBUTES, norm_epsilon
 from tp_train.parallel.sharding import check_divisible, divisors
 from tp_train.plan.local_view import field_value, parse_attention_style
 from tp_train.plan.styles import (
@@ -183,6 +184,16 @@ def _check_module(
                         f"tensor_parallel_size={tp}; use a tensor_parallel_size in {divisors(unit)} or a multiple "
                         f"of {unit} that divides {size}"
                     )
+    elif style == "rmsnorm_parallel":
+        found, _ = norm_epsilon(module)
+        weights = [param for param in module.parameters(recurse=False) if param.dim() == 1]
+        if not found or len(weights) != len(list(module.parameters(recurse=False))):
+            raise ValueError(
+                f"{where} cannot take style '{style}': it needs an RMS norm with 1-D weights and its epsilon in one "
+                f"of the attributes {', '.join(EPSILON_ATTRIBUTES)}"
+            )
+        for param_name, param in module.named_parameters(recurse=False):
+            check_divisible(where, f"{param_name}.shape[0]", param.shape[0], tp)
     elif style == "channelwise":
         named = section_sizes(arguments)
         for param_name, param in module.named_parameters(recurse=False):

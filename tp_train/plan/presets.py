@@ -87,6 +87,22 @@ PRESETS: dict[str, dict[str, str]] = {
 # The attention keeps embed_dim / num_heads / kv_heads / num_key_value_groups, made local by `attention`. Its
 # module names are GPT-2's, and so is its plan.
 PRESETS["gpt_bigcode"] = PRESETS["gpt2"]
+# BitNet: Llama's blocks with an RMS norm between each column and row layer, over the full width the column split
+# divides (`attn_sub_norm` on the attention output before o_proj, `ffn_sub_norm` on act(gate) * up before
+# down_proj): `rmsnorm_parallel` splits its weight with those features and normalises over all of them. The
+# attention views heads with -1 and keeps only the ratio of query to kv heads, so it needs no `attention` entry.
+PRESETS["bitnet"] = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.attn_sub_norm": "rmsnorm_parallel",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.ffn_sub_norm": "rmsnorm_parallel",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 # Plans that replace Hugging Face's own where it is wasteful. phi3's fused qkv_proj ([q; k; v], k and v with the kv

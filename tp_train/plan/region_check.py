@@ -11,7 +11,10 @@ the arguments each such module is first called with (hidden states, top-k indice
 each module alone on them, backpropagates a random projection of its output, and keeps the output, the floating
 arguments' gradients and the gradients of its own whole (replicated) parameters: activations of the probe, no
 weights. `check(model)`, after `apply_plan`, runs each sharded module, with its collectives, on the same arguments
-on every rank and compares; both modules' outputs are whole (the region all-reduces the partial sums). A model on
+on every rank and compares; both modules' outputs are whole (the region all-reduces the partial sums). A norm over
+features split across ranks (`rmsnorm_parallel`) is run on this rank's share of the captured input's features and
+compared with that share of the unsharded output and gradients (its weight's gradient with its shard's): a norm that
+does not normalise as `w * x * rsqrt(mean(x^2) + eps)`, whose correction is then wrong, is refused. A model on
 the meta device has no weights to compute with before `apply_plan`: there the check is skipped, as `SwapCheck`
 skips modules whose full tensors are gone, and so is a model the probe batch cannot run.
 """
@@ -27,13 +30,17 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.errors import first_line
+from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.probe import PROBE_TOKENS, forward_without_cache, probe_token_ids
 from tp_train.plan.styles import PlannedModule
 from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
 
 # Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
-# compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design).
-CHECKED_STYLES = ("moe_tp_experts", "all_reduce")
+# compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design), and
+# styles whose module takes and returns this rank's share of the features (the last dim), compared with that share of
+# the unsharded module's output and gradients.
+CHECKED_STYLES = ("moe_tp_experts", "all_reduce", "rmsnorm_parallel")
+FEATURE_SPLIT_STYLES = ("rmsnorm_parallel",)
 
 
 class RegionCheck:
@@ -90,13 +97,17 @@ class RegionCheck:
         """Runs each sharded module on its captured arguments and raises `PlanVerificationError` on every rank when
         any rank's differs (after `apply_plan`, before other weights are loaded; a collective)."""
         problem = None
+        rank, tp = dist.get_rank(self.group), dist.get_world_size(self.group)
         for name, reference in self._references.items():
             module, entry = model.get_submodule(name), self.entries[name]
+            split = (rank, tp) if entry.style in FEATURE_SPLIT_STYLES else None
+            if split is not None:
+                reference = reference.local(module, rank, tp)
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
             tolerance = self.tolerance or TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
             try:
                 with _eval(module):
-                    errors = reference.differences(_run(module, *reference.arguments, reference.param_grads))
+                    errors = reference.differences(_run(module, *reference.arguments, reference.param_grads, split))
             except Exception as error:  # noqa: BLE001 - a module that cannot run is reported like a wrong one
                 errors, failure = {"output": math.inf}, f"fails on the probe's arguments ({first_line(error)})"
             else:
@@ -125,6 +136,23 @@ class _Run:
     def __init__(self, arguments, output, input_grads, param_grads):
         self.arguments, self.output, self.input_grads, self.param_grads = arguments, output, input_grads, param_grads
 
+    def local(self, module: nn.Module, rank: int, tp: int) -> _Run:
+        """This rank's share of a run on whole features (the last dim of every floating argument and of the output),
+        and of the gradients of `module`'s parameters, split as its `shard_specs` say."""
+
+        def share(value):
+            return value.chunk(tp, -1)[rank] if _floating(value) else value
+
+        args, kwargs = self.arguments
+        specs = getattr(module, "shard_specs", {})
+        param_grads = {
+            name: shard_tensor(grad, specs[name], rank, tp) if name in specs else grad
+            for name, grad in self.param_grads.items()
+        }
+        arguments = (tuple(share(v) for v in args), {key: share(v) for key, v in kwargs.items()})
+        grads = {label: share(grad) for label, grad in self.input_grads.items()}
+        return _Run(arguments, share(self.output), grads, param_grads)
+
     def differences(self, other: _Run) -> dict[str, float]:
         errors = {"output": _relative_or_inf(other.output, self.output)}
         for label, expected in self.input_grads.items():
@@ -135,9 +163,10 @@ class _Run:
         return errors
 
 
-def _run(module: nn.Module, args: tuple, kwargs: dict, whole) -> _Run:
+def _run(module: nn.Module, args: tuple, kwargs: dict, whole, split: tuple[int, int] | None = None) -> _Run:
     """`module` on fresh leaf copies of the arguments, and one random projection of its output backpropagated;
-    the gradients kept are those of its own parameters named in `whole`."""
+    the gradients kept are those of its own parameters named in `whole`. `split` (rank, tp): the output is that
+    rank's share of the features, projected by its share of the whole output's projection."""
     inputs = [value.clone().requires_grad_() for value in chain(args, kwargs.values()) if _floating(value)]
     fresh = iter(inputs)
     call_args = tuple(next(fresh) if _floating(value) else value for value in args)
@@ -150,7 +179,9 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, whole) -> _Run:
             output = first_tensor(module(*call_args, **call_kwargs))
             if output is None:
                 raise TypeError(f"{type(module).__name__} returned no tensor")
-            projection = torch.randn(output.shape, generator=torch.Generator().manual_seed(0)).to(output)
+            shape = (*output.shape[:-1], output.shape[-1] * (split[1] if split else 1))
+            projection = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(output)
+            projection = projection.chunk(split[1], -1)[split[0]] if split else projection
             (output.float() * projection).sum().backward()
         params = dict(module.named_parameters(recurse=False))
         param_grads = {name: params[name].grad.detach() for name in whole if params[name].grad is not None}
@@ -168,8 +199,11 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, whole) -> _Run:
 
 
 def _whole(module: nn.Module, entry: PlannedModule) -> list[str]:
-    """`module`'s own parameters that no entry of the plan splits (every rank keeps them whole)."""
+    """`module`'s own parameters that no entry of the plan splits (every rank keeps them whole), and all of them for a
+    module whose style splits them with the features (their shards are compared)."""
     split = {key for key, style in entry.parameters.items() if style != "replicate"}
+    if entry.style in FEATURE_SPLIT_STYLES:
+        split = set()
     return [name for name, _ in module.named_parameters(recurse=False) if name not in split]
 
 

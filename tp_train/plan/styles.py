@@ -23,6 +23,10 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 |                         |                     | column layer before it (an SSM's conv1d, A_log, D; a gated norm) |
 |                         |                     | or layers: `channelwise(32,32,64)` splits each of those sections |
 |                         |                     | (a conv1d over [q; k; v] of separate column layers)              |
+| `rmsnorm_parallel`      | an RMS norm         | over features split across ranks (BitNet's sub-norms before o_proj |
+|                         |                     | and down_proj): its weight split like `channelwise`, its output    |
+|                         |                     | corrected to the mean of squares over the whole width, all-reduced |
+|                         |                     | (`tp_train.parallel.norm`)                                       |
 | `moe_tp_experts`        | MoE experts module  | its floating-point inputs (tokens, routing weights) enter the    |
 |                         |                     | parallel region (`f`), its output (each rank's partial sum over  |
 |                         |                     | its share of every expert) is all-reduced (`g`): one all-reduce  |
@@ -81,6 +85,7 @@ STYLES = (
         "replicate",
         "local_params",
         "channelwise",
+        "rmsnorm_parallel",
     }
 )
 PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate"}
@@ -192,7 +197,9 @@ def style_shard_spec(
     ranks (`column_layout`)."""
     if style == "embedding_rowwise":
         return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
-    if style == "channelwise":  # one entry per channel along dim 0 (`tp_train.plan.channels`), by named sections
+    if style == "rmsnorm_parallel":  # its weight split with the features it normalises
+        style = "channelwise"
+    if style == "channelwise":  # one entry per channel along dim 0, (`tp_train.plan.channels`), by named sections
         return ShardSpec(dim=0, sections=section_sizes(arguments) or (getattr(module, param_name).shape[0],))
     shape = linear_shape(module)
     if shape is None or style not in LINEAR_STYLES:

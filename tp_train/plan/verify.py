@@ -7,9 +7,10 @@ on by default for every plan (`tp_train.parallelize`):
   full tensors, one probe input goes through both and their outputs and gradients are compared. It catches a
   swap that loses what the module did (a subclass's scale, a transposed weight, a bias, a fused layout the layer
   reassembles wrongly) and costs one module's tensors at a time, never a copy of the model.
-- `RegionCheck` (`tp_train.plan.region_check`), per module a region style wraps (`moe_tp_experts`, `all_reduce`),
-  with the parameters sharded in place under it (fused 3-D expert weights): its output and gradients on the
-  arguments it took in a probe forward of the unsharded model, before and after sharding.
+- `RegionCheck` (`tp_train.plan.region_check`), per module a region style wraps (`moe_tp_experts`, `all_reduce`,
+  `rmsnorm_parallel`), with the parameters sharded in place under it (fused 3-D expert weights, a norm's weight):
+  its output and gradients on the arguments it took in a probe forward of the unsharded model, before and after
+  sharding.
 - `verify_parallelized`, the whole model, where a full copy is affordable: it catches a wrong plan (the wrong
   layers paired, heads not localised).
 
