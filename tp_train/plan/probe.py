@@ -148,18 +148,28 @@ def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
                 materialize(name, module, torch.device("cpu"), materialized, init_weights)
         else:
             probe = model
-        training = {module: module.training for module in probe.modules()}
         requires_grad = {param: param.requires_grad for param in probe.parameters()}
-        probe.eval()
         for param in requires_grad:
             param.requires_grad_(param.is_floating_point())
         try:
-            yield probe
+            with eval_mode(probe):
+                yield probe
         finally:
-            for module, mode in training.items():
-                module.train(mode)
             for param, flag in requires_grad.items():
                 param.requires_grad_(flag)
+
+
+@contextmanager
+def eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """`modules` in eval mode for the duration (a probe sees no dropout), each submodule's own mode restored after."""
+    training = {sub: sub.training for module in modules for sub in module.modules()}
+    for module in modules:
+        module.eval()
+    try:
+        yield
+    finally:
+        for sub, mode in training.items():
+            sub.train(mode)
 
 
 def probe_token_ids(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1) -> torch.Tensor:

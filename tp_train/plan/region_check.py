@@ -31,7 +31,7 @@ from torch.distributed import ProcessGroup
 
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
-from tp_train.plan.probe import PROBE_TOKENS, forward_without_cache, probe_token_ids
+from tp_train.plan.probe import PROBE_TOKENS, eval_mode, forward_without_cache, probe_token_ids
 from tp_train.plan.styles import PlannedModule
 from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
 
@@ -81,7 +81,7 @@ class RegionCheck:
         ]
         length = math.lcm(PROBE_TOKENS, dist.get_world_size(self.group))
         try:
-            with _eval(model), torch.no_grad():
+            with eval_mode(model), torch.no_grad():
                 forward_without_cache(model, probe_token_ids(model, length, batch=2))
         except Exception as error:  # noqa: BLE001 - not the plan's fault; the whole-model check reports it if on
             self.skipped = f"the unsharded model cannot run a probe batch ({first_line(error)})"
@@ -90,7 +90,7 @@ class RegionCheck:
             for handle in handles:
                 handle.remove()
         for name, (args, kwargs) in arguments.items():
-            with _eval(modules[name]):
+            with eval_mode(modules[name]):
                 self._references[name] = _run(modules[name], args, kwargs, _whole(modules[name], self.entries[name]))
 
     def check(self, model: nn.Module) -> None:
@@ -106,7 +106,7 @@ class RegionCheck:
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
             tolerance = self.tolerance or TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
             try:
-                with _eval(module):
+                with eval_mode(module):
                     errors = reference.differences(_run(module, *reference.arguments, reference.param_grads, split))
             except Exception as error:  # noqa: BLE001 - a module that cannot run is reported like a wrong one
                 errors, failure = {"output": math.inf}, f"fails on the probe's arguments ({first_line(error)})"
@@ -217,18 +217,3 @@ def _detached(value):
 
 def _relative_or_inf(tensor: torch.Tensor, reference: torch.Tensor) -> float:
     return math.inf if tensor.shape != reference.shape else relative_difference(tensor, reference)
-
-
-class _eval:
-    """Puts a module in eval mode for the duration, restoring each submodule's mode after."""
-
-    def __init__(self, module: nn.Module):
-        self.modes = {sub: sub.training for sub in module.modules()}
-        self.module = module
-
-    def __enter__(self):
-        self.module.eval()
-
-    def __exit__(self, *exc):
-        for sub, mode in self.modes.items():
-            sub.train(mode)

@@ -9,7 +9,7 @@ from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, SMALL_WHOL
 from tp_train.plan.coverage import block_whole_fraction, covered_linears, in_repeated_block, sharded_parameters
 from tp_train.plan.match import check_config_heads, names_anything
 from tp_train.plan.presets import override_plan, plan_additions, preset_plan
-from tp_train.plan.styles import ALIASES, LINEAR_STYLES, linear_shape, pattern_matches
+from tp_train.plan.styles import ALIASES, LINEAR_STYLES, linear_shape, pattern_matches, split_style
 
 # How the source of a plan lists the entries it skipped (printed by `tp_train.parallelize` on rank 0).
 SKIPPED = "skipped, as this config builds nothing they name:"
@@ -124,11 +124,9 @@ def _fit_to_config(model: nn.Module, plan: dict[str, str], source: str) -> tuple
 def _leaves_blocks_untouched(model: nn.Module, plan: dict[str, str]) -> bool:
     """Whether `model` has Linears inside repeated blocks (`layers.0.mlp.up`) and `plan` shards none of them."""
     block_linears = [
-        name
-        for name, module in model.named_modules()
-        if linear_shape(module) is not None and any(part.isdigit() for part in name.split("."))
+        name for name, module in model.named_modules() if linear_shape(module) is not None and in_repeated_block(name)
     ]
-    names = {pattern: style.partition("(")[0] for pattern, style in plan.items()}  # `colwise(64,64,16,16,8)` too
+    names = {pattern: split_style(style)[0] for pattern, style in plan.items()}  # `colwise(64,64,16,16,8)` too
     sharding = [pattern for pattern, name in names.items() if ALIASES.get(name, name) in LINEAR_STYLES]
     return bool(block_linears) and not any(
         pattern_matches(pattern, name) for pattern in sharding for name in block_linears

@@ -47,7 +47,7 @@ from tp_train.parallel.sharding import (
     split_among_replicas,
     unshard_tensor,
 )
-from tp_train.plan.probe import PROBE_TOKENS, forward_without_cache, probe_token_ids
+from tp_train.plan.probe import PROBE_TOKENS, eval_mode, forward_without_cache, probe_token_ids
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
 HALF_PRECISION_TOLERANCE = 3e-2
@@ -245,9 +245,7 @@ def verify_parallelized(
     inputs = example_input if example_input is not None else probe_token_ids(reference, length, batch=2)
     dtype = next(reference.parameters()).dtype
     tolerance = tolerance if tolerance is not None else TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
-    modes = {module: module.training for module in chain(model.modules(), reference.modules())}
-    model.eval(), reference.eval()
-    try:
+    with eval_mode(model, reference):
         try:
             ref_output, ref_modules = _forward(reference, inputs)
         except _ForwardFailure as failure:  # the unsharded model itself cannot run the probe: not the plan's fault
@@ -257,9 +255,6 @@ def verify_parallelized(
         errors, problem = _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance)
         if problem is None:
             errors["gradient"], problem = _compare_gradients(model, reference, group, tolerance)
-    finally:
-        for module, mode in modes.items():
-            module.train(mode)
         model.zero_grad(set_to_none=True)
     if problem is not None:
         text, suspect = problem

@@ -310,11 +310,13 @@ def _block_share(model, reference_params: dict) -> tuple[float, str]:
     """This rank's share of the elements of the block matrices that train (parameters of two or more dims under a
     numbered module that got a gradient: a vision tower a text batch never reaches does not count), and the first
     one it holds whole."""
+    from tp_train.plan.coverage import in_repeated_block
+
     held = full = 0
     whole = ""
     for name, param in model.named_parameters():
         expected = reference_params[name]
-        if param.dim() >= 2 and expected.grad is not None and any(part.isdigit() for part in name.split(".")):
+        if param.dim() >= 2 and expected.grad is not None and in_repeated_block(name):
             held, full = held + param.numel(), full + expected.numel()
             whole = whole or (name if param.numel() == expected.numel() else "")
     return held / max(full, 1), whole
