@@ -277,7 +277,7 @@ def _mamba_layers(config) -> dict[str, str]:
     return mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, b_or_c)
 
 
-def _nemotron_h_additions(config) -> dict[str, str]:
+def _nemotron_h_variant(config) -> dict[str, str]:
     """Nemotron-H's Mamba2 mixers (its `linear_attention` layers; `mixer` also names the other layers' attention,
     MLP or MoE, so each is named by its index). Hugging Face's plan shards the experts; the auto-planner completes
     attention and the MLPs."""
@@ -302,7 +302,7 @@ CONFIG_VARIANTS = {
     "olmo_hybrid": _olmo_hybrid_variant,
     "kimi_linear": _latent_and_delta_variant,
     "bailing_hybrid": _latent_and_delta_variant,
-    "nemotron_h": _nemotron_h_additions,
+    "nemotron_h": _nemotron_h_variant,
     "bamba": _mamba_layers,
     "granitemoehybrid": _mamba_layers,
 }

@@ -199,7 +199,7 @@ def style_shard_spec(
         return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
     if style == "rmsnorm_parallel":  # its weight split with the features it normalises
         style = "channelwise"
-    if style == "channelwise":  # one entry per channel along dim 0, (`tp_train.plan.channels`), by named sections
+    if style == "channelwise":  # one entry per channel along dim 0 (`tp_train.plan.channels`), by named sections
         return ShardSpec(dim=0, sections=section_sizes(arguments) or (getattr(module, param_name).shape[0],))
     shape = linear_shape(module)
     if shape is None or style not in LINEAR_STYLES:

@@ -44,10 +44,9 @@ FAMILY_FIELDS = {
     "mamba2": dict(num_heads=8, state_size=16),
     # Nemotron-H's Mamba2 layers the same way (8 heads of 8, its default 8 groups, a 16-wide state).
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16),
-    # Bamba and GraniteMoeHybrid: 8 Mamba heads of 8 (their defaults do not fit the tiny width) and a 16-wide state;
-    # their default of one group, which no tp above 1 divides, is kept: they are refused, as Megatron refuses them.
-    # GraniteMoeHybrid's second layer is attention (with Mamba layers only, its forward cannot build its cache).
-    "bamba": dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16),
+    # Bamba and GraniteMoeHybrid (8 Mamba heads of 8 by `WIDTHS`): a 16-wide state; their default of one group,
+    # which no tp above 1 divides, is kept: they are refused, as Megatron refuses them.
+    "bamba": dict(mamba_d_state=16),
     "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8),  # 32 heads of 128 by default
     # Reformer's causal LM asserts is_decoder (the default config is an encoder's); its axial position embeddings
     # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
@@ -65,10 +64,8 @@ FAMILY_FIELDS |= {
         ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
     ),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default layer kinds
-    # all-Mamba2 fails its forward; 8 Mamba heads of 8 and a 16-wide state, as for Bamba
-    "granitemoehybrid": dict(
-        mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, layer_types=["linear_attention", "full_attention"]
-    ),
+    # with Mamba2 layers only its forward cannot build its cache: the second layer is attention; a 16-wide state
+    "granitemoehybrid": dict(mamba_d_state=16, layer_types=["linear_attention", "full_attention"]),
     # rotary parameters are looked up per layer kind, and the default has none
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
