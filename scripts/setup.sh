@@ -43,7 +43,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ] \
     && "$PYTHON" -I -c "
 import importlib.util as u, sys
 spec = u.find_spec('tp_train')
-found = all(u.find_spec(name) for name in ('torch', 'lightning', 'transformers', 'datasets', 'hydra', 'wandb', 'pytest'))
+found = all(u.find_spec(name) for name in ('torch', 'lightning', 'transformers', 'datasets', 'hydra', 'wandb', 'pytest', 'xdist'))
 sys.exit(not (found and spec and spec.origin.startswith('$(pwd)/')))" >/dev/null 2>&1; then
     echo "setup: $prefix already holds tp_train[dev] with constraints.txt"
     exit 0
