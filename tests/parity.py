@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tp_train
-from tp_train.parallel.sharding import ceil_div, full_numel
+from tp_train.parallel.sharding import ceil_div, full_numel, replicated_rows
 
 VOCAB_OF_TESTS = 101  # not a multiple of 2 or 4: exercises vocabulary padding
 
@@ -63,7 +63,23 @@ def parity_errors(
         errors[f"param:{name}"] = (ref_params[name].detach() - param).abs().max().item()
     errors["shard_fraction"] = _shard_fraction(model, dist.get_world_size(group))
     errors["block_fraction"] = _block_fraction(model)
+    errors["replica_spread"] = _replica_spread(model, group)
     return errors
+
+
+def _replica_spread(model, group) -> float:
+    """The largest difference between the ranks holding a replicated section (kv heads, Mamba2's B and C groups fewer
+    than ranks) after the steps: exactly 0 when their gradients were summed over the replicas (a missing sum leaves
+    each replica stepping with its own partial gradient, however small)."""
+    world_size, spread = dist.get_world_size(group), 0.0
+    for _, param, spec in tp_train.named_sharded_parameters(model):
+        for start, rows, copies in replicated_rows(spec, world_size):
+            piece = param.detach().narrow(spec.dim, start, rows).contiguous()
+            everyone = [torch.empty_like(piece) for _ in range(world_size)]
+            dist.all_gather(everyone, piece, group=group)
+            for rank, other in enumerate(everyone):
+                spread = max(spread, (other - everyone[rank - rank % copies]).abs().max().item())
+    return spread
 
 
 def parity_of_each(models: dict) -> dict[str, dict[str, float]]:
@@ -119,6 +135,8 @@ def assert_parity(errors: dict[str, float], tp: int, rank: int, atol: float = 1e
     errors = dict(errors)
     shard_fraction = errors.pop("shard_fraction")
     block_fraction = errors.pop("block_fraction")
+    spread = errors.pop("replica_spread", 0.0)
+    assert spread == 0.0, f"rank {rank}: replicas of a replicated section differ by {spread:.3g} after the steps"
     assert {"logits", "loss_step0", "loss_step2"} <= errors.keys()
     assert any(key.startswith("grad:") for key in errors) and any(key.startswith("param:") for key in errors)
     worst = max(errors, key=errors.get)

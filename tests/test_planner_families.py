@@ -5,15 +5,18 @@ multi-query attention shards with its one kv head on every rank; Apertus's activ
 a module running its own sharded 3-D weights under `all_reduce` (Inkling's shared experts) sums its input gradient,
 and a swapped embedding keeps its subclass's child modules (Inkling's embedding norm); gated delta-net linear attention
 (OLMo-Hybrid, Kimi-Linear, Ling) is split by heads, its conv1d by the [q; k; v] sections. Mamba2's mixer shards by
-heads and groups, as Megatron does (in_proj's [z; x; B; C; dt] and conv1d's [x; B; C] section by section), and a
-config whose n_groups tp does not divide is refused in one line; Nemotron-H's and Bamba's Mamba2 layers the same
-way. BitNet's RMS norms between the column and the row layers are split with the features and normalise over
-all of them."""
+heads and groups, as Megatron does (in_proj's [z; x; B; C; dt] and conv1d's [x; B; C] section by section); with
+fewer groups than ranks (Bamba's and GraniteMoeHybrid's one group, as real checkpoints have) each group's B and C are
+held whole by the ranks its heads are on, their gradients summed, and the gated norm normalises each group across
+those ranks; a group count that neither divides nor is divisible by tp is refused in one line; Nemotron-H's, Bamba's
+and GraniteMoeHybrid's Mamba2 layers the same way. BitNet's RMS norms between the column and the row layers are split
+with the features and normalise over all of them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -152,26 +155,31 @@ class InklingStyleLM(nn.Module):
 def test_mamba2_is_sharded_by_heads_and_groups_section_by_section():
     plan, source = resolve_plan(_family("mamba2"), tensor_parallel_size=2)
     assert source == "the built-in preset for model_type 'mamba2'"
-    # tiny config: 8 heads of 8 (inner 64), 8 groups with a 16-wide state (B and C 128 each)
-    assert plan["backbone.layers.*.mixer.in_proj"] == "colwise(64,64,128,128,8)"
-    assert plan["backbone.layers.*.mixer.conv1d"] == "channelwise(64,128,128)"
+    # tiny config: 8 heads of 8 (inner 64), 8 groups with a 16-wide state (B and C 8 x 16 each)
+    assert plan["backbone.layers.*.mixer.in_proj"] == "colwise(64,64,8x16,8x16,8)"
+    assert plan["backbone.layers.*.mixer.conv1d"] == "channelwise(64,8x16,8x16)"
+    assert plan["backbone.layers.*.mixer.norm"] == "gated_rmsnorm_parallel"
 
 
 MIXERS = {"mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)", "bamba": "model.layers.0.mamba' (BambaMixer)"}
 
 
 @pytest.mark.parametrize("model_type", list(MIXERS))
-def test_mamba2_with_fewer_groups_than_ranks_is_refused_in_one_line(model_type):
-    """One group (Bamba's, Zamba2's default) would need B and C on every rank and a norm across ranks."""
+def test_mamba2_with_groups_tp_neither_divides_nor_multiplies_is_refused_in_one_line(model_type):
+    """3 groups (of 6 heads of 16) at tp=2: a rank would hold a group and a half of B and C, and of the norm."""
     from tp_train.plan.match import match_plan
 
-    model = _family(model_type, **{"mamba_n_groups" if model_type == "bamba" else "n_groups": 1})
+    if model_type == "bamba":
+        sizes = dict(mamba_n_groups=3, mamba_n_heads=6, mamba_d_head=16, mamba_expand=3)
+    else:
+        sizes = dict(n_groups=3, num_heads=6, head_dim=16, expand=3)
+    model = _family(model_type, **sizes)
     plan, _ = resolve_plan(model, tensor_parallel_size=2)
     with pytest.raises(ValueError) as refusal:
         match_plan(model, plan, 2)
     message = str(refusal.value)
-    assert f"'{MIXERS[model_type]}: n_groups=1 is not divisible by tensor_parallel_size=2" in message
-    assert "use a tensor_parallel_size in [1]" in message and "\n" not in message
+    assert f"'{MIXERS[model_type]}: n_groups holds 3 heads or groups of 1, which tensor_parallel_size=2" in message
+    assert "use a tensor_parallel_size in [1, 3] or a multiple of 3" in message and "\n" not in message
 
 
 def _logits(model, idx):
@@ -206,8 +214,13 @@ CASES = {
     # its Mamba2 layer by the same entries, beside HF's expert plan (the tiny config: a Mamba2 and an MoE layer, no
     # attention layer, so no cache either)
     "nemotron_h_mamba2_layer": (lambda: _family("nemotron_h"), forward_without_cache_logits, (2,), 0.01),
-    # Mamba layers only, whose cache its forward cannot build: called without one
-    "bamba_two_groups": (lambda: _family("bamba", mamba_n_groups=2), forward_without_cache_logits, (2,), 0.0),
+    # Mamba layers only, whose cache its forward cannot build: called without one. One group (the tiny config keeps
+    # the default, as real checkpoints have): its B and C (16 of in_proj's 168 rows each), and their conv channels,
+    # on every rank (a quarter more than 1/tp of the block matrices at tp=4), its norm across them; two groups at
+    # tp=4, each on two ranks.
+    "bamba_one_group": (lambda: _family("bamba"), forward_without_cache_logits, (2, 4), 0.25),
+    "bamba_two_groups": (lambda: _family("bamba", mamba_n_groups=2), forward_without_cache_logits, (4,), 0.16),
+    "granitemoehybrid_one_group": (lambda: _family("granitemoehybrid"), forward_without_cache_logits, (2,), 0.05),
     # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
     # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
     "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),
@@ -215,11 +228,18 @@ CASES = {
 
 
 def _parity(rank, world_size):
+    """Each case's errors, or the one line of a plan refused or verification failed (raised on every rank alike), so
+    that one case failing fails only its own test."""
+    from tp_train.errors import first_line
+
     results = {}
     for name, (build, forward, tps, _) in CASES.items():
         if world_size in tps:
             torch.manual_seed(0)
-            results[name] = parity_errors(build(), forward, VOCAB)
+            try:
+                results[name] = parity_errors(build(), forward, VOCAB)
+            except ValueError as error:  # PlanVerificationError is one
+                results[name] = f"{type(error).__name__}: {first_line(error)}"
     return results
 
 
@@ -236,6 +256,8 @@ def _results(tp: int) -> list:
 @pytest.mark.parametrize("name, tp", [(name, tp) for name, case in CASES.items() for tp in case[2]])
 def test_the_family_shards_and_matches_unsharded(name, tp):
     for rank, results in enumerate(_results(tp)):
+        if isinstance(results[name], str):
+            pytest.fail(f"rank {rank}: {results[name]}")
         assert_parity(results[name], tp, rank, ATOL, block_rel_tol=CASES[name][3])
 
 
@@ -253,9 +275,26 @@ def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():
     assert counts["model.layers.1.self_attn.q_proj"].head_dim == model.model.layers[1].self_attn.head_dim > 8
 
 
+def _replicas_identical(model, optimizer, group) -> dict[str, bool]:
+    """Whether each replicated section (parameters and AdamW moments) is bit-identical on the ranks sharing it."""
+    from tp_train.parallel.sharding import named_sharded_parameters, replicated_rows
+
+    world_size, identical = dist.get_world_size(group), {}
+    for name, param, spec in named_sharded_parameters(model):
+        for start, rows, copies in replicated_rows(spec, world_size):
+            for label, tensor in (("", param.detach()), (":exp_avg", optimizer.state[param]["exp_avg"])):
+                piece = tensor.narrow(spec.dim, start, rows).contiguous()
+                everyone = [torch.empty_like(piece) for _ in range(world_size)]
+                dist.all_gather(everyone, piece, group=group)
+                same = all(torch.equal(everyone[r], everyone[r - r % copies]) for r in range(world_size))
+                identical[f"{name}{label}@{start}"] = same
+    return identical
+
+
 def _mamba2_checkpoint(rank, world_size, directory, train: bool):
-    """Mamba2 at this tp: trained 2 AdamW steps and saved (`train`), or built with other weights and loaded. Returns
-    the full parameters and AdamW moments, and the logits."""
+    """Mamba2 with 2 groups at this tp: trained 2 AdamW steps and saved (`train`), or built with other weights and
+    loaded. Returns the full parameters and AdamW moments, the logits, and (trained) whether each replicated section
+    is bit-identical on its replicas."""
     from pathlib import Path
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -265,25 +304,30 @@ def _mamba2_checkpoint(rank, world_size, directory, train: bool):
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0 if train else 1)
-    model = tp_train.parallelize(_family("mamba2"), mesh, verify=False)  # the parity case verifies the split
+    model = tp_train.parallelize(_family("mamba2", n_groups=2), mesh, verify=False)  # parity cases verify the split
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    identical = {}
     if train:
         for _ in range(2):
             F.cross_entropy(model(idx).logits.flatten(0, 1), idx.flatten()).backward()
             optimizer.step()
             optimizer.zero_grad()
+        identical = _replicas_identical(model, optimizer, mesh.get_group())
         tp_train.save_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
     else:
         tp_train.load_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
-    return gathered_and_logits(model, optimizer, mesh, idx)
+    return *gathered_and_logits(model, optimizer, mesh, idx), identical
 
 
 @pytest.mark.slow
 def test_a_mamba2_checkpoint_saved_at_tp4_loads_at_tp2(tmp_path):
-    """Its sections ([z; x; B; C; dt], the conv's [x; B; C]) are laid out per rank differently at each tp."""
-    trained, logits = run_on_ranks(_mamba2_checkpoint, 4, str(tmp_path), True, timeout=300)[0]
-    loaded, loaded_logits = run_on_ranks(_mamba2_checkpoint, 2, str(tmp_path), False, timeout=300)[0]
+    """Its sections ([z; x; B; C; dt], the conv's [x; B; C]) are laid out per rank differently at each tp, and its 2
+    groups' B and C are replicated on two ranks each at tp=4 (bit-identical after training), whole at tp=2."""
+    trained, logits, identical = run_on_ranks(_mamba2_checkpoint, 4, str(tmp_path), True, timeout=300)[0]
+    assert any("in_proj" in name for name in identical) and any("conv1d" in name for name in identical), identical
+    assert all(identical.values()), identical
+    loaded, loaded_logits, _ = run_on_ranks(_mamba2_checkpoint, 2, str(tmp_path), False, timeout=300)[0]
     assert loaded.keys() == trained.keys() and any("conv1d" in name for name in trained)
     for name, tensor in trained.items():
         assert torch.equal(loaded[name], tensor), name

@@ -12,6 +12,15 @@ all-reduced in backward too) divided by the full width. For any module computing
 all-reduce of one number per token each way; statistics are computed in float32, as Hugging Face's norms do. A
 module that normalises another way is not corrected right: verification (`tp_train.plan.region_check`) runs it on
 its share of a probe's features and refuses it.
+
+A gated, grouped norm (the `gated_rmsnorm_parallel` style; Mamba2's `MambaRMSNormGated`, called as `norm(x, gate)`,
+computes `w * y * rsqrt(mean_group(y^2) + eps)` with `y = x * silu(gate)` over each group of `group_size` features)
+is corrected the same way, with the statistic of `y` per group. With fewer groups than ranks (one group, as real
+Bamba, Granite-4-H and Falcon-H1 checkpoints have), each rank holds part of one group (rank r of group
+r * groups // tp) and normalises it alone (its `group_size` set to its width, `local_group_size`); the ranks then
+all-reduce a vector of one partial sum of squares per group (zeros for the groups a rank does not hold), so any
+number of groups dividing tp needs one all-reduce of `groups` numbers per token each way. With whole groups on
+every rank nothing is corrected or communicated.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import CommunicationCounter, sum_across_tensor_parallel_region
@@ -62,31 +72,54 @@ def hold_statistic(module: nn.Module, x: torch.Tensor, output: torch.Tensor, ref
 
 
 class ParallelRMSNormRegion(Configurable):
-    """Corrects an RMS norm running on this rank's features to normalise over every rank's (see the module
-    docstring). `install(module)` hooks its forward; its first floating-point tensor argument is the input."""
+    """Corrects an RMS norm running on this rank's features to normalise over those of every rank holding its group
+    (see the module docstring). `install(module)` hooks its forward; its first floating-point tensor argument is the
+    input, and with `gated` its second (if given) the gate. `groups`: how many groups of features it normalises
+    apart (at most, and dividing, tp; 1 for a plain RMS norm)."""
 
     SETTINGS = ("comm_counter",)
 
-    def __init__(self, group: ProcessGroup, eps: float | None, comm_counter: CommunicationCounter | None = None):
+    def __init__(
+        self,
+        group: ProcessGroup,
+        eps: float | None,
+        comm_counter: CommunicationCounter | None = None,
+        groups: int = 1,
+        gated: bool = False,
+    ):
         self.group, self.eps, self.comm_counter = group, eps, comm_counter
+        self.groups, self.gated = groups, gated
 
     def install(self, module: nn.Module) -> None:
         module.register_forward_hook(self._output, with_kwargs=True)
 
-    def scale(self, x: torch.Tensor) -> torch.Tensor:
-        """sqrt(mean_local(x^2) + eps) / sqrt(mean_global(x^2) + eps), in float32, one value per row of `x`."""
-        width, tp = x.shape[-1], dist.get_world_size(self.group)
+    def scale(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """sqrt(mean_local(y^2) + eps) / sqrt(mean_group(y^2) + eps), in float32, one value per row of `x`, where
+        y = x * silu(gate) (x without a gate) and the group is the one this rank's features belong to."""
+        width, tp, rank = x.shape[-1], dist.get_world_size(self.group), dist.get_rank(self.group)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        squares = x.float().pow(2).sum(-1, keepdim=True)
-        total = sum_across_tensor_parallel_region(squares, self.group, self.comm_counter)
-        return torch.sqrt(squares / width + eps) * torch.rsqrt(total / (width * tp) + eps)
+        y = x.float() if gate is None else x.float() * F.silu(gate.float())
+        squares = y.pow(2).sum(-1, keepdim=True)
+        mine = rank * self.groups // tp
+        per_group = [squares if index == mine else torch.zeros_like(squares) for index in range(self.groups)]
+        totals = sum_across_tensor_parallel_region(torch.cat(per_group, -1), self.group, self.comm_counter)
+        total = totals.narrow(-1, mine, 1)
+        return torch.sqrt(squares / width + eps) * torch.rsqrt(total / (width * tp // self.groups) + eps)
 
     def _output(self, module, args, kwargs, output):
         if dist.get_world_size(self.group) == 1:
             return output
-        x = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()]
         first = output[0] if isinstance(output, tuple) and output else output
-        if x is None or not isinstance(first, torch.Tensor):
+        if not tensors or not isinstance(first, torch.Tensor):
             raise TypeError(f"{type(module).__name__} takes or returns no tensor for 'rmsnorm_parallel' to correct")
-        corrected = (first.float() * self.scale(x)).to(first.dtype)
+        gate = tensors[1] if self.gated and len(tensors) > 1 else None
+        corrected = (first.float() * self.scale(tensors[0], gate)).to(first.dtype)
         return (corrected, *output[1:]) if isinstance(output, tuple) else corrected
+
+
+def norm_groups(module: nn.Module) -> int:
+    """How many groups a gated, grouped RMS norm normalises apart: its width over its `group_size` (1 without)."""
+    group_size = getattr(module, "group_size", None)
+    width = next(iter(module.parameters(recurse=False))).shape[0]
+    return width // group_size if isinstance(group_size, int) and group_size else 1

@@ -9,9 +9,10 @@ that the source module stored the weight transposed (Hugging Face's Conv1D), so 
 source layout.
 
 A section may have fewer indivisible units than there are ranks (`units`: the kv heads of a k or v projection when
-tp exceeds their count, multi-query's one head included). Each unit is then held whole by `world_size / units`
-consecutive ranks, its replicas (rank r holds unit r * units // world_size): the kv heads its local query heads
-use. Their gradients are partial on each replica and summed over them (`sum_replicated_gradient`).
+tp exceeds their count, multi-query's one head included; the groups of a Mamba2 mixer's B and C). Each unit is then
+held whole by `world_size / units` consecutive ranks, its replicas (rank r holds unit r * units // world_size): the kv
+heads (or B and C groups) its local query heads use. Their gradients are partial on each replica and summed over them
+(`sum_replicated_gradient`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,33 @@ def check_divisible(where: str, dimension: str, value: int, tensor_parallel_size
         )
 
 
+def check_sections(
+    where: str,
+    what: str,
+    sections: tuple[int, ...],
+    units: tuple[int | None, ...] | None,
+    tensor_parallel_size: int,
+    stored: bool = True,
+) -> None:
+    """Raises `ValueError` (one line) unless each section splits over `tensor_parallel_size` ranks: evenly, in whole
+    units per rank, or (fewer units than ranks) each unit held whole by the same number of ranks and, for a tensor's
+    rows (`stored`; not a count), splitting into that many pieces (what a checkpoint stores of each replica)."""
+    tp = tensor_parallel_size
+    for index, (size, unit) in enumerate(zip(sections, units or (None,) * len(sections), strict=True)):
+        name = f"{what} section {index}" if len(sections) > 1 else what
+        if unit is None:
+            check_divisible(where, name, size, tp)
+            continue
+        whole = not unit % tp and not size % tp  # whole units on each rank
+        replicated = unit < tp and not tp % unit and not (stored and (size // unit) % (tp // unit))
+        if not (whole or replicated):
+            raise ValueError(
+                f"{where}: {name} holds {unit} heads or groups of {size // unit}, which tensor_parallel_size={tp} "
+                f"neither splits into whole ones nor replicates evenly; use a tensor_parallel_size in "
+                f"{divisors(unit)} or a multiple of {unit}" + (f" that divides {size}" if stored else "")
+            )
+
+
 def divisors(value: int) -> list[int]:
     """The tensor-parallel sizes (up to 64) that divide `value` evenly."""
     return [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
@@ -69,12 +97,13 @@ class ShardSpec:
     sections: tuple[int, ...]  # full sizes of the packed sections along dim, in order
     padded: bool = False  # single section padded up to a multiple of the world size (vocabulary)
     transposed: bool = False  # the source module stores this 2-D weight transposed
-    units: tuple[int, ...] | None = None  # indivisible units (heads) per section; fewer than ranks: replicated
+    units: tuple[int | None, ...] | None = None  # indivisible units (heads, groups) per section; fewer than ranks:
+    # replicated (None for a section of no units)
 
     def replicas(self, world_size: int) -> tuple[int, ...]:
         """How many ranks hold each section's chunks alike: 1, or world_size / units for a replicated section."""
-        units = self.units or (world_size,) * len(self.sections)
-        return tuple(world_size // unit if unit < world_size else 1 for unit in units)
+        units = self.units or (None,) * len(self.sections)  # None: a section split evenly (no units named)
+        return tuple(world_size // unit if unit and unit < world_size else 1 for unit in units)
 
     def local_sections(self, world_size: int) -> tuple[int, ...]:
         """How many rows every rank holds of each section."""

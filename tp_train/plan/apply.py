@@ -28,7 +28,7 @@ from tp_train.parallel.layers import (
     SharedInputRegion,
     VocabParallelEmbedding,
 )
-from tp_train.parallel.norm import ParallelRMSNormRegion, norm_epsilon
+from tp_train.parallel.norm import ParallelRMSNormRegion, norm_epsilon, norm_groups
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, shard_tensor, sum_replicated_gradient
 from tp_train.plan.channels import shard_channels
@@ -37,6 +37,7 @@ from tp_train.plan.local_view import apply_local_view, parse_attention_style, sh
 from tp_train.plan.styles import (
     FEEDS_PARALLEL_REGION,
     LINEAR_STYLES,
+    NORM_STYLES,
     REGION_STYLES,
     ROW_STYLES,
     SWAPPED_BASES,
@@ -105,10 +106,8 @@ def apply_plan(
             rng.run_in(module, SHARDED)
         elif style == "channelwise":
             shard_channels(module, group, entry.arguments)
-        elif style == "rmsnorm_parallel":
-            shard_channels(module, group)
-            module.tp_region = ParallelRMSNormRegion(group, norm_epsilon(module)[1])
-            module.tp_region.install(module)
+        elif style in NORM_STYLES:
+            _parallel_norm(module, style, group)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":
@@ -304,6 +303,22 @@ def _sum_replicas(model: nn.Module, name: str, layer: nn.Module, group: ProcessG
         return
     done.add(parent_name)
     share_replicated_kv_heads(model.get_submodule(parent_name) if parent_name else model, copies)
+
+
+def _parallel_norm(module: nn.Module, style: str, group: ProcessGroup) -> None:
+    """An RMS norm over features split across ranks (`tp_train.parallel.norm`): its weight split with them, and its
+    output corrected to normalise over every rank's features of its group, unless each rank holds whole groups. A
+    gated norm whose groups span ranks normalises this rank's share of its group as one group (`group_size`)."""
+    tp = dist.get_world_size(group)
+    gated = style == "gated_rmsnorm_parallel"
+    groups = norm_groups(module) if gated else 1
+    shard_channels(module, group)
+    if gated and groups >= tp:
+        return
+    if gated:
+        module.group_size = next(iter(module.parameters(recurse=False))).shape[0]
+    module.tp_region = ParallelRMSNormRegion(group, norm_epsilon(module)[1], groups=groups, gated=gated)
+    module.tp_region.install(module)
 
 
 def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessGroup, shared: dict) -> None:

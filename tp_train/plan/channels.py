@@ -2,15 +2,20 @@
 column and a row layer (a state-space block's depthwise conv1d, A_log and D; a gated norm's weight) keeps, on each
 rank, the entries of that rank's channels, so it runs on the column layer's local output. Nothing is communicated:
 the gradients of those entries are whole on the rank that holds them. `channelwise(32,32,64)` names sections of the
-channels (a conv1d over [q; k; v] fed by three column layers): each rank keeps its share of every section."""
+channels (a conv1d over [q; k; v] fed by three column layers): each rank keeps its share of every section. A section
+of fewer units than ranks (`channelwise(64,1x16,1x16)`: a Mamba2 conv1d's B and C channels of one group) is held
+whole by the ranks sharing it, its replicas, and their partial gradients are summed over them."""
 
 from __future__ import annotations
+
+import functools
 
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from tp_train.parallel.sharding import shard_tensor
+from tp_train.parallel.sharding import replicated_rows, shard_tensor, sum_replicated_gradient
+from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.styles import style_shard_spec
 
 CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "normalized_shape")
@@ -19,9 +24,10 @@ CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "norm
 def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") -> None:
     """Replaces each of `module`'s own parameters by this rank's chunk along dim 0 (of each section the style's
     `arguments` name, else one contiguous chunk), records the split in `module.shard_specs` (for checkpoints and
-    gathering), and divides its channel counts (a Conv's `groups`, `in_channels`, `out_channels`) by tp."""
+    gathering), sums the gradients of replicated sections over their replicas, and sets its channel counts (a Conv's
+    `groups`, `in_channels`, `out_channels`) to the channels this rank holds."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    channels = None
+    channels = local_channels = None
     specs = dict(getattr(module, "shard_specs", {}))
     for name, param in list(module.named_parameters(recurse=False)):
         channels = param.shape[0]
@@ -29,10 +35,13 @@ def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") 
         local = nn.Parameter(shard_tensor(param.detach(), spec, rank, tp), requires_grad=param.requires_grad)
         setattr(module, name, local)
         specs[name] = spec
+        local_channels = local.shape[0]
+        if replicated_rows(spec, tp):
+            register_gradient_hook(module, name, functools.partial(sum_replicated_gradient, spec=spec, group=group))
     module.shard_specs = specs
     for attribute in CHANNEL_COUNTS:
         value = getattr(module, attribute, None)
         if isinstance(value, int) and value == channels:
-            setattr(module, attribute, value // tp)
+            setattr(module, attribute, local_channels)
         elif isinstance(value, tuple) and value and value[0] == channels:
-            setattr(module, attribute, (value[0] // tp, *value[1:]))
+            setattr(module, attribute, (local_channels, *value[1:]))

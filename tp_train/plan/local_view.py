@@ -11,6 +11,10 @@ everything the module shares with the rest of the model untouched:
   the module's own shallow copy of that object; a field inside a dict (einops' `axes_lengths`) on a copy of the
   dict; a parameterless layer built from a pattern and lengths (einops' `Rearrange(pattern, h=heads)`) is rebuilt
   from its local lengths, since it parses them once when built.
+- **fields with sections** (`conv_dim(64,1x16,1x16)`, `n_groups(1x1)`): a count made of sections, some of
+  indivisible units (`GxN`, as the column styles name them), set to this rank's share of them
+  (`ShardSpec.local_sections`): a Mamba2 mixer's conv width [x; B; C] when its one group's B and C are held whole by
+  every rank, and its group count, which is then 1 on each rank.
 - **input_width**: the module's first input reports `1/tp` of its last dimension through `size()` and `.shape`
   (nanoGPT's `B, T, C = x.size()` then `C // n_head`); every operation on it still sees the whole tensor.
 - **per-head arguments** (`alibi[0,batch]`): a tensor argument holding one slice per head (Bloom's ALiBi
@@ -31,12 +35,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from tp_train.parallel.sharding import ShardSpec, check_sections
 from tp_train.plan.styles import (
     CONFIG_HEAD_FIELDS,
     HEAD_ATTRIBUTES,
     KV_GROUP_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     WIDTH_ATTRIBUTES,
+    section_sizes,
+    section_units,
 )
 
 INPUT_WIDTH = "input_width"
@@ -210,9 +217,33 @@ def _local_count(attribute: str, value: int, tp: int) -> int:
     return max(value // tp, 1) if attribute in KV_HEAD_ATTRIBUTES else value // tp
 
 
-def _divide_field(module: nn.Module, path: str, tp: int, rebuilt: dict[int, nn.Module]) -> None:
-    """Divides the integer at `path` by tp in `module`'s own view: objects on the way that are not submodules
-    (configs, dicts) are replaced by copies on their holder first, so what other modules share stays global."""
+def field_and_sections(item: str) -> tuple[str, str]:
+    """A view's field item split into its dotted path and the sections its parentheses name (`""` without)."""
+    path, paren, rest = item.partition("(")
+    return path, rest[:-1] if paren else ""
+
+
+def local_field_value(value, sections: str, tp: int) -> int | None:
+    """What a field holding `value` is on one rank: `value / tp`, or its share of the `sections` it is made of;
+    None where that is no whole count (tp does not divide it, or the sections do not add up to it or cannot split)."""
+    if not _is_count(value):
+        return None
+    if not sections:
+        return None if value % tp else value // tp
+    sizes, units = section_sizes(sections), section_units(sections)
+    try:
+        check_sections("local view", "field", sizes, units, tp, stored=False)
+    except ValueError:
+        return None
+    spec = ShardSpec(dim=0, sections=sizes, units=units)
+    return sum(spec.local_sections(tp)) if sum(sizes) == value else None
+
+
+def _divide_field(module: nn.Module, item: str, tp: int, rebuilt: dict[int, nn.Module]) -> None:
+    """Divides the integer at the item's path by tp (or sets its share of the sections the item names) in `module`'s
+    own view: objects on the way that are not submodules (configs, dicts) are replaced by copies on their holder
+    first, so what other modules share stays global."""
+    path, sections = field_and_sections(item)
     holder, parts = module, path.split(".")
     for part in parts[:-1]:
         value = holder[part] if isinstance(holder, dict) else getattr(holder, part)
@@ -232,9 +263,10 @@ def _divide_field(module: nn.Module, path: str, tp: int, rebuilt: dict[int, nn.M
         holder = value
     last = parts[-1]
     value = holder[last] if isinstance(holder, dict) else getattr(holder, last)
-    if not _is_count(value) or value % tp:
-        raise ValueError(f"local view: '{path}' of {type(module).__name__} is {value!r}, not a count tp={tp} divides")
-    _set(holder, last, value // tp)
+    local = local_field_value(value, sections, tp)
+    if local is None:
+        raise ValueError(f"local view: '{item}' of {type(module).__name__} is {value!r}, not a count tp={tp} divides")
+    _set(holder, last, local)
 
 
 def _set(holder, key: str, value) -> None:

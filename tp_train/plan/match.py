@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.parallel.norm import EPSILON_ATTRIBUTES, norm_epsilon
-from tp_train.parallel.sharding import check_divisible, divisors
-from tp_train.plan.local_view import field_value, parse_attention_style
+from tp_train.parallel.norm import EPSILON_ATTRIBUTES, norm_epsilon, norm_groups
+from tp_train.parallel.sharding import check_divisible, check_sections, divisors
+from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style
 from tp_train.plan.styles import (
     ALIASES,
     CONFIG_HEAD_FIELDS,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
+    NORM_STYLES,
     PACKED_SECTIONS,
     PARAMETER_STYLES,
     ROW_STYLES,
@@ -29,6 +30,7 @@ from tp_train.plan.styles import (
     parameter_shard_spec,
     pattern_matches,
     section_sizes,
+    section_units,
     split_style,
 )
 from tp_train.plan.ties import tie_completions
@@ -174,17 +176,8 @@ def _check_module(
                 raise ValueError(f"{where}: sections {sections} do not add up to out_features={out_features}")
             if sum(sections) != out_features:
                 raise ValueError(f"{where}: out_features={out_features} does not split into {len(sections)} sections")
-            for index, (size, unit) in enumerate(zip(sections, units or (None,) * len(sections), strict=True)):
-                what = f"out_features section {index}" if len(sections) > 1 else "out_features"
-                if unit is None or unit >= tp:
-                    check_divisible(where, what, size, tp)
-                elif tp % unit or (size // unit) % (tp // unit):  # replicas: each holds a whole head
-                    raise ValueError(
-                        f"{where}: {unit} kv heads of {size // unit} features cannot be replicated over "
-                        f"tensor_parallel_size={tp}; use a tensor_parallel_size in {divisors(unit)} or a multiple "
-                        f"of {unit} that divides {size}"
-                    )
-    elif style == "rmsnorm_parallel":
+            check_sections(where, "out_features", sections, units, tp)
+    elif style in NORM_STYLES:
         found, _ = norm_epsilon(module)
         weights = [param for param in module.parameters(recurse=False) if param.dim() == 1]
         if not found or len(weights) != len(list(module.parameters(recurse=False))):
@@ -194,24 +187,29 @@ def _check_module(
             )
         for param_name, param in module.named_parameters(recurse=False):
             check_divisible(where, f"{param_name}.shape[0]", param.shape[0], tp)
+        if style == "gated_rmsnorm_parallel":
+            _check_norm_groups(where, module, tp)
     elif style == "channelwise":
         named = section_sizes(arguments)
         for param_name, param in module.named_parameters(recurse=False):
             channels = param.shape[0] if param.dim() else 1
             if named and sum(named) != channels:
                 raise ValueError(f"{where}: sections {named} do not add up to {param_name}.shape[0]={channels}")
-            for index, size in enumerate(named or (channels,)):
-                what = f"{param_name}.shape[0] section {index}" if named else f"{param_name}.shape[0]"
-                check_divisible(where, what, size, tp)
+            check_sections(where, f"{param_name}.shape[0]", named or (channels,), section_units(arguments), tp)
     elif style == "embedding_rowwise":
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
-    elif style == "attention" and arguments:  # each count its view divides (Mamba2's n_groups: whole groups per rank)
-        for path in parse_attention_style(f"attention({arguments})").fields:
+    elif style == "attention" and arguments:  # each count its view makes local, evenly or by its sections' units
+        for item in parse_attention_style(f"attention({arguments})").fields:
+            path, sections = field_and_sections(item)
             value = field_value(module, path)
-            if isinstance(value, int):
+            if isinstance(value, int) and sections:
+                if sum(section_sizes(sections)) != value:
+                    raise ValueError(f"{where}: '{item}' names sections that do not add up to {path}={value}")
+                check_sections(where, path, section_sizes(sections), section_units(sections), tp, stored=False)
+            elif isinstance(value, int):
                 check_divisible(where, path, value, tp)
     elif style == "attention":
         for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
@@ -219,6 +217,16 @@ def _check_module(
             replicated = attribute in KV_HEAD_ATTRIBUTES and isinstance(value, int) and value and not tp % value
             if isinstance(value, int) and not replicated:
                 check_divisible(where, attribute, value, tp)
+
+
+def _check_norm_groups(where: str, module: nn.Module, tp: int) -> None:
+    """A gated norm's groups: whole on each rank (tp divides them) or each spanning tp / groups ranks."""
+    groups = norm_groups(module)
+    if groups % tp and tp % groups:
+        raise ValueError(
+            f"{where}: its {groups} groups of group_size={module.group_size} neither divide nor are divisible by "
+            f"tensor_parallel_size={tp}; use a tensor_parallel_size in {divisors(groups)} or one {groups} divides"
+        )
 
 
 def _example_names(model: nn.Module) -> str:

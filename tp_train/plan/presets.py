@@ -243,38 +243,39 @@ def _latent_and_delta_variant(config) -> dict[str, str]:
     return {**attention, **_delta_net_conv(config, "self_attn", width, width, width)}
 
 
-def mamba2_mixer(mixer: str, heads: int, inner: int, b_or_c: int) -> dict[str, str]:
+def mamba2_mixer(mixer: str, heads: int, inner: int, groups: int, state: int) -> dict[str, str]:
     """The entries that shard a Mamba2 mixer (named by the pattern `mixer`) as Megatron does. Its in_proj's output is
-    [z; x; B; C; dt] (z and x `inner` wide, by heads; B and C `b_or_c` = n_groups x state wide, by groups; dt one
-    per head), each section split evenly, so each rank holds its heads' z, x and dt and its groups' B and C, which
-    exactly those heads read when tp divides n_groups; the depthwise conv1d over [x; B; C] the same channels; A_log,
-    D and dt_bias of its heads; the gated norm's weights of its channels (it normalises each group on its own, and
-    each rank holds whole groups, so its group_size stays); out_proj by rows. The mixer's counts become local; where
-    tp does not divide n_groups (a group's B and C would be needed on several ranks and its norm would span them)
-    the mixer's entry refuses the config in one line."""
+    [z; x; B; C; dt] (z and x `inner` wide, by heads; B and C `groups` x `state` wide, by groups; dt one per head),
+    each section split evenly, so each rank holds its heads' z, x and dt and the groups' B and C those heads read:
+    its share of the groups where tp divides them, else the one group its heads belong to, held whole by the
+    tp / groups ranks sharing it (written `GxN`: replicated like kv heads, their gradients summed over the replicas;
+    real Bamba, Granite-4-H and Falcon-H1 checkpoints have one group). The depthwise conv1d over [x; B; C] takes the
+    same channels; A_log, D and dt_bias those of its heads; the gated norm (`gated_rmsnorm_parallel`) the weights of
+    its channels, normalising each group over every rank holding part of it; out_proj by rows. The mixer's counts
+    become local, its conv width and group count as this rank's share of their sections."""
+    b_or_c = f"{groups}x{state}"
     return {
-        mixer: "attention(num_heads, intermediate_size, n_groups, conv_dim)",
+        mixer: f"attention(num_heads, intermediate_size, n_groups({groups}x1), conv_dim({inner},{b_or_c},{b_or_c}))",
         f"{mixer}.A_log": "colwise",
         f"{mixer}.D": "colwise",
         f"{mixer}.dt_bias": "colwise",
         f"{mixer}.in_proj": f"colwise({inner},{inner},{b_or_c},{b_or_c},{heads})",
         f"{mixer}.conv1d": f"channelwise({inner},{b_or_c},{b_or_c})",
-        f"{mixer}.norm": "channelwise",
+        f"{mixer}.norm": "gated_rmsnorm_parallel",
         f"{mixer}.out_proj": "rowwise",
     }
 
 
 def _mamba2_variant(config) -> dict[str, str]:
     inner = int(config.expand * config.hidden_size)
-    return mamba2_mixer("layers.*.mixer", config.num_heads, inner, config.n_groups * config.state_size)
+    return mamba2_mixer("layers.*.mixer", config.num_heads, inner, config.n_groups, config.state_size)
 
 
 def _mamba_layers(config) -> dict[str, str]:
     """The Mamba2 mixers of hybrids that keep them at `layers.*.mamba` with `mamba_`-prefixed fields (Bamba,
     GraniteMoeHybrid)."""
     inner = int(config.mamba_expand * config.hidden_size)
-    b_or_c = config.mamba_n_groups * config.mamba_d_state
-    return mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, b_or_c)
+    return mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, config.mamba_n_groups, config.mamba_d_state)
 
 
 def _nemotron_h_variant(config) -> dict[str, str]:
@@ -285,7 +286,7 @@ def _nemotron_h_variant(config) -> dict[str, str]:
     entries = {}
     for index, kind in enumerate(config.layers_block_type):
         if kind == "linear_attention":
-            entries |= mamba2_mixer(f"layers.{index}.mixer", heads, width, config.n_groups * config.ssm_state_size)
+            entries |= mamba2_mixer(f"layers.{index}.mixer", heads, width, config.n_groups, config.ssm_state_size)
     return entries
 
 

@@ -12,9 +12,10 @@ each module alone on them, backpropagates a random projection of its output, and
 arguments' gradients and the gradients of its own whole (replicated) parameters: activations of the probe, no
 weights. `check(model)`, after `apply_plan`, runs each sharded module, with its collectives, on the same arguments
 on every rank and compares; both modules' outputs are whole (the region all-reduces the partial sums). A norm over
-features split across ranks (`rmsnorm_parallel`) is run on this rank's share of the captured input's features and
-compared with that share of the unsharded output and gradients (its weight's gradient with its shard's): a norm that
-does not normalise as `w * x * rsqrt(mean(x^2) + eps)`, whose correction is then wrong, is refused. A model on
+features split across ranks (`rmsnorm_parallel`, `gated_rmsnorm_parallel`) is run on this rank's share of the captured
+input's (and gate's) features and compared with that share of the unsharded output and gradients (its weight's
+gradient with its shard's): a norm that does not normalise as `w * x * rsqrt(mean(x^2) + eps)` (over each group of
+`x * silu(gate)`, gated), whose correction is then wrong, is refused. A model on
 the meta device has no weights to compute with before `apply_plan`: there the check is skipped, as `SwapCheck`
 skips modules whose full tensors are gone, and so is a model the probe batch cannot run.
 """
@@ -32,15 +33,15 @@ from torch.distributed import ProcessGroup
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.probe import PROBE_TOKENS, eval_mode, forward_without_cache, probe_token_ids
-from tp_train.plan.styles import PlannedModule
+from tp_train.plan.styles import NORM_STYLES, PlannedModule
 from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
 
 # Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
 # compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design), and
 # styles whose module takes and returns this rank's share of the features (the last dim), compared with that share of
 # the unsharded module's output and gradients.
-CHECKED_STYLES = ("moe_tp_experts", "all_reduce", "rmsnorm_parallel")
-FEATURE_SPLIT_STYLES = ("rmsnorm_parallel",)
+CHECKED_STYLES = ("moe_tp_experts", "all_reduce", *NORM_STYLES)
+FEATURE_SPLIT_STYLES = NORM_STYLES
 
 
 class RegionCheck:

@@ -27,6 +27,11 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 |                         |                     | and down_proj): its weight split like `channelwise`, its output    |
 |                         |                     | corrected to the mean of squares over the whole width, all-reduced |
 |                         |                     | (`tp_train.parallel.norm`)                                       |
+| `gated_rmsnorm_parallel` | a gated, grouped   | Mamba2's `...RMSNormGated` (`w * norm(x * silu(gate))` over each |
+|                         | RMS norm            | group of `group_size` features): its weight split like           |
+|                         |                     | `channelwise`; groups whole on each rank stay local, a group     |
+|                         |                     | spanning ranks (fewer groups than ranks) is normalised over all  |
+|                         |                     | of them, its sum of squares all-reduced (`tp_train.parallel.norm`) |
 | `moe_tp_experts`        | MoE experts module  | its floating-point inputs (tokens, routing weights) enter the    |
 |                         |                     | parallel region (`f`), its output (each rank's partial sum over  |
 |                         |                     | its share of every expert) is all-reduced (`g`): one all-reduce  |
@@ -48,7 +53,9 @@ Some styles take arguments in parentheses: `fused_qkv_colwise(64,32,32)` names u
 (grouped-query attention's fused projection, litgpt's, whose head counts no attribute states); `colwise(64,64,16,16,8)`
 and `channelwise(64,16,16)` name any sections, each split evenly across ranks (Mamba2's in_proj [z; x; B; C; dt] and
 its conv1d over [x; B; C], so each rank holds its heads' z, x and dt and its groups' B and C; a linear
-attention's depthwise conv1d over the concatenated q, k and v); `attention(n_head,
+attention's depthwise conv1d over the concatenated q, k and v); a section written `GxN` holds G indivisible units of
+N (`colwise(64,64,1x16,1x16,8)`: Mamba2's B and C of one group), each held whole by tp / G ranks when tp exceeds G,
+as replicated kv heads are (`tp_train.parallel.sharding.ShardSpec.units`); `attention(n_head,
 config.n_query_groups, input_width, ...)` names where the module keeps its head counts (`tp_train.plan.local_view`),
 and `rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output enters a sharded region again.
 
@@ -57,6 +64,7 @@ and `rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -86,8 +94,11 @@ STYLES = (
         "local_params",
         "channelwise",
         "rmsnorm_parallel",
+        "gated_rmsnorm_parallel",
     }
 )
+# Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
+NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel")
 PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate"}
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
@@ -182,6 +193,8 @@ def column_layout(
             layout = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), (heads, kv_heads, kv_heads)
     elif style == "colwise" and grouped and head_dim and out_features == kv_heads * head_dim:
         layout = (out_features,), (kv_heads,)
+    if named and section_units(arguments):
+        return named, section_units(arguments)
     if named and named != layout[0]:
         return named, None
     return layout
@@ -197,10 +210,11 @@ def style_shard_spec(
     ranks (`column_layout`)."""
     if style == "embedding_rowwise":
         return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
-    if style == "rmsnorm_parallel":  # its weight split with the features it normalises
+    if style in NORM_STYLES:  # its weight split with the features it normalises
         style = "channelwise"
     if style == "channelwise":  # one entry per channel along dim 0 (`tp_train.plan.channels`), by named sections
-        return ShardSpec(dim=0, sections=section_sizes(arguments) or (getattr(module, param_name).shape[0],))
+        sections = section_sizes(arguments) or (getattr(module, param_name).shape[0],)
+        return ShardSpec(dim=0, sections=sections, units=section_units(arguments))
     shape = linear_shape(module)
     if shape is None or style not in LINEAR_STYLES:
         return None
@@ -262,5 +276,16 @@ def split_style(style: str) -> tuple[str, str]:
 
 def section_sizes(arguments: str) -> tuple[int, ...] | None:
     """The section sizes `fused_qkv_colwise(64,32,32)` or `channelwise(64,16,16)` names, or None (the style's own
-    layout: equal thirds, one section)."""
-    return tuple(int(size) for size in arguments.split(",")) if arguments[:1].isdigit() else None
+    layout: equal thirds, one section). A section written `2x8` is 2 indivisible units of 8 (16 rows)."""
+    if not arguments[:1].isdigit():
+        return None
+    return tuple(math.prod(int(factor) for factor in size.split("x")) for size in arguments.split(","))
+
+
+def section_units(arguments: str) -> tuple[int | None, ...] | None:
+    """The indivisible units of each named section: G for a section written `GxN` (Mamba2's B and C: `n_groups` groups
+    of `state_size`, replicated over tp / G ranks each when tp exceeds G), None for a plain size; None when no
+    section names units."""
+    sizes = arguments.split(",") if arguments[:1].isdigit() else []
+    units = tuple(int(size.split("x")[0]) if "x" in size else None for size in sizes)
+    return units if any(unit is not None for unit in units) else None

@@ -44,8 +44,9 @@ FAMILY_FIELDS = {
     "mamba2": dict(num_heads=8, state_size=16),
     # Nemotron-H's Mamba2 layers the same way (8 heads of 8, its default 8 groups, a 16-wide state).
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16),
-    # Bamba and GraniteMoeHybrid (8 Mamba heads of 8 by `WIDTHS`): a 16-wide state; their default of one group,
-    # which no tp above 1 divides, is kept: they are refused, as Megatron refuses them.
+    # Bamba and GraniteMoeHybrid (8 Mamba heads of 8 by `WIDTHS`): a 16-wide state; their default of one group (as
+    # real checkpoints have) is kept: every rank holds its B and C (replicated, like kv heads) and the gated norm
+    # normalises the group across the ranks (`gated_rmsnorm_parallel`).
     "bamba": dict(mamba_d_state=16),
     "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8),  # 32 heads of 128 by default
     # Reformer's causal LM asserts is_decoder (the default config is an encoder's); its axial position embeddings
