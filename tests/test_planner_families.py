@@ -184,6 +184,15 @@ def forward_without_cache_logits(model, idx):
     return forward_without_cache(model, idx).logits
 
 
+def _rwkv() -> nn.Module:
+    """RWKV with its embedding drawn at a usual scale: its own init (orthogonal, gain 1e-4 x sqrt(vocab)) feeds
+    `pre_ln` inputs ~1e-4 wide, whose normalisation multiplies the embedding's gradient (and the float32 round-off
+    of the sharded sums beneath it) by ~3000, to ~1e-4 absolute on gradients of ~170 (the zoo's `round-off`)."""
+    model = _family("rwkv")
+    nn.init.normal_(model.rwkv.embeddings.weight, std=0.02)
+    return model
+
+
 MIXED = ["linear_attention", "full_attention"]
 # name -> (build, forward, tps, block_rel_tol: matrices kept whole on purpose, a router or replicated kv heads)
 CASES = {
@@ -211,6 +220,9 @@ CASES = {
     # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
     # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
     "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),
+    # RWKV's time-mix split by channels with its per-channel decay and bonus; the channel-mix's receptance (hidden x
+    # hidden) whole, so a rank holds 0.563 of the tiny blocks' matrices (time_mix_* included) at tp 2, 0.345 at tp 4.
+    "rwkv_channels": (_rwkv, forward_without_cache_logits, (2, 4), 0.38),
 }
 
 

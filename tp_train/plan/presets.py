@@ -104,6 +104,24 @@ PRESETS["bitnet"] = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 
+# RWKV (v4): the time-mix (attention) splits by channels: key, value and receptance by columns, the per-channel decay
+# and bonus (`time_decay`, `time_first`) with them (the wkv recurrence acts on each channel on its own), output by
+# rows. The channel-mix (feed-forward) splits key by columns and value by rows; its receptance (hidden -> hidden,
+# whose sigmoid gates the value layer's all-reduced output) stays whole, as do the time_mix_* interpolations of the
+# replicated input. Its LM head is `head`, not `lm_head`: left whole.
+PRESETS["rwkv"] = {
+    "embeddings": "embedding_rowwise",
+    "blocks.*.attention.key": "colwise",
+    "blocks.*.attention.value": "colwise",
+    "blocks.*.attention.receptance": "colwise",
+    "blocks.*.attention.time_decay": "colwise",
+    "blocks.*.attention.time_first": "colwise",
+    "blocks.*.attention.output": "rowwise",
+    "blocks.*.feed_forward.key": "colwise",
+    "blocks.*.feed_forward.receptance": "replicate",
+    "blocks.*.feed_forward.value": "rowwise",
+}
+
 
 # Plans that replace Hugging Face's own where it is wasteful. phi3's fused qkv_proj ([q; k; v], k and v with the kv
 # heads' width) and gate_up_proj ([gate; up]) are gathered whole and re-split under HF's plan (`colwise_gather_output`
