@@ -174,6 +174,27 @@ def test_mamba2_with_fewer_groups_than_ranks_is_refused_in_one_line(model_type):
     assert "use a tensor_parallel_size in [1]" in message and "\n" not in message
 
 
+def test_dbrx_expert_weights_are_split_expert_by_expert_and_bad_sections_are_refused_in_one_line():
+    """DBRX's 2-D expert weights hold every expert's ffn rows in turn: each is split by per-expert sections, the
+    experts' view of ffn_hidden_size made local; sections that do not add up are refused naming the parameter."""
+    from tp_train.plan.match import match_plan
+
+    model = _family("dbrx")
+    plan, source = resolve_plan(model, tensor_parallel_size=2)
+    assert "built-in additions for model_type 'dbrx'" in source
+    planned = {entry.name: entry for entry in match_plan(model, plan, 2)}
+    experts = planned["transformer.blocks.0.ffn.experts"]
+    assert (experts.style, experts.arguments) == ("moe_tp_experts", "ffn_hidden_size")
+    weights = planned["transformer.blocks.0.ffn.experts.mlp"].parameters
+    assert weights == dict.fromkeys(("w1", "v1", "w2"), "colwise(32,32,32,32)")
+    assert "transformer.blocks.0.ffn.router.layer" not in planned  # the router stays whole
+    with pytest.raises(ValueError) as refusal:
+        match_plan(model, {**plan, "transformer.blocks.*.ffn.experts.mlp.w1": "colwise(32,32,32)"}, 2)
+    message = str(refusal.value)
+    assert "parameter 'transformer.blocks.0.ffn.experts.mlp.w1' (128, 32): style 'colwise(32,32,32)' must be" in message
+    assert "section sizes that add up to dim 0 (128)" in message and "\n" not in message
+
+
 def _logits(model, idx):
     return model(idx)
 
@@ -223,6 +244,9 @@ CASES = {
     # RWKV's time-mix split by channels with its per-channel decay and bonus; the channel-mix's receptance (hidden x
     # hidden) whole, so a rank holds 0.563 of the tiny blocks' matrices (time_mix_* included) at tp 2, 0.345 at tp 4.
     "rwkv_channels": (_rwkv, forward_without_cache_logits, (2, 4), 0.38),
+    # DBRX's 2-D expert weights split expert by expert (`colwise(32,32,32,32)`), the experts' view of ffn_hidden_size
+    # local and their partial sums all-reduced; Wqkv head-aware with 2 kv heads (replicated at tp 4); the router whole.
+    "dbrx_experts_and_fused_qkv": (lambda: _family("dbrx"), _hf_logits, (2, 4), 0.1),
 }
 
 

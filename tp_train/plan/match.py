@@ -54,7 +54,7 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
                     f"plan entry '{pattern}' matches no module or parameter of {type(model).__name__}; "
                     f"module names look like {_example_names(model)}"
                 )
-            parameter_entries.append((pattern, style, parameters))
+            parameter_entries.append((pattern, f"{style}({arguments})" if arguments else style, parameters))
             continue
         if style not in STYLES:
             raise ValueError(f"plan entry '{pattern}': style '{style}' applies to parameters, not modules")
@@ -208,10 +208,11 @@ def _check_module(
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
-    elif style == "attention" and arguments:  # each count its view divides (Mamba2's n_groups: whole groups per rank)
-        for path in parse_attention_style(f"attention({arguments})").fields:
+    elif style in ("attention", "moe_tp_experts") and arguments:  # each count its view divides (Mamba2's n_groups:
+        for path in parse_attention_style(f"attention({arguments})").fields:  # whole groups per rank)
             value = field_value(module, path)
-            if isinstance(value, int):
+            replicated = path.rpartition(".")[2] in KV_HEAD_ATTRIBUTES and isinstance(value, int) and not tp % value
+            if isinstance(value, int) and not replicated:
                 check_divisible(where, path, value, tp)
     elif style == "attention":
         for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:

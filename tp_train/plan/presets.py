@@ -198,7 +198,23 @@ def _under(prefix: str, entries: dict[str, str]) -> dict[str, str]:
     return {f"{prefix}.{name}": style for name, style in entries.items()}
 
 
+# DBRX: Hugging Face's plan shards only the head. Its attention's Wqkv is a fused [q; k; v] with kv_n_heads kv heads
+# (split head-aware, the kv heads replicated when fewer than ranks); the attention splits q from k and v by its
+# `hidden_size` (q's width), so its view makes that local with the head counts. Its experts keep w1, v1 and w2 as 2-D
+# (experts x ffn_hidden_size, hidden) weights, viewed per expert with `ffn_hidden_size`: each expert's ffn rows are
+# split over ranks (Megatron's column-then-row split of every expert; sections sized per config in
+# `CONFIG_VARIANTS`), the view made local, and the experts' partial sums all-reduced once (`moe_tp_experts`). The
+# router stays whole.
+DBRX = {
+    "wte": "embedding_rowwise",
+    "blocks.*.norm_attn_norm.attn": "attention(num_heads, num_key_value_heads, hidden_size)",
+    "blocks.*.norm_attn_norm.attn.Wqkv": "fused_qkv_colwise",
+    "blocks.*.norm_attn_norm.attn.out_proj": "rowwise",
+    "blocks.*.ffn.experts": "moe_tp_experts(ffn_hidden_size)",
+}
+
 ADDITIONS: dict[str, dict[str, str]] = {
+    "dbrx": DBRX,
     "deepseek_v3": LATENT_ATTENTION,
     "olmo_hybrid": _under("layers.*.linear_attn", OLMO_HYBRID_DELTA_NET),
     # Kimi-Linear's and Ling's full-attention layers are DeepSeek's latent attention, under the same name.
@@ -235,6 +251,12 @@ def _falcon_variant(config) -> dict[str, str]:
 
 def _gpt_bigcode_variant(config) -> dict[str, str]:
     return {} if getattr(config, "multi_query", True) else {"h.*.attn.c_attn": "colwise"}
+
+
+def _dbrx_experts(config) -> dict[str, str]:
+    """Each of DBRX's expert weights split expert by expert: one section of ffn_hidden_size rows per expert."""
+    sections = ",".join([str(config.ffn_config.ffn_hidden_size)] * config.ffn_config.moe_num_experts)
+    return {f"blocks.*.ffn.experts.mlp.{weight}": f"colwise({sections})" for weight in ("w1", "v1", "w2")}
 
 
 def _delta_net_conv(config, attention: str, q: int, k: int, v: int) -> dict[str, str]:
@@ -314,6 +336,7 @@ UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
 # Nemotron-H's plans shard only the head or the experts: their Mamba2 mixers are added, and the auto-planner
 # completes attention and the MLPs.
 CONFIG_VARIANTS = {
+    "dbrx": _dbrx_experts,
     "falcon": _falcon_variant,
     "gpt_bigcode": _gpt_bigcode_variant,
     "mamba2": _mamba2_variant,
