@@ -195,6 +195,15 @@ def test_dbrx_expert_weights_are_split_expert_by_expert_and_bad_sections_are_ref
     assert "section sizes that add up to dim 0 (128)" in message and "\n" not in message
 
 
+def test_rwkvs_preset_splits_its_head_and_keeps_the_channel_mix_receptance_whole():
+    """RWKV's LM head is named `head` (its output embeddings), not `lm_head`: the preset splits it all the same."""
+    plan, source = resolve_plan(_family("rwkv"), tensor_parallel_size=2)
+    assert source == "the built-in preset for model_type 'rwkv'"
+    assert plan["head"] == "colwise_gather_output"
+    assert plan["rwkv.blocks.*.feed_forward.receptance"] == "replicate"
+    assert plan["rwkv.blocks.*.attention.time_decay"] == plan["rwkv.blocks.*.attention.time_first"] == "colwise"
+
+
 def _logits(model, idx):
     return model(idx)
 

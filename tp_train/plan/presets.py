@@ -108,7 +108,7 @@ PRESETS["bitnet"] = {
 # and bonus (`time_decay`, `time_first`) with them (the wkv recurrence acts on each channel on its own), output by
 # rows. The channel-mix (feed-forward) splits key by columns and value by rows; its receptance (hidden -> hidden,
 # whose sigmoid gates the value layer's all-reduced output) stays whole, as do the time_mix_* interpolations of the
-# replicated input. Its LM head is `head`, not `lm_head`: left whole.
+# replicated input. Its LM head is `head` (split over the vocabulary, as `lm_head` is).
 PRESETS["rwkv"] = {
     "embeddings": "embedding_rowwise",
     "blocks.*.attention.key": "colwise",
@@ -348,7 +348,7 @@ CONFIG_VARIANTS = {
     "granitemoehybrid": _mamba_layers,
 }
 
-HEAD_PLAN = {"lm_head": "colwise_gather_output"}
+HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered
 
 
 def preset_plan(model: nn.Module) -> dict[str, str] | None:
@@ -392,6 +392,18 @@ def _for_model(model: nn.Module, base: dict[str, str], head: bool) -> dict[str, 
         plan = {f"{prefix}.{pattern}": style for pattern, style in base.items()}
     else:
         plan = dict(base)
-    if head and isinstance(getattr(model, "lm_head", None), nn.Linear):
-        plan.update(HEAD_PLAN)
+    if head and (name := _head_name(model)):
+        plan[name] = HEAD_STYLE
     return plan
+
+
+def _head_name(model: nn.Module) -> str | None:
+    """The name of `model`'s LM head when it is a Linear: `lm_head`, or whatever module the model says its output
+    embeddings are (RWKV's `head`)."""
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return "lm_head"
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear):
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)
