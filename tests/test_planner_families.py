@@ -182,6 +182,36 @@ def test_mamba2_with_groups_tp_neither_divides_nor_multiplies_is_refused_in_one_
     assert "use a tensor_parallel_size in [1, 3] or a multiple of 3" in message and "\n" not in message
 
 
+def test_dbrx_expert_weights_are_split_expert_by_expert_and_bad_sections_are_refused_in_one_line():
+    """DBRX's 2-D expert weights hold every expert's ffn rows in turn: each is split by per-expert sections, the
+    experts' view of ffn_hidden_size made local; sections that do not add up are refused naming the parameter."""
+    from tp_train.plan.match import match_plan
+
+    model = _family("dbrx")
+    plan, source = resolve_plan(model, tensor_parallel_size=2)
+    assert "built-in additions for model_type 'dbrx'" in source
+    planned = {entry.name: entry for entry in match_plan(model, plan, 2)}
+    experts = planned["transformer.blocks.0.ffn.experts"]
+    assert (experts.style, experts.arguments) == ("moe_tp_experts", "ffn_hidden_size")
+    weights = planned["transformer.blocks.0.ffn.experts.mlp"].parameters
+    assert weights == dict.fromkeys(("w1", "v1", "w2"), "colwise(32,32,32,32)")
+    assert "transformer.blocks.0.ffn.router.layer" not in planned  # the router stays whole
+    with pytest.raises(ValueError) as refusal:
+        match_plan(model, {**plan, "transformer.blocks.*.ffn.experts.mlp.w1": "colwise(32,32,32)"}, 2)
+    message = str(refusal.value)
+    assert "parameter 'transformer.blocks.0.ffn.experts.mlp.w1' (128, 32): style 'colwise(32,32,32)' must be" in message
+    assert "section sizes that add up to dim 0 (128)" in message and "\n" not in message
+
+
+def test_rwkvs_preset_splits_its_head_and_keeps_the_channel_mix_receptance_whole():
+    """RWKV's LM head is named `head` (its output embeddings), not `lm_head`: the preset splits it all the same."""
+    plan, source = resolve_plan(_family("rwkv"), tensor_parallel_size=2)
+    assert source == "the built-in preset for model_type 'rwkv'"
+    assert plan["head"] == "colwise_gather_output"
+    assert plan["rwkv.blocks.*.feed_forward.receptance"] == "replicate"
+    assert plan["rwkv.blocks.*.attention.time_decay"] == plan["rwkv.blocks.*.attention.time_first"] == "colwise"
+
+
 def _logits(model, idx):
     return model(idx)
 
@@ -190,6 +220,15 @@ def forward_without_cache_logits(model, idx):
     from tp_train.plan.probe import forward_without_cache
 
     return forward_without_cache(model, idx).logits
+
+
+def _rwkv() -> nn.Module:
+    """RWKV with its embedding drawn at a usual scale: its own init (orthogonal, gain 1e-4 x sqrt(vocab)) feeds
+    `pre_ln` inputs ~1e-4 wide, whose normalisation multiplies the embedding's gradient (and the float32 round-off
+    of the sharded sums beneath it) by ~3000, to ~1e-4 absolute on gradients of ~170 (the zoo's `round-off`)."""
+    model = _family("rwkv")
+    nn.init.normal_(model.rwkv.embeddings.weight, std=0.02)
+    return model
 
 
 MIXED = ["linear_attention", "full_attention"]
@@ -224,6 +263,12 @@ CASES = {
     # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
     # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
     "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),
+    # RWKV's time-mix split by channels with its per-channel decay and bonus; the channel-mix's receptance (hidden x
+    # hidden) whole, so a rank holds 0.563 of the tiny blocks' matrices (time_mix_* included) at tp 2, 0.345 at tp 4.
+    "rwkv_channels": (_rwkv, forward_without_cache_logits, (2, 4), 0.38),
+    # DBRX's 2-D expert weights split expert by expert (`colwise(32,32,32,32)`), the experts' view of ffn_hidden_size
+    # local and their partial sums all-reduced; Wqkv head-aware with 2 kv heads (replicated at tp 4); the router whole.
+    "dbrx_experts_and_fused_qkv": (lambda: _family("dbrx"), _hf_logits, (2, 4), 0.1),
 }
 
 

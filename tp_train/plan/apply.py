@@ -99,6 +99,9 @@ def apply_plan(
         if style in REGION_STYLES:
             module.tp_region = _region(style, group, getattr(model, "config", None), bool(entry.parameters))
             module.tp_region.install(module)
+            if entry.arguments:  # `moe_tp_experts(ffn_hidden_size)`: the counts its forward views its shards with
+                view = parse_attention_style(f"attention({entry.arguments})")
+                apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
         elif style == "attention":
             # the usual head-count names, or where the style's arguments say the counts are (plan/local_view.py)
             view = parse_attention_style(f"attention({entry.arguments})") if entry.arguments else None

@@ -6,9 +6,10 @@ from a head count, a width across heads or the input's width must come out for t
 lists where those numbers are, and `apply_local_view` gives the module a view in which they are local, leaving
 everything the module shares with the rest of the model untouched:
 
-- **fields** (`n_head`, `config.n_query_groups`, `split_heads.axes_lengths.h`): integers divided by tp. A field
-  reached through an object the module does not own (a config shared by the whole model, as litgpt's) is set on
-  the module's own shallow copy of that object; a field inside a dict (einops' `axes_lengths`) on a copy of the
+- **fields** (`n_head`, `config.n_query_groups`, `split_heads.axes_lengths.h`): integers divided by tp (a kv-head
+  count by its usual name with fewer heads than ranks becomes one replicated head, as under plain `attention`). A
+  field reached through an object the module does not own (a config shared by the whole model, as litgpt's) is set
+  on the module's own shallow copy of that object; a field inside a dict (einops' `axes_lengths`) on a copy of the
   dict; a parameterless layer built from a pattern and lengths (einops' `Rearrange(pattern, h=heads)`) is rebuilt
   from its local lengths, since it parses them once when built.
 - **fields with sections** (`conv_dim(64,1x16,1x16)`, `n_groups(1x1)`): a count made of sections, some of
@@ -263,7 +264,8 @@ def _divide_field(module: nn.Module, item: str, tp: int, rebuilt: dict[int, nn.M
         holder = value
     last = parts[-1]
     value = holder[last] if isinstance(holder, dict) else getattr(holder, last)
-    local = local_field_value(value, sections, tp)
+    replicated = not sections and last in KV_HEAD_ATTRIBUTES and _is_count(value) and value and not tp % value
+    local = _local_count(last, value, tp) if replicated else local_field_value(value, sections, tp)  # as `attention`
     if local is None:
         raise ValueError(f"local view: '{item}' of {type(module).__name__} is {value!r}, not a count tp={tp} divides")
     _set(holder, last, local)

@@ -56,7 +56,7 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
                     f"plan entry '{pattern}' matches no module or parameter of {type(model).__name__}; "
                     f"module names look like {_example_names(model)}"
                 )
-            parameter_entries.append((pattern, style, parameters))
+            parameter_entries.append((pattern, f"{style}({arguments})" if arguments else style, parameters))
             continue
         if style not in STYLES:
             raise ValueError(f"plan entry '{pattern}': style '{style}' applies to parameters, not modules")
@@ -201,15 +201,16 @@ def _check_module(
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
-    elif style == "attention" and arguments:  # each count its view makes local, evenly or by its sections' units
-        for item in parse_attention_style(f"attention({arguments})").fields:
+    elif style in ("attention", "moe_tp_experts") and arguments:  # each count its view makes local, evenly or by
+        for item in parse_attention_style(f"attention({arguments})").fields:  # its sections' units
             path, sections = field_and_sections(item)
             value = field_value(module, path)
+            replicated = path.rpartition(".")[2] in KV_HEAD_ATTRIBUTES and isinstance(value, int) and not tp % value
             if isinstance(value, int) and sections:
                 if sum(section_sizes(sections)) != value:
                     raise ValueError(f"{where}: '{item}' names sections that do not add up to {path}={value}")
                 check_sections(where, path, section_sizes(sections), section_units(sections), tp, stored=False)
-            elif isinstance(value, int):
+            elif isinstance(value, int) and not replicated:
                 check_divisible(where, path, value, tp)
     elif style == "attention":
         for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:

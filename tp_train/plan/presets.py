@@ -104,6 +104,24 @@ PRESETS["bitnet"] = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 
+# RWKV (v4): the time-mix (attention) splits by channels: key, value and receptance by columns, the per-channel decay
+# and bonus (`time_decay`, `time_first`) with them (the wkv recurrence acts on each channel on its own), output by
+# rows. The channel-mix (feed-forward) splits key by columns and value by rows; its receptance (hidden -> hidden,
+# whose sigmoid gates the value layer's all-reduced output) stays whole, as do the time_mix_* interpolations of the
+# replicated input. Its LM head is `head` (split over the vocabulary, as `lm_head` is).
+PRESETS["rwkv"] = {
+    "embeddings": "embedding_rowwise",
+    "blocks.*.attention.key": "colwise",
+    "blocks.*.attention.value": "colwise",
+    "blocks.*.attention.receptance": "colwise",
+    "blocks.*.attention.time_decay": "colwise",
+    "blocks.*.attention.time_first": "colwise",
+    "blocks.*.attention.output": "rowwise",
+    "blocks.*.feed_forward.key": "colwise",
+    "blocks.*.feed_forward.receptance": "replicate",
+    "blocks.*.feed_forward.value": "rowwise",
+}
+
 
 # Plans that replace Hugging Face's own where it is wasteful. phi3's fused qkv_proj ([q; k; v], k and v with the kv
 # heads' width) and gate_up_proj ([gate; up]) are gathered whole and re-split under HF's plan (`colwise_gather_output`
@@ -180,7 +198,23 @@ def _under(prefix: str, entries: dict[str, str]) -> dict[str, str]:
     return {f"{prefix}.{name}": style for name, style in entries.items()}
 
 
+# DBRX: Hugging Face's plan shards only the head. Its attention's Wqkv is a fused [q; k; v] with kv_n_heads kv heads
+# (split head-aware, the kv heads replicated when fewer than ranks); the attention splits q from k and v by its
+# `hidden_size` (q's width), so its view makes that local with the head counts. Its experts keep w1, v1 and w2 as 2-D
+# (experts x ffn_hidden_size, hidden) weights, viewed per expert with `ffn_hidden_size`: each expert's ffn rows are
+# split over ranks (Megatron's column-then-row split of every expert; sections sized per config in
+# `CONFIG_VARIANTS`), the view made local, and the experts' partial sums all-reduced once (`moe_tp_experts`). The
+# router stays whole.
+DBRX = {
+    "wte": "embedding_rowwise",
+    "blocks.*.norm_attn_norm.attn": "attention(num_heads, num_key_value_heads, hidden_size)",
+    "blocks.*.norm_attn_norm.attn.Wqkv": "fused_qkv_colwise",
+    "blocks.*.norm_attn_norm.attn.out_proj": "rowwise",
+    "blocks.*.ffn.experts": "moe_tp_experts(ffn_hidden_size)",
+}
+
 ADDITIONS: dict[str, dict[str, str]] = {
+    "dbrx": DBRX,
     "deepseek_v3": LATENT_ATTENTION,
     "olmo_hybrid": _under("layers.*.linear_attn", OLMO_HYBRID_DELTA_NET),
     # Kimi-Linear's and Ling's full-attention layers are DeepSeek's latent attention, under the same name.
@@ -217,6 +251,12 @@ def _falcon_variant(config) -> dict[str, str]:
 
 def _gpt_bigcode_variant(config) -> dict[str, str]:
     return {} if getattr(config, "multi_query", True) else {"h.*.attn.c_attn": "colwise"}
+
+
+def _dbrx_experts(config) -> dict[str, str]:
+    """Each of DBRX's expert weights split expert by expert: one section of ffn_hidden_size rows per expert."""
+    sections = ",".join([str(config.ffn_config.ffn_hidden_size)] * config.ffn_config.moe_num_experts)
+    return {f"blocks.*.ffn.experts.mlp.{weight}": f"colwise({sections})" for weight in ("w1", "v1", "w2")}
 
 
 def _delta_net_conv(config, attention: str, q: int, k: int, v: int) -> dict[str, str]:
@@ -297,6 +337,7 @@ UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
 # Nemotron-H's plans shard only the head or the experts: their Mamba2 mixers are added, and the auto-planner
 # completes attention and the MLPs.
 CONFIG_VARIANTS = {
+    "dbrx": _dbrx_experts,
     "falcon": _falcon_variant,
     "gpt_bigcode": _gpt_bigcode_variant,
     "mamba2": _mamba2_variant,
@@ -308,7 +349,7 @@ CONFIG_VARIANTS = {
     "granitemoehybrid": _mamba_layers,
 }
 
-HEAD_PLAN = {"lm_head": "colwise_gather_output"}
+HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered
 
 
 def preset_plan(model: nn.Module) -> dict[str, str] | None:
@@ -352,6 +393,18 @@ def _for_model(model: nn.Module, base: dict[str, str], head: bool) -> dict[str, 
         plan = {f"{prefix}.{pattern}": style for pattern, style in base.items()}
     else:
         plan = dict(base)
-    if head and isinstance(getattr(model, "lm_head", None), nn.Linear):
-        plan.update(HEAD_PLAN)
+    if head and (name := _head_name(model)):
+        plan[name] = HEAD_STYLE
     return plan
+
+
+def _head_name(model: nn.Module) -> str | None:
+    """The name of `model`'s LM head when it is a Linear: `lm_head`, or whatever module the model says its output
+    embeddings are (RWKV's `head`)."""
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return "lm_head"
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear):
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)

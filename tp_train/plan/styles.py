@@ -45,7 +45,8 @@ Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.
 Face's plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
 (`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
 `rowwise` the last (in), `packed_colwise` / `packed_rowwise` the same dimensions as two halves ([gate; up]), or
-plainly where the module stores gate and up interleaved (`is_concatenated = False`); `replicate` keeps it whole.
+plainly where the module stores gate and up interleaved (`is_concatenated = False`), `colwise(32,32,32,32)` by
+sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole.
 Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
 surrounds it.
 
@@ -57,7 +58,9 @@ attention's depthwise conv1d over the concatenated q, k and v); a section writte
 N (`colwise(64,64,1x16,1x16,8)`: Mamba2's B and C of one group), each held whole by tp / G ranks when tp exceeds G,
 as replicated kv heads are (`tp_train.parallel.sharding.ShardSpec.units`); `attention(n_head,
 config.n_query_groups, input_width, ...)` names where the module keeps its head counts (`tp_train.plan.local_view`),
-and `rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output enters a sharded region again.
+`rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output enters a sharded region again, and
+`moe_tp_experts(ffn_hidden_size)` names counts the experts' forward views its weights with, made local as an
+`attention(...)` view's are (DBRX's `view(-1, ffn_hidden_size, hidden_size)`).
 
 `colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
 """
@@ -229,8 +232,11 @@ def style_shard_spec(
 
 def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:
     """How a plan entry naming `module`'s parameter `param_name` splits it (see the module docstring), or None when
-    every rank holds it whole. Raises `ValueError` for a style that cannot split it."""
+    every rank holds it whole. `colwise(32,32,32,32)` names sections of that dimension, each split evenly (DBRX's
+    2-D expert weights, every expert's rows one after another). Raises `ValueError` for a style that cannot split
+    it."""
     param = getattr(module, param_name)
+    style, arguments = split_style(style)
     if style == "replicate":
         return None
     rowwise = style in ("rowwise", "packed_rowwise")
@@ -241,8 +247,14 @@ def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> Shar
         )
     dim = param.dim() - 1 if rowwise else max(param.dim() - 2, 0)
     size = param.shape[dim]
+    named = section_sizes(arguments)
+    if arguments and (style != "colwise" or not named or sum(named) != size):
+        raise ValueError(
+            f"style '{style}({arguments})' must be 'colwise' naming section sizes that add up to dim {dim} ({size}), "
+            f"e.g. 'colwise({size // 2},{size - size // 2})'"
+        )
     packed = style.startswith("packed_") and getattr(module, "is_concatenated", True)
-    return ShardSpec(dim=dim, sections=(size // 2, size - size // 2) if packed else (size,))
+    return ShardSpec(dim=dim, sections=named or ((size // 2, size - size // 2) if packed else (size,)))
 
 
 def mla_rope_dim(config) -> int:
@@ -254,7 +266,7 @@ def mla_rope_dim(config) -> int:
     return rope_dim
 
 
-STYLES_WITH_ARGUMENTS = ("attention", "fused_qkv_colwise", "colwise", "channelwise", "rowwise")
+STYLES_WITH_ARGUMENTS = ("attention", "fused_qkv_colwise", "colwise", "channelwise", "rowwise", "moe_tp_experts")
 # Styles whose parentheses may name only section sizes (`colwise(64,64,16,16,8)`).
 SECTIONED_STYLES = ("fused_qkv_colwise", "colwise", "channelwise")
 # `rowwise(feeds_parallel_region)`: a row layer whose all-reduced output then enters a sharded region again not
