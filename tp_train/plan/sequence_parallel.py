@@ -59,7 +59,7 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
     for name, style in layout.planned.items():
         if (
             style in REGION_STYLES
-            or style == "rowwise_split_input"
+            or style in ("rowwise_split_input", "rowwise_scatter_output")
             or style == f"rowwise({FEEDS_PARALLEL_REGION})"  # its output, sequence-sharded, would feed full channels
             or (style == "colwise_gather_output" and layout.in_blocks(name))
         ):

@@ -10,6 +10,9 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `rowwise`               | Linear / HF Conv1D  | `RowParallelLinear`, input sharded, output all-reduced           |
 | `rowwise_split_input`   | Linear / HF Conv1D  | `RowParallelLinear` taking a replicated input: it keeps its own  |
 |                         |                     | share of the features (an input gathered by `colwise_gather_output`) |
+| `rowwise_scatter_output`| Linear / HF Conv1D  | `RowParallelLinear` whose summed output each rank keeps only its |
+|                         |                     | share of (reduce-scatter; bias split with it): Doge's dt_proj,   |
+|                         |                     | one output per kv head computed from every head's values         |
 | `packed_colwise`        | Linear / HF Conv1D  | column split of a packed `[gate; up]` projection, half by half   |
 | `fused_qkv_colwise`     | Linear / HF Conv1D  | column split of a fused `[q; k; v]` projection, head-aware       |
 | `embedding_rowwise`     | Embedding           | `VocabParallelEmbedding`, vocab rows sharded and padded          |
@@ -68,10 +71,11 @@ LINEAR_STYLES = {
     "colwise_gather_output",
     "rowwise",
     "rowwise_split_input",
+    "rowwise_scatter_output",
     "packed_colwise",
     "fused_qkv_colwise",
 }
-ROW_STYLES = {"rowwise", "rowwise_split_input"}
+ROW_STYLES = {"rowwise", "rowwise_split_input", "rowwise_scatter_output"}
 # Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
 REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj"}
 STYLES = (
@@ -206,6 +210,8 @@ def style_shard_spec(
         return None
     in_features, out_features = shape
     transposed = not isinstance(module, nn.Linear) and param_name == "weight"
+    if style == "rowwise_scatter_output" and param_name == "bias":  # added to this rank's share of the output
+        return ShardSpec(dim=0, sections=(out_features,))
     if style in ROW_STYLES:
         return ShardSpec(dim=1, sections=(in_features,), transposed=transposed) if param_name == "weight" else None
     padded = style == "colwise_gather_output"
