@@ -184,6 +184,15 @@ def forward_without_cache_logits(model, idx):
     return forward_without_cache(model, idx).logits
 
 
+def _doge(**overrides) -> nn.Module:
+    """Doge with a random A: its init of zeros makes the dynamic mask a constant that no dt_proj split could move."""
+    model = _family("doge", **overrides)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.A.copy_(torch.randn(layer.self_attn.A.shape))
+    return model
+
+
 MIXED = ["linear_attention", "full_attention"]
 # name -> (build, forward, tps, block_rel_tol: matrices kept whole on purpose, a router or replicated kv heads)
 CASES = {
@@ -211,7 +220,44 @@ CASES = {
     # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
     # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
     "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),
+    # RecurrentGemma's recurrent blocks split by the RG-LRU's heads (its 3-D block-diagonal gates along the heads),
+    # beside a local-attention layer with the released configs' one kv head (replicated: the tolerance).
+    "recurrent_gemma_rg_lru_heads": (
+        lambda: _family("recurrent_gemma", num_hidden_layers=3, num_key_value_heads=1),
+        _hf_logits,
+        (2, 4),
+        0.1,
+    ),
+    # Doge's dynamic mask: dt_proj's summed output kept per rank for its own kv heads (`rowwise_scatter_output`, its
+    # bias split with them); with its CDMoE (HF's plan: the expert tables split by rows, the router gathered) at tp 2.
+    "doge_dynamic_mask": (lambda: _doge(attention_bias=True), _hf_logits, (2, 4), 0.0),
+    "doge_cdmoe": (lambda: _doge(is_moe=True, num_experts=16, num_experts_per_tok=4), _hf_logits, (2,), 0.0),
 }
+
+
+def test_recurrent_gemma_and_doge_plans():
+    """Each of RecurrentGemma's temporal blocks gets its own kind's view; Doge's dt_proj keeps its heads' outputs."""
+    plan, source = resolve_plan(_family("recurrent_gemma", num_hidden_layers=3), tensor_parallel_size=2)
+    assert source == "the built-in preset for model_type 'recurrent_gemma'"
+    assert plan["model.layers.0.temporal_block"] == "attention(lru_width, rg_lru.num_attention_heads)"
+    assert plan["model.layers.2.temporal_block"] == "attention"
+    assert plan["model.layers.*.temporal_block.rg_lru"] == "channelwise"
+    plan, _ = resolve_plan(_family("doge"), tensor_parallel_size=2)
+    assert plan["model.layers.*.self_attn.dt_proj"] == "rowwise_scatter_output"
+    assert plan["model.layers.*.self_attn.A"] == "colwise"
+
+
+def test_rowwise_scatter_output_needs_whole_outputs_per_rank():
+    """Doge with 2 kv heads at tp 4: its kv heads would be replicated, and dt_proj's 2 outputs cannot be split."""
+    from tp_train.plan.match import match_plan
+
+    model = _family("doge", num_key_value_heads=2)
+    plan, _ = resolve_plan(model, tensor_parallel_size=4)
+    with pytest.raises(ValueError) as refusal:
+        match_plan(model, plan, 4)
+    message = str(refusal.value)
+    assert "'model.layers.0.self_attn.dt_proj' (Linear): out_features=2 is not divisible" in message
+    assert "\n" not in message
 
 
 def _parity(rank, world_size):
