@@ -23,7 +23,8 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 |                         |                     | group (a norm applied to each rank's local heads, e.g. QK-norm)  |
 | `replicate`             | any module          | left as it is (every rank holds it whole)                        |
 | `channelwise`           | any module          | its own parameters split along dim 0 with the channels of the    |
-|                         |                     | column layer before it (an SSM's conv1d, A_log, D; a gated norm) |
+|                         |                     | column layer before it (an SSM's conv1d, A_log, D; a gated norm; |
+|                         |                     | the RG-LRU's per-head gates, whose dim 0 holds its heads)        |
 |                         |                     | or layers: `channelwise(32,32,64)` splits each of those sections |
 |                         |                     | (a conv1d over [q; k; v] of separate column layers)              |
 | `rmsnorm_parallel`      | an RMS norm         | over features split across ranks (BitNet's sub-norms before o_proj |
