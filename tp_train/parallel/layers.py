@@ -287,7 +287,7 @@ class RowParallelLinear(Configurable, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
             x = scatter_to_tensor_parallel_region(x, self.group, self.comm_counter)
-        if self.scatter_output:  # its output feeds this rank's heads only, never the (sequence-sharded) residual
+        if self.scatter_output:  # its output feeds this rank's heads only, never the residual stream
             y = reduce_scatter_to_tensor_parallel_region(F.linear(x, self.weight), self.group, self.comm_counter)
             return y + self.bias.to(y.dtype) if self.bias is not None else y
         if self.sequence_parallel:  # each rank keeps its sequence chunk of the sum; the bias is added to it

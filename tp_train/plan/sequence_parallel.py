@@ -59,7 +59,7 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
     for name, style in layout.planned.items():
         if (
             style in REGION_STYLES
-            or style in ("rowwise_split_input", "rowwise_scatter_output")
+            or style == "rowwise_split_input"
             or style == f"rowwise({FEEDS_PARALLEL_REGION})"  # its output, sequence-sharded, would feed full channels
             or (style == "colwise_gather_output" and layout.in_blocks(name))
         ):
@@ -92,7 +92,9 @@ def apply_sequence_parallel(
     for name, layer in model.named_modules():
         if not layout.in_blocks(name):
             continue
-        if isinstance(layer, RowParallelLinear):
+        # A row layer keeping its heads' share of its output (`scatter_output`) reads a column layer's output, whose
+        # input was gathered whole, and feeds those heads, never the residual stream: its sequence stays whole.
+        if isinstance(layer, RowParallelLinear) and not layer.scatter_output:
             layer.configure(sequence_parallel=True)
         if isinstance(layer, ColumnParallelLinear):
             # Inside an attention / MLP module the module's input was gathered whole (its code may read the
