@@ -299,9 +299,16 @@ def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():
     assert counts["model.layers.1.self_attn.q_proj"].head_dim == model.model.layers[1].self_attn.head_dim > 8
 
 
-def _mamba2_checkpoint(rank, world_size, directory, train: bool):
-    """Mamba2 at this tp: trained 2 AdamW steps and saved (`train`), or built with other weights and loaded. Returns
-    the full parameters and AdamW moments, and the logits."""
+CHECKPOINTED = {
+    "mamba2": lambda: _family("mamba2"),
+    "doge": lambda: _doge(attention_bias=True),
+    "recurrent_gemma": lambda: _family("recurrent_gemma", num_hidden_layers=3),  # an attention layer: a cache
+}
+
+
+def _checkpoints(rank, world_size, directory, train: bool, names):
+    """Each family in `names` at this tp: trained 2 AdamW steps and saved (`train`), or built with other weights and
+    loaded. Returns, per family, the full parameters and AdamW moments, and the logits."""
     from pathlib import Path
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -310,27 +317,42 @@ def _mamba2_checkpoint(rank, world_size, directory, train: bool):
     from tests.test_kv_replication import gathered_and_logits
 
     mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0 if train else 1)
-    model = tp_train.parallelize(_family("mamba2"), mesh, verify=False)  # the parity case verifies the split
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
-    if train:
-        for _ in range(2):
-            F.cross_entropy(model(idx).logits.flatten(0, 1), idx.flatten()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        tp_train.save_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
-    else:
-        tp_train.load_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
-    return gathered_and_logits(model, optimizer, mesh, idx)
+    results = {}
+    for name in names:
+        torch.manual_seed(0 if train else 1)
+        model = tp_train.parallelize(CHECKPOINTED[name](), mesh, verify=False)  # the parity cases verify the split
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+        if train:
+            for _ in range(2):
+                F.cross_entropy(model(idx).logits.flatten(0, 1), idx.flatten()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            tp_train.save_checkpoint(Path(directory) / name, model, [optimizer], mesh)
+        else:
+            tp_train.load_checkpoint(Path(directory) / name, model, [optimizer], mesh)
+        results[name] = gathered_and_logits(model, optimizer, mesh, idx)
+    return results
 
 
 @pytest.mark.slow
-def test_a_mamba2_checkpoint_saved_at_tp4_loads_at_tp2(tmp_path):
-    """Its sections ([z; x; B; C; dt], the conv's [x; B; C]) are laid out per rank differently at each tp."""
-    trained, logits = run_on_ranks(_mamba2_checkpoint, 4, str(tmp_path), True, timeout=300)[0]
-    loaded, loaded_logits = run_on_ranks(_mamba2_checkpoint, 2, str(tmp_path), False, timeout=300)[0]
-    assert loaded.keys() == trained.keys() and any("conv1d" in name for name in trained)
-    for name, tensor in trained.items():
-        assert torch.equal(loaded[name], tensor), name
-    assert (loaded_logits - logits).abs().max().item() < ATOL
+@pytest.mark.parametrize(
+    "names, split",
+    [
+        # sections ([z; x; B; C; dt], the conv's [x; B; C]) laid out per rank differently at each tp
+        (("mamba2",), "conv1d"),
+        # dt_proj's bias split with its outputs; the RG-LRU's 3-D gates split along their heads
+        (("doge", "recurrent_gemma"), "dt_proj.bias"),
+    ],
+    ids=["mamba2", "doge_and_recurrent_gemma"],
+)
+def test_a_checkpoint_saved_at_tp4_loads_at_tp2(tmp_path, names, split):
+    trained = run_on_ranks(_checkpoints, 4, str(tmp_path), True, names, timeout=300)[0]
+    loaded = run_on_ranks(_checkpoints, 2, str(tmp_path), False, names, timeout=300)[0]
+    assert any(split in parameter for parameter in trained[names[0]][0])
+    for name in names:
+        (parameters, logits), (loaded_parameters, loaded_logits) = trained[name], loaded[name]
+        assert loaded_parameters.keys() == parameters.keys()
+        for parameter, tensor in parameters.items():
+            assert torch.equal(loaded_parameters[parameter], tensor), (name, parameter)
+        assert (loaded_logits - logits).abs().max().item() < ATOL, name
