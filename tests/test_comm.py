@@ -17,12 +17,13 @@ from tp_train.parallel.collectives import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
+    reduce_scatter_to_tensor_parallel_region,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 
 BATCH, SEQUENCE, HIDDEN = 2, 8, 12  # sequence and hidden divisible by every tested tp
-PRIMITIVES = 7
+PRIMITIVES = 8
 CHECKS = 2 * PRIMITIVES + 1  # forward and backward of each, plus the reduce-from input-untouched check
 
 
@@ -101,6 +102,15 @@ def _comm_checks(rank: int, world_size: int) -> dict[str, float]:
     expected, expected_grad = sum(inputs).chunk(world_size, dim=1)[rank], torch.cat(grads, dim=1)
     check(
         "reduce_scatter_to_sp", reduce_scatter_to_sequence_parallel_region, inputs[rank], grads, expected, expected_grad
+    )
+
+    # Last-dim reduce-scatter forward, last-dim all-gather backward (a row layer whose output each rank keeps its
+    # share of: Doge's dt_proj).
+    inputs = _per_rank(1200, world_size, *full)
+    grads = _per_rank(1300, world_size, *hidden_shard)
+    expected, expected_grad = sum(inputs).chunk(world_size, dim=-1)[rank], torch.cat(grads, dim=-1)
+    check(
+        "reduce_scatter_to_tp", reduce_scatter_to_tensor_parallel_region, inputs[rank], grads, expected, expected_grad
     )
 
     # The comparison must be able to fail: the gather's output against shards concatenated in the wrong order.

@@ -24,7 +24,8 @@ VOCAB = 37  # not divisible by 2 or 4
 PADDED_VOCAB = 40  # a sharded logits width with padding past VOCAB at every tested tp
 PADDING_IDX = 12
 # Linear configs x (output, input, weight, bias) + row x 4 + embedding x 2 + losses x (loss, grad) + all-ignored.
-CHECKS = 5 * 4 + 4 + 2 + 4 * 2 + 1 + 4 + 2  # ... + gathered fused column + negative padding_idx
+# ... + gathered fused column + negative padding_idx + a row layer keeping its share of the output.
+CHECKS = 5 * 4 + 4 + 2 + 4 * 2 + 1 + 4 + 2 + 4
 ATOL = 1e-5
 
 
@@ -82,21 +83,28 @@ def _column_errors(errors, name, rank, world_size, group, out_features, **kwargs
     _parameter_grad_errors(errors, name, layer, reference, group)
 
 
-def _row_errors(errors, rank, world_size, group):
-    reference = _reference_linear(OUT_FEATURES, IN_FEATURES)
-    layer = RowParallelLinear(OUT_FEATURES, IN_FEATURES, group)
+def _row_errors(errors, name, rank, world_size, group, out_features, **kwargs):
+    reference = _reference_linear(OUT_FEATURES, out_features)
+    layer = RowParallelLinear(OUT_FEATURES, out_features, group, **kwargs)
     _fill(layer, reference, rank, world_size)
-    x, grad = _randn(3, *TOKENS, OUT_FEATURES), _randn(4, *TOKENS, IN_FEATURES)
+    x, grad = _randn(3, *TOKENS, OUT_FEATURES), _randn(4, *TOKENS, out_features)
     reference_x = x.clone().requires_grad_()
     expected = reference(reference_x)
     expected.backward(grad)
+    expected = expected.detach()
+    if layer.scatter_output:  # this rank's share of the summed output's features, and of their gradient
+        output_spec = ShardSpec(dim=len(TOKENS), sections=(out_features,))
+        expected, grad = (
+            shard_tensor(expected, output_spec, rank, world_size),
+            shard_tensor(grad, output_spec, rank, world_size),
+        )
     input_spec = ShardSpec(dim=len(TOKENS), sections=(OUT_FEATURES,))
     local_x = shard_tensor(x, input_spec, rank, world_size).requires_grad_()
     out = layer(local_x)
     out.backward(grad)
-    errors["row/output"] = _error(out.detach(), expected.detach())  # a bias added per rank would show here
-    errors["row/input_grad"] = _error(unshard_tensor(local_x.grad, input_spec, group), reference_x.grad)
-    _parameter_grad_errors(errors, "row", layer, reference, group)
+    errors[f"{name}/output"] = _error(out.detach(), expected)  # a bias added per rank would show here
+    errors[f"{name}/input_grad"] = _error(unshard_tensor(local_x.grad, input_spec, group), reference_x.grad)
+    _parameter_grad_errors(errors, name, layer, reference, group)
 
 
 def _embedding_errors(errors, name, rank, world_size, group, padding_idx):
@@ -150,7 +158,7 @@ def _layer_checks(rank: int, world_size: int):
     _column_errors(errors, "column_sections", rank, world_size, group, 24, sections=(4, 12, 8))
     _column_errors(errors, "column_padded", rank, world_size, group, 10, pad_output=True)
     _column_errors(errors, "column_padded_gathered", rank, world_size, group, 10, pad_output=True, gather_output=True)
-    _row_errors(errors, rank, world_size, group)
+    _row_errors(errors, "row", rank, world_size, group, IN_FEATURES)
     _embedding_errors(errors, "embedding", rank, world_size, group, PADDING_IDX)
     _cross_entropy_errors(errors, "cross_entropy", rank, world_size, group, PADDED_VOCAB)
     _cross_entropy_errors(errors, "cross_entropy_ignore_index", rank, world_size, group, PADDED_VOCAB, ignore=True)
@@ -169,6 +177,7 @@ def _layer_checks(rank: int, world_size: int):
         errors, "column_sections_gathered", rank, world_size, group, 24, sections=(4, 12, 8), gather_output=True
     )
     _embedding_errors(errors, "embedding_negative_padding_idx", rank, world_size, group, padding_idx=-1)
+    _row_errors(errors, "row_scatter_output", rank, world_size, group, 4, scatter_output=True)
 
     # The comparison must be able to fail: a column layer holding the next rank's shard.
     reference = _reference_linear(IN_FEATURES, OUT_FEATURES)

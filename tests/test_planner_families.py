@@ -231,6 +231,15 @@ def _rwkv() -> nn.Module:
     return model
 
 
+def _doge(**overrides) -> nn.Module:
+    """Doge with a random A: its init of zeros makes the dynamic mask a constant that no dt_proj split could move."""
+    model = _family("doge", **overrides)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.A.copy_(torch.randn(layer.self_attn.A.shape))
+    return model
+
+
 MIXED = ["linear_attention", "full_attention"]
 # name -> (build, forward, tps, block_rel_tol: matrices kept whole on purpose, a router or replicated kv heads)
 CASES = {
@@ -269,7 +278,44 @@ CASES = {
     # DBRX's 2-D expert weights split expert by expert (`colwise(32,32,32,32)`), the experts' view of ffn_hidden_size
     # local and their partial sums all-reduced; Wqkv head-aware with 2 kv heads (replicated at tp 4); the router whole.
     "dbrx_experts_and_fused_qkv": (lambda: _family("dbrx"), _hf_logits, (2, 4), 0.1),
+    # RecurrentGemma's recurrent blocks split by the RG-LRU's heads (its 3-D block-diagonal gates along the heads),
+    # beside a local-attention layer with the released configs' one kv head (replicated: the tolerance).
+    "recurrent_gemma_rg_lru_heads": (
+        lambda: _family("recurrent_gemma", num_hidden_layers=3, num_key_value_heads=1),
+        _hf_logits,
+        (2, 4),
+        0.1,
+    ),
+    # Doge's dynamic mask: dt_proj's summed output kept per rank for its own kv heads (`rowwise_scatter_output`, its
+    # bias split with them); with its CDMoE (HF's plan: the expert tables split by rows, the router gathered) at tp 2.
+    "doge_dynamic_mask": (lambda: _doge(attention_bias=True), _hf_logits, (2, 4), 0.0),
+    "doge_cdmoe": (lambda: _doge(is_moe=True, num_experts=16, num_experts_per_tok=4), _hf_logits, (2,), 0.0),
 }
+
+
+def test_recurrent_gemma_and_doge_plans():
+    """Each of RecurrentGemma's temporal blocks gets its own kind's view; Doge's dt_proj keeps its heads' outputs."""
+    plan, source = resolve_plan(_family("recurrent_gemma", num_hidden_layers=3), tensor_parallel_size=2)
+    assert source == "the built-in preset for model_type 'recurrent_gemma'"
+    assert plan["model.layers.0.temporal_block"] == "attention(lru_width, rg_lru.num_attention_heads)"
+    assert plan["model.layers.2.temporal_block"] == "attention"
+    assert plan["model.layers.*.temporal_block.rg_lru"] == "channelwise"
+    plan, _ = resolve_plan(_family("doge"), tensor_parallel_size=2)
+    assert plan["model.layers.*.self_attn.dt_proj"] == "rowwise_scatter_output"
+    assert plan["model.layers.*.self_attn.A"] == "colwise"
+
+
+def test_rowwise_scatter_output_needs_whole_outputs_per_rank():
+    """Doge with 2 kv heads at tp 4: its kv heads would be replicated, and dt_proj's 2 outputs cannot be split."""
+    from tp_train.plan.match import match_plan
+
+    model = _family("doge", num_key_value_heads=2)
+    plan, _ = resolve_plan(model, tensor_parallel_size=4)
+    with pytest.raises(ValueError) as refusal:
+        match_plan(model, plan, 4)
+    message = str(refusal.value)
+    assert "'model.layers.0.self_attn.dt_proj' (Linear): out_features=2 is not divisible" in message
+    assert "\n" not in message
 
 
 def _parity(rank, world_size):
@@ -336,10 +382,17 @@ def _replicas_identical(model, optimizer, group) -> dict[str, bool]:
     return identical
 
 
-def _mamba2_checkpoint(rank, world_size, directory, train: bool):
-    """Mamba2 with 2 groups at this tp: trained 2 AdamW steps and saved (`train`), or built with other weights and
-    loaded. Returns the full parameters and AdamW moments, the logits, and (trained) whether each replicated section
-    is bit-identical on its replicas."""
+CHECKPOINTED = {
+    "mamba2": lambda: _family("mamba2", n_groups=2),  # 2 groups: B and C replicated on two ranks each at tp 4
+    "doge": lambda: _doge(attention_bias=True),
+    "recurrent_gemma": lambda: _family("recurrent_gemma", num_hidden_layers=3),  # an attention layer: a cache
+}
+
+
+def _checkpoints(rank, world_size, directory, train: bool, names):
+    """Each family in `names` at this tp: trained 2 AdamW steps and saved (`train`), or built with other weights and
+    loaded. Returns, per family, the full parameters and AdamW moments, the logits, and (trained) whether each
+    replicated section is bit-identical on its replicas."""
     from pathlib import Path
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -348,32 +401,49 @@ def _mamba2_checkpoint(rank, world_size, directory, train: bool):
     from tests.test_kv_replication import gathered_and_logits
 
     mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0 if train else 1)
-    model = tp_train.parallelize(_family("mamba2", n_groups=2), mesh, verify=False)  # parity cases verify the split
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
-    identical = {}
-    if train:
-        for _ in range(2):
-            F.cross_entropy(model(idx).logits.flatten(0, 1), idx.flatten()).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        identical = _replicas_identical(model, optimizer, mesh.get_group())
-        tp_train.save_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
-    else:
-        tp_train.load_checkpoint(Path(directory) / "mamba2", model, [optimizer], mesh)
-    return *gathered_and_logits(model, optimizer, mesh, idx), identical
+    results = {}
+    for name in names:
+        torch.manual_seed(0 if train else 1)
+        model = tp_train.parallelize(CHECKPOINTED[name](), mesh, verify=False)  # the parity cases verify the split
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+        identical = {}
+        if train:
+            for _ in range(2):
+                F.cross_entropy(model(idx).logits.flatten(0, 1), idx.flatten()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            identical = _replicas_identical(model, optimizer, mesh.get_group())
+            tp_train.save_checkpoint(Path(directory) / name, model, [optimizer], mesh)
+        else:
+            tp_train.load_checkpoint(Path(directory) / name, model, [optimizer], mesh)
+        results[name] = (*gathered_and_logits(model, optimizer, mesh, idx), identical)
+    return results
 
 
 @pytest.mark.slow
-def test_a_mamba2_checkpoint_saved_at_tp4_loads_at_tp2(tmp_path):
-    """Its sections ([z; x; B; C; dt], the conv's [x; B; C]) are laid out per rank differently at each tp, and its 2
-    groups' B and C are replicated on two ranks each at tp=4 (bit-identical after training), whole at tp=2."""
-    trained, logits, identical = run_on_ranks(_mamba2_checkpoint, 4, str(tmp_path), True, timeout=300)[0]
-    assert any("in_proj" in name for name in identical) and any("conv1d" in name for name in identical), identical
-    assert all(identical.values()), identical
-    loaded, loaded_logits, _ = run_on_ranks(_mamba2_checkpoint, 2, str(tmp_path), False, timeout=300)[0]
-    assert loaded.keys() == trained.keys() and any("conv1d" in name for name in trained)
-    for name, tensor in trained.items():
-        assert torch.equal(loaded[name], tensor), name
-    assert (loaded_logits - logits).abs().max().item() < ATOL
+@pytest.mark.parametrize(
+    "names, split",
+    [
+        # sections ([z; x; B; C; dt], the conv's [x; B; C]) laid out per rank differently at each tp; 2 groups' B and
+        # C replicated on two ranks each at tp 4 (bit-identical after training), whole at tp 2
+        (("mamba2",), "conv1d"),
+        # dt_proj's bias split with its outputs; the RG-LRU's 3-D gates split along their heads
+        (("doge", "recurrent_gemma"), "dt_proj.bias"),
+    ],
+    ids=["mamba2", "doge_and_recurrent_gemma"],
+)
+def test_a_checkpoint_saved_at_tp4_loads_at_tp2(tmp_path, names, split):
+    trained = run_on_ranks(_checkpoints, 4, str(tmp_path), True, names, timeout=300)[0]
+    loaded = run_on_ranks(_checkpoints, 2, str(tmp_path), False, names, timeout=300)[0]
+    assert any(split in parameter for parameter in trained[names[0]][0])
+    if names == ("mamba2",):
+        identical = trained["mamba2"][2]
+        assert any("in_proj" in name for name in identical) and any("conv1d" in name for name in identical), identical
+    for name in names:
+        (parameters, logits, identical), (loaded_parameters, loaded_logits, _) = trained[name], loaded[name]
+        assert all(identical.values()), (name, identical)
+        assert loaded_parameters.keys() == parameters.keys()
+        for parameter, tensor in parameters.items():
+            assert torch.equal(loaded_parameters[parameter], tensor), (name, parameter)
+        assert (loaded_logits - logits).abs().max().item() < ATOL, name

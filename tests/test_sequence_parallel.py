@@ -53,6 +53,23 @@ def test_matches_unsharded(tp, model_name, mode):
         assert_parity(results[model_name, mode], tp, rank, ATOL)
 
 
+def _doge_sequence_parallel(rank, world_size):
+    from tests.test_planner_families import VOCAB as ZOO_VOCAB
+    from tests.test_planner_families import _doge
+
+    torch.manual_seed(0)
+    model = _doge(attention_bias=True)
+    return parity_errors(model, _hf_logits, ZOO_VOCAB, parallelize_kwargs=MODES["sequence_parallel"])
+
+
+@pytest.mark.slow
+def test_a_row_layer_keeping_its_heads_output_stays_whole_along_the_sequence():
+    """Doge's dt_proj (`rowwise_scatter_output`) reads the values of the attention's gathered input and feeds its
+    heads' masks: under sequence parallelism it keeps the whole sequence and only its heads' features."""
+    for rank, errors in enumerate(run_on_ranks(_doge_sequence_parallel, 2, timeout=240)):
+        assert_parity(errors, 2, rank, ATOL)
+
+
 # ------------------------------------------------------------------------------------------------ collectives
 
 

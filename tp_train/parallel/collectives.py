@@ -252,6 +252,17 @@ def sum_across_tensor_parallel_region(
     return _conjugate_pair(x, _sum, _sum, -1, group, counter)
 
 
+def reduce_scatter_to_tensor_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
+) -> torch.Tensor:
+    """A row layer's partial outputs of which each rank uses only its own share of the features (Doge's dt_proj: every
+    rank's values feed one output per kv head, and each rank's attention reads its own heads'). Forward:
+    reduce-scatter along the last dim, summing every rank's partial output and keeping this rank's chunk of it.
+    Backward: all-gather of the gradient chunks along the last dim (each rank's partial output feeds every rank's
+    chunk of the sum)."""
+    return _conjugate_pair(x, _reduce_scatter, _all_gather, -1, group, counter)
+
+
 def scatter_to_tensor_parallel_region(
     x: torch.Tensor, group: ProcessGroup, counter: CommunicationCounter | None = None
 ) -> torch.Tensor:

@@ -23,6 +23,7 @@ from tp_train.parallel.collectives import (
     reduce_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region_,
     reduce_scatter_to_sequence_parallel_region,
+    reduce_scatter_to_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 from tp_train.parallel.overlap import can_overlap, enter_with_overlap, linear_with_deferred_weight_gradient
@@ -230,12 +231,16 @@ class RowParallelLinear(Configurable, nn.Module):
     instead (all-gather in backward), and the bias is added to this rank's chunk.
     With `split_input` the input arrives whole (replicated, e.g. gathered by a `gather_output` column layer) and
     the layer keeps its own chunk of the features (`scatter_to_tensor_parallel_region`: all-gather in backward).
+    With `scatter_output` each rank keeps only its chunk of the summed output's features, as a column layer's output
+    would be split (`reduce_scatter_to_tensor_parallel_region`: all-gather of the gradient in backward), and the bias
+    is split with them (Doge's dt_proj, one output per kv head computed from every head's values).
 
     Args:
         in_features: full input width, split evenly across ranks.
-        out_features: output width (replicated).
+        out_features: output width (replicated; split evenly across ranks with `scatter_output`).
         group: the tensor-parallel process group.
         split_input: take a replicated input and keep this rank's share of its features.
+        scatter_output: keep this rank's chunk of the output's features (and of the bias).
         sequence_parallel, comm_counter: see `Configurable`.
     """
 
@@ -250,21 +255,29 @@ class RowParallelLinear(Configurable, nn.Module):
         device=None,
         dtype=None,
         split_input: bool = False,
+        scatter_output: bool = False,
         sequence_parallel: bool = False,
         comm_counter: CommunicationCounter | None = None,
     ):
         super().__init__()
         self.group = group
         self.split_input = split_input
+        self.scatter_output = scatter_output
         self.sequence_parallel = sequence_parallel  # output reduce-scattered along the sequence
         self.comm_counter = comm_counter
         self.in_features = in_features
         self.out_features = out_features
         world_size = dist.get_world_size(group)
         check_divisible("RowParallelLinear", "in_features", in_features, world_size)
+        local_out = out_features
+        if scatter_output:
+            check_divisible("RowParallelLinear with scatter_output", "out_features", out_features, world_size)
+            local_out = out_features // world_size
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world_size, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
         self.shard_specs = {"weight": ShardSpec(dim=1, sections=(in_features,))}
+        if scatter_output and bias:
+            self.shard_specs["bias"] = ShardSpec(dim=0, sections=(out_features,))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -274,6 +287,9 @@ class RowParallelLinear(Configurable, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
             x = scatter_to_tensor_parallel_region(x, self.group, self.comm_counter)
+        if self.scatter_output:  # its output feeds this rank's heads only, never the residual stream
+            y = reduce_scatter_to_tensor_parallel_region(F.linear(x, self.weight), self.group, self.comm_counter)
+            return y + self.bias.to(y.dtype) if self.bias is not None else y
         if self.sequence_parallel:  # each rank keeps its sequence chunk of the sum; the bias is added to it
             y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group, self.comm_counter)
             return y + self.bias.to(y.dtype) if self.bias is not None else y  # y is a view: not in place
@@ -285,6 +301,7 @@ class RowParallelLinear(Configurable, nn.Module):
         return (
             f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
             f"bias={self.bias is not None}{', split_input=True' if self.split_input else ''}"
+            f"{', scatter_output=True' if self.scatter_output else ''}"
         )
 
 

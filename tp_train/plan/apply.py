@@ -233,8 +233,10 @@ def _parallel_linear(
     # Built on meta, with no initialisation of its own: its parameters are the slices of the module's.
     kwargs = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
     if style in ROW_STYLES:
-        split_input = style == "rowwise_split_input"
-        layer = RowParallelLinear(in_features, out_features, group, split_input=split_input, **kwargs)
+        split_input, scatter_output = style == "rowwise_split_input", style == "rowwise_scatter_output"
+        layer = RowParallelLinear(
+            in_features, out_features, group, split_input=split_input, scatter_output=scatter_output, **kwargs
+        )
     else:
         sections, units = column_layout(style, out_features, counts, arguments)
         layer = ColumnParallelLinear(

@@ -170,6 +170,8 @@ def _check_module(
         in_features, out_features = shape
         if style in ROW_STYLES:
             check_divisible(where, "in_features", in_features, tp)
+            if style == "rowwise_scatter_output":  # each rank keeps whole outputs (its kv heads'), never replicas
+                check_divisible(where, "out_features", out_features, tp)
         elif style in PACKED_SECTIONS or style == "colwise":
             sections, units = column_layout(style, out_features, counts, arguments)
             if section_sizes(arguments) and sum(sections) != out_features:

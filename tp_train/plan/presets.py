@@ -80,6 +80,28 @@ PRESETS: dict[str, dict[str, str]] = {
     # Mamba2, as Megatron shards it: its mixer's entries are `mamba2_mixer`'s, their sections sized by the config
     # (`_mamba2_variant`).
     "mamba2": {"embeddings": "embedding_rowwise"},
+    # RecurrentGemma (Griffin): each layer's temporal block is local attention or a recurrent block; the entries of
+    # both are given, and the config's layer kinds decide which match (`_recurrent_gemma_variant` names each block's
+    # own view). The recurrent block splits by the RG-LRU's heads: linear_x and linear_y by columns, the depthwise
+    # conv_1d by channels, the RG-LRU's per-channel recurrent_param and its block-diagonal gates
+    # ((heads, block_width, block_width) weights, (heads, block_width) biases) along dim 0 (`channelwise`: each
+    # rank's heads are its contiguous channels), linear_out by rows. The attention (one kv head in the released
+    # configs, replicated when tp exceeds it) and the MLP as Llama's.
+    "recurrent_gemma": {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.temporal_block.linear_x": "colwise",
+        "layers.*.temporal_block.linear_y": "colwise",
+        "layers.*.temporal_block.conv_1d": "channelwise",
+        "layers.*.temporal_block.rg_lru": "channelwise",
+        "layers.*.temporal_block.linear_out": "rowwise",
+        "layers.*.temporal_block.q_proj": "colwise",
+        "layers.*.temporal_block.k_proj": "colwise",
+        "layers.*.temporal_block.v_proj": "colwise",
+        "layers.*.temporal_block.o_proj": "rowwise",
+        "layers.*.mlp_block.gate_proj": "colwise",
+        "layers.*.mlp_block.up_proj": "colwise",
+        "layers.*.mlp_block.down_proj": "rowwise",
+    },
 }
 # GPT-BigCode: c_attn is [q (all heads); k; v] with one kv head (multi_query, the default), which every rank
 # then holds (`fused_qkv_colwise`, kv-head replication); without multi_query it is laid out per head as
@@ -222,6 +244,19 @@ ADDITIONS: dict[str, dict[str, str]] = {
     "bailing_hybrid": {**LATENT_ATTENTION, **_under("layers.*.self_attn", BAILING_DELTA_NET)},
     "youtu": LATENT_ATTENTION,
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    # Doge's attention masks each kv head's scores dynamically from dt_proj, which maps every head's values (the
+    # full value width) to one output per kv head: with v split by kv heads, each rank's dt_proj holds its heads'
+    # input rows and needs only its own heads' outputs, so HF's `rowwise` (every head's output on every rank, the
+    # mask then broadcast against the local heads) is corrected to `rowwise_scatter_output`; the per-kv-head A is
+    # split with the heads, and the attention's dropout draws from the sharded stream. Its QK-norms (over each head's
+    # width, shared by all heads) stay whole with their gradients summed over the ranks' heads.
+    "doge": {
+        "layers.*.self_attn": "attention",
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.dt_proj": "rowwise_scatter_output",
+        "layers.*.self_attn.A": "colwise",
+    },
     # Corrections: Inkling's fused expert weights are [gate; up] halves (`chunk(2)` in the experts' forward), which
     # HF's plan splits `colwise` (rank 0 would hold every gate, rank 1 every up): split half by half.
     "inkling_text": {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"},
@@ -330,6 +365,16 @@ def _nemotron_h_variant(config) -> dict[str, str]:
     return entries
 
 
+def _recurrent_gemma_variant(config) -> dict[str, str]:
+    """RecurrentGemma's temporal blocks, each by its kind: a recurrent block's width across heads (`lru_width`, which
+    sizes its cached state) and its RG-LRU's head count become local; an attention's head counts as usual."""
+    recurrent = "attention(lru_width, rg_lru.num_attention_heads)"
+    views = [recurrent if kind == "linear_attention" else "attention" for kind in config.layers_block_type]
+    if len(set(views)) == 1:
+        return {"layers.*.temporal_block": views[0]}
+    return {f"layers.{index}.temporal_block": view for index, view in enumerate(views)}
+
+
 # Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
 # Entries of a family's preset, or of its additions to Hugging Face's plan, that a config decides: model_type ->
@@ -341,6 +386,7 @@ CONFIG_VARIANTS = {
     "falcon": _falcon_variant,
     "gpt_bigcode": _gpt_bigcode_variant,
     "mamba2": _mamba2_variant,
+    "recurrent_gemma": _recurrent_gemma_variant,
     "olmo_hybrid": _olmo_hybrid_variant,
     "kimi_linear": _latent_and_delta_variant,
     "bailing_hybrid": _latent_and_delta_variant,

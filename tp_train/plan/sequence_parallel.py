@@ -92,7 +92,9 @@ def apply_sequence_parallel(
     for name, layer in model.named_modules():
         if not layout.in_blocks(name):
             continue
-        if isinstance(layer, RowParallelLinear):
+        # A row layer keeping its heads' share of its output (`scatter_output`) reads a column layer's output, whose
+        # input was gathered whole, and feeds those heads, never the residual stream: its sequence stays whole.
+        if isinstance(layer, RowParallelLinear) and not layer.scatter_output:
             layer.configure(sequence_parallel=True)
         if isinstance(layer, ColumnParallelLinear):
             # Inside an attention / MLP module the module's input was gathered whole (its code may read the

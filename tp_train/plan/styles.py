@@ -10,6 +10,9 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `rowwise`               | Linear / HF Conv1D  | `RowParallelLinear`, input sharded, output all-reduced           |
 | `rowwise_split_input`   | Linear / HF Conv1D  | `RowParallelLinear` taking a replicated input: it keeps its own  |
 |                         |                     | share of the features (an input gathered by `colwise_gather_output`) |
+| `rowwise_scatter_output`| Linear / HF Conv1D  | `RowParallelLinear` whose summed output each rank keeps only its |
+|                         |                     | share of (reduce-scatter; bias split with it): Doge's dt_proj,   |
+|                         |                     | one output per kv head computed from every head's values         |
 | `packed_colwise`        | Linear / HF Conv1D  | column split of a packed `[gate; up]` projection, half by half   |
 | `fused_qkv_colwise`     | Linear / HF Conv1D  | column split of a fused `[q; k; v]` projection, head-aware       |
 | `embedding_rowwise`     | Embedding           | `VocabParallelEmbedding`, vocab rows sharded and padded          |
@@ -20,7 +23,8 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 |                         |                     | group (a norm applied to each rank's local heads, e.g. QK-norm)  |
 | `replicate`             | any module          | left as it is (every rank holds it whole)                        |
 | `channelwise`           | any module          | its own parameters split along dim 0 with the channels of the    |
-|                         |                     | column layer before it (an SSM's conv1d, A_log, D; a gated norm) |
+|                         |                     | column layer before it (an SSM's conv1d, A_log, D; a gated norm; |
+|                         |                     | the RG-LRU's per-head gates, whose dim 0 holds its heads)        |
 |                         |                     | or layers: `channelwise(32,32,64)` splits each of those sections |
 |                         |                     | (a conv1d over [q; k; v] of separate column layers)              |
 | `rmsnorm_parallel`      | an RMS norm         | over features split across ranks (BitNet's sub-norms before o_proj |
@@ -79,10 +83,11 @@ LINEAR_STYLES = {
     "colwise_gather_output",
     "rowwise",
     "rowwise_split_input",
+    "rowwise_scatter_output",
     "packed_colwise",
     "fused_qkv_colwise",
 }
-ROW_STYLES = {"rowwise", "rowwise_split_input"}
+ROW_STYLES = {"rowwise", "rowwise_split_input", "rowwise_scatter_output"}
 # Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
 REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj"}
 STYLES = (
@@ -223,6 +228,8 @@ def style_shard_spec(
         return None
     in_features, out_features = shape
     transposed = not isinstance(module, nn.Linear) and param_name == "weight"
+    if style == "rowwise_scatter_output" and param_name == "bias":  # added to this rank's share of the output
+        return ShardSpec(dim=0, sections=(out_features,))
     if style in ROW_STYLES:
         return ShardSpec(dim=1, sections=(in_features,), transposed=transposed) if param_name == "weight" else None
     padded = style == "colwise_gather_output"

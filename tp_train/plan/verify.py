@@ -137,6 +137,8 @@ class SwapCheck:
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
             weight_spec = layer.shard_specs["weight"]
             spec = ShardSpec(output.dim() - 1, weight_spec.sections, weight_spec.padded, units=weight_spec.units)
+        elif isinstance(layer, RowParallelLinear) and layer.scatter_output:  # this rank's share of the output
+            spec = ShardSpec(output.dim() - 1, (layer.out_features,))
         full_output = unshard_tensor(output.detach(), spec, self.group) if spec else output
         errors = {"output": relative_difference(full_output, reference)}
         if not reference.requires_grad:  # token ids in, no parameter gradient compared: nothing to backpropagate
