@@ -45,7 +45,10 @@ Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.
 Face's plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
 (`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
 `rowwise` the last (in), `packed_colwise` / `packed_rowwise` the same dimensions as two halves ([gate; up]), or
-plainly where the module stores gate and up interleaved (`is_concatenated = False`); `replicate` keeps it whole.
+plainly where the module stores gate and up interleaved (`is_concatenated = False`); `replicate` keeps it whole;
+`colwise(...)` with named sections (below) the last dimension they add up to. A buffer that acts on a split
+activation is named the same way (Falcon-H1's `mamba.mup_vector`, (1, 1, width) μP multipliers of in_proj's output,
+takes in_proj's sections); its split is recorded in its module's `shard_specs` like a parameter's.
 Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
 surrounds it.
 
@@ -228,11 +231,24 @@ def style_shard_spec(
 
 
 def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:
-    """How a plan entry naming `module`'s parameter `param_name` splits it (see the module docstring), or None when
-    every rank holds it whole. Raises `ValueError` for a style that cannot split it."""
+    """How a plan entry naming `module`'s parameter or buffer `param_name` splits it (see the module docstring), or
+    None when every rank holds it whole. `colwise(...)` with named sections splits the last dimension they add up to
+    (Falcon-H1's (1, 1, width) `mup_vector`, split with in_proj's output). Raises `ValueError` for a style that
+    cannot split it."""
     param = getattr(module, param_name)
+    style, arguments = split_style(style)
     if style == "replicate":
         return None
+    named = section_sizes(arguments)
+    if named:
+        dims = [dim for dim, size in enumerate(param.shape) if size == sum(named)]
+        if style != "colwise" or not dims:
+            raise ValueError(
+                f"style '{style}({arguments})' names sections adding up to {sum(named)}, which no dimension of "
+                f"shape {tuple(param.shape)} has; a parameter takes named sections as colwise(...) along a "
+                f"dimension of their total"
+            )
+        return ShardSpec(dim=dims[-1], sections=named, units=section_units(arguments))
     rowwise = style in ("rowwise", "packed_rowwise")
     if style not in PARAMETER_STYLES or (rowwise and param.dim() < 2):
         raise ValueError(
