@@ -163,7 +163,8 @@ def test_mamba2_is_sharded_by_heads_and_groups_section_by_section():
 
 def test_falcon_h1s_mup_vector_is_split_with_in_proj_and_its_gated_norm_refused():
     """Falcon-H1 ships no plan: its Mamba2 mixers are added (width `mamba_d_ssm`), and the `mup_vector` buffer scaling
-    in_proj's output takes in_proj's sections along its last dim; the optional gated norm is refused in one line."""
+    in_proj's output takes in_proj's sections along its last dim; the optional gated norm, and a model built on the
+    meta device, are refused in one line."""
     plan, _ = resolve_plan(_family("falcon_h1"), tensor_parallel_size=2)
     assert plan["model.layers.*.mamba.in_proj"] == "colwise(64,64,1x16,1x16,8)"
     assert plan["model.layers.*.mamba.mup_vector"] == plan["model.layers.*.mamba.in_proj"]
@@ -172,6 +173,11 @@ def test_falcon_h1s_mup_vector_is_split_with_in_proj_and_its_gated_norm_refused(
         resolve_plan(_family("falcon_h1", mamba_rms_norm=True), tensor_parallel_size=2)
     message = str(refusal.value)
     assert "'falcon_h1'" in message and "mamba_rms_norm=True" in message and "\n" not in message
+    # Built on meta, mup_vector would be left unset (its values come from FalconH1Model's _init_weights): refused.
+    with torch.device("meta"):
+        on_meta = _family("falcon_h1")
+    with pytest.raises(ValueError, match="built on the meta device, its mixers' mup_vector buffers would stay unset"):
+        resolve_plan(on_meta, tensor_parallel_size=2)
 
 
 MIXERS = {"mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)", "bamba": "model.layers.0.mamba' (BambaMixer)"}

@@ -200,8 +200,8 @@ ADDITIONS: dict[str, dict[str, str]] = {
 }
 
 
-def _falcon_unsupported(config) -> str | None:
-    if getattr(config, "alibi", False):
+def _falcon_unsupported(model: nn.Module) -> str | None:
+    if getattr(model.config, "alibi", False):
         return (
             "ALiBi biases are built for all heads in FalconModel and not sliced to each rank's heads; "
             "use a rotary config (alibi=False)"
@@ -278,8 +278,14 @@ def _mamba_layers(config) -> dict[str, str]:
     return mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, config.mamba_n_groups, config.mamba_d_state)
 
 
-def _falcon_h1_unsupported(config) -> str | None:
-    if getattr(config, "mamba_rms_norm", False):
+def _falcon_h1_unsupported(model: nn.Module) -> str | None:
+    if any(buffer.is_meta for name, buffer in model.named_buffers() if name.endswith("mup_vector")):
+        return (
+            "built on the meta device, its mixers' mup_vector buffers would stay unset (FalconH1Model's "
+            "_init_weights fills them for every layer at once, and tp_train materialises module by module); build "
+            "it on a real device"
+        )
+    if getattr(model.config, "mamba_rms_norm", False):
         return (
             "its Mamba2 mixers' gated norm (mamba_rms_norm=True, FalconH1RMSNormGated, normalising before the gate "
             "by default) has no parallel form yet; use mamba_rms_norm=False (the default: the gate multiplies "
@@ -311,8 +317,8 @@ def _nemotron_h_variant(config) -> dict[str, str]:
     return entries
 
 
-# Configs of a family that its preset (or its additions to Hugging Face's plan) cannot shard correctly: model_type
-# -> config -> the reason, or None.
+# Models of a family that its preset (or its additions to Hugging Face's plan) cannot shard correctly (a config,
+# or how it was built): model_type -> model -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported, "falcon_h1": _falcon_h1_unsupported}
 # Entries of a family's preset, or of its additions to Hugging Face's plan, that a config decides: model_type ->
 # config -> the entries that replace or join the preset's or the additions'. Bamba's, GraniteMoeHybrid's and
@@ -340,15 +346,15 @@ def preset_plan(model: nn.Module) -> dict[str, str] | None:
     base = PRESETS.get(model_type)
     if base is None:
         return None
-    _check_supported(model_type, model.config, "preset")
+    _check_supported(model_type, model, "preset")
     return _for_model(model, {**base, **_variant(model_type, model.config)}, head=True)
 
 
-def _check_supported(model_type: str, config, what: str) -> None:
+def _check_supported(model_type: str, model: nn.Module, what: str) -> None:
     check = UNSUPPORTED_CONFIGS.get(model_type)
-    reason = check(config) if check else None
+    reason = check(model) if check else None
     if reason:
-        raise ValueError(f"the built-in '{model_type}' {what} cannot shard this config: {reason}")
+        raise ValueError(f"the built-in '{model_type}' {what} cannot shard this model: {reason}")
 
 
 def _variant(model_type: str, config) -> dict[str, str]:
@@ -368,7 +374,7 @@ def plan_additions(model: nn.Module) -> dict[str, str]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     base = dict(ADDITIONS.get(model_type, {}))
     if model_type not in PRESETS:
-        _check_supported(model_type, model.config, "plan additions")
+        _check_supported(model_type, model, "plan additions")
         base |= _variant(model_type, model.config)
     return _for_model(model, base, head=False) if base else {}
 
