@@ -161,6 +161,25 @@ def test_mamba2_is_sharded_by_heads_and_groups_section_by_section():
     assert plan["backbone.layers.*.mixer.norm"] == "gated_rmsnorm_parallel"
 
 
+def test_falcon_h1s_mup_vector_is_split_with_in_proj_and_its_gated_norm_refused():
+    """Falcon-H1 ships no plan: its Mamba2 mixers are added (width `mamba_d_ssm`), and the `mup_vector` buffer scaling
+    in_proj's output takes in_proj's sections along its last dim; the optional gated norm, and a model built on the
+    meta device, are refused in one line."""
+    plan, _ = resolve_plan(_family("falcon_h1"), tensor_parallel_size=2)
+    assert plan["model.layers.*.mamba.in_proj"] == "colwise(64,64,1x16,1x16,8)"
+    assert plan["model.layers.*.mamba.mup_vector"] == plan["model.layers.*.mamba.in_proj"]
+    assert "model.layers.*.mamba.norm" not in plan  # an identity without mamba_rms_norm
+    with pytest.raises(ValueError) as refusal:
+        resolve_plan(_family("falcon_h1", mamba_rms_norm=True), tensor_parallel_size=2)
+    message = str(refusal.value)
+    assert "'falcon_h1'" in message and "mamba_rms_norm=True" in message and "\n" not in message
+    # Built on meta, mup_vector would be left unset (its values come from FalconH1Model's _init_weights): refused.
+    with torch.device("meta"):
+        on_meta = _family("falcon_h1")
+    with pytest.raises(ValueError, match="built on the meta device, its mixers' mup_vector buffers would stay unset"):
+        resolve_plan(on_meta, tensor_parallel_size=2)
+
+
 MIXERS = {"mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)", "bamba": "model.layers.0.mamba' (BambaMixer)"}
 
 
@@ -269,6 +288,9 @@ CASES = {
     "bamba_one_group": (lambda: _family("bamba"), forward_without_cache_logits, (2, 4), 0.25),
     "bamba_two_groups": (lambda: _family("bamba", mamba_n_groups=2), forward_without_cache_logits, (4,), 0.16),
     "granitemoehybrid_one_group": (lambda: _family("granitemoehybrid"), forward_without_cache_logits, (2,), 0.05),
+    # Falcon-H1: attention, a one-group Mamba2 mixer and an MLP in every layer; in_proj's output scaled by the
+    # `mup_vector` buffer (the tiny config's μP multipliers differ per section), split with in_proj's sections.
+    "falcon_h1_mup_vector": (lambda: _family("falcon_h1"), _hf_logits, (2, 4), 0.2),
     # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
     # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
     "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),

@@ -65,7 +65,7 @@ def model_state_dict(model: nn.Module, mesh: DeviceMesh, write_backs: list | Non
             written back into the parameters with `write_back` once DCP has loaded into them.
     """
     _check_mesh(model, mesh)
-    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model, buffers=True)}  # persistent ones
     state: dict[str, Any] = {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: the parameters themselves
         if id(value) in specs:

@@ -244,13 +244,14 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def named_sharded_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, ShardSpec]]:
-    """Yields (name, parameter, spec) for every tensor-parallel shard in `model`, each shared parameter once."""
+def named_sharded_parameters(model: nn.Module, buffers: bool = False) -> Iterator[tuple[str, nn.Parameter, ShardSpec]]:
+    """Yields (name, parameter, spec) for every tensor-parallel shard in `model`, each shared parameter once; with
+    `buffers`, split buffers too (Falcon-H1's `mup_vector`, which no optimizer or gradient sees)."""
     seen = set()
     for module_name, module in model.named_modules():
         for param_name, spec in getattr(module, "shard_specs", {}).items():
             param = getattr(module, param_name)
-            if id(param) in seen:
+            if id(param) in seen or not (buffers or param_name in module._parameters):
                 continue
             seen.add(id(param))
             yield f"{module_name}.{param_name}" if module_name else param_name, param, spec

@@ -30,7 +30,7 @@ from tp_train.parallel.layers import (
 )
 from tp_train.parallel.norm import ParallelRMSNormRegion, norm_epsilon, norm_groups
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
-from tp_train.parallel.sharding import ShardSpec, shard_tensor, sum_replicated_gradient
+from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
@@ -327,13 +327,18 @@ def _parallel_norm(module: nn.Module, style: str, group: ProcessGroup) -> None:
 
 
 def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessGroup, shared: dict) -> None:
-    """Replaces each of `module`'s parameters that a plan entry names by this rank's shard, recording its split in
-    `module.shard_specs` (as the parallel layers do), so that checkpoints, gathering and export see it."""
+    """Replaces each of `module`'s parameters or buffers that a plan entry names by this rank's shard, recording its
+    split in `module.shard_specs` (as the parallel layers do), so that checkpoints, gathering and export see it. The
+    gradients of sections held whole by several ranks (fewer units than ranks) are summed over those replicas."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     specs = getattr(module, "shard_specs", {})
     for param_name, style in styles.items():
         spec = parameter_shard_spec(style, module, param_name)
         if spec is None:
+            continue
+        if param_name in module._buffers:  # not trained, never tied: its slice, persistent or not as it was
+            module._buffers[param_name] = shard_tensor(module._buffers[param_name], spec, rank, world_size)
+            specs[param_name] = spec
             continue
         original = module._parameters[param_name]
         if id(original) in shared:  # tied to a parameter sharded before: the same split, or refused
@@ -346,6 +351,10 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
             shared[id(original)] = (original, spec, shard)
         module._parameters[param_name] = shard
         specs[param_name] = spec
+        if shard.requires_grad and replicated_rows(spec, world_size):
+            register_gradient_hook(
+                module, param_name, functools.partial(sum_replicated_gradient, spec=spec, group=group)
+            )
     module.shard_specs = specs
 
 

@@ -100,17 +100,19 @@ def names_anything(model: nn.Module, pattern: str) -> bool:
 
 
 def _matching_parameters(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module, str]]:
-    """(module name, module, parameter name) of every parameter whose full name `pattern` matches."""
+    """(module name, module, tensor name) of every parameter or buffer whose full name `pattern` matches (a buffer
+    that acts on a split activation, as Falcon-H1's `mup_vector` scales in_proj's output, is split with it)."""
     return [
         (name, module, param_name)
         for name, module in model.named_modules()
-        for param_name, param in module._parameters.items()
+        for tensors in (module._parameters, module._buffers)
+        for param_name, param in tensors.items()
         if param is not None and pattern_matches(pattern, f"{name}.{param_name}" if name else param_name)
     ]
 
 
 def _check_parameter(entry: PlannedModule, param_name: str, style: str, pattern: str, tp: int) -> None:
-    shape = tuple(entry.module._parameters[param_name].shape)
+    shape = tuple(getattr(entry.module, param_name).shape)
     where = f"plan entry '{pattern}': parameter '{entry.name}.{param_name}' {shape}"
     if entry.style in LINEAR_STYLES or entry.style == "embedding_rowwise":
         raise ValueError(f"{where}: its module is swapped whole as '{entry.style}'; plan the module or the parameter")
@@ -121,8 +123,8 @@ def _check_parameter(entry: PlannedModule, param_name: str, style: str, pattern:
         spec = parameter_shard_spec(style, entry.module, param_name)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
-    for size in spec.sections if spec else ():
-        check_divisible(where, f"dim {spec.dim} (per section)", size, tp)
+    if spec is not None:
+        check_sections(where, f"dim {spec.dim}", spec.sections, spec.units, tp)
 
 
 def _shards_inside(entry: PlannedModule, planned: dict[str, PlannedModule]) -> bool:

@@ -269,8 +269,8 @@ ADDITIONS: dict[str, dict[str, str]] = {
 }
 
 
-def _falcon_unsupported(config) -> str | None:
-    if getattr(config, "alibi", False):
+def _falcon_unsupported(model: nn.Module) -> str | None:
+    if getattr(model.config, "alibi", False):
         return (
             "ALiBi biases are built for all heads in FalconModel and not sliced to each rank's heads; "
             "use a rotary config (alibi=False)"
@@ -353,6 +353,33 @@ def _mamba_layers(config) -> dict[str, str]:
     return mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, config.mamba_n_groups, config.mamba_d_state)
 
 
+def _falcon_h1_unsupported(model: nn.Module) -> str | None:
+    if any(buffer.is_meta for name, buffer in model.named_buffers() if name.endswith("mup_vector")):
+        return (
+            "built on the meta device, its mixers' mup_vector buffers would stay unset (FalconH1Model's "
+            "_init_weights fills them for every layer at once, and tp_train materialises module by module); build "
+            "it on a real device"
+        )
+    if getattr(model.config, "mamba_rms_norm", False):
+        return (
+            "its Mamba2 mixers' gated norm (mamba_rms_norm=True, FalconH1RMSNormGated, normalising before the gate "
+            "by default) has no parallel form yet; use mamba_rms_norm=False (the default: the gate multiplies "
+            "the scan's output)"
+        )
+    return None
+
+
+def _falcon_h1_layers(config) -> dict[str, str]:
+    """Falcon-H1's Mamba2 mixers (beside attention and an MLP in every layer), as `_mamba_layers`, their width
+    `mamba_d_ssm` when set. in_proj's output is scaled by `mup_vector`, a (1, 1, width) buffer of per-section μP
+    multipliers: split with in_proj's sections. Without `mamba_rms_norm` its `norm` is an identity (no entry)."""
+    inner = config.mamba_d_ssm or int(config.mamba_expand * config.hidden_size)
+    entries = mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, config.mamba_n_groups, config.mamba_d_state)
+    entries["layers.*.mamba.mup_vector"] = entries["layers.*.mamba.in_proj"]
+    del entries["layers.*.mamba.norm"]
+    return entries
+
+
 def _nemotron_h_variant(config) -> dict[str, str]:
     """Nemotron-H's Mamba2 mixers (its `linear_attention` layers; `mixer` also names the other layers' attention,
     MLP or MoE, so each is named by its index). Hugging Face's plan shards the experts; the auto-planner completes
@@ -375,12 +402,13 @@ def _recurrent_gemma_variant(config) -> dict[str, str]:
     return {f"layers.{index}.temporal_block": view for index, view in enumerate(views)}
 
 
-# Configs of a family that its preset cannot shard correctly: model_type -> config -> the reason, or None.
-UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported}
+# Models of a family that its preset (or its additions to Hugging Face's plan) cannot shard correctly (a config,
+# or how it was built): model_type -> model -> the reason, or None.
+UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported, "falcon_h1": _falcon_h1_unsupported}
 # Entries of a family's preset, or of its additions to Hugging Face's plan, that a config decides: model_type ->
 # config -> the entries that replace or join the preset's or the additions'. Bamba's, GraniteMoeHybrid's and
-# Nemotron-H's plans shard only the head or the experts: their Mamba2 mixers are added, and the auto-planner
-# completes attention and the MLPs.
+# Nemotron-H's plans shard only the head or the experts, and Falcon-H1 ships none: their Mamba2 mixers are added,
+# and the auto-planner completes attention and the MLPs.
 CONFIG_VARIANTS = {
     "dbrx": _dbrx_experts,
     "falcon": _falcon_variant,
@@ -393,6 +421,7 @@ CONFIG_VARIANTS = {
     "nemotron_h": _nemotron_h_variant,
     "bamba": _mamba_layers,
     "granitemoehybrid": _mamba_layers,
+    "falcon_h1": _falcon_h1_layers,
 }
 
 HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered
@@ -404,11 +433,15 @@ def preset_plan(model: nn.Module) -> dict[str, str] | None:
     base = PRESETS.get(model_type)
     if base is None:
         return None
-    check = UNSUPPORTED_CONFIGS.get(model_type)
-    reason = check(model.config) if check else None
-    if reason:
-        raise ValueError(f"the built-in '{model_type}' preset cannot shard this config: {reason}")
+    _check_supported(model_type, model, "preset")
     return _for_model(model, {**base, **_variant(model_type, model.config)}, head=True)
+
+
+def _check_supported(model_type: str, model: nn.Module, what: str) -> None:
+    check = UNSUPPORTED_CONFIGS.get(model_type)
+    reason = check(model) if check else None
+    if reason:
+        raise ValueError(f"the built-in '{model_type}' {what} cannot shard this model: {reason}")
 
 
 def _variant(model_type: str, config) -> dict[str, str]:
@@ -428,6 +461,7 @@ def plan_additions(model: nn.Module) -> dict[str, str]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     base = dict(ADDITIONS.get(model_type, {}))
     if model_type not in PRESETS:
+        _check_supported(model_type, model, "plan additions")
         base |= _variant(model_type, model.config)
     return _for_model(model, base, head=False) if base else {}
 

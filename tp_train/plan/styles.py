@@ -50,7 +50,10 @@ Face's plans for fused 3-D MoE expert weights and attention sinks do. A paramete
 (`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
 `rowwise` the last (in), `packed_colwise` / `packed_rowwise` the same dimensions as two halves ([gate; up]), or
 plainly where the module stores gate and up interleaved (`is_concatenated = False`), `colwise(32,32,32,32)` by
-sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole.
+sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole. A buffer that acts on
+a split activation is named the same way (Falcon-H1's `mamba.mup_vector`, (1, 1, width) μP multipliers of in_proj's
+output, takes in_proj's sections along the last dimension, the one they add up to); its split is recorded in its
+module's `shard_specs` like a parameter's.
 Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
 surrounds it.
 
@@ -238,10 +241,11 @@ def style_shard_spec(
 
 
 def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> ShardSpec | None:
-    """How a plan entry naming `module`'s parameter `param_name` splits it (see the module docstring), or None when
-    every rank holds it whole. `colwise(32,32,32,32)` names sections of that dimension, each split evenly (DBRX's
-    2-D expert weights, every expert's rows one after another). Raises `ValueError` for a style that cannot split
-    it."""
+    """How a plan entry naming `module`'s parameter or buffer `param_name` splits it (see the module docstring), or
+    None when every rank holds it whole. `colwise(32,32,32,32)` names sections of its dimension, each split evenly
+    (DBRX's 2-D expert weights, every expert's rows one after another); where that dimension is not their total, the
+    last one that is (Falcon-H1's (1, 1, width) `mup_vector`, split with in_proj's output). Raises `ValueError` for a
+    style that cannot split it."""
     param = getattr(module, param_name)
     style, arguments = split_style(style)
     if style == "replicate":
@@ -253,15 +257,18 @@ def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> Shar
             f"{', '.join(sorted(PARAMETER_STYLES))} (rowwise ones need 2 or more dims)"
         )
     dim = param.dim() - 1 if rowwise else max(param.dim() - 2, 0)
-    size = param.shape[dim]
     named = section_sizes(arguments)
+    if named and style == "colwise" and param.shape[dim] != sum(named):
+        dim = next((d for d in reversed(range(param.dim())) if param.shape[d] == sum(named)), dim)
+    size = param.shape[dim]
     if arguments and (style != "colwise" or not named or sum(named) != size):
         raise ValueError(
             f"style '{style}({arguments})' must be 'colwise' naming section sizes that add up to dim {dim} ({size}), "
             f"e.g. 'colwise({size // 2},{size - size // 2})'"
         )
     packed = style.startswith("packed_") and getattr(module, "is_concatenated", True)
-    return ShardSpec(dim=dim, sections=named or ((size // 2, size - size // 2) if packed else (size,)))
+    sections = named or ((size // 2, size - size // 2) if packed else (size,))
+    return ShardSpec(dim=dim, sections=sections, units=section_units(arguments) if named else None)
 
 
 def mla_rope_dim(config) -> int:

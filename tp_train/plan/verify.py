@@ -192,9 +192,14 @@ def unsharded_skeleton(model: nn.Module) -> nn.Module:
 
 
 def unsharded_reference(skeleton: nn.Module, model: nn.Module, group: ProcessGroup) -> nn.Module:
-    """`skeleton` given the sharded `model`'s weights, gathered (a collective), and its buffers."""
+    """`skeleton` given the sharded `model`'s weights, gathered (a collective), and its buffers (a split one outside
+    the state dict, as Falcon-H1's non-persistent `mup_vector`, gathered too)."""
     state = full_state_dict(model, group)
-    buffers = dict(model.named_buffers(remove_duplicate=False))
+    specs = {name: spec for name, _, spec in named_sharded_parameters(model, buffers=True)}
+    buffers = {
+        name: unshard_tensor(buffer, specs[name], group) if name in specs and name not in state else buffer
+        for name, buffer in model.named_buffers(remove_duplicate=False)
+    }
     made: dict[int, torch.Tensor] = {}
     for module_name, module in skeleton.named_modules(remove_duplicate=False):
         for store in (module._parameters, module._buffers):

@@ -48,6 +48,11 @@ FAMILY_FIELDS = {
     # real checkpoints have) is kept: every rank holds its B and C (replicated, like kv heads) and the gated norm
     # normalises the group across the ranks (`gated_rmsnorm_parallel`).
     "bamba": dict(mamba_d_state=16),
+    # Falcon-H1 the same (its mixer 64 wide by `WIDTHS`' mamba_d_ssm), with μP multipliers other than 1 (so its
+    # `mup_vector` differs section by section and a wrong split of it shows) and scaled keys and MLP.
+    "falcon_h1": dict(
+        mamba_d_state=16, ssm_multipliers=[0.5, 2.0, 0.25, 4.0, 1.5], key_multiplier=0.5, mlp_multipliers=[2.0, 0.5]
+    ),  # fmt: skip
     "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8),  # 32 heads of 128 by default
     # Reformer's causal LM asserts is_decoder (the default config is an encoder's); its axial position embeddings
     # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
