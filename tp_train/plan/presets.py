@@ -9,6 +9,21 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from tp_train.plan.mixer_presets import (
+    BAILING_DELTA_NET,
+    KIMI_DELTA_NET,
+    OLMO_HYBRID_DELTA_NET,
+    falcon_h1_layers,
+    falcon_h1_unsupported,
+    latent_and_delta_variant,
+    mamba2_variant,
+    mamba_layers,
+    nemotron_h_variant,
+    olmo_hybrid_variant,
+    recurrent_gemma_variant,
+    under,
+)
+
 PRESETS: dict[str, dict[str, str]] = {
     # GPT-2: c_attn is a fused [q; k; v] Conv1D, so its split must be head-aware; the attention module keeps
     # split_size / num_heads / embed_dim as attributes; resid_dropout acts on the replicated residual stream.
@@ -78,10 +93,10 @@ PRESETS: dict[str, dict[str, str]] = {
         "h.*.mlp.dense_4h_to_h": "rowwise",
     },
     # Mamba2, as Megatron shards it: its mixer's entries are `mamba2_mixer`'s, their sections sized by the config
-    # (`_mamba2_variant`).
+    # (`mamba2_variant`).
     "mamba2": {"embeddings": "embedding_rowwise"},
     # RecurrentGemma (Griffin): each layer's temporal block is local attention or a recurrent block; the entries of
-    # both are given, and the config's layer kinds decide which match (`_recurrent_gemma_variant` names each block's
+    # both are given, and the config's layer kinds decide which match (`recurrent_gemma_variant` names each block's
     # own view). The recurrent block splits by the RG-LRU's heads: linear_x and linear_y by columns, the depthwise
     # conv_1d by channels, the RG-LRU's per-channel recurrent_param and its block-diagonal gates
     # ((heads, block_width, block_width) weights, (heads, block_width) biases) along dim 0 (`channelwise`: each
@@ -175,51 +190,6 @@ LATENT_ATTENTION = {
     "layers.*.self_attn.kv_b_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
 }
-# Gated delta-net linear attention (OLMo-Hybrid's `linear_attn`; Kimi-Linear's and Ling's (BailingHybrid)
-# `self_attn` in their linear layers), which Hugging Face's plans leave whole: q, k and v (separate Linears) feed a
-# depthwise conv1d over their concatenated channels, then a per-head recurrence gated by per-head decays (A_log,
-# dt_bias, a forget gate) and betas (b_proj), then a norm gated by g_proj over each head and o_proj. Split by heads:
-# q/k/v and the per-head projections by columns, the conv1d by channels in the three sections [q; k; v]
-# (`channelwise(q,k,v)`, sized per config in `CONFIG_VARIANTS`), A_log and dt_bias with the heads, the gated norm
-# (one weight over a head's width, shared by all heads) whole with its gradient summed over the ranks' heads, o_proj by
-# rows. Low-rank projections (Kimi's f_a_proj, g_a_proj) stay whole; what follows them is split by columns. The
-# module's own widths across heads (`key_dim`, `qkv_dim`) become local through its `attention(...)` view.
-DELTA_NET = {
-    "q_proj": "colwise",
-    "k_proj": "colwise",
-    "v_proj": "colwise",
-    "b_proj": "colwise",
-    "o_norm": "replicated_with_grad_allreduce",
-    "o_proj": "rowwise",
-}
-OLMO_HYBRID_DELTA_NET = {
-    **DELTA_NET,
-    "a_proj": "colwise",
-    "g_proj": "colwise",
-    "A_log": "colwise",
-    "dt_bias": "colwise",
-}
-KIMI_DELTA_NET = {
-    **DELTA_NET,
-    "g_b_proj": "colwise",
-    "forget_gate.f_b_proj": "colwise",
-    "forget_gate.A_log": "colwise",  # (1, 1, heads, 1): split along the heads (dim 2)
-    "forget_gate.dt_bias": "colwise",
-}
-BAILING_DELTA_NET = {
-    **DELTA_NET,
-    "g_proj": "colwise",  # a per-channel gate in linear layers, a per-head one in latent attention layers
-    "forget_gate": "attention",  # its forward views with num_heads
-    "forget_gate.f_proj": "colwise",
-    "forget_gate.A_log": "colwise",
-    "forget_gate.dt_bias": "colwise",
-}
-
-
-def _under(prefix: str, entries: dict[str, str]) -> dict[str, str]:
-    return {f"{prefix}.{name}": style for name, style in entries.items()}
-
-
 # DBRX: Hugging Face's plan shards only the head. Its attention's Wqkv is a fused [q; k; v] with kv_n_heads kv heads
 # (split head-aware, the kv heads replicated when fewer than ranks); the attention splits q from k and v by its
 # `hidden_size` (q's width), so its view makes that local with the head counts. Its experts keep w1, v1 and w2 as 2-D
@@ -238,10 +208,10 @@ DBRX = {
 ADDITIONS: dict[str, dict[str, str]] = {
     "dbrx": DBRX,
     "deepseek_v3": LATENT_ATTENTION,
-    "olmo_hybrid": _under("layers.*.linear_attn", OLMO_HYBRID_DELTA_NET),
+    "olmo_hybrid": under("layers.*.linear_attn", OLMO_HYBRID_DELTA_NET),
     # Kimi-Linear's and Ling's full-attention layers are DeepSeek's latent attention, under the same name.
-    "kimi_linear": {**LATENT_ATTENTION, **_under("layers.*.self_attn", KIMI_DELTA_NET)},
-    "bailing_hybrid": {**LATENT_ATTENTION, **_under("layers.*.self_attn", BAILING_DELTA_NET)},
+    "kimi_linear": {**LATENT_ATTENTION, **under("layers.*.self_attn", KIMI_DELTA_NET)},
+    "bailing_hybrid": {**LATENT_ATTENTION, **under("layers.*.self_attn", BAILING_DELTA_NET)},
     "youtu": LATENT_ATTENTION,
     "apertus": {"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
     # Doge's attention masks each kv head's scores dynamically from dt_proj, which maps every head's values (the
@@ -294,117 +264,9 @@ def _dbrx_experts(config) -> dict[str, str]:
     return {f"blocks.*.ffn.experts.mlp.{weight}": f"colwise({sections})" for weight in ("w1", "v1", "w2")}
 
 
-def _delta_net_conv(config, attention: str, q: int, k: int, v: int) -> dict[str, str]:
-    return {f"layers.*.{attention}.conv1d": f"channelwise({q},{k},{v})"}
-
-
-def _olmo_hybrid_variant(config) -> dict[str, str]:
-    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
-    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
-    view = "attention(num_k_heads, num_v_heads, key_dim, value_dim)"
-    return {"layers.*.linear_attn": view, **_delta_net_conv(config, "linear_attn", key_dim, key_dim, value_dim)}
-
-
-def _latent_and_delta_variant(config) -> dict[str, str]:
-    """Kimi-Linear / Ling: `self_attn` is a delta net in linear layers (its view makes `qkv_dim` local) and latent
-    attention in full ones, so where a config mixes them the attention entry is given per layer."""
-    width = config.linear_num_heads * config.linear_head_dim
-    delta = "attention(num_heads, qkv_dim)"
-    views = [delta if kind == "linear_attention" else "attention" for kind in config.layer_types]
-    if len(set(views)) == 1:
-        attention = {"layers.*.self_attn": views[0]}
-    else:
-        attention = {f"layers.{index}.self_attn": view for index, view in enumerate(views)}
-    return {**attention, **_delta_net_conv(config, "self_attn", width, width, width)}
-
-
-def mamba2_mixer(mixer: str, heads: int, inner: int, groups: int, state: int) -> dict[str, str]:
-    """The entries that shard a Mamba2 mixer (named by the pattern `mixer`) as Megatron does. Its in_proj's output is
-    [z; x; B; C; dt] (z and x `inner` wide, by heads; B and C `groups` x `state` wide, by groups; dt one per head),
-    each section split evenly, so each rank holds its heads' z, x and dt and the groups' B and C those heads read:
-    its share of the groups where tp divides them, else the one group its heads belong to, held whole by the
-    tp / groups ranks sharing it (written `GxN`: replicated like kv heads, their gradients summed over the replicas;
-    real Bamba, Granite-4-H and Falcon-H1 checkpoints have one group). The depthwise conv1d over [x; B; C] takes the
-    same channels; A_log, D and dt_bias those of its heads; the gated norm (`gated_rmsnorm_parallel`) the weights of
-    its channels, normalising each group over every rank holding part of it; out_proj by rows. The mixer's counts
-    become local, its conv width and group count as this rank's share of their sections."""
-    b_or_c = f"{groups}x{state}"
-    return {
-        mixer: f"attention(num_heads, intermediate_size, n_groups({groups}x1), conv_dim({inner},{b_or_c},{b_or_c}))",
-        f"{mixer}.A_log": "colwise",
-        f"{mixer}.D": "colwise",
-        f"{mixer}.dt_bias": "colwise",
-        f"{mixer}.in_proj": f"colwise({inner},{inner},{b_or_c},{b_or_c},{heads})",
-        f"{mixer}.conv1d": f"channelwise({inner},{b_or_c},{b_or_c})",
-        f"{mixer}.norm": "gated_rmsnorm_parallel",
-        f"{mixer}.out_proj": "rowwise",
-    }
-
-
-def _mamba2_variant(config) -> dict[str, str]:
-    inner = int(config.expand * config.hidden_size)
-    return mamba2_mixer("layers.*.mixer", config.num_heads, inner, config.n_groups, config.state_size)
-
-
-def _mamba_layers(config) -> dict[str, str]:
-    """The Mamba2 mixers of hybrids that keep them at `layers.*.mamba` with `mamba_`-prefixed fields (Bamba,
-    GraniteMoeHybrid)."""
-    inner = int(config.mamba_expand * config.hidden_size)
-    return mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, config.mamba_n_groups, config.mamba_d_state)
-
-
-def _falcon_h1_unsupported(model: nn.Module) -> str | None:
-    if any(buffer.is_meta for name, buffer in model.named_buffers() if name.endswith("mup_vector")):
-        return (
-            "built on the meta device, its mixers' mup_vector buffers would stay unset (FalconH1Model's "
-            "_init_weights fills them for every layer at once, and tp_train materialises module by module); build "
-            "it on a real device"
-        )
-    if getattr(model.config, "mamba_rms_norm", False):
-        return (
-            "its Mamba2 mixers' gated norm (mamba_rms_norm=True, FalconH1RMSNormGated, normalising before the gate "
-            "by default) has no parallel form yet; use mamba_rms_norm=False (the default: the gate multiplies "
-            "the scan's output)"
-        )
-    return None
-
-
-def _falcon_h1_layers(config) -> dict[str, str]:
-    """Falcon-H1's Mamba2 mixers (beside attention and an MLP in every layer), as `_mamba_layers`, their width
-    `mamba_d_ssm` when set. in_proj's output is scaled by `mup_vector`, a (1, 1, width) buffer of per-section μP
-    multipliers: split with in_proj's sections. Without `mamba_rms_norm` its `norm` is an identity (no entry)."""
-    inner = config.mamba_d_ssm or int(config.mamba_expand * config.hidden_size)
-    entries = mamba2_mixer("layers.*.mamba", config.mamba_n_heads, inner, config.mamba_n_groups, config.mamba_d_state)
-    entries["layers.*.mamba.mup_vector"] = entries["layers.*.mamba.in_proj"]
-    del entries["layers.*.mamba.norm"]
-    return entries
-
-
-def _nemotron_h_variant(config) -> dict[str, str]:
-    """Nemotron-H's Mamba2 mixers (its `linear_attention` layers; `mixer` also names the other layers' attention,
-    MLP or MoE, so each is named by its index). Hugging Face's plan shards the experts; the auto-planner completes
-    attention and the MLPs."""
-    heads, width = config.mamba_num_heads, config.mamba_num_heads * config.mamba_head_dim
-    entries = {}
-    for index, kind in enumerate(config.layers_block_type):
-        if kind == "linear_attention":
-            entries |= mamba2_mixer(f"layers.{index}.mixer", heads, width, config.n_groups, config.ssm_state_size)
-    return entries
-
-
-def _recurrent_gemma_variant(config) -> dict[str, str]:
-    """RecurrentGemma's temporal blocks, each by its kind: a recurrent block's width across heads (`lru_width`, which
-    sizes its cached state) and its RG-LRU's head count become local; an attention's head counts as usual."""
-    recurrent = "attention(lru_width, rg_lru.num_attention_heads)"
-    views = [recurrent if kind == "linear_attention" else "attention" for kind in config.layers_block_type]
-    if len(set(views)) == 1:
-        return {"layers.*.temporal_block": views[0]}
-    return {f"layers.{index}.temporal_block": view for index, view in enumerate(views)}
-
-
 # Models of a family that its preset (or its additions to Hugging Face's plan) cannot shard correctly (a config,
 # or how it was built): model_type -> model -> the reason, or None.
-UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported, "falcon_h1": _falcon_h1_unsupported}
+UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported, "falcon_h1": falcon_h1_unsupported}
 # Entries of a family's preset, or of its additions to Hugging Face's plan, that a config decides: model_type ->
 # config -> the entries that replace or join the preset's or the additions'. Bamba's, GraniteMoeHybrid's and
 # Nemotron-H's plans shard only the head or the experts, and Falcon-H1 ships none: their Mamba2 mixers are added,
@@ -413,15 +275,15 @@ CONFIG_VARIANTS = {
     "dbrx": _dbrx_experts,
     "falcon": _falcon_variant,
     "gpt_bigcode": _gpt_bigcode_variant,
-    "mamba2": _mamba2_variant,
-    "recurrent_gemma": _recurrent_gemma_variant,
-    "olmo_hybrid": _olmo_hybrid_variant,
-    "kimi_linear": _latent_and_delta_variant,
-    "bailing_hybrid": _latent_and_delta_variant,
-    "nemotron_h": _nemotron_h_variant,
-    "bamba": _mamba_layers,
-    "granitemoehybrid": _mamba_layers,
-    "falcon_h1": _falcon_h1_layers,
+    "mamba2": mamba2_variant,
+    "recurrent_gemma": recurrent_gemma_variant,
+    "olmo_hybrid": olmo_hybrid_variant,
+    "kimi_linear": latent_and_delta_variant,
+    "bailing_hybrid": latent_and_delta_variant,
+    "nemotron_h": nemotron_h_variant,
+    "bamba": mamba_layers,
+    "granitemoehybrid": mamba_layers,
+    "falcon_h1": falcon_h1_layers,
 }
 
 HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered
