@@ -69,6 +69,17 @@ def in_repeated_block(name: str) -> bool:
     return any(part.isdigit() for part in name.split("."))
 
 
+def in_block(model: nn.Module, name: str) -> bool:
+    """Whether parameter `name` lies inside a repeated block: under a numbered module (`layers.3`) that holds modules
+    of its own. A model-level list of bare projections (Gemma 3n's `altup_projections.0`, each applied once to the
+    embeddings, outside every block) is not a block, though its names hold an index."""
+    parts = name.split(".")[:-1]
+    for index, part in enumerate(parts):
+        if part.isdigit():  # the first numbered module, as `in_repeated_block` reads names
+            return any(True for _ in model.get_submodule(".".join(parts[: index + 1])).children())
+    return False
+
+
 def as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     """`styles` with numbered names folded into `*` patterns wherever every module a pattern matches has the
     same style; in the order of `named_modules`."""

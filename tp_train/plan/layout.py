@@ -47,7 +47,7 @@ def block_layout(model: nn.Module, planned: list[PlannedModule], feature: str) -
         )
     (list_name, blocks), *_ = lists.items()
     names = [f"{list_name}.{index}" for index in range(len(blocks))]
-    styles = {entry.name: entry.style + (f"({entry.arguments})" if entry.arguments else "") for entry in planned}
+    styles = {entry.name: entry.written_style for entry in planned}
     layout = BlockLayout(names, set(), None, styles)
     for name in linears:
         parent = name.rpartition(".")[0]

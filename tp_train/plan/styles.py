@@ -133,6 +133,11 @@ class PlannedModule:
     parameters: dict[str, str] = field(default_factory=dict)  # entries naming its own parameters: name -> style
     counts: HeadCounts | None = None  # a column layer's attention's head counts, read before any is localised
 
+    @property
+    def written_style(self) -> str:
+        """The style as a plan writes it, with its arguments (`colwise(64,64,1x16,1x16,8)`)."""
+        return f"{self.style}({self.arguments})" if self.arguments else self.style
+
 
 # The class each swapping style replaces; a subclass's own forward is kept around the sharded layer.
 SWAPPED_BASES = {style: nn.Linear for style in LINEAR_STYLES} | {"embedding_rowwise": nn.Embedding}

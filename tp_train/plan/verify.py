@@ -420,6 +420,5 @@ def _entries_near(name: str | None, planned: Sequence) -> str:
     near = [entry for entry in planned if not parent or entry.name == parent or entry.name.startswith(parent + ".")]
     if not near:
         return ""
-    styles = [entry.style + (f"({entry.arguments})" if entry.arguments else "") for entry in near[:6]]
-    listed = ", ".join(f"'{entry.name}': '{style}'" for entry, style in zip(near, styles, strict=False))
+    listed = ", ".join(f"'{entry.name}': '{entry.written_style}'" for entry in near[:6])
     return f"; plan entries there: {listed}{', ...' if len(near) > 6 else ''}"

@@ -316,6 +316,8 @@ def _block_share(model, reference_params: dict) -> tuple[float, str]:
     """This rank's share of the elements of the block matrices that train (parameters of two or more dims inside a
     repeated block, `in_block`, that got a gradient: a vision tower a text batch never reaches does not count), and
     the first one it holds whole."""
+    from tp_train.plan.coverage import in_block
+
     held = full = 0
     whole = ""
     for name, param in model.named_parameters():
@@ -324,17 +326,6 @@ def _block_share(model, reference_params: dict) -> tuple[float, str]:
             held, full = held + param.numel(), full + expected.numel()
             whole = whole or (name if param.numel() == expected.numel() else "")
     return held / max(full, 1), whole
-
-
-def in_block(model, name: str) -> bool:
-    """Whether parameter `name` lies inside a repeated block: under a numbered module (`layers.3`) that holds modules
-    of its own. A model-level list of bare projections (Gemma 3n's `altup_projections.0`, each applied once to the
-    embeddings, outside every block) is not a block, though its names hold an index."""
-    parts = name.split(".")[:-1]
-    for index, part in enumerate(parts):
-        if part.isdigit():
-            return any(True for _ in model.get_submodule(".".join(parts[: index + 1])).children())
-    return False
 
 
 def _rank_main(model_type: str, rank: int, world_size: int, port: int, results) -> None:
