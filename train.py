@@ -147,8 +147,10 @@ def run(cfg: DictConfig) -> float | None:
         datamodule = instantiate(cfg.data)
         if rank_zero_only.rank == 0:  # the launching process: data errors surface before any rank starts
             datamodule.prepare_data()
-        ckpt_path = resume_from(cfg)
-        preflight.check_checkpoint(ckpt_path)  # the one `ckpt_path=auto` found, too
+        trainer = build_trainer(cfg)
+        # Taken once, by rank 0, for every rank: ranks that each looked for themselves could start apart.
+        ckpt_path = trainer.strategy.rank_zero_decides(lambda: resume_from(cfg))
+        preflight.check_checkpoint(ckpt_path, cfg.trust_checkpoint)  # the one `ckpt_path=auto` found, too
     except preflight.ConfigError as error:  # a user error: one line, no traceback, status 2
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -158,7 +160,6 @@ def run(cfg: DictConfig) -> float | None:
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
     )
-    trainer = build_trainer(cfg)
     if trainer.logger:
         trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     try:

@@ -50,8 +50,10 @@ def hugging_face_causal_lm(
             raise ValueError(f"path={path}: no config.json there; use a directory written by save_pretrained")
         # In the dtype the caller builds in (Lightning's precision sets it), not the one the weights were saved in.
         dtype = torch.get_default_dtype()
-        if not torch.empty(0).is_meta:
-            return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+        if not torch.empty(0).is_meta:  # safetensors only: a pickled .bin could run code when read
+            return AutoModelForCausalLM.from_pretrained(
+                directory, local_files_only=True, dtype=dtype, use_safetensors=True
+            )
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.pretrained_weights = str(directory)

@@ -12,6 +12,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model; the message is one line naming the file and why."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holding more than data (a pickle naming code to run), refused before it is unpickled."""
+
+
 class PlanVerificationError(ValueError):
     """The sharded model computes something other than the unsharded model: the plan is wrong."""
 

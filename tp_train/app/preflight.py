@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from tp_train.app.config_values import check_values
 from tp_train.app.resolvers import lightning_precision
 from tp_train.checkpoint.checks import check_files
-from tp_train.errors import CheckpointError, ConfigError
+from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from tp_train.lightning.nonfinite import ACTIONS
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.plan.match import match_plan
@@ -106,12 +106,15 @@ def _check_data_source(data: DictConfig) -> None:
         )
 
 
-def check_checkpoint(path: str | None) -> None:
-    """The checkpoint's files are there and whole; whether they fit the model is checked by the ranks, on load."""
+def check_checkpoint(path: str | None, trust_checkpoint: bool = False) -> None:
+    """The checkpoint's files are there, whole and data only (unless `trust_checkpoint`); whether they fit the model
+    is checked by the ranks, on load."""
     if path is None or str(path) in ("auto", "last", "best", "hpc") or str(path).startswith("registry"):
         return  # found later: by tp_train.app.resume (auto, then checked again), or by Lightning
     try:
-        check_files(os.path.expanduser(str(path)))
+        check_files(os.path.expanduser(str(path)), trust_checkpoint)
+    except UnsafeCheckpointError as error:  # it says what would work
+        raise ConfigError(f"ckpt_path: {error}") from None
     except CheckpointError as error:
         raise ConfigError(
             f"ckpt_path: {error}; use a checkpoint directory a run saved, e.g. <run dir>/checkpoints/last.ckpt"

@@ -9,7 +9,8 @@ The rule, applied in the launching process before any rank starts:
 - The latest thing that happened in them decides: a complete `checkpoints/last.ckpt` saved after that run last
   finished (`summary.json`, written when a run completes) is resumed from; a finished run, or no checkpoint,
   starts fresh. A run that was killed before saving anything does not count, so its predecessor's checkpoint is
-  still found.
+  still found; nor does a save it was killed in: the checkpoint it was replacing is resumed from (kept whole at
+  `last.ckpt` until the new one is complete, or at `last.ckpt.old` while the two are swapped).
 
 `ckpt_path=<path>` resumes from that path; `ckpt_path=null` always starts fresh. Child ranks started by the
 launching process receive its decision through the environment, since they run in the new run's directory.
@@ -23,6 +24,9 @@ import re
 from pathlib import Path
 
 import yaml
+
+from tp_train.checkpoint.dcp import META_FILE
+from tp_train.checkpoint.safe_load import METADATA_FILE
 
 AUTO = "auto"
 ENVIRONMENT_VARIABLE = "TP_TRAIN_RESUME_FROM"  # the launching process's decision, inherited by its child ranks
@@ -57,12 +61,21 @@ def last_checkpoint(run_dir_template: str, run_dir: Path, overrides: list[str]) 
         recorded = run / ".hydra" / "overrides.yaml"
         if run != run_dir.resolve() and not (recorded.is_file() and _command(_read(recorded)) == command):
             continue
-        checkpoint, finished = run / LAST_CHECKPOINT, run / FINISHED
-        if (checkpoint / ".metadata").is_file():  # complete: DCP writes .metadata last
+        checkpoint, finished = _complete(run / LAST_CHECKPOINT), run / FINISHED
+        if checkpoint is not None:
             events.append((_saved_at(checkpoint), checkpoint))
         if finished.is_file():
             events.append((finished.stat().st_mtime, None))
     return max(events, key=lambda event: event[0])[1] if events else None
+
+
+def _complete(checkpoint: Path) -> Path | None:
+    """`checkpoint` if its save completed (DCP writes `.metadata` last), else the one a killed save was swapping it
+    for (`tp_train.checkpoint.dcp.save`), else None."""
+    for candidate in (checkpoint, checkpoint.with_name(checkpoint.name + ".old")):
+        if (candidate / METADATA_FILE).is_file():
+            return candidate
+    return None
 
 
 def _command(overrides: list[str]) -> list[str]:
@@ -77,5 +90,5 @@ def _read(path: Path) -> list[str]:
 
 
 def _saved_at(checkpoint: Path) -> float:
-    files = [checkpoint / name for name in ("meta.pt", ".metadata")]
+    files = [checkpoint / name for name in (META_FILE, METADATA_FILE)]
     return max(f.stat().st_mtime for f in files if f.is_file())

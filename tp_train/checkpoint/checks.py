@@ -14,17 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from tp_train.checkpoint.safe_load import METADATA_FILE, check_bytes, read_metadata
 from tp_train.errors import CheckpointError, first_line
 
-METADATA_FILE = ".metadata"  # DCP's index of every tensor and where it is stored
 
-
-def check_files(path: str | Path) -> Metadata:
-    """Returns the DCP metadata of the checkpoint directory `path` once its files are all there, whole."""
+def check_files(path: str | Path, trust_checkpoint: bool = False) -> Metadata:
+    """Returns the DCP metadata of the checkpoint directory `path` once its files are all there, whole, and hold
+    only data (`tp_train.checkpoint.safe_load`; `trust_checkpoint` reads them as torch would)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path}: no such file or directory")
@@ -36,7 +35,9 @@ def check_files(path: str | Path) -> Metadata:
             f"a checkpoint leaves the previous one at {path.name}.old)"
         )
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_metadata(path, trust_checkpoint)
+    except CheckpointError:
+        raise
     except Exception as error:  # noqa: BLE001 - whatever unpickling raises, the file is damaged
         raise CheckpointError(f"checkpoint {path / METADATA_FILE}: unreadable, {first_line(error)}") from None
     if not isinstance(metadata, Metadata):
@@ -52,6 +53,7 @@ def check_files(path: str | Path) -> Metadata:
             raise CheckpointError(
                 f"checkpoint {file}: truncated, {file.stat().st_size} bytes where {METADATA_FILE} needs {size}"
             )
+    check_bytes(path, metadata, trust_checkpoint)
     return metadata
 
 

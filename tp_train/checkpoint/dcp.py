@@ -45,8 +45,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.checks import check_files, check_matches
-from tp_train.errors import CheckpointError, first_line
+from tp_train.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_extra, unsafe_globals
+from tp_train.errors import CheckpointError
 from tp_train.parallel.mesh import TENSOR_PARALLEL  # the mesh dimension a 2-D mesh shards over
 from tp_train.parallel.sharding import ShardSpec, fill_replicas, local_part, named_sharded_parameters
 
@@ -163,7 +165,14 @@ def load_optimizer_state_dict(
         group.update({key: value for key, value in loaded.items() if key != "params"})
 
 
-def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh, extra: dict | None = None) -> None:
+def save(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: list,
+    mesh: DeviceMesh,
+    extra: dict | None = None,
+    writer: AsyncCheckpointWriter | None = None,
+) -> None:
     """Saves a sharded checkpoint directory at `path`; a collective, every rank writes its own shards.
 
     It is written as `path.tmp` and renamed into place by global rank 0 once complete, so a save killed midway
@@ -176,37 +185,65 @@ def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh,
         model: the parallelized model.
         optimizers: its optimizers, stored as `optimizer_0`, `optimizer_1`, ...
         mesh: as for `model_state_dict`.
-        extra: picklable metadata (e.g. Lightning's loop state), written by rank 0 with `torch.save` to
-            `path/meta.pt` and returned by `load`.
+        extra: metadata (e.g. Lightning's loop state) of plain data (dicts, lists, tuples, strings, numbers,
+            tensors, numpy arrays), written by rank 0 with `torch.save` to `path/meta.pt` and returned by `load`,
+            which reads it with `torch.load(weights_only=True)`.
+        writer: write in the background (`AsyncCheckpointWriter`): this call returns once the state is staged.
     """
-    path = Path(path)
+    extra = extra if extra is not None else {}
+    unsafe = unsafe_globals(extra) if dist.get_rank() == 0 else []
+    if unsafe:
+        key = next(key for key, value in extra.items() if unsafe_globals({key: value}))
+        raise ValueError(
+            f"checkpoint metadata '{key}' holds {', '.join(unsafe)}, which a checkpoint cannot hold as data; store "
+            f"plain dicts, lists, numbers, strings and tensors (e.g. a callback's state_dict)"
+        )
+    state = _checkpoint_state(model, optimizers, mesh)
+    if writer is None:
+        write(state, Path(path), extra)
+    else:
+        writer.submit(write, state, Path(path), extra)
+
+
+def write(state: dict[str, Any], path: Path, extra: dict, group: dist.ProcessGroup | None = None) -> None:
+    """Writes `state` (a `_checkpoint_state`, or DCP's staged copy of one) and `extra` as the checkpoint `path`
+    (see `save`), synchronising over `group` (default: the world)."""
     tmp, old, is_writer = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old"), dist.get_rank() == 0
     if is_writer and tmp.exists():
         shutil.rmtree(tmp)  # left by a save that was killed
-    dist.barrier()
-    dcp.save(_checkpoint_state(model, optimizers, mesh), checkpoint_id=tmp)
+    dist.barrier(group)
+    dcp.save(state, checkpoint_id=tmp, process_group=group)
     if is_writer:
-        torch.save(extra if extra is not None else {}, tmp / META_FILE)
-    dist.barrier()
+        torch.save(extra, tmp / META_FILE)
+    dist.barrier(group)
     if is_writer:
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
             path.rename(old)
         tmp.rename(path)
         shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group)
 
 
-def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh) -> dict:
-    """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`."""
+def load(
+    path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh, trust_checkpoint: bool = False
+) -> dict:
+    """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`.
+
+    Every file is read as data (`tp_train.checkpoint.safe_load`): a checkpoint holding anything else is refused in
+    one line before any of it is unpickled, unless `trust_checkpoint` (for one's own older checkpoints)."""
     path = Path(path)
-    metadata = check_files(path)
-    extra = _read_extra(path)  # before any tensor is copied in: a damaged meta.pt leaves the model as it was
+    metadata = check_files(path, trust_checkpoint)
+    extra = _read_extra(path, trust_checkpoint)  # before any tensor is copied in: a damaged meta.pt changes nothing
     write_backs: list = []
     state = _checkpoint_state(model, optimizers, mesh, write_backs)
     check_matches(path, metadata, state)
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(path, trust_checkpoint),
+            planner=SafeLoadPlanner(trust_checkpoint),
+        )
     except CheckpointException as error:  # DCP gathers every rank's failure into a multi-line report
         failure = next(iter(error.failures.values()), (error,))  # rank -> (exception, traceback)
         failure = failure[0] if isinstance(failure, tuple) else failure
@@ -222,17 +259,9 @@ def load(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh)
     return extra
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
-def _read_extra(path: Path) -> dict:
+def _read_extra(path: Path, trust_checkpoint: bool) -> dict:
     """The `extra` metadata `save` wrote to `path/meta.pt` ({} when there is none)."""
-    if not (path / META_FILE).exists():
-        return {}
-    try:  # weights_only=False: arbitrary metadata, written by `save` itself
-        return torch.load(path / META_FILE, weights_only=False)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"checkpoint {path / META_FILE}: unreadable, {first_line(error)}") from error
+    return read_extra(path / META_FILE, trust_checkpoint) if (path / META_FILE).exists() else {}
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -16,7 +16,10 @@ group see the same batch. Models built under `trainer.init_module(empty_init=Tru
 from __future__ import annotations
 
 import inspect
+import json
+import os
 import shutil
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -25,15 +28,17 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch._C._distributed_c10d import Backend as C10dBackend
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Store
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -41,6 +46,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from tp_train.checkpoint import dcp as checkpoint_io
+from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
+from tp_train.lightning import rendezvous, watchdog
 from tp_train.lightning.launch import HydraJobLauncher
 from tp_train.lightning.precision import tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -72,10 +79,15 @@ class TensorParallelStrategy(DDPStrategy):
         compile: compile each sharded model with `torch.compile` (see `tp_train.parallelize`'s `compile`): no graph
             break for a model without dropout.
         overlap: overlap each column-parallel layer's input-gradient collective with its weight gradient in backward
-            (see `tp_train.parallelize`'s `overlap`); False for the plain path.
+            (see `tp_train.parallelize`'s `overlap`). Default None: on with NCCL, off with gloo.
         verify_plan: check each sharded model before training (see `tp_train.parallelize`'s `verify`): each
             swapped module against the one it replaced, and the whole model against the unsharded one when it is
             small. Default None: on for every plan; True also forces the whole-model check; False: off.
+        async_checkpoint: write checkpoints in the background (`tp_train.checkpoint.AsyncCheckpointWriter`):
+            saving blocks a step only while the state is copied; the previous checkpoint stays whole until the new
+            one is complete. False writes before the step continues.
+        trust_checkpoint: load checkpoints that hold more than data (pickled objects, which could run code) as
+            torch would; only for your own checkpoints. By default such a checkpoint is refused in one line.
         data_parallel: "ddp" (replicate each tensor-parallel shard over the data-parallel ranks) or "fsdp" (shard
             it, with its gradients and optimizer states, over them: about 1/dp of the model state per rank, for
             one all-gather per block forward and backward and a reduce-scatter in place of DDP's all-reduce).
@@ -97,7 +109,9 @@ class TensorParallelStrategy(DDPStrategy):
         data_parallel: str = "ddp",
         loss_parallel: bool = False,
         compile: bool = False,
-        overlap: bool = True,
+        overlap: bool | None = None,
+        async_checkpoint: bool = True,
+        trust_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -127,10 +141,15 @@ class TensorParallelStrategy(DDPStrategy):
         self.loss_parallel = loss_parallel
         self.compile = compile
         self.overlap = overlap
+        self.async_checkpoint = async_checkpoint
+        self.trust_checkpoint = trust_checkpoint
+        self._checkpoint_writer: AsyncCheckpointWriter | None = None
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
         self._device_mesh: DeviceMesh | None = None
+        self._store: Store | None = None  # this launch's (round's, under torchrun) store; see `rank_zero_decides`
+        self._decisions = 0
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
     # ------------------------------------------------------------------------------------------------ topology
@@ -200,6 +219,57 @@ class TensorParallelStrategy(DDPStrategy):
         self._ddp_kwargs["process_group"] = self.data_parallel_group
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def setup_distributed(self) -> None:
+        # Lightning's, with the store made here: under torchrun, one scoped to this restart round (see
+        # tp_train.lightning.rendezvous), which the process group and device mesh then use.
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
+            store=self._launch_store(),
+        )  # fmt: skip
+
+    def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
+        """`decide()` taken once for the whole job, on global rank 0, and returned on every rank (a JSON value),
+        e.g. which checkpoint to resume. Before `fit` starts the ranks, in the launching process of the popen
+        launcher, it is that process's own decision (its children inherit what it decided through their
+        environment); in ranks a cluster started (torchrun, SLURM's srun) rank 0's reaches the others through the
+        launch's store, before the process group exists; once it exists, by broadcast."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            decision = [decide() if self.global_rank == 0 else None]
+            torch.distributed.broadcast_object_list(decision, src=0)
+            return decision[0]
+        environment = self.cluster_environment
+        started_by_cluster = environment.creates_processes_externally and watchdog.LAUNCHER_PID not in os.environ
+        if not started_by_cluster or environment.world_size() == 1:
+            return decide()
+        store, key = self._launch_store(), f"decision/{self._decisions}"
+        self._decisions += 1
+        if environment.global_rank() != 0:
+            found = json.loads(store.get(key))
+            if "failed" in found:
+                raise RuntimeError(f"rank 0 failed while deciding for every rank: {found['failed']}")
+            return found["value"]
+        try:
+            value = decide()
+        except Exception as error:
+            store.set(key, json.dumps({"failed": f"{type(error).__name__}: {error}"}))
+            raise
+        store.set(key, json.dumps({"value": value}))
+        return value
+
+    def _launch_store(self) -> Store:
+        if self._store is None:
+            environment = self.cluster_environment
+            self._store = rendezvous.job_store(
+                environment.main_address, environment.main_port, environment.global_rank(), environment.world_size(),
+                self._timeout or default_pg_timeout,
+            )  # fmt: skip
+        return self._store
 
     @override
     def _configure_launcher(self) -> None:
@@ -365,12 +435,28 @@ class TensorParallelStrategy(DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
-        checkpoint_io.save(path, self.lightning_module, self.optimizers, self.device_mesh, extra=checkpoint)
+        if self.async_checkpoint and self._checkpoint_writer is None:
+            self._checkpoint_writer = AsyncCheckpointWriter()  # a collective: every rank saves together
+        writer = self._checkpoint_writer if self.async_checkpoint else None
+        checkpoint_io.save(
+            path, self.lightning_module, self.optimizers, self.device_mesh, extra=checkpoint, writer=writer
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_checkpoints()
         path = Path(self.broadcast(str(checkpoint_path)))
-        return checkpoint_io.load(path, self.lightning_module, self.optimizers, self.device_mesh)
+        return checkpoint_io.load(path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint)
+
+    def wait_for_checkpoints(self) -> None:
+        """Blocks until every checkpoint saved so far is written (with `async_checkpoint`, in the background)."""
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
+
+    @override
+    def teardown(self) -> None:
+        self.wait_for_checkpoints()  # the last checkpoint is complete before the run ends
+        super().teardown()
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -382,8 +468,12 @@ class TensorParallelStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
+        if not self.is_global_zero:
+            return
+        if self._checkpoint_writer is None:
             shutil.rmtree(filepath, ignore_errors=True)
+        else:  # after the writes submitted before (it may be one of them)
+            self._checkpoint_writer.run_later(lambda: shutil.rmtree(filepath, ignore_errors=True))
 
     # -------------------------------------------------------------------------------------------- registration
 

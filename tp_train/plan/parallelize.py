@@ -49,7 +49,7 @@ def parallelize(
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
     compile: bool = False,
-    overlap: bool = True,
+    overlap: bool | None = None,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -94,7 +94,9 @@ def parallelize(
         overlap: in backward, start each column-parallel entry's collective (the all-reduce of `f`, or sequence
             parallelism's reduce-scatter) asynchronously and compute the weight gradients while it runs
             (`tp_train.parallel.overlap`): the same collectives, the same results. Eager only (compiled models
-            use functional collectives). False: the plain path, e.g. to measure what overlap saves.
+            use functional collectives). False: the plain path, e.g. to measure what overlap saves. Default None:
+            on with NCCL, which runs collectives beside the compute, off with gloo, whose collectives take the CPU
+            cores the compute needs (slower in the benchmark's CPU runs).
     """
     group = as_process_group(tp_group)
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
@@ -140,7 +142,7 @@ def parallelize(
     if check is not None and dist.get_rank() == 0:
         print(_verification_summary(check, regions, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)
-    _configure_overlap(model, overlap)
+    _configure_overlap(model, dist.get_backend(group) == "nccl" if overlap is None else overlap)
     counter.reset()  # verification's traffic is not training's
     if compile:
         model.compile()

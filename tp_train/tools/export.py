@@ -15,18 +15,17 @@ or from the `config` argument.
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tp_train.checkpoint.checks import check_files
 from tp_train.checkpoint.dcp import HUGGING_FACE_CONFIG_KEY, META_FILE
+from tp_train.checkpoint.safe_load import SafeFileSystemReader, read_extra
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.styles import LINEAR_STYLES
@@ -35,7 +34,11 @@ SECTION = "/section"  # tp_train.checkpoint's key suffix for the sections of a p
 
 
 def export_hugging_face(
-    checkpoint: str | Path, out_dir: str | Path, config=None, plan: dict[str, str] | None = None
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    config=None,
+    plan: dict[str, str] | None = None,
+    trust_checkpoint: bool = False,
 ) -> Path:
     """Writes the model in `checkpoint` as a Hugging Face `save_pretrained` directory at `out_dir`.
 
@@ -46,6 +49,8 @@ def export_hugging_face(
             `CausalLMModule` stored in the checkpoint.
         plan: the plan the model was sharded with, if it was not the model's own, with names relative to the
             Hugging Face model (it tells which Conv1D weights were stored in the parallel layer's layout).
+        trust_checkpoint: read a checkpoint that holds more than data (pickled objects) as torch would; by default
+            it is refused in one line before any of it is unpickled (`tp_train.checkpoint.safe_load`).
 
     Returns:
         `out_dir`.
@@ -53,14 +58,14 @@ def export_hugging_face(
     from transformers import AutoModelForCausalLM
 
     checkpoint = Path(checkpoint)
-    stored = _stored_tensors(checkpoint)
-    config = _config(checkpoint, config)
+    stored = _stored_tensors(checkpoint, trust_checkpoint)
+    config = _config(checkpoint, config, trust_checkpoint)
     with torch.device("meta"):  # shapes only; the weights come from the checkpoint
         model = AutoModelForCausalLM.from_config(config)
     prefix = _prefix(stored, list(model.state_dict()), checkpoint)
     wanted = {key: meta for key, meta in stored.items() if key.startswith(prefix)}
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in wanted.items()}
-    dcp.load(tensors, checkpoint_id=checkpoint, no_dist=True)
+    dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint, trust_checkpoint), no_dist=True)
     state = _assemble(tensors, prefix)
     for name in _transposed_weights(model, plan):
         state[name] = state[name].t().contiguous()
@@ -73,14 +78,14 @@ def export_hugging_face(
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _config(checkpoint: Path, config):
+def _config(checkpoint: Path, config, trust_checkpoint: bool):
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
         return config
     if config is not None:
         return AutoConfig.from_pretrained(config, local_files_only=True)
-    extra = torch.load(checkpoint / META_FILE, weights_only=False) if (checkpoint / META_FILE).exists() else {}
+    extra = read_extra(checkpoint / META_FILE, trust_checkpoint) if (checkpoint / META_FILE).exists() else {}
     if HUGGING_FACE_CONFIG_KEY not in extra:
         raise ValueError(
             f"checkpoint {checkpoint} stores no Hugging Face config (it was not saved from a CausalLMModule around a "
@@ -90,10 +95,9 @@ def _config(checkpoint: Path, config):
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def _stored_tensors(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
+def _stored_tensors(checkpoint: Path, trust_checkpoint: bool) -> dict[str, TensorStorageMetadata]:
     """The checkpoint's model tensors: {DCP key: its metadata}, without the optimizers' state."""
-    check_files(checkpoint)  # there, whole and readable: one CheckpointError line otherwise
-    metadata = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    metadata = check_files(checkpoint, trust_checkpoint).state_dict_metadata  # there, whole, data: else one line
     return {
         key: meta
         for key, meta in metadata.items()
@@ -147,10 +151,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="a checkpoint directory (e.g. outputs/<run>/checkpoints/last.ckpt)")
     parser.add_argument("out_dir", help="the save_pretrained directory to write")
     parser.add_argument("--config", help="a directory with the model's config.json (default: from the checkpoint)")
+    parser.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="read a checkpoint holding pickled objects (which could run code); only your own",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        out = export_hugging_face(args.checkpoint, args.out_dir, config=args.config)
-    except (ValueError, OSError, pickle.UnpicklingError, EOFError) as error:  # a user error: one line, status 2
+        out = export_hugging_face(
+            args.checkpoint, args.out_dir, config=args.config, trust_checkpoint=args.trust_checkpoint
+        )
+    except (ValueError, OSError) as error:  # a user error (CheckpointError among them): one line, status 2
         print(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
         sys.exit(2)
     print(f"exported to {out}")

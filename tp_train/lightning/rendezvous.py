@@ -1,0 +1,91 @@
+"""The key-value store all ranks of one launch share, before and under their process group.
+
+torch's `init_process_group` meets its peers through a store at MASTER_ADDR:MASTER_PORT: rank 0 hosts one, or under
+torchrun the agent does (`TORCHELASTIC_USE_AGENT_STORE`). torchrun's agent keeps one store for the whole job, across
+restarts, and torch (2.13) no longer prefixes the workers' keys by restart: a restarted round reads the addresses
+its predecessors published there (gloo's and the device mesh's), connects to dead ranks, and fails or waits until
+the collective timeout. A prefix per restart count would not do either: under `--nnodes MIN:MAX` an agent whose own
+workers did not fail restarts them without counting a restart, so counts differ between nodes.
+
+So every rank of a round first agrees on a fresh name with rank 0 (`join_round`), each step under keys no earlier
+round can have written:
+
+1. each rank r != 0 draws a random nonce and sets `hello/r` to it (overwriting a dead round's);
+2. rank 0 draws the round's token and answers each `hello/r` value it reads under `reply/r/<nonce>` (a stale
+   nonce gets an answer nobody reads);
+3. rank r waits for `reply/r/<its nonce>`, which only this round's rank 0 writes, and acknowledges `ack/<token>/r`;
+4. rank 0 returns once every rank acknowledged its token.
+
+The process group, the device mesh and anything shared before them (`TensorParallelStrategy.rank_zero_decides`)
+then use the store under `round/<token>/`. A rank that never joins ends rank 0 (and, under torchrun, the round)
+with an error naming it once `timeout` passes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import timedelta
+
+from torch.distributed import PrefixStore, Store, TCPStore
+
+PREFIX = "tp_train"
+POLL_SECONDS = 0.05
+
+
+class JoinError(RuntimeError):
+    """A rank did not join the launch's round in time."""
+
+
+def uses_agent_store() -> bool:
+    """True under torchrun, whose agent hosts the store and keeps it across restarts."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def job_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Store:
+    """The store this launch's ranks share: under torchrun the agent's, scoped to this round (`join_round`);
+    otherwise one rank 0 hosts at `address:port`, as `init_process_group` would create it."""
+    if uses_agent_store():
+        store = TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+        token = join_round(PrefixStore(f"{PREFIX}/join", store), rank, world_size, timeout)
+        return PrefixStore(f"{PREFIX}/round/{token}", store)
+    return TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+
+
+def join_round(store: Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """The token naming this round, agreed with rank 0 through keys no earlier round wrote (module docstring)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"hello/{rank}", nonce)
+        reply = f"reply/{rank}/{nonce}"
+        try:
+            store.wait([reply], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except Exception as error:  # noqa: BLE001 - the store's timeout (DistStoreError) or a lost agent
+            raise JoinError(
+                f"rank {rank}: rank 0 did not answer within {timeout.total_seconds():.0f} s of joining this launch "
+                f"({type(error).__name__})"
+            ) from None
+        token = store.get(reply).decode()
+        store.set(f"ack/{token}/{rank}", "1")
+        return token
+    token = uuid.uuid4().hex
+    answered: dict[int, bytes] = {}
+    pending = set(range(1, world_size))
+    while pending:
+        for peer in sorted(pending):
+            hello = f"hello/{peer}"
+            if store.check([hello]) and answered.get(peer) != (nonce := store.get(hello)):
+                store.set(f"reply/{peer}/{nonce.decode()}", token)
+                answered[peer] = nonce
+            if peer in answered and store.check([f"ack/{token}/{peer}"]):
+                pending.discard(peer)
+        if pending and time.monotonic() > deadline:
+            raise JoinError(
+                f"rank{'s' if len(pending) > 1 else ''} {', '.join(map(str, sorted(pending)))} did not join this "
+                f"launch within {timeout.total_seconds():.0f} s (the collective timeout); stopping"
+            )
+        if pending:
+            time.sleep(POLL_SECONDS)
+    return token
