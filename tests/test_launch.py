@@ -1,5 +1,5 @@
-"""Ways to start the ranks: the spawn start method, and torchrun (as on a cluster). Each runs in a subprocess
-with a timeout, so a launch that hangs fails the test."""
+"""Ways to start the ranks: the spawn start method (torchrun and SLURM: tests/test_cluster_launch.py). Each runs in
+a subprocess with a timeout, so a launch that hangs fails the test."""
 
 from __future__ import annotations
 
@@ -30,14 +30,4 @@ def test_spawn_start_method_trains_and_the_main_process_survives():
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
 
 
-@pytest.mark.slow
-def test_torchrun_launches_train_py(tmp_path):
-    run_dir = tmp_path / "run"
-    _run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
-         "experiment=smoke", "tp=2", "trainer.max_steps=4", "trainer.val_check_interval=4", "logger=none",
-         f"hydra.run.dir={run_dir}"],
-        TP_TRAIN_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 4 and len(summary["peak_memory_mib_per_rank"]) == 2
+# torchrun itself (single agent with restarts, two agents as two nodes) and SLURM: tests/test_cluster_launch.py
