@@ -18,11 +18,10 @@ import pytest
 from tp_train.checkpoint.safe_load import read_extra
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMAND = [
-    "experiment=smoke", "tp=2", "logger=none", "data.max_files=20", "trainer.max_steps=40",
-    "trainer.val_check_interval=10", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
-    "~callbacks.progress_bar",
-]  # fmt: skip  (a checkpoint every 10 steps: callbacks.checkpoint follows val_check_interval)
+# A checkpoint every 10 steps (callbacks.checkpoint follows val_check_interval).
+COMMAND = ["experiment=smoke", "tp=2", "logger=none", "data.max_files=20", "trainer.max_steps=40",
+           "trainer.val_check_interval=10", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
+           "~callbacks.progress_bar"]  # fmt: skip
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TIMEOUT = 300
 
@@ -103,13 +102,14 @@ def test_torchrun_restarts_after_a_killed_worker_and_finishes_with_the_uninterru
 @pytest.mark.slow
 def test_two_torchrun_agents_as_two_nodes_give_one_nodes_losses(cache, uninterrupted, tmp_path):
     run_dir, endpoint = tmp_path / "run", f"127.0.0.1:{_free_port()}"
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                  "--rdzv-id", "two-nodes"]  # fmt: skip
+    train = ["train.py", *COMMAND, "trainer.num_nodes=2", "trainer.devices=1", f"hydra.run.dir={run_dir}"]
+    output = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     agents = [
         subprocess.Popen(
-            [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", "train.py", *COMMAND, "trainer.num_nodes=2",
-             "trainer.devices=1", f"hydra.run.dir={run_dir}"],
-            cwd=ROOT, env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [*TORCHRUN, *rendezvous, "--node-rank", str(node), *train], cwd=ROOT, env=_env(cache), **output
+        )
         for node in (0, 1)
     ]
     try:
@@ -138,12 +138,10 @@ def test_slurm_preemption_saves_and_the_requeued_job_resumes_with_the_uninterrup
     run_dir, port = tmp_path / "run", _free_port()
 
     def srun() -> list[subprocess.Popen]:
+        command = [sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"]
+        output = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         return [
-            subprocess.Popen(
-                [sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                env=_env(cache, **_srun_environment(rank, port)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True,
-            )  # fmt: skip
+            subprocess.Popen(command, cwd=ROOT, env=_env(cache, **_srun_environment(rank, port)), **output)
             for rank in (0, 1)
         ]
 
