@@ -58,3 +58,18 @@ def test_data_parallel_bench_smoke_compares_ddp_and_fsdp(tmp_path):
         assert 0 < row["step_s"] < 60
         assert row["model_state_mib"] == pytest.approx(row["predicted_state_mib"], rel=0.05)
     assert fsdp["model_state_mib"] < 0.55 * ddp["model_state_mib"]
+
+
+@pytest.mark.slow
+def test_checkpoint_bench_smoke_times_sync_and_async_saves(tmp_path):
+    output = tmp_path / "bench_checkpoint.json"
+    command = [sys.executable, "-m", "tp_train.tools.bench.checkpoint", "--n-layer", "1", "--n-embd", "64",
+               "--n-head", "2", "--vocab", "256", "--seq", "16", "--repeats", "1", "--steps", "1",
+               "--directory", str(tmp_path / "checkpoints"), "--output", str(output)]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "blocked by a save, async / sync" in result.stdout
+    modes = json.loads(output.read_text())["modes"]
+    for row in modes.values():
+        assert 0 < row["blocked_s"] <= row["complete_s"] < 60 and row["step_s"] > 0, row
+    assert not (tmp_path / "checkpoints").exists()  # the benchmark's checkpoints are removed

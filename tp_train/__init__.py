@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from tp_train.app.data import TextDataModule
 from tp_train.app.module import CausalLMModule
 from tp_train.app.schedulers import cosine_with_warmup
+from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.dcp import load as load_checkpoint
 from tp_train.checkpoint.dcp import save as save_checkpoint
 from tp_train.checkpoint.pretrained import load_pretrained
@@ -42,6 +43,7 @@ from tp_train.tools.memory import estimate_memory
 TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor_parallel"
 
 __all__ = [
+    "AsyncCheckpointWriter",
     "CausalLMModule",
     "CheckpointError",
     "CommunicationCounter",

@@ -83,7 +83,7 @@ class TensorParallelStrategy(DDPStrategy):
         verify_plan: check each sharded model before training (see `tp_train.parallelize`'s `verify`): each
             swapped module against the one it replaced, and the whole model against the unsharded one when it is
             small. Default None: on for every plan; True also forces the whole-model check; False: off.
-        async_checkpoint: write checkpoints in the background (`tp_train.checkpoint.AsyncCheckpointWriter`):
+        async_checkpoint: write checkpoints in the background (`tp_train.AsyncCheckpointWriter`):
             saving blocks a step only while the state is copied; the previous checkpoint stays whole until the new
             one is complete. False writes before the step continues.
         trust_checkpoint: load checkpoints that hold more than data (pickled objects, which could run code) as
