@@ -166,3 +166,23 @@ def test_saving_metadata_that_would_not_read_back_as_data_is_refused_at_save(tmp
     message = run_on_ranks(_save_odd_metadata, 1, str(tmp_path / "odd.ckpt"), timeout=300)[0]
     assert message.startswith("checkpoint metadata 'callbacks' holds fractions.Fraction"), message
     assert not (tmp_path / "odd.ckpt").exists()
+
+
+def test_pretrained_weights_are_read_from_safetensors_only(tmp_path):
+    """A model directory holding only a pickled pytorch_model.bin (here planted) is refused by both pretrained
+    loaders, the sharded one (`load_pretrained`'s `weight_files`) and `from_pretrained`, and nothing in it runs."""
+    from models.hf import hugging_face_causal_lm
+    from tp_train.app.preflight import _check_pretrained
+    from tp_train.checkpoint.pretrained import weight_files
+    from tp_train.errors import ConfigError
+
+    model, marker = _hf_llama(), tmp_path / "code-ran"
+    model.config.save_pretrained(tmp_path / "model")
+    torch.save({**model.state_dict(), "payload": WritesAFile(marker)}, tmp_path / "model" / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="holds pytorch_model.bin, pickled weights that could run code"):
+        weight_files(tmp_path / "model")
+    with pytest.raises(ConfigError, match=r"^model.path=.*model: pretrained weights: .* reads safetensors only"):
+        _check_pretrained({"path": str(tmp_path / "model")})
+    with pytest.raises(OSError):  # transformers, asked for safetensors only, finds none
+        hugging_face_causal_lm(path=str(tmp_path / "model"))
+    assert not marker.exists()

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from tp_train.app.config_values import check_values
 from tp_train.app.resolvers import lightning_precision
 from tp_train.checkpoint.checks import check_files
+from tp_train.checkpoint.pretrained import weight_files
 from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from tp_train.lightning.nonfinite import ACTIONS
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
@@ -49,7 +50,8 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"shard) or data_parallel=fsdp (shards, gradients and AdamW states split over the data-parallel ranks)"
         )
     _check_data_source(cfg.data)
-    check_checkpoint(cfg.get("ckpt_path"))
+    check_checkpoint(cfg.get("ckpt_path"), cfg.get("trust_checkpoint", False))
+    _check_pretrained(cfg.model)
     _check_fault_handling(cfg)
     try:
         with torch.device("meta"):  # shapes only: nothing is allocated or initialised
@@ -119,6 +121,17 @@ def check_checkpoint(path: str | None, trust_checkpoint: bool = False) -> None:
         raise ConfigError(
             f"ckpt_path: {error}; use a checkpoint directory a run saved, e.g. <run dir>/checkpoints/last.ckpt"
         ) from None
+
+
+def _check_pretrained(model: DictConfig) -> None:
+    """A `model.path` holds safetensors weights (what `load_pretrained` and `from_pretrained` here read)."""
+    path = model.get("path") if hasattr(model, "get") else None
+    if path is None or not os.path.isdir(os.path.expanduser(str(path))):
+        return  # no pretrained weights, or the model's own check names a missing directory
+    try:
+        weight_files(path)
+    except FileNotFoundError as error:
+        raise ConfigError(f"model.path={path}: {error}") from None
 
 
 def _check_fault_handling(cfg: DictConfig) -> None:

@@ -42,6 +42,12 @@ def weight_files(path: str | Path) -> dict[str, Path]:
         return {key: path / name for key, name in weight_map.items()}
     if (path / SINGLE_FILE).is_file():
         return weight_files(path / SINGLE_FILE)
+    pickled = sorted(p.name for p in path.glob("*.bin")) if path.is_dir() else []
+    if pickled:
+        raise FileNotFoundError(
+            f"pretrained weights: {path} holds {pickled[0]}, pickled weights that could run code when read; tp_train "
+            f"reads safetensors only: write them with save_pretrained (safetensors by default), or convert the file"
+        )
     raise FileNotFoundError(
         f"pretrained weights: {path} is neither a .safetensors file nor a directory with {SINGLE_FILE} or "
         f"{INDEX_FILE}; use a directory written by save_pretrained"
