@@ -226,3 +226,23 @@ def test_strategy_passes_overlap_to_its_layers():
         (losses_on, setting_on), (losses_off, setting_off) = result[True], result[False]
         assert setting_on == {True} and setting_off == {False}
         assert len(losses_on) == 6 and losses_on == pytest.approx(losses_off, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ the default
+
+
+def _overlap_settings(rank, world_size):
+    from tp_train.parallel.layers import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    settings = {}
+    for overlap in (None, True, False):
+        model = tp_train.parallelize(_gpt(), overlap=overlap, verify=False)
+        settings[str(overlap)] = {m.overlap for m in model.modules() if isinstance(m, ColumnParallelLinear)}
+    return settings
+
+
+def test_overlap_is_off_by_default_on_gloo_and_the_flag_still_sets_it():
+    """On with NCCL only: gloo's collectives take the CPU cores the compute runs on (slower in the benchmark)."""
+    settings = run_on_ranks(_overlap_settings, 2)[0]
+    assert settings == {"None": {False}, "True": {True}, "False": {False}}, settings

@@ -8,6 +8,9 @@ output directory instead, so a child runs exactly its parent's job and writes wh
 It also replaces Lightning's child-process observer (which looks every 5 s, names no rank when the launcher itself
 fails, and leaves children running when the launcher dies) with `tp_train.lightning.watchdog`: whichever rank
 dies, the job ends within seconds, non-zero, and stderr names the rank.
+
+Under the spawn and fork start methods (a notebook, pytest), `ShardedMultiProcessingLauncher` is Lightning's, without
+sending rank 0's weights back to the main process, whose unsharded model they do not fit.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
+import lightning.pytorch as pl
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import subprocess_script
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
@@ -87,3 +92,16 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
                 super()._call_children_scripts()
         finally:
             del os.environ[watchdog.LAUNCHER_PID]
+
+
+class ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Spawn/fork launcher that sends no weights back: the main process holds the unsharded model, into which a
+    rank's shards do not load. Read trained weights from a checkpoint instead."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any):
+        output = super()._collect_rank_zero_results(trainer, results)
+        if output is None or output.weights_path is None:
+            return output
+        self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
+        return output._replace(weights_path=None)

@@ -16,19 +16,25 @@ round can have written:
 3. rank r waits for `reply/r/<its nonce>`, which only this round's rank 0 writes, and acknowledges `ack/<token>/r`;
 4. rank 0 returns once every rank acknowledged its token.
 
-The process group, the device mesh and anything shared before them (`TensorParallelStrategy.rank_zero_decides`)
-then use the store under `round/<token>/`. A rank that never joins ends rank 0 (and, under torchrun, the round)
-with an error naming it once `timeout` passes.
+The process group, the device mesh and anything shared before them (`Rendezvous.rank_zero_decides`) then use the
+store under `round/<token>/`. A rank that never joins ends rank 0 (and, under torchrun, the round) with an error
+naming it once `timeout` passes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch.distributed import PrefixStore, Store, TCPStore
+
+from tp_train.lightning import watchdog
 
 PREFIX = "tp_train"
 POLL_SECONDS = 0.05
@@ -89,3 +95,49 @@ def join_round(store: Store, rank: int, world_size: int, timeout: timedelta) -> 
         if pending:
             time.sleep(POLL_SECONDS)
     return token
+
+
+class Rendezvous:
+    """One process's side of its launch: the store its ranks share (`job_store`, made once, on first use) and the
+    decisions rank 0 takes for all of them.
+
+    Args:
+        environment: Lightning's cluster environment of this process (torchrun's, SLURM's, the popen launcher's).
+        timeout: how long a rank waits for the others (the collective timeout).
+    """
+
+    def __init__(self, environment: ClusterEnvironment, timeout: timedelta) -> None:
+        self.environment, self.timeout = environment, timeout
+        self._store: Store | None = None
+        self._decisions = 0
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            env = self.environment
+            self._store = job_store(env.main_address, env.main_port, env.global_rank(), env.world_size(), self.timeout)
+        return self._store
+
+    def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
+        """`decide()` run on global rank 0 only, its result (a JSON value) returned on every rank of a job a cluster
+        started (torchrun, SLURM's srun), through the store, before any process group exists. Elsewhere (the
+        launching process of the popen launcher before its ranks start, whose children inherit what it decided
+        through their environment, or a single process) it is this process's own decision."""
+        env = self.environment
+        started_by_cluster = env.creates_processes_externally and watchdog.LAUNCHER_PID not in os.environ
+        if not started_by_cluster or env.world_size() == 1:
+            return decide()
+        key = f"decision/{self._decisions}"
+        self._decisions += 1
+        if env.global_rank() != 0:
+            found = json.loads(self.store.get(key))
+            if "failed" in found:
+                raise RuntimeError(f"rank 0 failed while deciding for every rank: {found['failed']}")
+            return found["value"]
+        try:
+            value = decide()
+        except Exception as error:
+            self.store.set(key, json.dumps({"failed": f"{type(error).__name__}: {error}"}))
+            raise
+        self.store.set(key, json.dumps({"value": value}))
+        return value

@@ -16,8 +16,6 @@ group see the same batch. Models built under `trainer.init_module(empty_init=Tru
 from __future__ import annotations
 
 import inspect
-import json
-import os
 import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -38,7 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch._C._distributed_c10d import Backend as C10dBackend
-from torch.distributed import ProcessGroup, Store
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -47,8 +45,8 @@ from typing_extensions import override
 
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
-from tp_train.lightning import rendezvous, watchdog
-from tp_train.lightning.launch import HydraJobLauncher
+from tp_train.lightning import rendezvous
+from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.precision import tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.mesh import DATA_PARALLEL, DATA_PARALLEL_MODES, TENSOR_PARALLEL
@@ -148,8 +146,7 @@ class TensorParallelStrategy(DDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
         self._device_mesh: DeviceMesh | None = None
-        self._store: Store | None = None  # this launch's (round's, under torchrun) store; see `rank_zero_decides`
-        self._decisions = 0
+        self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
     # ------------------------------------------------------------------------------------------------ topology
@@ -230,52 +227,29 @@ class TensorParallelStrategy(DDPStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
-            store=self._launch_store(),
+            store=self._rendezvous().store,
         )  # fmt: skip
 
     def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
         """`decide()` taken once for the whole job, on global rank 0, and returned on every rank (a JSON value),
-        e.g. which checkpoint to resume. Before `fit` starts the ranks, in the launching process of the popen
-        launcher, it is that process's own decision (its children inherit what it decided through their
-        environment); in ranks a cluster started (torchrun, SLURM's srun) rank 0's reaches the others through the
-        launch's store, before the process group exists; once it exists, by broadcast."""
+        e.g. which checkpoint to resume: through the launch's store before the process group exists
+        (`tp_train.lightning.rendezvous.Rendezvous.rank_zero_decides`), by broadcast once it does."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             decision = [decide() if self.global_rank == 0 else None]
             torch.distributed.broadcast_object_list(decision, src=0)
             return decision[0]
-        environment = self.cluster_environment
-        started_by_cluster = environment.creates_processes_externally and watchdog.LAUNCHER_PID not in os.environ
-        if not started_by_cluster or environment.world_size() == 1:
-            return decide()
-        store, key = self._launch_store(), f"decision/{self._decisions}"
-        self._decisions += 1
-        if environment.global_rank() != 0:
-            found = json.loads(store.get(key))
-            if "failed" in found:
-                raise RuntimeError(f"rank 0 failed while deciding for every rank: {found['failed']}")
-            return found["value"]
-        try:
-            value = decide()
-        except Exception as error:
-            store.set(key, json.dumps({"failed": f"{type(error).__name__}: {error}"}))
-            raise
-        store.set(key, json.dumps({"value": value}))
-        return value
+        return self._rendezvous().rank_zero_decides(decide)
 
-    def _launch_store(self) -> Store:
-        if self._store is None:
-            environment = self.cluster_environment
-            self._store = rendezvous.job_store(
-                environment.main_address, environment.main_port, environment.global_rank(), environment.world_size(),
-                self._timeout or default_pg_timeout,
-            )  # fmt: skip
-        return self._store
+    def _rendezvous(self) -> rendezvous.Rendezvous:
+        if self._launch is None:
+            self._launch = rendezvous.Rendezvous(self.cluster_environment, self._timeout or default_pg_timeout)
+        return self._launch
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
         else:
             self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -494,16 +468,3 @@ def _mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy:
         dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
-
-
-class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Spawn/fork launcher that sends no weights back: the main process holds the unsharded model, into which a
-    rank's shards do not load. Read trained weights from a checkpoint instead."""
-
-    @override
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any):
-        output = super()._collect_rank_zero_results(trainer, results)
-        if output is None or output.weights_path is None:
-            return output
-        self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
-        return output._replace(weights_path=None)
