@@ -13,11 +13,13 @@ DCP's own `DefaultStager` is not used: it reuses one host copy per tensor from o
 with one save in flight only, and Lightning's ModelCheckpoint saves twice at a step (`last.ckpt` and a numbered one).
 
 Other file operations on checkpoints (deleting one Lightning no longer keeps) go through the same queue, after
-the writes submitted before them. `wait` blocks until everything submitted is done and re-raises a failed write.
+the writes submitted before them. `wait` blocks until everything submitted is done and re-raises a failed write;
+the process waits so at its exit too (a `trainer.save_checkpoint` after `fit` is written whole).
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import queue
 import threading
@@ -42,8 +44,10 @@ class AsyncCheckpointWriter:
         self.group = group if group is not None else dist.new_group(backend="gloo")
         self._jobs: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._pending: list[Future] = []
-        # A daemon thread: a job left blocked on a dead rank cannot keep the process from exiting.
+        # A daemon thread, which a job blocked on a dead rank cannot keep alive; what was submitted is still written
+        # before a normal exit (atexit handlers run before daemon threads stop).
         threading.Thread(target=self._run, name="tp-train-checkpoint-writer", daemon=True).start()
+        atexit.register(self.wait)
 
     def submit(self, write: Callable[..., None], state: dict[str, Any], *args: Any) -> None:
         """Stages `state` now, then calls `write(staged_state, *args, group=self.group)` in the background."""
