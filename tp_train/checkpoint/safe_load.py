@@ -60,26 +60,23 @@ def refusal(file: Path, reason: str) -> UnsafeCheckpointError:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, stream, file: Path) -> None:
+        super().__init__(stream)
+        self.file = file
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not DCP metadata")
+        raise refusal(self.file, f"it names {module}.{name}, which is not DCP metadata")
 
 
 def read_metadata(path: Path, trust_checkpoint: bool = False) -> Metadata:
     """DCP's `.metadata` of the checkpoint directory `path`, unpickled with DCP's metadata classes only."""
     file = path / METADATA_FILE
     with open(file, "rb") as stream:
-        if trust_checkpoint:
-            return pickle.load(stream)
-        try:
-            return _MetadataUnpickler(stream).load()
-        except pickle.UnpicklingError as error:
-            if str(error).startswith("it names "):
-                raise refusal(file, str(error)) from None
-            raise
+        return pickle.load(stream) if trust_checkpoint else _MetadataUnpickler(stream, file).load()
 
 
 class SafeFileSystemReader(FileSystemReader):
