@@ -234,6 +234,8 @@ class RowParallelLinear(Configurable, nn.Module):
     With `scatter_output` each rank keeps only its chunk of the summed output's features, as a column layer's output
     would be split (`reduce_scatter_to_tensor_parallel_region`: all-gather of the gradient in backward), and the bias
     is split with them (Doge's dt_proj, one output per kv head computed from every head's values).
+    With `partial_output` it returns this rank's partial sum X_r A_r, neither reduced nor biased: whoever adds more
+    partial sums to it (a LoRA adapter beside it, `tp_train.plan.adapters`) all-reduces once and adds the bias.
 
     Args:
         in_features: full input width, split evenly across ranks.
@@ -241,10 +243,10 @@ class RowParallelLinear(Configurable, nn.Module):
         group: the tensor-parallel process group.
         split_input: take a replicated input and keep this rank's share of its features.
         scatter_output: keep this rank's chunk of the output's features (and of the bias).
-        sequence_parallel, comm_counter: see `Configurable`.
+        sequence_parallel, comm_counter: see `Configurable`; `partial_output`: see above.
     """
 
-    SETTINGS = ("sequence_parallel", "comm_counter")
+    SETTINGS = ("sequence_parallel", "comm_counter", "partial_output")
 
     def __init__(
         self,
@@ -258,9 +260,11 @@ class RowParallelLinear(Configurable, nn.Module):
         scatter_output: bool = False,
         sequence_parallel: bool = False,
         comm_counter: CommunicationCounter | None = None,
+        partial_output: bool = False,
     ):
         super().__init__()
         self.group = group
+        self.partial_output = partial_output  # this rank's unreduced, unbiased partial sum
         self.split_input = split_input
         self.scatter_output = scatter_output
         self.sequence_parallel = sequence_parallel  # output reduce-scattered along the sequence
@@ -287,6 +291,8 @@ class RowParallelLinear(Configurable, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
             x = scatter_to_tensor_parallel_region(x, self.group, self.comm_counter)
+        if self.partial_output:
+            return F.linear(x, self.weight)
         if self.scatter_output:  # its output feeds this rank's heads only, never the residual stream
             y = reduce_scatter_to_tensor_parallel_region(F.linear(x, self.weight), self.group, self.comm_counter)
             return y + self.bias.to(y.dtype) if self.bias is not None else y
@@ -319,6 +325,8 @@ class ModuleRegion(Configurable):
     all-reduced region, whose copies on every rank must sum to one). `output_tail` features at the end of the
     output (replicated) enter the parallel region: in DeepSeek's latent attention, `kv_a_proj_with_mqa` is whole
     on every rank and the rotary key it ends with goes straight to the local heads, so its gradient is partial.
+    `bias`, when given, is added once to the all-reduced output (the bias of a row layer whose partial output the
+    module sums with others').
     """
 
     SETTINGS = ("comm_counter",)
@@ -331,10 +339,12 @@ class ModuleRegion(Configurable):
         input_scale: float | None = None,
         output_tail: int | None = None,
         comm_counter: CommunicationCounter | None = None,
+        bias: nn.Parameter | None = None,
     ):
         self.group = group
         self.enter, self.leave, self.input_scale, self.output_tail = enter, leave, input_scale, output_tail
         self.comm_counter = comm_counter
+        self.bias = bias
 
     def install(self, module: nn.Module) -> None:
         if self.enter or self.input_scale is not None:
@@ -360,7 +370,8 @@ class ModuleRegion(Configurable):
             head, tail = output.split([output.shape[-1] - self.output_tail, self.output_tail], dim=-1)
             return torch.cat([head, copy_to_tensor_parallel_region(tail, self.group, self.comm_counter)], dim=-1)
         if isinstance(output, torch.Tensor):
-            return reduce_from_tensor_parallel_region(output, self.group, self.comm_counter)
+            output = reduce_from_tensor_parallel_region(output, self.group, self.comm_counter)
+            return output + self.bias.to(output.dtype) if self.bias is not None else output
         if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
             return (reduce_from_tensor_parallel_region(output[0], self.group, self.comm_counter), *output[1:])
         raise TypeError(f"{type(module).__name__} returned {type(output).__name__}, not a tensor to all-reduce")

@@ -12,6 +12,7 @@ Reading a plan is two passes: `tp_train.plan.match.match_plan` resolves and vali
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import replace
 
@@ -31,6 +32,7 @@ from tp_train.parallel.layers import (
 from tp_train.parallel.norm import ParallelRMSNormRegion, norm_epsilon, norm_groups
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
+from tp_train.plan.adapters import shard_adapters
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
@@ -42,6 +44,7 @@ from tp_train.plan.styles import (
     ROW_STYLES,
     SWAPPED_BASES,
     PlannedModule,
+    adapted_base,
     column_layout,
     linear_shape,
     mla_rope_dim,
@@ -77,21 +80,30 @@ def apply_plan(
         entry = by_name.get(name)
         style = entry.style if entry else None
         if style in LINEAR_STYLES or style == "embedding_rowwise":
-            module.tp_origins = dict(module.named_parameters(recurse=False))  # what ties are keyed by
-            if not all(id(param) in shared for param in module.tp_origins.values()):
-                materialize(name, module, device, {}, init_weights)  # its full tensors die once sliced
+            wrapper = module if adapted_base(module) is not None else None  # a LoRA layer: its base is swapped
+            reference = copy.deepcopy(wrapper) if wrapper is not None and check is not None else None
+            base = adapted_base(module) or module
+            base.tp_origins = dict(base.named_parameters(recurse=False))  # what ties are keyed by
+            if not all(id(param) in shared for param in base.tp_origins.values()):
+                materialize(name, base, device, {}, init_weights)  # its full tensors die once sliced
             if style == "embedding_rowwise":
-                layer = _parallel_embedding(module, group, shared)
+                layer = _parallel_embedding(base, group, shared)
             else:
-                layer = _parallel_linear(module, style, group, shared, loss_parallel, entry.counts, entry.arguments)
+                layer = _parallel_linear(base, style, group, shared, loss_parallel, entry.counts, entry.arguments)
                 _sum_replicas(model, name, layer, group, replicated_parents)
-            layer = _keep_subclass_forward(module, layer, SWAPPED_BASES[style])
-            _set_submodule(model, name, layer)
+            layer = _keep_subclass_forward(base, layer, SWAPPED_BASES[style])
+            if wrapper is not None:  # its adapters split to go with the base (tp_train.plan.adapters)
+                wrapper.base_layer = layer
+                shard_adapters(name, wrapper, layer, style, group, rng)
+                checked = (reference, wrapper)  # the LoRA layer as a whole
+            else:
+                _set_submodule(model, name, layer)
+                checked = (base, layer)
             if check is not None:
-                check(name, module, layer)
+                check(name, *checked)
             if entry.arguments == FEEDS_PARALLEL_REGION:  # after the check, which feeds it replicated gradients
                 layer.register_forward_hook(lambda _, __, output: copy_to_tensor_parallel_region(output, group))
-            module._parameters.update(module.tp_origins)  # the dropped module lets go of its full tensors
+            base._parameters.update(base.tp_origins)  # the dropped module lets go of its full tensors
             continue
         materialize(name, module, device, materialized, init_weights)
         if entry is not None and entry.parameters:
@@ -278,6 +290,7 @@ def _share_sibling_inputs(model: nn.Module, planned: list[PlannedModule], group:
     siblings: dict[str, list[ColumnParallelLinear]] = {}
     for entry in planned:
         layer = model.get_submodule(entry.name)
+        layer = adapted_base(layer) or layer  # a LoRA layer's base (its adapters read the input apart)
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
             siblings.setdefault(entry.name.rpartition(".")[0], []).append(layer)
     for parent_name, layers in siblings.items():

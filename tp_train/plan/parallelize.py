@@ -16,6 +16,7 @@ from tp_train.parallel.layers import Configurable
 from tp_train.parallel.mesh import as_process_group
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.activation_checkpointing import checkpoint_blocks
+from tp_train.plan.adapters import adapted_model
 from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.layout import block_layout
@@ -98,6 +99,13 @@ def parallelize(
             on with NCCL, which runs collectives beside the compute, off with gloo, whose collectives take the CPU
             cores the compute needs (slower in the benchmark's CPU runs).
     """
+    wrapped = adapted_model(model)
+    if wrapped is not None:  # a peft wrapper: its model is planned in the names its own plan uses
+        settings = dict(plan=plan, loss_parallel=loss_parallel, device=device, verify=verify, weights=weights,
+                        sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
+                        compile=compile, overlap=overlap)  # fmt: skip
+        parallelize(wrapped[1], tp_group, **settings)
+        return model
     group = as_process_group(tp_group)
     resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from tp_train.plan.adapters import adapted_model
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, SMALL_WHOLE, InferredPlan, infer_plan
 from tp_train.plan.coverage import block_whole_fraction, covered_linears, in_repeated_block, sharded_parameters
 from tp_train.plan.match import check_config_heads, names_anything
@@ -138,6 +139,10 @@ def modules_with_plans(root: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
 
     def visit(name: str, module: nn.Module) -> None:
+        wrapped = adapted_model(module)  # a peft wrapper forwards its model's plan, in its model's names
+        if wrapped is not None:
+            visit(f"{name}.{wrapped[0]}" if name else wrapped[0], wrapped[1])
+            return
         if find_plan(module) is not None:
             found.append((name, module))
             return

@@ -38,7 +38,7 @@ from tp_train.parallel.layers import (
 from tp_train.parallel.random import SHARDED, TensorParallelRNG
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.layout import BlockLayout
-from tp_train.plan.styles import FEEDS_PARALLEL_REGION, REGION_STYLES
+from tp_train.plan.styles import FEEDS_PARALLEL_REGION, REGION_STYLES, adapted_base
 
 
 class _Region:
@@ -67,6 +67,13 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
                 f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "
                 f"replicated input and output); use sequence_parallel=False"
             )
+    adapted = next((name for name in layout.planned if adapted_base(model.get_submodule(name)) is not None), None)
+    if adapted is not None:
+        raise ValueError(
+            f"sequence_parallel does not support adapters yet: '{adapted}' is a "
+            f"{type(model.get_submodule(adapted)).__name__} (an adapter beside its sharded layer); use "
+            f"sequence_parallel=False"
+        )
     for name in sorted(layout.sub_blocks):
         if type(model.get_submodule(name)).forward is nn.Module.forward:
             raise ValueError(

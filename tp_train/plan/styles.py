@@ -148,8 +148,17 @@ def pattern_matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names, strict=True))
 
 
+def adapted_base(module: nn.Module) -> nn.Module | None:
+    """The layer a peft adapter layer wraps (LoRA's `base_layer`, beside its `lora_A` and `lora_B`), else None: a
+    plan entry naming the adapter layer shards it as its base layer, adapters included (`tp_train.plan.adapters`)."""
+    return module._modules.get("base_layer") if isinstance(module._modules.get("lora_A"), nn.ModuleDict) else None
+
+
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
-    """(in_features, out_features) of an nn.Linear or a Hugging Face Conv1D, else None."""
+    """(in_features, out_features) of an nn.Linear or a Hugging Face Conv1D (or of the one an adapter layer wraps),
+    else None."""
+    if (base := adapted_base(module)) is not None:
+        return linear_shape(base)
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
@@ -224,6 +233,7 @@ def style_shard_spec(
     every rank holds it whole (a row layer's bias, a style that swaps nothing). `counts`: its attention's head
     counts, and the style's `arguments`, for the sections of a fused [q; k; v] projection and kv heads fewer than
     ranks (`column_layout`)."""
+    module = adapted_base(module) or module  # an adapter layer's base Linear (`adapted_base`)
     if style == "embedding_rowwise":
         return ShardSpec(dim=0, sections=(module.num_embeddings,), padded=True) if param_name == "weight" else None
     if style in NORM_STYLES:  # its weight split with the features it normalises

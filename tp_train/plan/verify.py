@@ -48,6 +48,7 @@ from tp_train.parallel.sharding import (
     unshard_tensor,
 )
 from tp_train.plan.probe import PROBE_TOKENS, eval_mode, forward_without_cache, probe_token_ids
+from tp_train.plan.styles import adapted_base
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
 HALF_PRECISION_TOLERANCE = 3e-2
@@ -109,10 +110,11 @@ class SwapCheck:
         """Raises `PlanVerificationError` on every rank when any rank's check found a difference (a collective)."""
         raise_first(self.problem, self.group)
 
-    def _differences(self, module: nn.Module, layer: nn.Module) -> dict[str, float]:
+    def _differences(self, module: nn.Module, wrapped: nn.Module) -> dict[str, float]:
         rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         weight = module.weight
         generator = torch.Generator().manual_seed(0)
+        layer = adapted_base(wrapped) or wrapped  # a LoRA layer runs as a whole, laid out as its base
         vocabulary = isinstance(layer, VocabParallelEmbedding) or layer.shard_specs["weight"].padded
         if isinstance(layer, VocabParallelEmbedding):
             inputs = torch.randint(0, layer.num_embeddings, (1, PROBE_TOKENS), generator=generator)
@@ -124,12 +126,12 @@ class SwapCheck:
         # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
         # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
         compare_parameters = not vocabulary and _overrides_forward(module)
-        flags = {param: param.requires_grad for param in chain(module.parameters(), layer.parameters())}
+        flags = {param: param.requires_grad for param in chain(module.parameters(), wrapped.parameters())}
         for param in flags:
             param.requires_grad_(param.requires_grad and compare_parameters)
         try:
             reference = module(inputs)
-            output = layer(local_inputs)
+            output = wrapped(local_inputs)
         finally:
             for param, flag in flags.items():
                 param.requires_grad_(flag)
@@ -152,11 +154,12 @@ class SwapCheck:
         if inputs.is_floating_point():
             expected = inputs.grad.chunk(world_size, -1)[rank] if _takes_input_shard(layer) else inputs.grad
             errors["input gradient"] = relative_difference(local_inputs.grad, expected)
-        for param_name, param in layer.named_parameters(recurse=False):
-            full_grad = getattr(module, param_name).grad
+        for param_name, param in wrapped.named_parameters(recurse=wrapped is not layer):  # a LoRA layer's adapters
+            full_grad = module.get_parameter(param_name).grad
             if not compare_parameters or param.grad is None or full_grad is None:
                 continue
-            param_spec = layer.shard_specs.get(param_name)
+            owner, _, leaf = param_name.rpartition(".")
+            param_spec = getattr(wrapped.get_submodule(owner), "shard_specs", {}).get(leaf)
             if param_spec is not None:
                 full_grad = shard_tensor(
                     full_grad.t() if param_spec.transposed else full_grad, param_spec, rank, world_size
