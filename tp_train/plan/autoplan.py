@@ -59,7 +59,14 @@ from tp_train.plan.probe import (
     split_sizes,
     trace_calls,
 )
-from tp_train.plan.styles import HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, WIDTH_ATTRIBUTES, linear_shape
+from tp_train.plan.styles import (
+    HEAD_ATTRIBUTES,
+    KV_HEAD_ATTRIBUTES,
+    WIDTH_ATTRIBUTES,
+    column_layout,
+    head_counts,
+    linear_shape,
+)
 
 INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
@@ -291,6 +298,13 @@ class _Planner:
         key = ("split", generic(column), generic(row), width, row_width, tuple(sorted(map(generic, frozen))))
         if key not in self._cache:
             candidates = [(style, (width // sections,) * sections) for style, sections in SPLITS]
+            # Unnamed, `fused_qkv_colwise` takes [q; k; v] from the head counts of the column's parent or the model's
+            # config; thirds they do not give (LFM2's conv in_proj, [B; C; x], in a grouped-query model) are named.
+            thirds = candidates[-1][1]
+            parent = self.modules.get(column.rpartition(".")[0])
+            counts = head_counts(parent, getattr(self.model, "config", None))
+            if column_layout("fused_qkv_colwise", width, counts)[0] != thirds:
+                candidates[-1] = (f"fused_qkv_colwise({','.join(map(str, thirds))})", thirds)
             sizes = split_sizes(self.calls[column].output, self.calls[row].input)
             if sizes and len(set(sizes)) > 1 and len(sizes) == 3:  # [q; k; v] of unequal sizes (grouped-query)
                 candidates.append((f"fused_qkv_colwise({','.join(map(str, sizes))})", sizes))
