@@ -51,14 +51,8 @@ from tp_train.plan.coverage import (
     kept_whole_notes,
 )
 from tp_train.plan.local_search import capture_calls, find_local_view
-from tp_train.plan.probe import (
-    forward_without_cache,
-    probe_copy,
-    probe_token_ids,
-    producers_of,
-    split_sizes,
-    trace_calls,
-)
+from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of, split_sizes, trace_calls
+from tp_train.plan.probe_input import ProbeInput, probe_input
 from tp_train.plan.styles import HEAD_ATTRIBUTES, KV_HEAD_ATTRIBUTES, WIDTH_ATTRIBUTES, linear_shape
 
 INFERRED_SOURCE = "inferred by the auto-planner"
@@ -66,6 +60,8 @@ COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that sh
 SPLITS = (("colwise", 1), ("packed_colwise", 2), ("fused_qkv_colwise", 3))  # style, sections of the output
 LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
 SMALL_WHOLE = 0.1  # an unpaired Linear in a block stays whole up to this fraction of its block's parameters
+# A per-head embedding table's weight (buckets, heads), split along its last dim with the heads (a parameter entry).
+TABLE_STYLE = "rowwise"
 
 
 @dataclass
@@ -76,6 +72,7 @@ class _Pair:
     between: set[str] = field(default_factory=set)  # modules whose parameters act between columns and row
     replicated: set[str] = field(default_factory=set)  # earlier row layers whose (all-reduced) output feeds it
     channels: dict[str, str] = field(default_factory=dict)  # modules holding per-channel parameters -> style
+    tables: set[str] = field(default_factory=set)  # per-head embedding tables feeding it (T5's relative bias)
 
 
 class InferredPlan(dict):
@@ -91,7 +88,7 @@ class _Stop(Exception):
 def infer_plan(
     model: nn.Module,
     tensor_parallel_size: int | None = None,
-    example_input: torch.Tensor | None = None,
+    example_input=None,
     given: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """A plan {module-name pattern: style} for `model`, inferred from its structure (see the module docstring).
@@ -99,7 +96,9 @@ def infer_plan(
     Args:
         model: the unsharded model; a model on the meta device is probed on a materialised copy.
         tensor_parallel_size: the tp the plan must be right for (default 2); shares are checked at this size.
-        example_input: the probe input; default (1, 8) random token ids below every embedding's size.
+        example_input: the probe input: a tensor, a tuple of positional or a dict of keyword arguments of the model's
+            forward; default the model's own (`tp_train.plan.probe_input`): a Hugging Face model's config-shaped
+            batch, else (1, 8) random token ids below every embedding's size.
         given: the model's own plan being completed (its entries win), counted as sharding what it names.
 
     Raises:
@@ -107,7 +106,7 @@ def infer_plan(
     """
     shares = max(tensor_parallel_size or 2, 2)
     with probe_copy(model) as probe:
-        inputs = example_input if example_input is not None else probe_token_ids(probe)
+        inputs = probe_input(probe, example_input)
         try:
             planner = _Planner(probe, inputs, shares, given or {})
             styles = planner.styles()
@@ -132,7 +131,7 @@ def format_plan(plan: dict[str, str], source: str) -> str:
 
 
 class _Planner:
-    def __init__(self, model: nn.Module, inputs: torch.Tensor, shares: int, given: dict[str, str]):
+    def __init__(self, model: nn.Module, inputs: ProbeInput, shares: int, given: dict[str, str]):
         self.model, self.inputs, self.shares, self.given = model, inputs, shares, given
         self.covered = covered_linears(model, given)
         self.modules = dict(model.named_modules())
@@ -175,6 +174,7 @@ class _Planner:
                 styles[enclosing] = "replicate"  # graceful: the rest of the model is still sharded
                 continue
             styles.update(pair.columns)
+            styles.update({f"{table}.weight": TABLE_STYLE for table in pair.tables})
             styles.setdefault(pair.row, "rowwise")
             styles.update(pair.channels)
             for name in pair.replicated:  # its replicated output re-enters a sharded region: f after its g
@@ -232,6 +232,10 @@ class _Planner:
                     "detached), so the planner cannot see where it goes" for name in self.untraced}  # fmt: skip
         for row in self.linears:
             producers, _ = self.producers[row]
+            # Embeddings beside the columns (not the token embedding) are per-head tables, as T5's relative position
+            # bias: split by heads with the columns; shared by rows (its bias is handed on to the later layers).
+            tables = {name for name in producers if name in self.embeddings and name != self.tokens}
+            producers = producers - tables
             from_linears_only = producers and producers <= set(self.linears)
             rows_done = {pair.row for pair in pairs}
             columns_done = {column: style for pair in pairs for column, style in pair.columns.items()}
@@ -260,6 +264,16 @@ class _Planner:
                     break
                 pair.columns[column] = style
             else:
+                pair.tables = tables
+                frozen = frozenset(pair.columns)
+                unsplit = next((table for table in sorted(tables) if not self._table_local(table, row, frozen)), None)
+                if unsplit is not None:
+                    reason = (
+                        f"the embedding '{unsplit}' feeds '{row}' beside its column layers, and no split of its "
+                        f"columns at tp={self.shares} gives each rank a share that feeds only that rank's share"
+                    )
+                    failures.update({name: reason for name in producers | {row}})
+                    continue
                 pair.attention = self._mixes_tokens(pair)
                 pair.between = self._between(pair)
                 if self._counts_heads_beside_a_norm(pair):
@@ -322,6 +336,13 @@ class _Planner:
                 return False
         return True
 
+    def _table_local(self, table: str, row: str, columns: frozenset) -> bool:
+        """Whether embedding `table`'s columns split evenly across ranks (its heads, one column each in T5's
+        relative position bias) feed only the same rank's share of `row`'s input, the row's `columns` held: a table
+        handed on to later layers also reaches them through the residual stream, which their columns read whole."""
+        width = _last_dim(self.calls[table].output)
+        return width % self.shares == 0 and self._local(table, row, (width,), columns)
+
     def _mixes_tokens(self, pair: _Pair) -> bool:
         """Whether a perturbation of the columns at the first token moves the row input at later tokens."""
         key = ("tokens", generic(pair.row), tuple(generic(name) for name in pair.columns))
@@ -381,12 +402,16 @@ class _Planner:
         enclosing = {name: pair for name, pair in enclosing.items() if name and name in self.calls}
         if not enclosing:
             return {}
-        batch = torch.cat([self.inputs, self.inputs])  # two sequences: per-head tensors that fold in the batch show
-        calls = capture_calls(self.model, batch, set(enclosing))
+        # two copies of the batch: per-head tensors that fold in the batch show
+        calls = capture_calls(self.model, self.inputs.doubled(), set(enclosing))
         views = {}
         for name, pair in enclosing.items():
             relative = {column[len(name) + 1 :]: style for column, style in pair.columns.items()}
             key = ("view", generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
+            # Not keyed by tables: T5's first layer computes the relative bias (its table inside it), the later
+            # layers take it as an argument, whole in this probe but already their heads' once sharded; the first
+            # layer's view holds for them.
+            relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
             if key not in self._cache:
                 row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
                 self._cache[key] = find_local_view(self.modules[name], calls[name], relative, row, self.shares, config)
@@ -418,9 +443,11 @@ class _Planner:
         return head if linear_shape(self.modules[head])[1] == self.modules[self.tokens].num_embeddings else None
 
     def _token_embedding(self) -> str | None:
+        """The embedding reading the probe's token ids (an encoder-decoder's shared one reads the decoder's too)."""
+        token_ids = [tensor for tensor in self.inputs.tensors() if not tensor.is_floating_point()]
         for name in self.embeddings:
             seen = self.calls[name].input
-            if seen.shape == self.inputs.shape and torch.equal(seen, self.inputs):
+            if any(seen.shape == ids.shape and torch.equal(seen, ids) for ids in token_ids):
                 module = self.modules[name]
                 if module.max_norm is None and not module.sparse and not module.scale_grad_by_freq:
                     return name
@@ -434,7 +461,7 @@ class _Planner:
         if not masks and row in self._bases:
             return self._bases[row]
         captured = {}
-        generator = torch.Generator(device=self.inputs.device).manual_seed(0)
+        generator = torch.Generator(device=self.calls[row].input.device).manual_seed(0)
 
         def perturb(module, args, output, mask):
             scale = output.detach().abs().mean() + 1e-3

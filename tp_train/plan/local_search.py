@@ -34,7 +34,8 @@ from tp_train.plan.local_view import (
     usual_fields,
 )
 from tp_train.plan.probe import forward_without_cache
-from tp_train.plan.styles import head_counts, linear_shape, split_style, style_shard_spec
+from tp_train.plan.probe_input import ProbeInput
+from tp_train.plan.styles import head_counts, linear_shape, parameter_shard_spec, split_style, style_shard_spec
 from tp_train.plan.verify import first_tensor, relative_difference
 
 MOST_CHANGES = 4  # largest set of changes tried at once
@@ -53,7 +54,7 @@ class ProbeCall:
         return copy.deepcopy((self.args, self.kwargs))
 
 
-def capture_calls(model: nn.Module, inputs: torch.Tensor, names: set[str]) -> dict[str, ProbeCall]:
+def capture_calls(model: nn.Module, inputs: ProbeInput, names: set[str]) -> dict[str, ProbeCall]:
     """The (last) call of each named module in one forward of `model` on `inputs`: its arguments, detached."""
     calls: dict[str, ProbeCall] = {}
     modules = dict(model.named_modules())
@@ -151,16 +152,29 @@ class _Recorded:
         return recorded
 
 
+class _LocalEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
 class _Ranks:
     """Builds each simulated rank's copy of the attention module: its column layers split as `apply_plan` splits
     them (the same `ShardSpec`s, from their styles, arguments and head counts, so kv heads fewer than ranks are
-    replicated) and, where they are, its kv heads made one per rank as `apply_plan` makes them."""
+    replicated), its per-head embedding tables as their parameter entries split them, and, where they are, its kv
+    heads made one per rank as `apply_plan` makes them."""
 
     def __init__(self, module: nn.Module, columns: dict[str, str], row: str, tp: int, config, reference: _Recorded):
         self.module, self.row, self.tp, self.reference = module, row, tp, reference
         self.specs, self.replicated = {}, {}
         for name, style in columns.items():
             child = module.get_submodule(name)
+            if isinstance(child, nn.Embedding):  # a per-head table (T5's relative position bias)
+                self.specs[name] = parameter_shard_spec(style, child, "weight")
+                continue
             parent = name.rpartition(".")[0]
             counts = head_counts(module.get_submodule(parent) if parent else module, config)
             base, arguments = split_style(style)
@@ -174,6 +188,9 @@ class _Ranks:
         memo = {}
         for name, spec in self.specs.items():
             child = self.module.get_submodule(name)
+            if isinstance(child, nn.Embedding):
+                memo[id(child)] = _LocalEmbedding(shard_tensor(child.weight.detach(), spec, rank, self.tp))
+                continue
             weight = child.weight.detach().t() if spec.transposed else child.weight.detach()
             bias = child.bias.detach() if getattr(child, "bias", None) is not None else None
             bias_spec = replace(spec, transposed=False, padded=False)

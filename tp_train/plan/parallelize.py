@@ -50,6 +50,7 @@ def parallelize(
     activation_checkpointing: bool = False,
     compile: bool = False,
     overlap: bool = True,
+    example_input=None,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -95,9 +96,14 @@ def parallelize(
             parallelism's reduce-scatter) asynchronously and compute the weight gradients while it runs
             (`tp_train.parallel.overlap`): the same collectives, the same results. Eager only (compiled models
             use functional collectives). False: the plain path, e.g. to measure what overlap saves.
+        example_input: what the model's forward takes, for the auto-planner's probe, verification and the region
+            check: a tensor (its one positional argument), a tuple (positional arguments) or a dict (keyword
+            arguments), the same on every rank; a batch or two of real inputs is plenty. Default: a Hugging Face
+            model's config-shaped batch (its `main_input_name`; pixel values, audio features, decoder token ids as
+            its config says), else random token ids (`tp_train.plan.probe_input`).
     """
     group = as_process_group(tp_group)
-    resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
+    resolved, source = resolve_plan(model, plan, dist.get_world_size(group), example_input)
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
     elif SKIPPED in source and dist.get_rank() == 0:
@@ -119,7 +125,7 @@ def parallelize(
     # Also syncs the default generator, so every rank inits alike.
     rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
     if regions is not None:  # the unsharded region modules' arguments and results, before any weight changes
-        regions.record(model)
+        regions.record(model, example_input)
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
     if check is not None:
         check.raise_on_difference()
@@ -136,7 +142,8 @@ def parallelize(
         model.tp_vocab_size = vocab_size
     whole_model_errors = None
     if skeleton is not None:
-        whole_model_errors = verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
+        reference = unsharded_reference(skeleton, model, group)
+        whole_model_errors = verify_parallelized(model, reference, group, planned, example_input)
     if check is not None and dist.get_rank() == 0:
         print(_verification_summary(check, regions, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)
