@@ -13,7 +13,8 @@ import tp_train
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, batch_parity_errors
 from tests.test_parallelize import ATOL
-from tp_train.tools.zoo_tasks import batches, build, output_tensor
+from tp_train.tools.zoo import build_family as build
+from tp_train.tools.zoo_tasks import batches, output_tensor
 
 MODELS = {  # name: (zoo task, family)
     "vit": ("image-classification", "vit"),

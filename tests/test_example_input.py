@@ -18,7 +18,7 @@ import tp_train
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import StepRecorder, make_trainer
 from tp_train.plan.probe_input import ProbeInput, dummy_batch, probe_input
-from tp_train.tools.zoo_tasks import build
+from tp_train.tools.zoo import build_family as build
 
 STEPS, BATCH, LABELS = 5, 4, 10
 

@@ -73,6 +73,7 @@ class _Pair:
     replicated: set[str] = field(default_factory=set)  # earlier row layers whose (all-reduced) output feeds it
     channels: dict[str, str] = field(default_factory=dict)  # modules holding per-channel parameters -> style
     tables: set[str] = field(default_factory=set)  # per-head embedding tables feeding it (T5's relative bias)
+    own: set[str] = field(default_factory=set)  # per-channel parameters of the attention module itself (DeBERTa's)
 
 
 class InferredPlan(dict):
@@ -167,6 +168,13 @@ class _Planner:
         self.head = self._head()
         pairs, failures = self._pairs_feeding_only_their_rows()
         pairs = [pair for pair in pairs if not self.covered & {pair.row, *pair.columns}]  # the given plan's entries win
+        self.split_tables = {
+            table
+            for pair in pairs
+            if pair.attention
+            for table in pair.tables
+            if table.startswith(_enclosing(pair) + ".")
+        }
         views = self._local_views(pairs)
         for pair in pairs:
             enclosing = _enclosing(pair) if pair.attention and not pair.channels else None
@@ -174,7 +182,15 @@ class _Planner:
                 styles[enclosing] = "replicate"  # graceful: the rest of the model is still sharded
                 continue
             styles.update(pair.columns)
-            styles.update({f"{table}.weight": TABLE_STYLE for table in pair.tables})
+            for table in pair.tables:
+                # Split with the heads where an attention computes its bias from it (T5's first layer); whole where
+                # a model hands every layer the bias of all heads (MPNet's encoder), each rank's attention taking
+                # its heads of it (a view), the table's gradient then summed over the ranks.
+                split = table in self.split_tables
+                styles[f"{table}.weight" if split else table] = (
+                    TABLE_STYLE if split else "replicated_with_grad_allreduce"
+                )
+            styles.update({name: "colwise" for name in pair.own})
             styles.setdefault(pair.row, "rowwise")
             styles.update(pair.channels)
             for name in pair.replicated:  # its replicated output re-enters a sharded region: f after its g
@@ -248,8 +264,12 @@ class _Planner:
                 continue
             if (producers | {row}) & self.untraced:
                 continue
-            if self.calls[row].calls != 1 or any(self.calls[name].calls != 1 for name in producers):
-                failures.update({name: "it is called more than once per forward" for name in producers | {row}})
+            if len({self.calls[name].calls for name in producers | {row}}) != 1:
+                # A layer reused as a whole (ALBERT's one layer, run at every depth) calls its columns and its row
+                # alike; a projection run for two roles (DeBERTa's key on hidden states and on relative positions),
+                # or only some of the pair, is not one split.
+                why = "it is called a different number of times per forward than the layers it pairs with"
+                failures.update({name: why for name in producers | {row}})
                 continue
             pair = _Pair(row, replicated=replicated)
             for column in sorted(producers - replicated, key=lambda name: self.calls[name].order):
@@ -276,6 +296,7 @@ class _Planner:
                     continue
                 pair.attention = self._mixes_tokens(pair)
                 pair.between = self._between(pair)
+                self._own_channels(pair)
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
                         f"an RMS norm between '{row}' and its column layers normalises over the split features in an "
@@ -286,6 +307,25 @@ class _Planner:
                 pairs.append(pair)
                 taken |= set(pair.columns) | {row}
         return pairs, failures
+
+    def _own_channels(self, pair: _Pair) -> None:
+        """Per-channel biases held by the attention module or a module inside it (DeBERTa's q_bias and v_bias, added
+        to each head's queries and values) keep the attention's style: they become entries of their own (`pair.own`,
+        full parameter names), split with the channels. Only when they are all the pair has between its layers: a
+        mixer's convolution, decays and state sizes (Mamba's) stay `channelwise`."""
+        enclosing = _enclosing(pair)
+        inside = all(owner == enclosing or owner.startswith(enclosing + ".") for owner in pair.channels)
+        if not pair.attention or not pair.channels or not inside:
+            return
+        channels = _last_dim(self.calls[pair.row].input)
+        used = {id(param) for param in self.producers[pair.row][1]}
+        own = {
+            f"{owner}.{name}": param for owner in pair.channels
+            for name, param in self.modules[owner].named_parameters(recurse=False)
+            if id(param) in used and param.dim() and param.shape[0] == channels
+        }  # fmt: skip
+        if all(style == "channelwise" for style in pair.channels.values()) and all(p.dim() == 1 for p in own.values()):
+            pair.channels, pair.own = {}, set(own)
 
     def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
         """Whether `pair` is attention with an `rmsnorm_parallel` norm between its layers whose enclosing module keeps
@@ -407,11 +447,14 @@ class _Planner:
         views = {}
         for name, pair in enclosing.items():
             relative = {column[len(name) + 1 :]: style for column, style in pair.columns.items()}
+            whole_tables = bool(pair.tables - self.split_tables)
             key = ("view", generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
-            # Not keyed by tables: T5's first layer computes the relative bias (its table inside it), the later
-            # layers take it as an argument, whole in this probe but already their heads' once sharded; the first
-            # layer's view holds for them.
+            key += (whole_tables,)
+            # Not keyed by the split tables: T5's first layer computes the relative bias (its table inside it), the
+            # later layers take it as an argument, whole in this probe but already their heads' once sharded; the
+            # first layer's view holds for them.
             relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
+            relative |= {own[len(name) + 1 :]: "colwise" for own in pair.own}
             if key not in self._cache:
                 row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
                 self._cache[key] = find_local_view(self.modules[name], calls[name], relative, row, self.shares, config)

@@ -171,6 +171,10 @@ class _Ranks:
         self.module, self.row, self.tp, self.reference = module, row, tp, reference
         self.specs, self.replicated = {}, {}
         for name, style in columns.items():
+            holder, attribute = _holder(module, name)
+            if attribute in holder._parameters:  # a per-channel parameter inside the attention (DeBERTa's q_bias)
+                self.specs[name] = parameter_shard_spec(style, holder, attribute)
+                continue
             child = module.get_submodule(name)
             if isinstance(child, nn.Embedding):  # a per-head table (T5's relative position bias)
                 self.specs[name] = parameter_shard_spec(style, child, "weight")
@@ -186,7 +190,12 @@ class _Ranks:
 
     def copy(self, rank: int) -> tuple[nn.Module, _RowStandIn]:
         memo = {}
+        own = {}
         for name, spec in self.specs.items():
+            holder, attribute = _holder(self.module, name)
+            if attribute in holder._parameters:
+                own[name] = shard_tensor(holder._parameters[attribute].detach(), spec, rank, self.tp)
+                continue
             child = self.module.get_submodule(name)
             if isinstance(child, nn.Embedding):
                 memo[id(child)] = _LocalEmbedding(shard_tensor(child.weight.detach(), spec, rank, self.tp))
@@ -198,13 +207,23 @@ class _Ranks:
             memo[id(child)] = _LocalLinear(shard_tensor(weight, spec, rank, self.tp), local_bias)
         stand_in = _RowStandIn(self.reference.row_output)
         memo[id(self.module.get_submodule(self.row))] = stand_in
-        return copy.deepcopy(self.module, memo), stand_in
+        local = copy.deepcopy(self.module, memo)
+        for name, shard in own.items():
+            holder, attribute = _holder(local, name)
+            holder._parameters[attribute] = nn.Parameter(shard)
+        return local, stand_in
 
     def localize(self, local: nn.Module, view: LocalView | None, rank: int) -> None:
         """`view` on a rank's copy, then its replicated kv heads, in `apply_plan`'s order."""
         apply_local_view(local, view, self.tp, rank)
         for parent, copies in self.replicated.items():
             share_replicated_kv_heads(local.get_submodule(parent) if parent else local, copies)
+
+
+def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding `name` (a submodule's or a parameter's dotted name under `module`), and its last part."""
+    parent, _, attribute = name.rpartition(".")
+    return (module.get_submodule(parent) if parent else module), attribute
 
 
 def _simulate(ranks: _Ranks, call: ProbeCall, view: LocalView | None, reference: _Recorded) -> str | None:
@@ -297,9 +316,11 @@ def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
         if not key.startswith("_") and _config_like(value):
             add_counts(f"{key}.", vars(value))
     for name, child in module.named_modules():
-        if name and name not in planned and not any(True for _ in child.parameters(recurse=False)):
-            if linear_shape(child) is None:
-                add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
+        # parameterless layers (einops'), and inner attention modules holding parameters of their own beside their
+        # layers (DeBERTa's self-attention, with its q_bias); not leaf layers with weights (embeddings, norms)
+        inner = not any(True for _ in child.parameters(recurse=False)) or any(True for _ in child.children())
+        if name and name not in planned and inner and linear_shape(child) is None:
+            add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
     return paths
 
 

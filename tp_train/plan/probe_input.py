@@ -16,6 +16,7 @@ A model neither fits is refused in one line naming it and the forward argument i
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -112,9 +113,10 @@ def probe_input(model: nn.Module, example=None, length: int = PROBE_TOKENS, batc
 def probe_token_ids(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1, seed: int = 0) -> torch.Tensor:
     """(batch, length) random token ids (drawn with `seed`) that every embedding of `model` accepts."""
     embeddings = [module for module in model.modules() if isinstance(module, nn.Embedding)]
-    if not embeddings:
+    vocabulary = getattr(getattr(model, "config", None), "vocab_size", None)  # I-BERT's embeddings are its own
+    if not embeddings and not isinstance(vocabulary, int):
         raise ValueError(needs_example_input(model, "it has no nn.Embedding to draw token ids for"))
-    high = min(module.num_embeddings for module in embeddings)
+    high = min(module.num_embeddings for module in embeddings) if embeddings else vocabulary
     return torch.randint(0, high, (batch, length), generator=torch.Generator().manual_seed(seed)).to(_device(model))
 
 
@@ -141,19 +143,23 @@ EXAMPLE_INPUT_HINT = (
 
 def dummy_batch(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1, seed: int = 0) -> ProbeInput | None:
     """A Hugging Face model's probe batch (random values drawn with `seed`), shaped by its config: its
-    `main_input_name`, `decoder_input_ids` for an encoder-decoder, and a dual encoder's (CLIP's) token ids with its
-    pixel values; None for a model that is not a Hugging Face model, or whose main input is none of these."""
+    `main_input_name` and the other inputs its forward requires (BLIP-2's retrieval takes images and text),
+    `decoder_input_ids` for an encoder-decoder, and a contrastive dual encoder's (CLIP's) token ids with its pixel
+    values; None for a model that is not a Hugging Face model, or needs an input not made here."""
     config, main = getattr(model, "config", None), getattr(model, "main_input_name", None)
     parameters = forward_parameters(model)
     if config is None or not isinstance(main, str) or main not in parameters:
         return None
-    names = [main]
+    required = [name for name, parameter in parameters.items() if parameter.default is inspect.Parameter.empty]
+    names = [main, *(name for name in required if name in MADE and name != main)]
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in parameters:
         names.append("decoder_input_ids")
-    if {"input_ids", "pixel_values"} <= parameters.keys() and _contrastive(model):
-        names += [name for name in ("input_ids", "pixel_values") if name not in names]
+    if "return_loss" in parameters:  # a contrastive dual encoder (CLIP, SigLIP, ALIGN): text and images
+        names += [name for name in ("input_ids", "pixel_values") if name in parameters]
+    if "pixel_values" in names and "spatial_shapes" in parameters:  # NaFlex patches: their mask and grid too
+        names += ["pixel_attention_mask", "spatial_shapes"]
     made = {}
-    for name in names:
+    for name in dict.fromkeys(names):
         value = _dummy(model, config, name, length, batch, seed + len(made))
         if value is None:
             return None
@@ -161,23 +167,30 @@ def dummy_batch(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1, se
     return ProbeInput((), made)
 
 
-def _contrastive(model: nn.Module) -> bool:
-    """A dual encoder scoring text against images (CLIP, SigLIP, ALIGN): it takes both and generates nothing. A
-    multimodal LM takes both too, but its token ids must hold image placeholders: it is probed on text alone."""
-    can_generate = getattr(model, "can_generate", None)
-    return callable(can_generate) and not can_generate()
+# The inputs made up, beside a model's main input when its forward requires them.
+MADE = ("input_ids", "decoder_input_ids", "pixel_values", "pixel_values_videos", "input_features", "input_values",
+        "pixel_attention_mask", "spatial_shapes")  # fmt: skip
+DEFAULT_IMAGE_SIZE = 64  # a vision config without `image_size` (convolutional networks)
 
 
 def _dummy(model: nn.Module, config, name: str, length: int, batch: int, seed: int) -> torch.Tensor | None:
     generator = torch.Generator().manual_seed(seed)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if name == "inputs":  # Perceiver's (and a speech encoder-decoder's) generic input: as the model reads it
+        name = _generic_input(model, config)
     if name in ("input_ids", "decoder_input_ids"):
         return probe_token_ids(model, length, batch, seed)
+    naflex = "spatial_shapes" in forward_parameters(model) and _holding(config, "num_patches") is not None
+    if name in ("pixel_values", "pixel_values_videos") and naflex:
+        return _patches(config, batch, generator, dtype)  # NaFlex: (batch, patches, channels x patch pixels)
+    if name in ("pixel_attention_mask", "spatial_shapes"):
+        patches = _holding(config, "num_patches").num_patches
+        if name == "pixel_attention_mask":
+            return torch.ones(batch, patches, dtype=torch.long)
+        return torch.tensor([[math.isqrt(patches), patches // math.isqrt(patches)]] * batch)
     if name in ("pixel_values", "pixel_values_videos"):
-        vision = _holding(config, "image_size")
-        if vision is None:
-            return None
-        height, width = _pair(vision.image_size)
+        vision = _holding(config, "image_size") or _holding(config, "num_channels") or config
+        height, width = _pair(getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE)
         channels = getattr(vision, "num_channels", None) or IMAGE_CHANNELS
         frames = (getattr(vision, "num_frames", None) or 1,) if name == "pixel_values_videos" else ()
         return torch.randn(batch, *frames, channels, height, width, generator=generator, dtype=dtype)
@@ -189,10 +202,38 @@ def _dummy(model: nn.Module, config, name: str, length: int, batch: int, seed: i
     return None
 
 
+def _patches(config, batch: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """SigLIP 2's NaFlex input: images already cut into `num_patches` patches of `patch_size` squared pixels."""
+    vision = _holding(config, "num_patches")
+    width = (getattr(vision, "num_channels", None) or IMAGE_CHANNELS) * vision.patch_size**2
+    return torch.randn(batch, vision.num_patches, width, generator=generator, dtype=dtype)
+
+
+def _generic_input(model: nn.Module, config) -> str:
+    """What a forward taking `inputs` reads: token ids where an embedding has the vocabulary's rows (Perceiver's
+    masked LM), else images or audio as the config describes."""
+    vocabulary = getattr(config, "vocab_size", None)
+    if any(isinstance(module, nn.Embedding) and module.num_embeddings == vocabulary for module in model.modules()):
+        return "input_ids"
+    return "pixel_values" if _holding(config, "image_size") else _audio_input(config) or "input_ids"
+
+
+def _audio_input(config) -> str | None:
+    """`input_features` for a config of spectrogram features, `input_values` for one of raw audio, else None."""
+    if _feature_shape(config, PROBE_TOKENS) is not None:
+        return "input_features"
+    return "input_values" if _holding(config, "conv_dim") or _holding(config, "sampling_rate") else None
+
+
 def _feature_shape(config, length: int) -> tuple[int, int] | None:
     """Audio features past the batch: Whisper's (mel bins, 2 x max_source_positions: its two convolutions halve the
-    frames to exactly the positions it has), Speech2Text's (frames, features x channels), else (frames, mel bins)."""
-    audio = _holding(config, "num_mel_bins") or _holding(config, "input_feat_per_channel")
+    frames to exactly the positions it has), Speech2Text's (frames, features x channels), else (frames, mel bins or
+    the feature projection's input width, SeamlessM4T's)."""
+    audio = next(
+        (found for field in ("num_mel_bins", "input_feat_per_channel", "feature_projection_input_dim")
+         if (found := _holding(config, field)) is not None),
+        None,
+    )  # fmt: skip
     if audio is None:
         return None
     positions = getattr(audio, "max_source_positions", None)
@@ -200,14 +241,14 @@ def _feature_shape(config, length: int) -> tuple[int, int] | None:
         return audio.num_mel_bins, 2 * positions
     if getattr(audio, "input_feat_per_channel", None):
         return 4 * length, audio.input_feat_per_channel * getattr(audio, "input_channels", 1)
-    return 4 * length, audio.num_mel_bins
+    return 4 * length, getattr(audio, "num_mel_bins", None) or audio.feature_projection_input_dim
 
 
 def _holding(config, field_name: str):
     """`config`, or the first of its sub-configs (vision, audio, encoder), that has `field_name` set."""
     if getattr(config, field_name, None) is not None:
         return config
-    for sub in ("vision_config", "audio_config", "encoder_config", "encoder"):
+    for sub in ("vision_config", "audio_config", "speech_config", "encoder_config", "encoder"):
         found = getattr(config, sub, None)
         if found is not None and getattr(found, field_name, None) is not None:
             return found

@@ -28,8 +28,52 @@ BATCH, LENGTH = 2, 16  # examples per batch and tokens per sequence
 # positions (Whisper's 32 frames), and a classifier of 10 labels.
 TASK_FIELDS = dict(image_size=32, patch_size=8, window_size=4, num_mel_bins=16, max_source_positions=16,
                    num_labels=10)  # fmt: skip
-# Fields a family needs beyond those, by task family name.
-FAMILY_TASK_FIELDS: dict[str, dict] = {}
+# Hierarchical vision models keep their sizes per stage, in lists of their own: the generic sizes are dropped (None).
+STAGES = dict(hidden_size=None, num_hidden_layers=None, num_attention_heads=None, intermediate_size=None)
+SWIN = dict(STAGES, embed_dim=32, depths=[2, 2], num_heads=[4, 8], window_size=4, patch_size=2)
+PYRAMID = dict(STAGES, image_size=64, hidden_sizes=[16, 32, 64, 128], num_attention_heads=[2, 2, 4, 8], depths=[1] * 4)
+# Fields a family needs beyond those (where its defaults disagree with the tiny sizes), by model type.
+FAMILY_TASK_FIELDS: dict[str, dict] = {
+    "mobilebert": dict(embedding_size=16, intra_bottleneck_size=16, num_feedforward_networks=1),
+    "squeezebert": dict(embedding_size=32),  # its embedding must be as wide as its blocks
+    "esm": dict(pad_token_id=1, mask_token_id=2),  # none by default: its embedding masks by them
+    "neomme": dict(head_dim=16),  # M-RoPE rotates a quarter of a head, in multiples of 4
+    "reformer": dict(is_decoder=False),  # its masked LM is bidirectional (the causal-LM zoo sets True)
+    "perceiver": dict(
+        d_model=32,
+        d_latents=32,
+        num_latents=16,
+        num_self_attends_per_block=2,
+        num_self_attention_heads=4,
+        num_cross_attention_heads=4,
+    ),  # fmt: skip
+    "swin": SWIN,
+    "donut-swin": SWIN,
+    "swinv2": dict(SWIN, pretrained_window_sizes=[0, 0]),
+    "pvt": dict(PYRAMID, sequence_reduction_ratios=[8, 4, 2, 1]),
+    "pvt_v2": PYRAMID,
+    "segformer": {key: value for key, value in PYRAMID.items() if key != "image_size"},
+    "hiera": dict(
+        STAGES, image_size=[64, 64], patch_size=[7, 7], embed_dim=32, num_heads=[2, 4, 8, 16], depths=[1] * 4
+    ),
+    # NaFlex patches: 16 of 8 x 8 pixels (a 4 x 4 grid)
+    "siglip2": dict(vision_config=dict(num_patches=16)),
+    # its Q-Former reads the vision tower's width and, for retrieval, the text
+    "blip-2": dict(qformer_config=dict(encoder_hidden_size=32, use_qformer_text_input=True)),
+    # BLIP's vision tower initialises at 1e-10 by default (its checkpoints set their weights): at the tiny size its
+    # norms then blow gradients up to 1e9
+    "blip": dict(vision_config=dict(initializer_range=0.02)),
+    "levit": dict(
+        STAGES,
+        image_size=64,
+        patch_size=16,
+        hidden_sizes=[32, 64, 96],
+        num_attention_heads=[4, 4, 4],
+        key_dim=[8, 8, 8],
+        depths=[1, 1, 1],
+        down_ops=[["Subsample", 8, 4, 4, 2, 2], ["Subsample", 8, 8, 4, 2, 2]],
+    ),  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -65,26 +109,45 @@ def task_families(task: str) -> list[str]:
     return [f"{name}.{tower}" for name in names for tower in TOWERS] if task == "towers" else names
 
 
-def build(task: str, family: str):
-    """The family's model for the task, from its tiny config (`tp_train.tools.zoo.tiny_config`, with
-    `TASK_FIELDS` and `FAMILY_TASK_FIELDS`), randomly initialised from the current seed."""
+def build(task: str, family: str, config: dict):
+    """The family's model for the task, randomly initialised from the current seed, from `config` (its tiny config,
+    `tp_train.tools.zoo.tiny_config`; a tower's, its dual encoder's) with `TASK_FIELDS` and `FAMILY_TASK_FIELDS`
+    (`tp_train.tools.zoo.build_family` passes it)."""
     import transformers
 
     from models.hf import hugging_face_model
 
     if task == "towers":
-        return _tower(*family.split("."))
-    auto_class = getattr(transformers, TASKS[task].auto_class)
-    return hugging_face_model(family, task_config(family), auto_class)
+        return _tower(*family.split("."), config)
+    if task == "causal-lm":  # as the causal-LM zoo always built them: text sizes only
+        return hugging_face_model(family, config, transformers.AutoModelForCausalLM)
+    return hugging_face_model(family, _without_none(task_config(family, config)), _model_class(task, family))
 
 
-def task_config(model_type: str) -> dict:
-    """`tiny_config(model_type)` with the task's sizes set in the config and in every sub-config that has them."""
+def _model_class(task: str, family: str):
+    """The task's class for the family: its auto class, or the first class its mapping names where it names several
+    (DeiT's classifier with and without a teacher, which the auto class cannot choose between from a config)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    named = getattr(modeling_auto, TASKS[task].mapping).get(family)
+    if isinstance(named, (tuple, list)):
+        return getattr(transformers, named[0])
+    return getattr(transformers, TASKS[task].auto_class)
+
+
+def _without_none(config: dict) -> dict:
+    """`config` without the fields a family sets to None in `FAMILY_TASK_FIELDS` (generic sizes it keeps per stage,
+    as lists of its own), in its sub-configs too."""
+    return {key: _without_none(value) if isinstance(value, dict) else value
+            for key, value in config.items() if value is not None}  # fmt: skip
+
+
+def task_config(model_type: str, config: dict) -> dict:
+    """`config` (a family's tiny config) with the task's sizes set in it and in every sub-config that has them."""
     from transformers import CONFIG_MAPPING
 
-    from tp_train.tools.zoo import tiny_config
-
-    config = tiny_config(model_type)
+    config = dict(config)
     try:
         defaults = CONFIG_MAPPING[model_type]()
     except Exception:  # noqa: BLE001 - the build reports it
@@ -94,7 +157,16 @@ def task_config(model_type: str) -> dict:
         sub = getattr(defaults, field, None)
         if isinstance(config.get(field), dict) and sub is not None:
             config[field] |= _sized(sub)
-    return config | FAMILY_TASK_FIELDS.get(model_type, {})
+    return _merged(config, FAMILY_TASK_FIELDS.get(model_type, {}))
+
+
+def _merged(config: dict, fields: dict) -> dict:
+    """`config` with `fields` set, a sub-config's dict merged into the sub-config's."""
+    merged = dict(config)
+    for key, value in fields.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merged(merged[key], value) if both else value
+    return merged
 
 
 def _sized(defaults) -> dict:
@@ -102,13 +174,13 @@ def _sized(defaults) -> dict:
     return {field: value for field, value in TASK_FIELDS.items() if field in vars(defaults) or field == "num_labels"}
 
 
-def _tower(model_type: str, tower: str):
+def _tower(model_type: str, tower: str, config: dict):
     """A dual encoder's text or vision tower: the family's own tower class (`CLIPTextModel`, `SiglipVisionModel`)
     built from the tiny whole model's sub-config, or the auto class of the sub-config's type (BLIP-2's OPT)."""
     import transformers
     from transformers import PreTrainedModel
 
-    whole = build("dual-encoder", model_type)
+    whole = build("dual-encoder", model_type, config)
     config = getattr(whole.config, f"{tower}_config")
     module = sys.modules[type(whole).__module__]
     classes = [
@@ -134,9 +206,7 @@ def batches(task: str, model, steps: int) -> list[tuple]:
     for step in range(steps):
         generator = torch.Generator().manual_seed(1234 + step)
         if task == "causal-lm":
-            from tp_train.tools.zoo import VOCAB
-
-            idx = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
+            idx = torch.randint(0, model.config.vocab_size, (BATCH, LENGTH), generator=generator)
             pairs.append((ProbeInput((idx,)), lambda output, idx=idx: _next_token_loss(output, idx)))
             continue
         inputs = dummy_batch(model, LENGTH, BATCH, seed=1234 + 10 * step)
