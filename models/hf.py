@@ -58,10 +58,22 @@ def hugging_face_causal_lm(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.pretrained_weights = str(directory)
         return model
+    return hugging_face_model(type, config, AutoModelForCausalLM)
+
+
+def hugging_face_model(type: str, config: dict | None = None, auto_class=None) -> nn.Module:
+    """A Hugging Face model of family `type` for one task, built from its config with random init: `auto_class`
+    is the task's auto class (`AutoModelForMaskedLM`, `AutoModelForSeq2SeqLM`, ...; default `AutoModel`, the bare
+    model, as a CLIP text or vision tower is) or a model class (`DeiTForImageClassification`), `config` as
+    `hugging_face_causal_lm`'s."""
+    from transformers import AutoConfig, AutoModel
+
     fields = _config_fields(type, dict(config or {}))
+    auto_class = auto_class or AutoModel
+    build = getattr(auto_class, "from_config", None) or auto_class._from_config
     try:
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(type, **fields))
-    except ValueError as error:  # the family's own validation (GPT-Neo's attention_types), or no causal LM head
+        return build(AutoConfig.for_model(type, **fields))
+    except ValueError as error:  # the family's own validation (GPT-Neo's attention_types), or no head for the task
         raise ValueError(f"type={type}: {' '.join(str(error).split())}") from None
 
 

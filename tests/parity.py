@@ -35,17 +35,26 @@ def parity_errors(
     sharded parameters' elements (about 1/tp), and `block_fraction`, its share of the block matrices.
     `parallelize_kwargs` go to `tp_train.parallelize`.
     """
-    group = dist.group.WORLD
-    model = tp_train.parallelize(copy.deepcopy(reference), **(parallelize_kwargs or {}))
     generator = torch.Generator().manual_seed(1234)
     batches = [torch.randint(0, vocab_size, (2, seq_len), generator=generator) for _ in range(steps)]
+    return batch_parity_errors(
+        reference, [(idx, forward, lambda logits, idx=idx: next_token_loss(logits, idx)) for idx in batches],
+        parallelize_kwargs,
+    )  # fmt: skip
+
+
+def batch_parity_errors(reference, steps: list[tuple], parallelize_kwargs: dict | None = None) -> dict[str, float]:
+    """`parity_errors` over any inputs: one SGD step per `(batch, forward, loss)` in `steps`, where
+    `forward(model, batch)` returns the output compared (as `logits`) and `loss(output)` the scalar trained on."""
+    group = dist.group.WORLD
+    model = tp_train.parallelize(copy.deepcopy(reference), **(parallelize_kwargs or {}))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_params = dict(reference.named_parameters())
     errors: dict[str, float] = {}
-    for step, idx in enumerate(batches):
-        ref_logits, logits = forward(reference, idx), forward(model, idx)
-        ref_loss, loss = next_token_loss(ref_logits, idx), next_token_loss(logits, idx)
+    for step, (batch, forward, loss_of) in enumerate(steps):
+        ref_logits, logits = forward(reference, batch), forward(model, batch)
+        ref_loss, loss = loss_of(ref_logits), loss_of(logits)
         ref_loss.backward()
         loss.backward()
         errors[f"loss_step{step}"] = (ref_loss - loss).abs().item()

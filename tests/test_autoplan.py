@@ -145,7 +145,7 @@ REFUSALS = {
         "the auto-planner cannot plan 'inner.model.layers.0.self_attn.q_proj' (Linear 64->64): no split of "
         "'inner.model.layers.0.self_attn.k_proj' (colwise, packed_colwise, fused_qkv_colwise) at tp=4",
     ),
-    "cannot_run": (_NoForward, 2, "the auto-planner could not run _NoForward on a probe batch of shape (1, 8)"),
+    "cannot_run": (_NoForward, 2, "the auto-planner could not run _NoForward on its probe input (input (1, 8))"),
 }
 
 

@@ -46,6 +46,7 @@ from typing_extensions import override
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.lightning import rendezvous
+from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.precision import tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -314,7 +315,8 @@ class TensorParallelStrategy(DDPStrategy):
             if not any(t.is_meta for t in root.parameters()):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)
-            for _, module in targets:
+            examples = example_inputs(self.lightning_module.trainer, root, targets, self.tensor_parallel_group)
+            for name, module in targets:
                 parallelize(
                     module,
                     self.tensor_parallel_group,
@@ -326,6 +328,7 @@ class TensorParallelStrategy(DDPStrategy):
                     overlap=self.overlap,
                     sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.activation_checkpointing,
+                    example_input=examples.get(name),
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):

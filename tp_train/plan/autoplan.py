@@ -51,14 +51,8 @@ from tp_train.plan.coverage import (
     kept_whole_notes,
 )
 from tp_train.plan.local_search import capture_calls, find_local_view
-from tp_train.plan.probe import (
-    forward_without_cache,
-    probe_copy,
-    probe_token_ids,
-    producers_of,
-    split_sizes,
-    trace_calls,
-)
+from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of, split_sizes, trace_calls
+from tp_train.plan.probe_input import ProbeInput, probe_input
 from tp_train.plan.styles import (
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
@@ -73,6 +67,8 @@ COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that sh
 SPLITS = (("colwise", 1), ("packed_colwise", 2), ("fused_qkv_colwise", 3))  # style, sections of the output
 LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
 SMALL_WHOLE = 0.1  # an unpaired Linear in a block stays whole up to this fraction of its block's parameters
+# A per-head embedding table's weight (buckets, heads), split along its last dim with the heads (a parameter entry).
+TABLE_STYLE = "rowwise"
 
 
 @dataclass
@@ -83,6 +79,8 @@ class _Pair:
     between: set[str] = field(default_factory=set)  # modules whose parameters act between columns and row
     replicated: set[str] = field(default_factory=set)  # earlier row layers whose (all-reduced) output feeds it
     channels: dict[str, str] = field(default_factory=dict)  # modules holding per-channel parameters -> style
+    tables: set[str] = field(default_factory=set)  # per-head embedding tables feeding it (T5's relative bias)
+    own: set[str] = field(default_factory=set)  # per-channel parameters of the attention module itself (DeBERTa's)
 
 
 class InferredPlan(dict):
@@ -98,7 +96,7 @@ class _Stop(Exception):
 def infer_plan(
     model: nn.Module,
     tensor_parallel_size: int | None = None,
-    example_input: torch.Tensor | None = None,
+    example_input=None,
     given: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """A plan {module-name pattern: style} for `model`, inferred from its structure (see the module docstring).
@@ -106,7 +104,9 @@ def infer_plan(
     Args:
         model: the unsharded model; a model on the meta device is probed on a materialised copy.
         tensor_parallel_size: the tp the plan must be right for (default 2); shares are checked at this size.
-        example_input: the probe input; default (1, 8) random token ids below every embedding's size.
+        example_input: the probe input: a tensor, a tuple of positional or a dict of keyword arguments of the model's
+            forward; default the model's own (`tp_train.plan.probe_input`): a Hugging Face model's config-shaped
+            batch, else (1, 8) random token ids below every embedding's size.
         given: the model's own plan being completed (its entries win), counted as sharding what it names.
 
     Raises:
@@ -114,7 +114,7 @@ def infer_plan(
     """
     shares = max(tensor_parallel_size or 2, 2)
     with probe_copy(model) as probe:
-        inputs = example_input if example_input is not None else probe_token_ids(probe)
+        inputs = probe_input(probe, example_input)
         try:
             planner = _Planner(probe, inputs, shares, given or {})
             styles = planner.styles()
@@ -139,7 +139,7 @@ def format_plan(plan: dict[str, str], source: str) -> str:
 
 
 class _Planner:
-    def __init__(self, model: nn.Module, inputs: torch.Tensor, shares: int, given: dict[str, str]):
+    def __init__(self, model: nn.Module, inputs: ProbeInput, shares: int, given: dict[str, str]):
         self.model, self.inputs, self.shares, self.given = model, inputs, shares, given
         self.covered = covered_linears(model, given)
         self.modules = dict(model.named_modules())
@@ -175,6 +175,13 @@ class _Planner:
         self.head = self._head()
         pairs, failures = self._pairs_feeding_only_their_rows()
         pairs = [pair for pair in pairs if not self.covered & {pair.row, *pair.columns}]  # the given plan's entries win
+        self.split_tables = {
+            table
+            for pair in pairs
+            if pair.attention
+            for table in pair.tables
+            if table.startswith(_enclosing(pair) + ".")
+        }
         views = self._local_views(pairs)
         for pair in pairs:
             enclosing = _enclosing(pair) if pair.attention and not pair.channels else None
@@ -182,6 +189,15 @@ class _Planner:
                 styles[enclosing] = "replicate"  # graceful: the rest of the model is still sharded
                 continue
             styles.update(pair.columns)
+            for table in pair.tables:
+                # Split with the heads where an attention computes its bias from it (T5's first layer); whole where
+                # a model hands every layer the bias of all heads (MPNet's encoder), each rank's attention taking
+                # its heads of it (a view), the table's gradient then summed over the ranks.
+                split = table in self.split_tables
+                styles[f"{table}.weight" if split else table] = (
+                    TABLE_STYLE if split else "replicated_with_grad_allreduce"
+                )
+            styles.update({name: "colwise" for name in pair.own})
             styles.setdefault(pair.row, "rowwise")
             styles.update(pair.channels)
             for name in pair.replicated:  # its replicated output re-enters a sharded region: f after its g
@@ -239,6 +255,10 @@ class _Planner:
                     "detached), so the planner cannot see where it goes" for name in self.untraced}  # fmt: skip
         for row in self.linears:
             producers, _ = self.producers[row]
+            # Embeddings beside the columns (not the token embedding) are per-head tables, as T5's relative position
+            # bias: split by heads with the columns; shared by rows (its bias is handed on to the later layers).
+            tables = {name for name in producers if name in self.embeddings and name != self.tokens}
+            producers = producers - tables
             from_linears_only = producers and producers <= set(self.linears)
             rows_done = {pair.row for pair in pairs}
             columns_done = {column: style for pair in pairs for column, style in pair.columns.items()}
@@ -251,8 +271,12 @@ class _Planner:
                 continue
             if (producers | {row}) & self.untraced:
                 continue
-            if self.calls[row].calls != 1 or any(self.calls[name].calls != 1 for name in producers):
-                failures.update({name: "it is called more than once per forward" for name in producers | {row}})
+            if len({self.calls[name].calls for name in producers | {row}}) != 1:
+                # A layer reused as a whole (ALBERT's one layer, run at every depth) calls its columns and its row
+                # alike; a projection run for two roles (DeBERTa's key on hidden states and on relative positions),
+                # or only some of the pair, is not one split.
+                why = "it is called a different number of times per forward than the layers it pairs with"
+                failures.update({name: why for name in producers | {row}})
                 continue
             pair = _Pair(row, replicated=replicated)
             for column in sorted(producers - replicated, key=lambda name: self.calls[name].order):
@@ -267,8 +291,19 @@ class _Planner:
                     break
                 pair.columns[column] = style
             else:
+                pair.tables = tables
+                frozen = frozenset(pair.columns)
+                unsplit = next((table for table in sorted(tables) if not self._table_local(table, row, frozen)), None)
+                if unsplit is not None:
+                    reason = (
+                        f"the embedding '{unsplit}' feeds '{row}' beside its column layers, and no split of its "
+                        f"columns at tp={self.shares} gives each rank a share that feeds only that rank's share"
+                    )
+                    failures.update({name: reason for name in producers | {row}})
+                    continue
                 pair.attention = self._mixes_tokens(pair)
                 pair.between = self._between(pair)
+                self._own_channels(pair)
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
                         f"an RMS norm between '{row}' and its column layers normalises over the split features in an "
@@ -279,6 +314,25 @@ class _Planner:
                 pairs.append(pair)
                 taken |= set(pair.columns) | {row}
         return pairs, failures
+
+    def _own_channels(self, pair: _Pair) -> None:
+        """Per-channel biases held by the attention module or a module inside it (DeBERTa's q_bias and v_bias, added
+        to each head's queries and values) keep the attention's style: they become entries of their own (`pair.own`,
+        full parameter names), split with the channels. Only when they are all the pair has between its layers: a
+        mixer's convolution, decays and state sizes (Mamba's) stay `channelwise`."""
+        enclosing = _enclosing(pair)
+        inside = all(owner == enclosing or owner.startswith(enclosing + ".") for owner in pair.channels)
+        if not pair.attention or not pair.channels or not inside:
+            return
+        channels = _last_dim(self.calls[pair.row].input)
+        used = {id(param) for param in self.producers[pair.row][1]}
+        own = {
+            f"{owner}.{name}": param for owner in pair.channels
+            for name, param in self.modules[owner].named_parameters(recurse=False)
+            if id(param) in used and param.dim() and param.shape[0] == channels
+        }  # fmt: skip
+        if all(style == "channelwise" for style in pair.channels.values()) and all(p.dim() == 1 for p in own.values()):
+            pair.channels, pair.own = {}, set(own)
 
     def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
         """Whether `pair` is attention with an `rmsnorm_parallel` norm between its layers whose enclosing module keeps
@@ -335,6 +389,13 @@ class _Planner:
             if not effect > 0 or (outside.numel() and outside.max().item() > LEAK_TOLERANCE * effect):
                 return False
         return True
+
+    def _table_local(self, table: str, row: str, columns: frozenset) -> bool:
+        """Whether embedding `table`'s columns split evenly across ranks (its heads, one column each in T5's
+        relative position bias) feed only the same rank's share of `row`'s input, the row's `columns` held: a table
+        handed on to later layers also reaches them through the residual stream, which their columns read whole."""
+        width = _last_dim(self.calls[table].output)
+        return width % self.shares == 0 and self._local(table, row, (width,), columns)
 
     def _mixes_tokens(self, pair: _Pair) -> bool:
         """Whether a perturbation of the columns at the first token moves the row input at later tokens."""
@@ -395,12 +456,19 @@ class _Planner:
         enclosing = {name: pair for name, pair in enclosing.items() if name and name in self.calls}
         if not enclosing:
             return {}
-        batch = torch.cat([self.inputs, self.inputs])  # two sequences: per-head tensors that fold in the batch show
-        calls = capture_calls(self.model, batch, set(enclosing))
+        # two copies of the batch: per-head tensors that fold in the batch show
+        calls = capture_calls(self.model, self.inputs.doubled(), set(enclosing))
         views = {}
         for name, pair in enclosing.items():
             relative = {column[len(name) + 1 :]: style for column, style in pair.columns.items()}
+            whole_tables = bool(pair.tables - self.split_tables)
             key = ("view", generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
+            key += (whole_tables,)
+            # Not keyed by the split tables: T5's first layer computes the relative bias (its table inside it), the
+            # later layers take it as an argument, whole in this probe but already their heads' once sharded; the
+            # first layer's view holds for them.
+            relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
+            relative |= {own[len(name) + 1 :]: "colwise" for own in pair.own}
             if key not in self._cache:
                 row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
                 self._cache[key] = find_local_view(self.modules[name], calls[name], relative, row, self.shares, config)
@@ -432,9 +500,11 @@ class _Planner:
         return head if linear_shape(self.modules[head])[1] == self.modules[self.tokens].num_embeddings else None
 
     def _token_embedding(self) -> str | None:
+        """The embedding reading the probe's token ids (an encoder-decoder's shared one reads the decoder's too)."""
+        token_ids = [tensor for tensor in self.inputs.tensors() if not tensor.is_floating_point()]
         for name in self.embeddings:
             seen = self.calls[name].input
-            if seen.shape == self.inputs.shape and torch.equal(seen, self.inputs):
+            if any(seen.shape == ids.shape and torch.equal(seen, ids) for ids in token_ids):
                 module = self.modules[name]
                 if module.max_norm is None and not module.sparse and not module.scale_grad_by_freq:
                     return name
@@ -448,7 +518,7 @@ class _Planner:
         if not masks and row in self._bases:
             return self._bases[row]
         captured = {}
-        generator = torch.Generator(device=self.inputs.device).manual_seed(0)
+        generator = torch.Generator(device=self.calls[row].input.device).manual_seed(0)
 
         def perturb(module, args, output, mask):
             scale = output.detach().abs().mean() + 1e-3

@@ -81,9 +81,10 @@ def in_block(model: nn.Module, name: str) -> bool:
 
 
 def as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
-    """`styles` with numbered names folded into `*` patterns wherever every module a pattern matches has the
-    same style; in the order of `named_modules`."""
+    """`styles` (of modules, and of parameters: a per-head table's weight) with numbered names folded into `*`
+    patterns wherever every name a pattern matches has the same style; in the order of `named_modules`."""
     names = [name for name, _ in model.named_modules() if name]
+    names += [name for name, _ in model.named_parameters() if name in styles]
     plan: dict[str, str] = {}
     for name in names:
         if name not in styles:

@@ -34,7 +34,8 @@ from tp_train.plan.local_view import (
     usual_fields,
 )
 from tp_train.plan.probe import forward_without_cache
-from tp_train.plan.styles import head_counts, linear_shape, split_style, style_shard_spec
+from tp_train.plan.probe_input import ProbeInput
+from tp_train.plan.styles import head_counts, linear_shape, parameter_shard_spec, split_style, style_shard_spec
 from tp_train.plan.verify import first_tensor, relative_difference
 
 MOST_CHANGES = 4  # largest set of changes tried at once
@@ -53,7 +54,7 @@ class ProbeCall:
         return copy.deepcopy((self.args, self.kwargs))
 
 
-def capture_calls(model: nn.Module, inputs: torch.Tensor, names: set[str]) -> dict[str, ProbeCall]:
+def capture_calls(model: nn.Module, inputs: ProbeInput, names: set[str]) -> dict[str, ProbeCall]:
     """The (last) call of each named module in one forward of `model` on `inputs`: its arguments, detached."""
     calls: dict[str, ProbeCall] = {}
     modules = dict(model.named_modules())
@@ -151,16 +152,33 @@ class _Recorded:
         return recorded
 
 
+class _LocalEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
 class _Ranks:
     """Builds each simulated rank's copy of the attention module: its column layers split as `apply_plan` splits
     them (the same `ShardSpec`s, from their styles, arguments and head counts, so kv heads fewer than ranks are
-    replicated) and, where they are, its kv heads made one per rank as `apply_plan` makes them."""
+    replicated), its per-head embedding tables as their parameter entries split them, and, where they are, its kv
+    heads made one per rank as `apply_plan` makes them."""
 
     def __init__(self, module: nn.Module, columns: dict[str, str], row: str, tp: int, config, reference: _Recorded):
         self.module, self.row, self.tp, self.reference = module, row, tp, reference
         self.specs, self.replicated = {}, {}
         for name, style in columns.items():
+            holder, attribute = _holder(module, name)
+            if attribute in holder._parameters:  # a per-channel parameter inside the attention (DeBERTa's q_bias)
+                self.specs[name] = parameter_shard_spec(style, holder, attribute)
+                continue
             child = module.get_submodule(name)
+            if isinstance(child, nn.Embedding):  # a per-head table (T5's relative position bias)
+                self.specs[name] = parameter_shard_spec(style, child, "weight")
+                continue
             parent = name.rpartition(".")[0]
             counts = head_counts(module.get_submodule(parent) if parent else module, config)
             base, arguments = split_style(style)
@@ -172,8 +190,16 @@ class _Ranks:
 
     def copy(self, rank: int) -> tuple[nn.Module, _RowStandIn]:
         memo = {}
+        own = {}
         for name, spec in self.specs.items():
+            holder, attribute = _holder(self.module, name)
+            if attribute in holder._parameters:
+                own[name] = shard_tensor(holder._parameters[attribute].detach(), spec, rank, self.tp)
+                continue
             child = self.module.get_submodule(name)
+            if isinstance(child, nn.Embedding):
+                memo[id(child)] = _LocalEmbedding(shard_tensor(child.weight.detach(), spec, rank, self.tp))
+                continue
             weight = child.weight.detach().t() if spec.transposed else child.weight.detach()
             bias = child.bias.detach() if getattr(child, "bias", None) is not None else None
             bias_spec = replace(spec, transposed=False, padded=False)
@@ -181,13 +207,23 @@ class _Ranks:
             memo[id(child)] = _LocalLinear(shard_tensor(weight, spec, rank, self.tp), local_bias)
         stand_in = _RowStandIn(self.reference.row_output)
         memo[id(self.module.get_submodule(self.row))] = stand_in
-        return copy.deepcopy(self.module, memo), stand_in
+        local = copy.deepcopy(self.module, memo)
+        for name, shard in own.items():
+            holder, attribute = _holder(local, name)
+            holder._parameters[attribute] = nn.Parameter(shard)
+        return local, stand_in
 
     def localize(self, local: nn.Module, view: LocalView | None, rank: int) -> None:
         """`view` on a rank's copy, then its replicated kv heads, in `apply_plan`'s order."""
         apply_local_view(local, view, self.tp, rank)
         for parent, copies in self.replicated.items():
             share_replicated_kv_heads(local.get_submodule(parent) if parent else local, copies)
+
+
+def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding `name` (a submodule's or a parameter's dotted name under `module`), and its last part."""
+    parent, _, attribute = name.rpartition(".")
+    return (module.get_submodule(parent) if parent else module), attribute
 
 
 def _simulate(ranks: _Ranks, call: ProbeCall, view: LocalView | None, reference: _Recorded) -> str | None:
@@ -280,9 +316,11 @@ def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
         if not key.startswith("_") and _config_like(value):
             add_counts(f"{key}.", vars(value))
     for name, child in module.named_modules():
-        if name and name not in planned and not any(True for _ in child.parameters(recurse=False)):
-            if linear_shape(child) is None:
-                add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
+        # parameterless layers (einops'), and inner attention modules holding parameters of their own beside their
+        # layers (DeBERTa's self-attention, with its q_bias); not leaf layers with weights (embeddings, norms)
+        inner = not any(True for _ in child.parameters(recurse=False)) or any(True for _ in child.children())
+        if name and name not in planned and inner and linear_shape(child) is None:
+            add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
     return paths
 
 

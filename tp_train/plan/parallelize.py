@@ -51,6 +51,7 @@ def parallelize(
     activation_checkpointing: bool = False,
     compile: bool = False,
     overlap: bool | None = None,
+    example_input=None,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -98,16 +99,21 @@ def parallelize(
             use functional collectives). False: the plain path, e.g. to measure what overlap saves. Default None:
             on with NCCL, which runs collectives beside the compute, off with gloo, whose collectives take the CPU
             cores the compute needs (slower in the benchmark's CPU runs).
+        example_input: what the model's forward takes, for the auto-planner's probe, verification and the region
+            check: a tensor (its one positional argument), a tuple (positional arguments) or a dict (keyword
+            arguments), the same on every rank; a batch or two of real inputs is plenty. Default: a Hugging Face
+            model's config-shaped batch (its `main_input_name`; pixel values, audio features, decoder token ids as
+            its config says), else random token ids (`tp_train.plan.probe_input`).
     """
     wrapped = adapted_model(model)
     if wrapped is not None:  # a peft wrapper: its model is planned in the names its own plan uses
         settings = dict(plan=plan, loss_parallel=loss_parallel, device=device, verify=verify, weights=weights,
                         sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
-                        compile=compile, overlap=overlap)  # fmt: skip
+                        compile=compile, overlap=overlap, example_input=example_input)  # fmt: skip
         parallelize(wrapped[1], tp_group, **settings)
         return model
     group = as_process_group(tp_group)
-    resolved, source = resolve_plan(model, plan, tensor_parallel_size=dist.get_world_size(group))
+    resolved, source = resolve_plan(model, plan, dist.get_world_size(group), example_input)
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
     elif SKIPPED in source and dist.get_rank() == 0:
@@ -129,7 +135,7 @@ def parallelize(
     # Also syncs the default generator, so every rank inits alike.
     rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
     if regions is not None:  # the unsharded region modules' arguments and results, before any weight changes
-        regions.record(model)
+        regions.record(model, example_input)
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
     if check is not None:
         check.raise_on_difference()
@@ -146,7 +152,8 @@ def parallelize(
         model.tp_vocab_size = vocab_size
     whole_model_errors = None
     if skeleton is not None:
-        whole_model_errors = verify_parallelized(model, unsharded_reference(skeleton, model, group), group, planned)
+        reference = unsharded_reference(skeleton, model, group)
+        whole_model_errors = verify_parallelized(model, reference, group, planned, example_input)
     if check is not None and dist.get_rank() == 0:
         print(_verification_summary(check, regions, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)

@@ -6,7 +6,6 @@ on the meta device.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,8 +15,7 @@ import torch.nn as nn
 
 from tp_train.errors import first_line
 from tp_train.plan.apply import materialize
-
-PROBE_TOKENS = 8
+from tp_train.plan.probe_input import EXAMPLE_INPUT_HINT, ProbeInput, forward_argument
 
 
 @dataclass
@@ -28,9 +26,12 @@ class ModuleCall:
     calls: int = 0
 
 
-def trace_calls(model: nn.Module, inputs: torch.Tensor) -> dict[str, ModuleCall]:
+def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
     """Every module called in one forward: entry order, call count, and (for the last call) its first input and
-    first tensor output, with autograd history."""
+    first tensor output, with autograd history.
+
+    Raises:
+        ValueError: one line naming the model, the probe's input and the innermost module whose forward raised."""
     calls: dict[str, ModuleCall] = {}
     handles = []
 
@@ -53,13 +54,13 @@ def trace_calls(model: nn.Module, inputs: torch.Tensor) -> dict[str, ModuleCall]
         if name:
             handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave(name))]
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), running_modules(model) as running:
             forward_without_cache(model, inputs)
     except Exception as error:  # noqa: BLE001 - any failure of the probe is reported as one line
+        where = f" in the forward of '{running[-1]}'" if running else ""
         raise ValueError(
-            f"the auto-planner could not run {type(model).__name__} on a probe batch of shape {tuple(inputs.shape)} "
-            f"({first_line(error)}); pass example_input=..., "
-            f"or give the model a `tp_plan`"
+            f"the auto-planner could not run {type(model).__name__} on its probe input ({inputs.describe(model)})"
+            f"{where}: {first_line(error)}; for {forward_argument(model)}, {EXAMPLE_INPUT_HINT}"
         ) from error
     finally:
         for handle in handles:
@@ -67,15 +68,35 @@ def trace_calls(model: nn.Module, inputs: torch.Tensor) -> dict[str, ModuleCall]
     return calls
 
 
-def forward_without_cache(model: nn.Module, inputs: torch.Tensor):
-    """`model(inputs)`, with `use_cache=False` where its forward takes `use_cache` (Hugging Face models): a probe
-    wants the dataflow, not a generation cache, and some models' default cache cannot be built from their layers
-    (the decoder of BART or Pegasus used as a causal LM, a hybrid whose layers are all linear attention)."""
+def forward_without_cache(model: nn.Module, inputs: ProbeInput | torch.Tensor):
+    """`model` on `inputs` (a `ProbeInput`, or one tensor), without a generation cache (`ProbeInput.__call__`)."""
+    return ProbeInput.of(inputs)(model)
+
+
+@contextmanager
+def running_modules(model: nn.Module) -> Iterator[list[str]]:
+    """A list that holds, during a forward of `model`, the names of the modules whose forward has begun and not
+    returned, outermost first; after a forward that raised, it still holds them: its last is where it failed."""
+    running: list[str] = []
+
+    def enter(name):
+        return lambda module, args: running.append(name)
+
+    def leave(name):
+        def hook(module, args, output):
+            while running and running.pop() != name:
+                pass
+
+        return hook
+
+    named = [(name, module) for name, module in model.named_modules() if name]
+    handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
+    handles += [module.register_forward_hook(leave(name)) for name, module in named]
     try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a forward without a signature Python can read
-        parameters = {}
-    return model(inputs, use_cache=False) if "use_cache" in parameters else model(inputs)
+        yield running
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def producers_of(tensor: torch.Tensor | None, outputs: dict[int, str]) -> tuple[set[str], list[nn.Parameter]]:
@@ -170,16 +191,3 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
     finally:
         for sub, mode in training.items():
             sub.train(mode)
-
-
-def probe_token_ids(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1) -> torch.Tensor:
-    """(batch, length) random token ids (fixed seed) that every embedding of `model` accepts."""
-    embeddings = [module for module in model.modules() if isinstance(module, nn.Embedding)]
-    if not embeddings:
-        raise ValueError(
-            f"the auto-planner needs an example input for {type(model).__name__} (it has no nn.Embedding to draw "
-            f"token ids for): pass example_input=..., or give the model a `tp_plan`"
-        )
-    device = next(model.parameters()).device
-    high = min(module.num_embeddings for module in embeddings)
-    return torch.randint(0, high, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)

@@ -32,7 +32,8 @@ from torch.distributed import ProcessGroup
 
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
-from tp_train.plan.probe import PROBE_TOKENS, eval_mode, forward_without_cache, probe_token_ids
+from tp_train.plan.probe import eval_mode, forward_without_cache
+from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
 from tp_train.plan.styles import NORM_STYLES, PlannedModule
 from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
 
@@ -60,8 +61,9 @@ class RegionCheck:
         self.skipped: str | None = None
         self._references: dict[str, _Run] = {}
 
-    def record(self, model: nn.Module) -> None:
-        """Captures each checked module's arguments and its unsharded results (before `apply_plan`; no collective)."""
+    def record(self, model: nn.Module, example_input=None) -> None:
+        """Captures each checked module's arguments and its unsharded results (before `apply_plan`; no collective),
+        in one forward of `model` on `example_input` (`tp_train.plan.probe_input`; default the model's own)."""
         if not self.entries:
             return
         if any(tensor.is_meta for tensor in chain(model.parameters(), model.buffers())):
@@ -83,7 +85,7 @@ class RegionCheck:
         length = math.lcm(PROBE_TOKENS, dist.get_world_size(self.group))
         try:
             with eval_mode(model), torch.no_grad():
-                forward_without_cache(model, probe_token_ids(model, length, batch=2))
+                forward_without_cache(model, probe_input(model, example_input, length, batch=2))
         except Exception as error:  # noqa: BLE001 - not the plan's fault; the whole-model check reports it if on
             self.skipped = f"the unsharded model cannot run a probe batch ({first_line(error)})"
             return

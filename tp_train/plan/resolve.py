@@ -41,21 +41,23 @@ def find_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
 
 
 def resolve_plan(
-    model: nn.Module, plan: dict[str, str] | None = None, tensor_parallel_size: int | None = None
+    model: nn.Module, plan: dict[str, str] | None = None, tensor_parallel_size: int | None = None, example_input=None
 ) -> tuple[dict[str, str], str]:
     """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`), else the
-    auto-planner's, checked at `tensor_parallel_size` (`tp_train.plan.autoplan`)."""
+    auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.autoplan`)."""
     if plan:
         return dict(plan), "the plan argument"
     found = find_plan(model)
     if found is not None and not found[1].endswith(".tp_plan"):  # built for a family, not for this very model
         found = _fit_to_config(model, *found)
     if found is not None and not _leaves_blocks_untouched(model, found[0]):
-        return _completed(model, *found, tensor_parallel_size) if _leaves_linears_whole(model, found[0]) else found
+        if _leaves_linears_whole(model, found[0]):
+            return _completed(model, *found, tensor_parallel_size, example_input)
+        return found
     if tensor_parallel_size:
         check_config_heads(model, tensor_parallel_size)
     try:
-        inferred = infer_plan(model, tensor_parallel_size, given=found[0] if found else None)
+        inferred = infer_plan(model, tensor_parallel_size, example_input, given=found[0] if found else None)
     except ValueError as error:
         what = (
             f"{found[1]} shards no transformer block"
@@ -75,13 +77,13 @@ def resolve_plan(
 
 
 def _completed(
-    model: nn.Module, plan: dict[str, str], source: str, tensor_parallel_size: int | None
+    model: nn.Module, plan: dict[str, str], source: str, tensor_parallel_size: int | None, example_input=None
 ) -> tuple[dict[str, str], str]:
     """A model's own plan that shards some blocks, with the Linears it leaves whole in them (Hugging Face plans that
     shard only the MLP or the experts, not attention) paired by the auto-planner; its own entries untouched. When
     the auto-planner cannot pair them, the plan as it is, with one line saying what stays whole."""
     try:
-        inferred = infer_plan(model, tensor_parallel_size, given=plan)
+        inferred = infer_plan(model, tensor_parallel_size, example_input, given=plan)
     except ValueError as error:
         kept = InferredPlan(plan)
         kept.notes = [f"note: what the plan leaves whole in its blocks stays whole on every rank: {error}"]

@@ -47,7 +47,8 @@ from tp_train.parallel.sharding import (
     split_among_replicas,
     unshard_tensor,
 )
-from tp_train.plan.probe import PROBE_TOKENS, eval_mode, forward_without_cache, probe_token_ids
+from tp_train.plan.probe import eval_mode, forward_without_cache, running_modules
+from tp_train.plan.probe_input import PROBE_TOKENS, ProbeInput, probe_input
 from tp_train.plan.styles import adapted_base
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative to the largest reference value
@@ -227,7 +228,7 @@ def verify_parallelized(
     reference: nn.Module,
     group: ProcessGroup,
     planned: Sequence = (),
-    example_input: torch.Tensor | None = None,
+    example_input=None,
     tolerance: float | None = None,
 ) -> dict[str, float]:
     """Checks the sharded `model` against the unsharded `reference` on one probe batch (a collective).
@@ -240,8 +241,9 @@ def verify_parallelized(
         reference: the unsharded model with the same weights (`unsharded_reference`).
         group: the tensor-parallel group.
         planned: the plan's `PlannedModule`s, to name the entries near a difference.
-        example_input: the probe input; default (2, 8) random token ids (a multiple of tp long; two sequences, so
-            that code mixing the batch into the sequence shows).
+        example_input: the probe input (`tp_train.plan.probe_input`: a tensor, a tuple or a dict of keyword
+            arguments); default the model's own: a Hugging Face model's config-shaped batch, else random token ids,
+            two sequences of 8 tokens (a multiple of tp long), so that code mixing the batch into the sequence shows.
         tolerance: largest relative difference accepted; default 1e-4 in fp32, 3e-2 in half precision.
 
     Returns:
@@ -252,7 +254,7 @@ def verify_parallelized(
     """
     # A length every tp divides, for sequence parallelism's split: 8 tokens at tp 1, 2, 4 and 8.
     length = math.lcm(PROBE_TOKENS, dist.get_world_size(group))
-    inputs = example_input if example_input is not None else probe_token_ids(reference, length, batch=2)
+    inputs = probe_input(reference, example_input, length, batch=2)
     dtype = next(reference.parameters()).dtype
     tolerance = tolerance if tolerance is not None else TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
     with eval_mode(model, reference):
@@ -351,32 +353,25 @@ class _ForwardFailure(Exception):
         self.module, self.error = module, error
 
 
-def _forward(model: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _forward(model: nn.Module, inputs: ProbeInput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The model's output, and each module's first tensor output in the order the modules returned.
 
     Raises:
         _ForwardFailure: naming the innermost module whose forward raised."""
     outputs: dict[str, torch.Tensor] = {}
-    running: list[str] = []  # the modules whose forward has begun and not returned, outermost first
-
-    def enter(name):
-        return lambda module, args: running.append(name)
 
     def record(name):
         def hook(module, args, output):
-            while running and running.pop() != name:
-                pass
             tensor = first_tensor(output)
             if tensor is not None:
                 outputs.setdefault(name, tensor.detach())
 
         return hook
 
-    named = [(name, module) for name, module in model.named_modules() if name]
-    handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
-    handles += [module.register_forward_hook(record(name)) for name, module in named]
+    handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
     try:
-        output = first_tensor(forward_without_cache(model, inputs))
+        with running_modules(model) as running:
+            output = first_tensor(forward_without_cache(model, inputs))
     except Exception as error:  # noqa: BLE001 - re-raised with where it happened
         raise _ForwardFailure(running[-1] if running else None, error) from error
     finally:

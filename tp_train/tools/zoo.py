@@ -1,6 +1,8 @@
-"""`python -m tp_train.tools.zoo`: every Hugging Face causal-LM family, built from a tiny config with random
-weights, sharded with no plan given (`tp_train.parallelize`, verification on, as by default) on gloo CPU ranks,
-and compared with the unsharded model: logits, every gradient and three SGD steps of losses, within 1e-5.
+"""`python -m tp_train.tools.zoo`: every Hugging Face family of a task (causal LM by default; masked LM, seq2seq LM,
+speech seq2seq, image classification, CLIP-style dual encoders and their towers: `tp_train.tools.zoo_tasks`), built
+from a tiny config with random weights, sharded with no plan given (`tp_train.parallelize`, verification on, as by
+default) on gloo CPU ranks, and compared with the unsharded model: outputs, every gradient and three SGD steps of
+losses, within 1e-5.
 
 Each family lands in one class:
 
@@ -11,11 +13,14 @@ Each family lands in one class:
 - `unsharded`: it matches, but a rank holds more than 1.15/tp of the block matrices that train (some attention or MLP
   left whole on every rank without the planner saying so);
 - `error`: anything else (a crash, or no result within `--timeout` seconds);
-- `unbuildable`: no tiny model could be built from the family's config (not counted among the families).
+- `unbuildable`: no tiny model could be built from the family's config (not counted among the families);
+- `no blocks`: its repeated blocks hold no Linear layer (a convolutional network: ResNet, MobileNet), nothing for a
+  column/row split to take (not counted among the families).
 
 Each family runs in its own processes (one per rank, on a free port), `--jobs` families at a time, so a family that
-hangs or crashes takes only itself down. Options: `--families llama,bloom`, `--tp 2`, `--jobs 2`,
-`--timeout 180`, `--output zoo.json`.
+hangs or crashes takes only itself down. Options: `--task masked-lm` (or `all`), `--families llama,bloom`, `--tp 2`,
+`--jobs 2`, `--timeout 180`, `--output zoo.json`. A setting of the configs (the same fields set in every family of a
+run, e.g. fewer kv heads) is `run_zoo(..., fields={...})`.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ FAMILY_FIELDS |= {
     # rotary parameters are looked up per layer kind, and the default has none
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
-CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable")
+CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable", "no blocks")
+NOT_COUNTED = ("unbuildable", "no blocks")  # classes of families that are not among a task's buildable transformers
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
 
 
@@ -182,10 +188,10 @@ def _per_layer_lists(defaults) -> dict:
 
 def _accepts(config, field: str, value) -> bool:
     """False where the family refuses to set a generic size (ProphetNet's `num_hidden_layers`, XLNet's
-    `max_position_embeddings`: properties whose setters raise)."""
+    `max_position_embeddings`: properties whose setters raise; PVT's per-stage `num_attention_heads`, a list)."""
     try:
         setattr(copy.deepcopy(config), field, value)
-    except (NotImplementedError, AttributeError):
+    except Exception:  # noqa: BLE001 - a setter that raises, or a strict field of another type (a list)
         return False
     return True
 
@@ -205,23 +211,31 @@ def _value(config, field: str):
         return vars(config).get(field)
 
 
-def families() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def build_family(task: str, family: str, fields: dict | None = None):
+    """The family's tiny model for the task (`tp_train.tools.zoo_tasks.build`), from `tiny_config` (a tower's: its
+    dual encoder's) with `fields` set."""
+    from tp_train.tools.zoo_tasks import build
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return build(task, family, {**tiny_config(family.split(".")[0]), **(fields or {})})
+
+
+def families(task: str = "causal-lm") -> list[str]:
+    from tp_train.tools.zoo_tasks import task_families
+
+    return task_families(task)
 
 
 # ------------------------------------------------------------------------------------------------ one rank
 
 
-def check_family(model_type: str, steps: int = 3) -> dict:
+def check_family(model_type: str, steps: int = 3, task: str = "causal-lm", fields: dict | None = None) -> dict:
     """On one rank of an initialised process group: the family's class and what decided it. A family that differs
     beyond the tolerance in float32 is checked again in float64, where summation order no longer shows: matching
     there (within 1e-9) makes it `round-off` (or `unsharded`, when a rank also holds too much of its blocks), not
-    `WRONG`."""
+    `WRONG`. `fields` are set in the family's tiny config (a setting of the run, e.g. its kv heads)."""
     import torch
 
-    result = _check_family(model_type, steps, TOLERANCE)
+    result = _check_family(model_type, steps, TOLERANCE, task, fields)
     if result["class"] != "WRONG":
         return result
     default, upcast = torch.get_default_dtype(), torch.Tensor.float
@@ -232,7 +246,7 @@ def check_family(model_type: str, steps: int = 3) -> dict:
         self if self.dtype == torch.float64 else upcast(self, *args, **kwargs)
     )
     try:
-        exact = _check_family(model_type, steps, 1e-9)
+        exact = _check_family(model_type, steps, 1e-9, task, fields)
     finally:
         torch.set_default_dtype(default)
         torch.Tensor.float = upcast
@@ -243,21 +257,28 @@ def check_family(model_type: str, steps: int = 3) -> dict:
     return result
 
 
-def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
+def _check_family(model_type: str, steps: int, tolerance: float, task: str, fields: dict | None) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     import tp_train
-    from models.hf import hugging_face_causal_lm
     from tp_train.errors import first_line
-    from tp_train.plan.probe import forward_without_cache
+    from tp_train.tools.zoo_tasks import batches, output_tensor
 
     torch.manual_seed(0)
     try:
-        reference = hugging_face_causal_lm(model_type, config=tiny_config(model_type)).eval()
+        reference = build_family(task, model_type, fields).eval()
         if hasattr(reference, "set_default_language"):  # X-MOD's adapters need a language, unsharded too
             reference.set_default_language(reference.config.languages[0])
+        if not _has_block_linears(reference):
+            return {
+                "class": "no blocks",
+                "reason": "its repeated blocks hold no Linear layer (a convolutional network)",
+            }
+        steps = batches(task, reference, steps)
+        with torch.no_grad():
+            if not torch.isfinite(output_tensor(steps[0][0](reference))).all():
+                return {"class": "unbuildable", "reason": "the unsharded tiny model's outputs are not finite"}
     except Exception as error:  # noqa: BLE001 - a family this config cannot build is not counted
         return {"class": "unbuildable", "reason": first_line(error)}
     model = copy.deepcopy(reference)
@@ -270,15 +291,13 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
     except Exception as error:  # noqa: BLE001
         return {"class": "error", "reason": f"parallelize: {type(error).__name__}: {first_line(error)}"}
     kept_whole = any("kept whole" in line for line in printed.getvalue().splitlines())
-    generator = torch.Generator().manual_seed(1234)
-    batches = [torch.randint(0, VOCAB, (2, 16), generator=generator) for _ in range(steps)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (reference, model)]
     specs = {name: spec for name, _, spec in tp_train.named_sharded_parameters(model)}
     worst, where = 0.0, ""
     try:
-        for step, idx in enumerate(batches):
-            logits = [getattr(forward_without_cache(m, idx), "logits", None) for m in (reference, model)]
-            losses = [F.cross_entropy(out[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten()) for out in logits]
+        for step, (inputs, loss_of) in enumerate(steps):
+            logits = [output_tensor(inputs(m)) for m in (reference, model)]
+            losses = [loss_of(out) for out in logits]
             for loss in losses:
                 loss.backward()
             differences = {f"loss at step {step}": (losses[0] - losses[1]).abs().item()}
@@ -312,6 +331,16 @@ def _check_family(model_type: str, steps: int, tolerance: float) -> dict:
     return {"class": "pass", "reason": f"largest difference {worst:.1e}", "kept_whole": kept_whole}
 
 
+def _has_block_linears(model) -> bool:
+    """Whether a Linear (or Hugging Face Conv1D) lies inside one of `model`'s repeated blocks."""
+    from tp_train.plan.coverage import in_block
+    from tp_train.plan.styles import linear_shape
+
+    return any(
+        linear_shape(module) is not None and in_block(model, f"{name}.weight") for name, module in model.named_modules()
+    )
+
+
 def _block_share(model, reference_params: dict) -> tuple[float, str]:
     """This rank's share of the elements of the block matrices that train (parameters of two or more dims inside a
     repeated block, `in_block`, that got a gradient: a vision tower a text batch never reaches does not count), and
@@ -328,7 +357,7 @@ def _block_share(model, reference_params: dict) -> tuple[float, str]:
     return held / max(full, 1), whole
 
 
-def _rank_main(model_type: str, rank: int, world_size: int, port: int, results) -> None:
+def _rank_main(model_type: str, case: dict, rank: int, world_size: int, port: int, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -337,7 +366,7 @@ def _rank_main(model_type: str, rank: int, world_size: int, port: int, results) 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            result = check_family(model_type)
+            result = check_family(model_type, **case)
     except BaseException as error:  # noqa: BLE001 - reported as the family's error
         result = {"class": "error", "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
     finally:
@@ -358,11 +387,11 @@ def _free_port() -> int:
 class _Family:
     """One family's ranks, each a process forked from a server that imported torch and transformers once."""
 
-    def __init__(self, context, model_type: str, tp: int, timeout: float):
+    def __init__(self, context, model_type: str, case: dict, tp: int, timeout: float):
         self.model_type, self.deadline, port = model_type, time.monotonic() + timeout, _free_port()
         self.receiver, sender = context.Pipe(duplex=False)
         self.ranks = [
-            context.Process(target=_rank_main, args=(model_type, rank, tp, port, sender), daemon=True)
+            context.Process(target=_rank_main, args=(model_type, case, rank, tp, port, sender), daemon=True)
             for rank in range(tp)
         ]
         for rank in self.ranks:
@@ -395,18 +424,27 @@ class _Family:
                 rank.join()
 
 
-def run_zoo(model_types: list[str], tp: int = 2, jobs: int = 2, timeout: float = 180, echo=None) -> dict[str, dict]:
-    """{family: result} for each family, `jobs` families at a time."""
+def run_zoo(
+    model_types: list[str],
+    tp: int = 2,
+    jobs: int = 2,
+    timeout: float = 180,
+    echo=None,
+    task: str = "causal-lm",
+    fields: dict | None = None,
+) -> dict[str, dict]:
+    """{family: result} for each family of `task`, `jobs` families at a time; `fields` set in every family's tiny
+    config (a setting of the run: its kv heads)."""
     import multiprocessing
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks' warnings would bury the table
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "transformers", "tp_train", "models.hf"])
+    context.set_forkserver_preload(["torch", "transformers", "tp_train", "models.hf", "tp_train.tools.zoo_tasks"])
     echo = echo or (lambda line: print(line, flush=True))
     pending, running, results = list(model_types), [], {}
     while pending or running:
         while pending and len(running) < jobs:
-            running.append(_Family(context, pending.pop(0), tp, timeout))
+            running.append(_Family(context, pending.pop(0), dict(task=task, fields=fields), tp, timeout))
         for family in list(running):
             result = family.result()
             if result is not None:
@@ -420,18 +458,19 @@ def run_zoo(model_types: list[str], tp: int = 2, jobs: int = 2, timeout: float =
 def summary(results: dict[str, dict], tp: int) -> str:
     """The README's table: counts per class, then every family not passing, with its reason."""
     counts = {name: sum(r["class"] == name for r in results.values()) for name in CLASSES}
-    buildable = len(results) - counts["unbuildable"]
+    buildable = len(results) - sum(counts[name] for name in NOT_COUNTED)
     partial = sorted(name for name, r in results.items() if r["class"] == "pass" and r.get("kept_whole"))
     share = counts["pass"] / max(buildable, 1)
     lines = [
         f"{counts['pass']} of {buildable} buildable families pass at tp={tp} ({share:.0%}); "
         f"round-off {counts['round-off']}, refused {counts['refused']}, WRONG {counts['WRONG']}, "
         f"error {counts['error']}, unsharded {counts['unsharded']}; "
-        f"{counts['unbuildable']} not buildable from a tiny config",
+        f"{counts['unbuildable']} not buildable from a tiny config"
+        + (f", {counts['no blocks']} with no Linear in their blocks" if counts["no blocks"] else ""),
     ]
     if partial:
         lines.append(f"pass with attention kept whole ({len(partial)}): {', '.join(partial)}")
-    for name in ("WRONG", "round-off", "unsharded", "refused", "error"):
+    for name in ("WRONG", "round-off", "unsharded", "refused", "error", "unbuildable", "no blocks"):
         for family, result in sorted(results.items()):
             if result["class"] == name:
                 lines.append(f"{name:<8} {family:<26} {result['reason']}")
@@ -439,20 +478,26 @@ def summary(results: dict[str, dict], tp: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from tp_train.tools.zoo_tasks import TASKS
+
     parser = argparse.ArgumentParser(prog="python -m tp_train.tools.zoo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", help="comma-separated model types (default: every causal-LM family)")
+    parser.add_argument("--task", default="causal-lm", choices=[*TASKS, "all"], help="which families (default: LMs)")
+    parser.add_argument("--families", help="comma-separated model types (default: every family of the task)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2, help="families checked at once")
     parser.add_argument("--timeout", type=float, default=180, help="seconds per family")
-    parser.add_argument("--output", help="write the results as JSON here")
+    parser.add_argument("--output", help="write the results as JSON here ({task: results} with --task all)")
     args = parser.parse_args(argv)
-    chosen = args.families.split(",") if args.families else families()
-    started = time.monotonic()
-    results = run_zoo(chosen, args.tp, args.jobs, args.timeout)
-    print(f"\n{summary(results, args.tp)}\n({time.monotonic() - started:.0f} s)")
+    tasks = list(TASKS) if args.task == "all" else [args.task]
+    everything = {}
+    for task in tasks:
+        chosen = args.families.split(",") if args.families else families(task)
+        started = time.monotonic()
+        everything[task] = run_zoo(chosen, args.tp, args.jobs, args.timeout, task=task)
+        print(f"\n{task}: {summary(everything[task], args.tp)}\n({time.monotonic() - started:.0f} s)", flush=True)
     if args.output:
         with open(args.output, "w") as file:
-            json.dump(results, file, indent=1, sort_keys=True)
+            json.dump(everything if args.task == "all" else everything[args.task], file, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import io
 import torch
 
 from models import GPT, GPTConfig
-from tp_train.plan.probe import PROBE_TOKENS
+from tp_train.plan.probe_input import PROBE_TOKENS
 from tp_train.plan.verify import SwapCheck
 from tp_train.tools.bench.ranks import start_ranks
 

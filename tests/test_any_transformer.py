@@ -1,0 +1,68 @@
+"""Transformers that are not causal LMs shard with no plan given: a ViT classifier, T5 and BART (encoder-decoders,
+cross-attention included, T5's per-head relative position bias split with its heads), Whisper (mel features in),
+CLIP (text and images in) and BERT's masked LM. Each is probed on the batch its config shapes
+(`tp_train.plan.probe_input`) and matches the unsharded model at tp 2 and 4: outputs, every gradient and three SGD
+losses, each rank holding 1/tp of the block matrices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tp_train
+from tests.distributed import run_on_ranks
+from tests.parity import assert_parity, batch_parity_errors
+from tests.test_parallelize import ATOL
+from tp_train.tools.zoo import build_family as build
+from tp_train.tools.zoo_tasks import batches, output_tensor
+
+MODELS = {  # name: (zoo task, family)
+    "vit": ("image-classification", "vit"),
+    "t5": ("seq2seq-lm", "t5"),
+    "bart": ("seq2seq-lm", "bart"),
+    "whisper": ("speech-seq2seq", "whisper"),
+    "clip": ("dual-encoder", "clip"),
+    "bert_mlm": ("masked-lm", "bert"),
+}
+
+
+def _forward(model, inputs):
+    return output_tensor(inputs(model))
+
+
+def _parity(rank, world_size):
+    import contextlib
+    import io
+
+    results = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for name, (task, family) in MODELS.items():
+            torch.manual_seed(0)
+            reference = build(task, family).eval()
+            steps = [(inputs, _forward, loss) for inputs, loss in batches(task, reference, steps=3)]
+            results[name] = batch_parity_errors(reference, steps)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")
+def parity_results(request):
+    return request.param, run_on_ranks(_parity, request.param, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_non_causal_transformers_match_unsharded_with_no_plan_given(parity_results, name):
+    tp, per_rank = parity_results
+    for rank, results in enumerate(per_rank):
+        assert_parity(results[name], tp, rank, ATOL)
+
+
+def test_t5s_relative_position_bias_is_split_with_its_heads():
+    """T5's relative_attention_bias, an (buckets, heads) table in each stack's first layer whose bias the later layers
+    take as an argument, is split along its heads by a parameter entry, beside the attention it feeds."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("seq2seq-lm", "t5"), tensor_parallel_size=2)
+    for stack in ("encoder", "decoder"):
+        assert plan[f"{stack}.block.*.layer.*.SelfAttention.relative_attention_bias.weight"] == "rowwise"
+        assert plan[f"{stack}.block.*.layer.*.SelfAttention"] == "attention"
+    assert plan["decoder.block.*.layer.*.EncDecAttention.q"] == "colwise"  # cross-attention, sharded alike
