@@ -248,6 +248,14 @@ def _falcon_unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def _xlnet_unsupported(model: nn.Module) -> str | None:
+    return (
+        "its relative attention sums its heads through `o` and adds the residual and layer norm in one method "
+        "(XLNetRelativeAttention.post_attention, no module), so no all-reduce can come between; its attention would "
+        "stay whole on every rank (0.80 of it) and is refused instead: use data parallelism for XLNet"
+    )
+
+
 def _falcon_variant(config) -> dict[str, str]:
     if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
         return {"h.*.self_attention.query_key_value": "fused_qkv_colwise"}
@@ -266,7 +274,9 @@ def _dbrx_experts(config) -> dict[str, str]:
 
 # Models of a family that its preset (or its additions to Hugging Face's plan) cannot shard correctly (a config,
 # or how it was built): model_type -> model -> the reason, or None.
-UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported, "falcon_h1": falcon_h1_unsupported}
+UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported, "falcon_h1": falcon_h1_unsupported, "xlnet": _xlnet_unsupported}
+# Families no plan of tp_train's shards: refused whatever plans them (but an explicit plan).
+UNSHARDABLE = ("xlnet",)
 # Entries of a family's preset, or of its additions to Hugging Face's plan, that a config decides: model_type ->
 # config -> the entries that replace or join the preset's or the additions'. Bamba's, GraniteMoeHybrid's and
 # Nemotron-H's plans shard only the head or the experts, and Falcon-H1 ships none: their Mamba2 mixers are added,
@@ -297,6 +307,13 @@ def preset_plan(model: nn.Module) -> dict[str, str] | None:
         return None
     _check_supported(model_type, model, "preset")
     return _for_model(model, {**base, **_variant(model_type, model.config)}, head=True)
+
+
+def check_shardable(model: nn.Module) -> None:
+    """Raises a one-line `ValueError` for a model of a family tp_train cannot shard (`UNSHARDABLE`)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in UNSHARDABLE:
+        _check_supported(model_type, model, "planner")
 
 
 def _check_supported(model_type: str, model: nn.Module, what: str) -> None:

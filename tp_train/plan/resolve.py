@@ -9,7 +9,7 @@ from tp_train.plan.adapters import adapted_model
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, SMALL_WHOLE, InferredPlan, infer_plan
 from tp_train.plan.coverage import block_whole_fraction, covered_linears, in_repeated_block, sharded_parameters
 from tp_train.plan.match import check_config_heads, names_anything
-from tp_train.plan.presets import override_plan, plan_additions, preset_plan
+from tp_train.plan.presets import check_shardable, override_plan, plan_additions, preset_plan
 from tp_train.plan.styles import ALIASES, LINEAR_STYLES, linear_shape, pattern_matches, split_style
 
 # How the source of a plan lists the entries it skipped (printed by `tp_train.parallelize` on rank 0).
@@ -47,6 +47,7 @@ def resolve_plan(
     auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.autoplan`)."""
     if plan:
         return dict(plan), "the plan argument"
+    check_shardable(model)
     found = find_plan(model)
     if found is not None and not found[1].endswith(".tp_plan"):  # built for a family, not for this very model
         found = _fit_to_config(model, *found)

@@ -19,8 +19,9 @@ Each family lands in one class:
 
 Each family runs in its own processes (one per rank, on a free port), `--jobs` families at a time, so a family that
 hangs or crashes takes only itself down. Options: `--task masked-lm` (or `all`), `--families llama,bloom`, `--tp 2`,
-`--jobs 2`, `--timeout 180`, `--output zoo.json`. A setting of the configs (the same fields set in every family of a
-run, e.g. fewer kv heads) is `run_zoo(..., fields={...})`.
+`--jobs 2`, `--timeout 180`, `--output zoo.json`, `--kv-heads 2` (grouped-query attention: 2 kv heads under the 4
+query heads, in every (sub-)config that has kv heads). A setting of the configs (the same fields set in every
+family of a run) is `run_zoo(..., fields={...})`.
 """
 
 from __future__ import annotations
@@ -216,7 +217,17 @@ def build_family(task: str, family: str, fields: dict | None = None):
     dual encoder's) with `fields` set."""
     from tp_train.tools.zoo_tasks import build
 
-    return build(task, family, {**tiny_config(family.split(".")[0]), **(fields or {})})
+    return build(task, family, _with_fields(tiny_config(family.split(".")[0]), fields or {}))
+
+
+def _with_fields(config: dict, fields: dict) -> dict:
+    """`config` with `fields` set at its top and in each sub-config (a dict) that has them (a multimodal model's text
+    config keeps its own kv heads)."""
+    config = {**config, **fields}
+    for key, value in config.items():
+        if isinstance(value, dict) and key not in fields:
+            config[key] = {**value, **{field: fields[field] for field in fields if field in value}}
+    return config
 
 
 def families(task: str = "causal-lm") -> list[str]:
@@ -487,13 +498,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="families checked at once")
     parser.add_argument("--timeout", type=float, default=180, help="seconds per family")
     parser.add_argument("--output", help="write the results as JSON here ({task: results} with --task all)")
+    parser.add_argument(
+        "--kv-heads", type=int, help=f"kv heads of every family that has them (default: as many as the "
+        f"{SIZES['num_attention_heads']} query heads; 2 is grouped-query attention)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    fields = {"num_key_value_heads": args.kv_heads} if args.kv_heads else None
     tasks = list(TASKS) if args.task == "all" else [args.task]
     everything = {}
     for task in tasks:
         chosen = args.families.split(",") if args.families else families(task)
         started = time.monotonic()
-        everything[task] = run_zoo(chosen, args.tp, args.jobs, args.timeout, task=task)
+        everything[task] = run_zoo(chosen, args.tp, args.jobs, args.timeout, task=task, fields=fields)
         print(f"\n{task}: {summary(everything[task], args.tp)}\n({time.monotonic() - started:.0f} s)", flush=True)
     if args.output:
         with open(args.output, "w") as file:
