@@ -312,7 +312,28 @@ CASES = {
     # bias split with them); with its CDMoE (HF's plan: the expert tables split by rows, the router gathered) at tp 2.
     "doge_dynamic_mask": (lambda: _doge(attention_bias=True), _hf_logits, (2, 4), 0.0),
     "doge_cdmoe": (lambda: _doge(is_moe=True, num_experts=16, num_experts_per_tok=4), _hf_logits, (2,), 0.0),
+    # gpt-oss with 2 kv heads (replicated at tp 4): attention on local heads with its sinks split with them, every
+    # expert's interleaved gate/up and down split by its intermediate features, down_proj's bias counted once.
+    "gpt_oss_sinks_and_experts": (lambda: _family("gpt_oss", num_key_value_heads=2), _hf_logits, (2, 4), 0.07),
 }
+
+
+def _parameter_share(rank, world_size):
+    """This rank's elements of every parameter over the model's, sharded with no plan given."""
+    import tp_train
+    from tp_train.parallel.sharding import full_numel
+
+    model = _family("gpt_oss", num_key_value_heads=2)
+    full = sum(param.numel() for param in model.parameters())
+    tp_train.parallelize(model, verify=False)
+    specs = {id(param): spec for _, param, spec in tp_train.named_sharded_parameters(model)}
+    assert full == sum(full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in model.parameters())
+    return sum(param.numel() for param in model.parameters()) / full
+
+
+def test_gpt_oss_holds_at_most_0_6_of_its_parameters_per_rank_at_tp2():
+    shares = run_on_ranks(_parameter_share, 2, timeout=300)
+    assert all(share <= 0.6 for share in shares), shares
 
 
 def test_recurrent_gemma_and_doge_plans():

@@ -346,6 +346,8 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     specs = getattr(module, "shard_specs", {})
     for param_name, style in styles.items():
+        if style == "replicate_once":
+            _count_once(module, param_name, group)
         spec = parameter_shard_spec(style, module, param_name)
         if spec is None:
             continue
@@ -369,6 +371,26 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
                 module, param_name, functools.partial(sum_replicated_gradient, spec=spec, group=group)
             )
     module.shard_specs = specs
+
+
+def _count_once(module: nn.Module, param_name: str, group: ProcessGroup) -> None:
+    """`module`'s whole parameter `param_name` enters its forward times 1 on rank 0 and times 0 elsewhere
+    (`replicate_once`), so the partial sum its region all-reduces counts it once; its gradient (rank 0's) is summed
+    over the ranks. Every rank multiplies, so every rank's backward runs the same steps in the same order (the sum
+    is a collective)."""
+    register_gradient_hook(module, param_name, lambda grad: all_reduce_gradient(grad, group))
+    scale = 1.0 if dist.get_rank(group) == 0 else 0.0
+    kept = {}
+
+    def scaled(module, args):
+        kept[param_name] = param = module._parameters[param_name]
+        module._parameters[param_name] = param * scale  # a tensor, not a parameter, for this forward only
+
+    def restore(module, args, output):
+        module._parameters[param_name] = kept.pop(param_name, module._parameters[param_name])
+
+    module.register_forward_pre_hook(scaled)
+    module.register_forward_hook(restore, always_call=True)
 
 
 def _region(style: str, group: ProcessGroup, config=None, own_shards: bool = False) -> ModuleRegion:

@@ -124,6 +124,27 @@ PRESETS: dict[str, dict[str, str]] = {
 # The attention keeps embed_dim / num_heads / kv_heads / num_key_value_groups, made local by `attention`. Its
 # module names are GPT-2's, and so is its plan.
 PRESETS["gpt_bigcode"] = PRESETS["gpt2"]
+# gpt-oss: Hugging Face's plan is for expert parallelism only (its tensor-parallel plan names the head alone).
+# Attention runs on local heads, its per-head attention sinks (`s_aux`, one logit per query head) split with them.
+# The experts keep fused 3-D weights laid out (experts, in, out), gate and up interleaved along gate_up_proj's last
+# dim (`is_concatenated = False`): every expert's intermediate features are split across ranks (Megatron's
+# column-then-row split of each expert), gate_up_proj and its bias along that last dim (pairs kept together),
+# down_proj along its intermediate dim, and the experts' partial sums all-reduced once (`moe_tp_experts`);
+# down_proj's bias, added to every expert's output, counts once (`replicate_once`). The router stays whole.
+GPT_OSS = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn": "attention",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn.sinks": "colwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+    "layers.*.mlp.experts.gate_up_proj": "packed_rowwise",
+    "layers.*.mlp.experts.gate_up_proj_bias": "packed_rowwise",
+    "layers.*.mlp.experts.down_proj": "colwise",
+    "layers.*.mlp.experts.down_proj_bias": "replicate_once",
+}
 # BitNet: Llama's blocks with an RMS norm between each column and row layer, over the full width the column split
 # divides (`attn_sub_norm` on the attention output before o_proj, `ffn_sub_norm` on act(gate) * up before
 # down_proj): `rmsnorm_parallel` splits its weight with those features and normalises over all of them. The
@@ -207,6 +228,7 @@ DBRX = {
 
 ADDITIONS: dict[str, dict[str, str]] = {
     "dbrx": DBRX,
+    "gpt_oss": GPT_OSS,
     "deepseek_v3": LATENT_ATTENTION,
     "olmo_hybrid": under("layers.*.linear_attn", OLMO_HYBRID_DELTA_NET),
     # Kimi-Linear's and Ling's full-attention layers are DeepSeek's latent attention, under the same name.

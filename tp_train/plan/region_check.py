@@ -34,7 +34,7 @@ from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.probe import eval_mode, forward_without_cache
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
-from tp_train.plan.styles import NORM_STYLES, PlannedModule
+from tp_train.plan.styles import NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
 from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
 
 # Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
@@ -206,7 +206,7 @@ def _whole(module: nn.Module, entry: PlannedModule) -> list[str]:
     module whose style splits them with the features (their shards are compared)."""
     if entry.style in FEATURE_SPLIT_STYLES:
         return [name for name, _ in module.named_parameters(recurse=False)]
-    split = {key for key, style in entry.parameters.items() if style != "replicate"}
+    split = {key for key, style in entry.parameters.items() if style not in WHOLE_PARAMETER_STYLES}
     return [name for name, _ in module.named_parameters(recurse=False) if name not in split]
 
 

@@ -50,7 +50,10 @@ Face's plans for fused 3-D MoE expert weights and attention sinks do. A paramete
 (`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
 `rowwise` the last (in), `packed_colwise` / `packed_rowwise` the same dimensions as two halves ([gate; up]), or
 plainly where the module stores gate and up interleaved (`is_concatenated = False`), `colwise(32,32,32,32)` by
-sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole. A buffer that acts on
+sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole, and so does
+`replicate_once`, for a parameter added into a partial sum its module's region all-reduces (gpt-oss's experts'
+`down_proj_bias`): only rank 0's copy enters the forward (the others add zeros), so the sum counts it once, and its
+gradient is summed over the ranks. A buffer that acts on
 a split activation is named the same way (Falcon-H1's `mamba.mup_vector`, (1, 1, width) μP multipliers of in_proj's
 output, takes in_proj's sections along the last dimension, the one they add up to); its split is recorded in its
 module's `shard_specs` like a parameter's.
@@ -110,7 +113,9 @@ STYLES = (
 )
 # Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
 NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel")
-PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate"}
+PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate", "replicate_once"}
+# Parameter styles that keep the parameter whole on every rank.
+WHOLE_PARAMETER_STYLES = ("replicate", "replicate_once")
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 
@@ -263,7 +268,7 @@ def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> Shar
     style that cannot split it."""
     param = getattr(module, param_name)
     style, arguments = split_style(style)
-    if style == "replicate":
+    if style in WHOLE_PARAMETER_STYLES:
         return None
     rowwise = style in ("rowwise", "packed_rowwise")
     if style not in PARAMETER_STYLES or (rowwise and param.dim() < 2):
