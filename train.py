@@ -91,7 +91,10 @@ def summarize(trainer: L.Trainer) -> dict | None:
     if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger):
         wandb_dir = str(Path(trainer.logger.experiment.dir).parent)
     return {
+        **_tokenizer(trainer.datamodule),
         "steps": trainer.global_step,
+        "parameters": monitor.parameters if monitor else None,
+        "trainable_parameters": monitor.trainable_parameters if monitor else None,
         "first_train_loss": monitor.first_loss if monitor else None,
         "train_loss": metrics.get("train/loss"),
         "val_loss": metrics.get("val/loss"),
@@ -101,6 +104,12 @@ def summarize(trainer: L.Trainer) -> dict | None:
         "checkpoint": trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else None,
         "wandb_run": wandb_dir,
     }
+
+
+def _tokenizer(datamodule) -> dict:
+    """Which tokenizer the run used: a path (a pretrained model's, `data.tokenizer_path`, or the one trained on the
+    corpus in the data cache)."""
+    return {"tokenizer": getattr(datamodule, "tokenizer_source", None)}
 
 
 def resume_from(cfg: DictConfig) -> str | None:
@@ -147,6 +156,9 @@ def run(cfg: DictConfig) -> float | None:
         datamodule = instantiate(cfg.data)
         if rank_zero_only.rank == 0:  # the launching process: data errors surface before any rank starts
             datamodule.prepare_data()
+            with torch.device("meta"):  # shapes only
+                model = instantiate(cfg.model)()
+            preflight.check_tokenizer(cfg, datamodule.vocab_size, datamodule.tokenizer_source, model)
         trainer = build_trainer(cfg)
         # Taken once, by rank 0, for every rank: ranks that each looked for themselves could start apart.
         ckpt_path = trainer.strategy.rank_zero_decides(lambda: resume_from(cfg))
@@ -159,9 +171,10 @@ def run(cfg: DictConfig) -> float | None:
         model=instantiate(cfg.model),
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        adapters=instantiate(cfg.peft) if cfg.get("peft") else None,
     )
     if trainer.logger:
-        trainer.logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        trainer.logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), **_tokenizer(datamodule)})
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except Preempted as stop:  # a checkpoint was saved: exit cleanly (status 0) with one line

@@ -61,8 +61,10 @@ class TextDataModule(LightningDataModule):
         block_size: tokens the model sees per sequence.
         batch_size: blocks per batch on each data-parallel rank.
         val_fraction: the fraction of blocks held out for validation, in (0, 1).
-        vocab_size: size of the BPE tokenizer to train; with `tokenizer_path`, at least that tokenizer's size.
-        tokenizer_path: a local tokenizer directory (AutoTokenizer) or tokenizer.json to use instead of training.
+        vocab_size: size of the BPE tokenizer to train (not used with `tokenizer_path`).
+        tokenizer_path: a local tokenizer directory (AutoTokenizer; a pretrained model's own, which the app's
+            config takes from `model.path`) or tokenizer.json to use instead of training one. Blocks tokenized by
+            one tokenizer are cached apart from another's (the cache key hashes the tokenizer).
         text_field: the JSON key or hub column holding the text.
         subset: the hub dataset's configuration name (e.g. "wikitext-2-raw-v1").
         max_files: read at most this many files (rows, for a hub dataset).
@@ -99,8 +101,9 @@ class TextDataModule(LightningDataModule):
         self.text_field, self.subset, self.max_files, self.max_bytes = text_field, subset, max_files, max_bytes
         self.seed, self.num_workers = seed, num_workers
         self.cache_dir = Path(cache_dir).expanduser()
-        # Set by prepare_data() and setup(); vocab_size = len(tokenizer), at most the requested size.
+        # Set by prepare_data() and setup(): the tokenizer, where it was read from, and its size (len(tokenizer)).
         self.tokenizer: PreTrainedTokenizerFast | None = None
+        self.tokenizer_source: str | None = None
         self.vocab_size: int | None = None
         self.train_dataset = self.val_dataset = None  # set by setup()
 
@@ -229,9 +232,8 @@ class TextDataModule(LightningDataModule):
             raise ConfigError(f"data.tokenizer_path={self.tokenizer_path!r}: no tokenizer at {path}")
         if tokenizer.eos_token_id is None:
             raise ConfigError(f"data.tokenizer_path={self.tokenizer_path!r} has no eos_token to separate documents")
-        self.tokenizer, self.vocab_size, requested = tokenizer, len(tokenizer), self.requested_vocab_size
-        if self.vocab_size > requested:  # configs size the model's embedding by data.vocab_size
-            raise ConfigError(f"data.vocab_size={requested} is below the tokenizer's size, {self.vocab_size}: raise it")
+        # Whether the model's embedding holds every id is checked against the model (tp_train.app.preflight).
+        self.tokenizer, self.vocab_size, self.tokenizer_source = tokenizer, len(tokenizer), str(path)
 
     def _blocks_dir(self, corpus_dir: Path) -> Path:
         tokenizer_hash = _digest(self.tokenizer.backend_tokenizer.to_str())[:12]

@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tp_train.checkpoint.dcp import HUGGING_FACE_CONFIG_KEY
+from tp_train.checkpoint.dcp import ADAPTER_CONFIG_KEY, HUGGING_FACE_CONFIG_KEY, TOKENIZER_KEY
 from tp_train.lightning.strategy import TensorParallelStrategy
+from tp_train.plan.adapters import adapter_config_dict
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -28,6 +29,9 @@ class CausalLMModule(L.LightningModule):
             Weight decay applies to parameters with two or more dimensions (matrices, embeddings); biases and
             norm weights are exempt.
         scheduler: an optional factory `(optimizer, total_steps=...)` returning a per-step LR scheduler.
+        adapters: a peft config (e.g. `peft.LoraConfig`): the model is wrapped with `peft.get_peft_model` as it is
+            built, before sharding, and only the adapters train (`tp_train.plan.adapters` shards them with their
+            layers).
     """
 
     def __init__(
@@ -35,17 +39,22 @@ class CausalLMModule(L.LightningModule):
         model: Callable[[], nn.Module] | nn.Module,
         optimizer: OptimizerFactory,
         scheduler: SchedulerFactory | None = None,
+        adapters=None,
     ):
         super().__init__()
         self._model_factory = None if isinstance(model, nn.Module) else model
         self.model = model if isinstance(model, nn.Module) else None
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
+        self.adapters = adapters
+        if self.model is not None and adapters is not None:
+            self.model = _with_adapters(self.model, adapters)
 
     def configure_model(self) -> None:
         if self.model is None:
             with self.trainer.init_module(empty_init=True):
-                self.model = self._model_factory()
+                model = self._model_factory()
+                self.model = model if self.adapters is None else _with_adapters(model, self.adapters)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         out = self.model(idx)
@@ -84,6 +93,11 @@ class CausalLMModule(L.LightningModule):
         config = getattr(self.model, "config", None)
         if hasattr(config, "to_dict"):  # a Hugging Face model: what `tp_train.tools.export` rebuilds it from
             checkpoint[HUGGING_FACE_CONFIG_KEY] = config.to_dict()
+        if self.adapters is not None:  # what export merges or writes as a peft adapter directory
+            checkpoint[ADAPTER_CONFIG_KEY] = adapter_config_dict(self.adapters)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if getattr(datamodule, "tokenizer_source", None):  # what generation decodes with
+            checkpoint[TOKENIZER_KEY] = datamodule.tokenizer_source
 
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
@@ -94,3 +108,9 @@ class CausalLMModule(L.LightningModule):
         total_steps = int(self.trainer.estimated_stepping_batches)
         scheduler = self._scheduler_factory(optimizer, total_steps=total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _with_adapters(model: nn.Module, adapters) -> nn.Module:
+    from peft import get_peft_model
+
+    return get_peft_model(model, adapters)

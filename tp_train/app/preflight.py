@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from tp_train.app.config_values import check_values
@@ -62,8 +63,9 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         match_plan(model, resolve_plan(model, tensor_parallel_size=tp)[0], tp)
     except ValueError as error:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
-    vocab, data_vocab = getattr(getattr(model, "config", None), "vocab_size", None), cfg.data.get("vocab_size")
-    if isinstance(vocab, int) and isinstance(data_vocab, int) and data_vocab > vocab:  # e.g. a model from model.path
+    vocab, data_vocab = embedding_rows(model), cfg.data.get("vocab_size")
+    trained = cfg.data.get("tokenizer_path") is None  # else the tokenizer's own size counts (`check_tokenizer`)
+    if trained and isinstance(vocab, int) and isinstance(data_vocab, int) and data_vocab > vocab:
         raise ConfigError(
             f"data.vocab_size={data_vocab} exceeds the model's vocabulary of {vocab} tokens; "
             f"use data.vocab_size<={vocab} or a model with a larger vocabulary"
@@ -83,6 +85,28 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"is not a multiple of {tp}; use data.block_size={block_size - block_size % tp or tp} "
             f"or sequence_parallel=false"
         )
+
+
+def check_tokenizer(cfg: DictConfig, tokenizer_size: int, tokenizer_source: str, model: torch.nn.Module) -> None:
+    """Every id of the tokenizer the data module uses has a row in the model's embedding (`model` may be on the meta
+    device): a larger vocabulary is one line, before any rank starts."""
+    rows = embedding_rows(model)
+    if isinstance(rows, int) and tokenizer_size > rows:
+        where = f"model.path={cfg.model.path}" if cfg.model.get("path") else f"model={type(model).__name__}"
+        raise ConfigError(
+            f"data.tokenizer_path={tokenizer_source} has {tokenizer_size} tokens, more than the {rows} rows of the "
+            f"model's embedding ({where}); use the model's own tokenizer, or a model with a larger vocabulary"
+        )
+
+
+def embedding_rows(model: torch.nn.Module) -> int | None:
+    """How many token ids `model`'s input embedding holds (its config's vocab_size where it has no embedding)."""
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embedding = get_embeddings() if callable(get_embeddings) else None
+    if isinstance(embedding, nn.Embedding):
+        return embedding.num_embeddings
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
 
 
 def _data_parallel_mode(cfg: DictConfig) -> str:
@@ -161,6 +185,10 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
     level or on the strategy)."""
     with torch.device("meta"):
         model = build_model()()
+        if cfg.get("peft"):  # only the adapters have gradients and optimizer states
+            from peft import get_peft_model
+
+            model = get_peft_model(model, instantiate(cfg.peft))
     strategy = cfg.trainer.get("strategy") or {}
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     dp = devices * nodes // cfg.tp if isinstance(devices, int) else cfg.get("dp", 1)

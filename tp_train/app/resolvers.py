@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import OmegaConf
+
+# What save_pretrained writes for a tokenizer (a fast tokenizer's tokenizer.json, or its config beside a slow one's
+# files); a model directory holding one brings its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # What users type -> Lightning's precision name. Lightning's own names map to themselves.
 PRECISIONS = {
@@ -30,9 +36,20 @@ def lightning_precision(value: object) -> str:
     return PRECISIONS[name]
 
 
+def tokenizer_of(model_path: str | None) -> str | None:
+    """The tokenizer a pretrained model directory holds (the directory itself, for AutoTokenizer), or None."""
+    if model_path is None:
+        return None
+    directory = Path(str(model_path)).expanduser()
+    return str(model_path) if any((directory / name).is_file() for name in TOKENIZER_FILES) else None
+
+
 def register_resolvers() -> None:
-    """`${mul:a,b}` (devices = tp x dp) and `${precision:16}` for the configs in conf/."""
+    """`${mul:a,b}` (devices = tp x dp), `${precision:16}` and `${tokenizer_of:${model.path}}` (a pretrained model's
+    own tokenizer, so its token ids mean what it learned) for the configs in conf/."""
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda a, b: int(a) * int(b))
     if not OmegaConf.has_resolver("precision"):
         OmegaConf.register_new_resolver("precision", lightning_precision)
+    if not OmegaConf.has_resolver("tokenizer_of"):
+        OmegaConf.register_new_resolver("tokenizer_of", tokenizer_of)

@@ -53,7 +53,10 @@ from tp_train.parallel.mesh import TENSOR_PARALLEL  # the mesh dimension a 2-D m
 from tp_train.parallel.sharding import ShardSpec, fill_replicas, local_part, named_sharded_parameters
 
 META_FILE = "meta.pt"  # the caller's `extra` metadata, beside DCP's files
-HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint\'s copy of its Hugging Face model\'s config
+HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint's copy of its Hugging Face model's config
+ADAPTER_CONFIG_KEY = "adapter_config"  # the peft config of a model trained with adapters, as plain data
+TOKENIZER_KEY = "tokenizer"  # where the tokenizer the run used is (a path)
+BASE_WEIGHTS_KEY = "base_weights"  # the pretrained weights a checkpoint of adapters was trained on, not held in it
 
 
 def model_state_dict(model: nn.Module, mesh: DeviceMesh, write_backs: list | None = None) -> dict[str, Any]:
@@ -68,8 +71,11 @@ def model_state_dict(model: nn.Module, mesh: DeviceMesh, write_backs: list | Non
     """
     _check_mesh(model, mesh)
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model, buffers=True)}  # persistent ones
+    from_base, _ = base_weights(model)
     state: dict[str, Any] = {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: the parameters themselves
+        if id(value) in from_base:
+            continue
         if id(value) in specs:
             state.update(_as_dtensors(name, value.detach(), specs[id(value)], mesh, write_backs))
         else:
@@ -190,7 +196,10 @@ def save(
             which reads it with `torch.load(weights_only=True)`.
         writer: write in the background (`AsyncCheckpointWriter`): this call returns once the state is staged.
     """
-    extra = extra if extra is not None else {}
+    extra = dict(extra) if extra is not None else {}
+    _, base = base_weights(model)
+    if base is not None:  # its frozen pretrained parameters are not saved: where they come from is
+        extra[BASE_WEIGHTS_KEY] = base
     unsafe = unsafe_globals(extra) if dist.get_rank() == 0 else []
     if unsafe:
         key = next(key for key, value in extra.items() if unsafe_globals({key: value}))
@@ -235,6 +244,16 @@ def load(
     path = Path(path)
     metadata = check_files(path, trust_checkpoint)
     extra = _read_extra(path, trust_checkpoint)  # before any tensor is copied in: a damaged meta.pt changes nothing
+    _, base = base_weights(model)
+    if extra.get(BASE_WEIGHTS_KEY) != base and (base is not None or BASE_WEIGHTS_KEY in extra):
+        saved = extra.get(BASE_WEIGHTS_KEY)
+        raise CheckpointError(
+            f"checkpoint {path}: holds adapters trained on the pretrained weights {saved}, and this model's frozen "
+            f"weights come from {base}; build the model from {saved}"
+            if saved is not None
+            else f"checkpoint {path}: holds a whole model, and this one's frozen weights come from {base}; load it "
+            f"into a model built without pretrained weights"
+        )
     write_backs: list = []
     state = _checkpoint_state(model, optimizers, mesh, write_backs)
     check_matches(path, metadata, state)
@@ -265,6 +284,19 @@ def _read_extra(path: Path, trust_checkpoint: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
+
+
+def base_weights(model: nn.Module) -> tuple[set[int], str | None]:
+    """The frozen parameters of `model` that come from pretrained weights (a module's `pretrained_weights`, loaded
+    whenever the model is built: `tp_train.checkpoint.pretrained`), by id, and that path: a checkpoint of adapters
+    trained on them holds the adapters and refers to the path instead (none when nothing is frozen)."""
+    found, path = set(), None
+    for module in model.modules():
+        if getattr(module, "pretrained_weights", None):
+            frozen = {id(param) for param in module.parameters() if not param.requires_grad}
+            found |= frozen
+            path = path or (str(module.pretrained_weights) if frozen else None)
+    return found, path
 
 
 def _checkpoint_state(

@@ -10,7 +10,9 @@ its names the file has. So a model too large for one device loads across the ten
 
 File keys are matched to the model's `state_dict` names through Hugging Face's own key renamings for the family
 (GPT-NeoX's `embed_out` is `lm_head`) and its `base_model_prefix` (a base model's `layers.0...` is
-`model.layers.0...` in a model with a head).
+`model.layers.0...` in a model with a head). A model wrapped with peft adapters reads its base layers' weights (a
+LoRA layer's `q_proj.base_layer.weight` is the file's `q_proj.weight`); the adapters' own tensors are in no
+pretrained file and keep their initialisation.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from torch.distributed import ProcessGroup
 from tp_train.parallel.sharding import ShardSpec, named_sharded_parameters
 
 SINGLE_FILE = "model.safetensors"
+BASE_LAYER = "base_layer"  # where a peft adapter layer keeps the layer it wraps
+ADAPTER_MARK = ".lora_"  # in the names of a peft LoRA layer's own tensors (lora_A, lora_B, lora_embedding_A, ...)
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -95,7 +99,11 @@ def load_pretrained(model: nn.Module, path: str | Path, group: ProcessGroup | No
         with torch.no_grad():
             tensor.copy_(data)
         loaded.add(id(tensor))
-    missing = [name for name, tensor in state.items() if isinstance(tensor, nn.Parameter) and id(tensor) not in loaded]
+    missing = [
+        name
+        for name, tensor in state.items()
+        if isinstance(tensor, nn.Parameter) and id(tensor) not in loaded and ADAPTER_MARK not in name
+    ]
     if missing:
         raise ValueError(
             f"pretrained weights at {path} hold no tensor for {len(missing)} parameters of {type(model).__name__}, "
@@ -148,14 +156,17 @@ def _file_keys(model: nn.Module, state: dict, files: dict[str, Path]) -> dict[st
     """{model state name: file key}, through Hugging Face's key renamings and the base model prefix."""
     renamings = _hugging_face_renamings(model)
     prefix = getattr(model, "base_model_prefix", "")
+    # An adapter layer's base: the file's `q_proj.weight` is the model's `q_proj.base_layer.weight`.
+    adapted = {name.replace(f".{BASE_LAYER}.", "."): name for name in state if f".{BASE_LAYER}." in name}
     found = {}
     for key in files:
         name = key
         for renaming in renamings:
             name, _ = renaming.rename_source_key(name)
-        if name not in state and prefix:
+        if name not in state and name not in adapted and prefix:
             stripped = name.removeprefix(f"{prefix}.")
-            name = stripped if stripped in state else f"{prefix}.{name}"
+            name = stripped if stripped in state or stripped in adapted else f"{prefix}.{name}"
+        name = adapted.get(name, name)
         if name in state:
             found[name] = key
     return found

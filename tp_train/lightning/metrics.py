@@ -53,6 +53,7 @@ class TrainingMetrics(L.Callback):
         self.tokens_per_sec: float | None = None
         self.first_loss: float | None = None
         self._throughput: Throughput | None = None
+        self.parameters = self.trainable_parameters = None  # of the whole model, counted as training starts
         self._counted_step: int | None = None  # the optimizer step the communication counters count
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -69,16 +70,19 @@ class TrainingMetrics(L.Callback):
         # The largest rank's (ranks of a tensor-parallel group hold different shards): a reduction, so every rank
         # logs it.
         pl_module.log("memory/params_mib", params / MIB, reduce_fx="max", sync_dist=True)
+        specs = {id(param): spec for _, param, spec in named_sharded_parameters(pl_module)}
+        full = {id(p): full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in pl_module.parameters()}
+        self.parameters = sum(full.values())  # the unsharded model's
+        self.trainable_parameters = sum(full[id(p)] for p in pl_module.parameters() if p.requires_grad)
         if trainer.logger:
             tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
-            specs = {id(param): spec for _, param, spec in named_sharded_parameters(pl_module)}
-            total = sum(full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in pl_module.parameters())
             trainer.logger.log_hyperparams(
                 {
                     "tp": tp,
                     "dp": trainer.world_size // tp,
                     "precision": str(trainer.precision),
-                    "parameters": total,
+                    "parameters": self.parameters,
+                    "trainable_parameters": self.trainable_parameters,
                     "parameters_per_rank": sum(local_part(p).numel() for p in pl_module.parameters()),
                     "data_parallel": getattr(trainer.strategy, "data_parallel", "ddp"),
                 }

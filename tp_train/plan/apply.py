@@ -32,7 +32,7 @@ from tp_train.parallel.layers import (
 from tp_train.parallel.norm import ParallelRMSNormRegion, norm_epsilon, norm_groups
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
-from tp_train.plan.adapters import shard_adapters
+from tp_train.plan.adapters import materialize_adapters, shard_adapters
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
@@ -72,6 +72,7 @@ def apply_plan(
     `SwapCheck`, a collective).
     """
     init_weights = getattr(model, "_init_weights", None)
+    materialize_adapters(model, device)  # peft's own initialisation, not the model's
     by_name = {entry.name: entry for entry in planned}
     shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
     materialized: dict[int, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once

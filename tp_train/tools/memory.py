@@ -1,7 +1,8 @@
 """Predicted per-rank memory of a tensor-parallel training run, before any rank starts.
 
 Parameters, gradients and optimizer states are counted exactly from the model (built on the meta device is
-enough) and its plan: every planned module holds this rank's slice (vocabularies padded up to a multiple of tp),
+enough; gradients and optimizer states of the parameters that train only, a peft model's adapters and not its frozen
+base) and its plan: every planned module holds this rank's slice (vocabularies padded up to a multiple of tp),
 everything else is whole, tied parameters count once. Activations are what autograd keeps for the backward pass
 of one micro-batch of a Megatron-style transformer block (Korthikanti et al., arXiv 2205.05198, section 4, for a
 block without dropout and with fused attention, which keeps no (seq x seq) scores), counted in elements:
@@ -34,10 +35,11 @@ import torch.nn as nn
 
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
+from tp_train.plan.adapters import adapted_model, adapter_specs
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
-from tp_train.plan.styles import PlannedModule, parameter_shard_spec, style_shard_spec
+from tp_train.plan.styles import PlannedModule, adapted_base, parameter_shard_spec, style_shard_spec
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
@@ -82,17 +84,33 @@ class MemoryEstimate:
 
 
 def parameters_per_rank(
-    model: nn.Module, tp: int, plan: dict[str, str] | None = None, dp: int = 1, data_parallel: str = "ddp"
+    model: nn.Module,
+    tp: int,
+    plan: dict[str, str] | None = None,
+    dp: int = 1,
+    data_parallel: str = "ddp",
+    trainable: bool = False,
 ) -> int:
     """Elements of the parameters one rank holds once `model` is sharded over `tp` ranks with `plan` (default: the
     model's own, as `parallelize` resolves it), and with `data_parallel="fsdp"` over `dp` ranks once more (rank 0,
-    whose piece of an uneven split is the largest)."""
+    whose piece of an uneven split is the largest); with `trainable`, of those that train only (which have
+    gradients and optimizer states: a model's adapters, not its frozen base)."""
     if data_parallel not in DATA_PARALLEL_MODES:
         raise ValueError(f"data_parallel={data_parallel!r}: use one of {DATA_PARALLEL_MODES}")
+    model = _planned_model(model)
     shapes = _local_shapes(model, tp, plan)
+    if trainable:
+        training = {id(param) for param in model.parameters() if param.requires_grad}
+        shapes = {key: value for key, value in shapes.items() if key in training}
     if data_parallel == "ddp":
         return sum(math.prod(shape) for shape, _ in shapes.values())
     return sum(math.prod(_data_parallel_piece(shape, spec, dp)) for shape, spec in shapes.values())
+
+
+def _planned_model(model: nn.Module) -> nn.Module:
+    """The model a peft wrapper holds (planned in its own names, as `parallelize` plans it), or `model`."""
+    wrapped = adapted_model(model)
+    return wrapped[1] if wrapped is not None else model
 
 
 def _local_shapes(model: nn.Module, tp: int, plan: dict[str, str] | None) -> dict[int, tuple[tuple, ShardSpec | None]]:
@@ -100,8 +118,12 @@ def _local_shapes(model: nn.Module, tp: int, plan: dict[str, str] | None) -> dic
     planned = match_plan(model, resolve_plan(model, plan, tensor_parallel_size=tp)[0], tp)
     local: dict[int, tuple[tuple, ShardSpec | None]] = {id(p): (tuple(p.shape), None) for p in model.parameters()}
     for entry in planned:
-        for name, param in entry.module.named_parameters(recurse=False):
-            spec = _shard_spec(entry, name)
+        base = adapted_base(entry.module) or entry.module  # a LoRA layer's base, its adapters after
+        params = {name: (param, _shard_spec(entry, name)) for name, param in base.named_parameters(recurse=False)}
+        if base is not entry.module and params.get("weight", (None, None))[1] is not None:
+            adapters = adapter_specs(entry.module, entry.style, params["weight"][1])
+            params |= {name: (entry.module.get_parameter(name), spec) for name, spec in adapters.items()}
+        for param, spec in params.values():
             if spec is not None:
                 shape = list(reversed(param.shape)) if spec.transposed else list(param.shape)
                 shape[spec.dim] = sum(spec.local_sections(tp))
@@ -205,16 +227,18 @@ def estimate_memory(
     if precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
     param_bytes, activation_bytes = PRECISION_BYTES[precision]
+    model = _planned_model(model)
     parameters = parameters_per_rank(model, tp, plan, dp, data_parallel) * param_bytes
+    trained = parameters_per_rank(model, tp, plan, dp, data_parallel, trainable=True) * param_bytes
     activations = activation_elements(
         model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing, loss_parallel
     )
     fsdp = data_parallel == "fsdp"
     return MemoryEstimate(
         parameters=parameters,
-        gradients=parameters,
-        optimizer_states=ADAMW_STATES * parameters,
-        gradient_buckets=parameters if dp > 1 and not fsdp else 0,
+        gradients=trained,
+        optimizer_states=ADAMW_STATES * trained,
+        gradient_buckets=trained if dp > 1 and not fsdp else 0,
         activations=activations * activation_bytes,
         gathered_parameters=_gathered_elements(model, tp, plan) * activation_bytes if fsdp else 0,
     )
