@@ -1,6 +1,6 @@
 """Single-device model code. Nothing here imports tp_train; sharding plans are data (`tp_plan`)."""
 
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT, GPTConfig, KVCache
 from models.hf import hugging_face_causal_lm
 
-__all__ = ["GPT", "GPTConfig", "hugging_face_causal_lm"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "hugging_face_causal_lm"]

@@ -26,6 +26,29 @@ class GPTConfig:
     bias: bool = True  # biases in Linear layers and LayerNorms
 
 
+class KVCache:
+    """The keys and values of the tokens seen so far, for generation: each attention appends its new tokens' (B,
+    heads, T, head_dim) and attends over all of them. It holds the heads the attention computes, whichever they are."""
+
+    def __init__(self) -> None:
+        self.keys: dict[nn.Module, torch.Tensor] = {}
+        self.values: dict[nn.Module, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        """Tokens held (by the first attention, before a forward adds the new ones to each in turn)."""
+        return self.held(next(iter(self.keys))) if self.keys else 0
+
+    def held(self, attention: nn.Module) -> int:
+        """Tokens `attention`'s keys and values hold."""
+        return self.keys[attention].shape[2] if attention in self.keys else 0
+
+    def update(self, attention: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if attention in self.keys:
+            k, v = torch.cat([self.keys[attention], k], dim=2), torch.cat([self.values[attention], v], dim=2)
+        self.keys[attention], self.values[attention] = k, v
+        return k, v
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -39,13 +62,22 @@ class CausalSelfAttention(nn.Module):
         self.proj.residual_projection = True  # initialised smaller (see GPT._init_weights)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Heads come from the projection width, so the forward also runs on a subset of heads.
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        past = 0 if cache is None else cache.held(self)
+        mask = None
+        if cache is not None:
+            k, v = cache.update(self, k, v)  # (B, n_head, past + T, head_dim)
+            if past and T > 1:  # new tokens see every cached one and the new ones before them
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        causal = mask is None and past == 0
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
+        )
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * head_dim)
         return self.proj(y)
 
@@ -70,8 +102,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -126,15 +158,17 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Returns logits (B, T, vocab_size), or (logits, loss) when `targets` (B, T) are given."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+        """Returns logits (B, T, vocab_size), or (logits, loss) when `targets` (B, T) are given. With `cache`, `idx`
+        continues the tokens it holds (their positions follow them) and their keys and values are added to it."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        past = 0 if cache is None else len(cache)
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence length {past + T} exceeds block_size={self.config.block_size}")
+        pos = torch.arange(past, past + T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, n_embd)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if cache is None else block(x, cache)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         if targets is None:
             return logits

@@ -24,7 +24,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tp_train.checkpoint.checks import check_files
-from tp_train.checkpoint.dcp import HUGGING_FACE_CONFIG_KEY, META_FILE
+from tp_train.checkpoint.dcp import (
+    ADAPTER_CONFIG_KEY,
+    BASE_WEIGHTS_KEY,
+    HUGGING_FACE_CONFIG_KEY,
+    META_FILE,
+    TOKENIZER_KEY,
+)
 from tp_train.checkpoint.safe_load import SafeFileSystemReader, read_extra
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
@@ -39,6 +45,7 @@ def export_hugging_face(
     config=None,
     plan: dict[str, str] | None = None,
     trust_checkpoint: bool = False,
+    adapters_only: bool = False,
 ) -> Path:
     """Writes the model in `checkpoint` as a Hugging Face `save_pretrained` directory at `out_dir`.
 
@@ -51,6 +58,12 @@ def export_hugging_face(
             Hugging Face model (it tells which Conv1D weights were stored in the parallel layer's layout).
         trust_checkpoint: read a checkpoint that holds more than data (pickled objects) as torch would; by default
             it is refused in one line before any of it is unpickled (`tp_train.checkpoint.safe_load`).
+        adapters_only: for a run that trained peft adapters: write them as a peft adapter directory
+            (`PeftModel.from_pretrained(base, out_dir)`) instead of the merged model.
+
+    A run that trained adapters (its checkpoint holds them and names the pretrained weights they were trained on)
+    is written merged by default: the base model read from those weights, each adapter added into its layer
+    (`merge_and_unload`). The tokenizer the run used is written beside the model.
 
     Returns:
         `out_dir`.
@@ -59,33 +72,79 @@ def export_hugging_face(
 
     checkpoint = Path(checkpoint)
     stored = _stored_tensors(checkpoint, trust_checkpoint)
-    config = _config(checkpoint, config, trust_checkpoint)
-    with torch.device("meta"):  # shapes only; the weights come from the checkpoint
-        model = AutoModelForCausalLM.from_config(config)
-    prefix = _prefix(stored, list(model.state_dict()), checkpoint)
+    extra = read_extra(checkpoint / META_FILE, trust_checkpoint) if (checkpoint / META_FILE).exists() else {}
+    config = _config(checkpoint, config, extra)
+    if ADAPTER_CONFIG_KEY in extra:
+        _write_adapted(checkpoint, out_dir, stored, extra, config, trust_checkpoint, adapters_only)
+    elif adapters_only:
+        raise ValueError(
+            f"checkpoint {checkpoint} holds no adapters (its run trained the whole model); drop --adapters-only"
+        )
+    else:
+        with torch.device("meta"):  # shapes only; the weights come from the checkpoint
+            model = AutoModelForCausalLM.from_config(config)
+        state = _load_state(checkpoint, stored, list(model.state_dict()), trust_checkpoint)
+        for name in _transposed_weights(model, plan):
+            state[name] = state[name].t().contiguous()
+        model.load_state_dict(state, assign=True)
+        model.tie_weights()
+        model.save_pretrained(out_dir)
+    if TOKENIZER_KEY in extra:  # so that AutoTokenizer.from_pretrained(out_dir) works too
+        _load_tokenizer(extra[TOKENIZER_KEY]).save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def _load_state(checkpoint: Path, stored: dict, names: list[str], trust_checkpoint: bool) -> dict[str, torch.Tensor]:
+    """{name: full tensor} of the checkpoint's tensors for the model state `names`, read in one process."""
+    prefix = _prefix(stored, names, checkpoint)
     wanted = {key: meta for key, meta in stored.items() if key.startswith(prefix)}
     tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in wanted.items()}
     dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint, trust_checkpoint), no_dist=True)
-    state = _assemble(tensors, prefix)
-    for name in _transposed_weights(model, plan):
-        state[name] = state[name].t().contiguous()
-    model.load_state_dict(state, assign=True)
-    model.tie_weights()
-    model.save_pretrained(out_dir)
-    return Path(out_dir)
+    return _assemble(tensors, prefix)
+
+
+def _write_adapted(checkpoint, out_dir, stored, extra, config, trust_checkpoint: bool, adapters_only: bool) -> None:
+    """A run that trained peft adapters: its base model (from the pretrained weights it names, else from the
+    checkpoint, which then holds the base too) with the adapters loaded, merged or as a peft adapter directory."""
+    from peft import PeftConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = extra.get(BASE_WEIGHTS_KEY)
+    if base is not None:
+        model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, use_safetensors=True)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    model = get_peft_model(model, PeftConfig.from_peft_type(**extra[ADAPTER_CONFIG_KEY]))
+    names = [name for name, param in model.named_parameters() if param.requires_grad or base is None]
+    state = _load_state(checkpoint, stored, names, trust_checkpoint)
+    missing = sorted(set(names) - set(state))
+    if missing:
+        raise ValueError(
+            f"checkpoint {checkpoint} holds no '{missing[0]}' (and {len(missing) - 1} more) of its adapters"
+        )
+    model.load_state_dict(state, strict=False)
+    if adapters_only:
+        model.save_pretrained(out_dir)
+    else:
+        model.merge_and_unload().save_pretrained(out_dir)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    return AutoTokenizer.from_pretrained(path) if Path(path).is_dir() else PreTrainedTokenizerFast(tokenizer_file=path)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _config(checkpoint: Path, config, trust_checkpoint: bool):
+def _config(checkpoint: Path, config, extra: dict):
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
         return config
     if config is not None:
         return AutoConfig.from_pretrained(config, local_files_only=True)
-    extra = read_extra(checkpoint / META_FILE, trust_checkpoint) if (checkpoint / META_FILE).exists() else {}
     if HUGGING_FACE_CONFIG_KEY not in extra:
         raise ValueError(
             f"checkpoint {checkpoint} stores no Hugging Face config (it was not saved from a CausalLMModule around a "
@@ -152,14 +211,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", help="the save_pretrained directory to write")
     parser.add_argument("--config", help="a directory with the model's config.json (default: from the checkpoint)")
     parser.add_argument(
+        "--adapters-only", action="store_true",
+        help="a run that trained peft adapters: write them as a peft adapter directory, not the merged model",
+    )  # fmt: skip
+    parser.add_argument(
         "--trust-checkpoint", action="store_true",
         help="read a checkpoint holding pickled objects (which could run code); only your own",
     )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         out = export_hugging_face(
-            args.checkpoint, args.out_dir, config=args.config, trust_checkpoint=args.trust_checkpoint
-        )
+            args.checkpoint, args.out_dir, config=args.config, trust_checkpoint=args.trust_checkpoint,
+            adapters_only=args.adapters_only,
+        )  # fmt: skip
     except (ValueError, OSError) as error:  # a user error (CheckpointError among them): one line, status 2
         print(f"error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
         sys.exit(2)
