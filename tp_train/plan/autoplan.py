@@ -213,7 +213,7 @@ class _Planner:
             # Up to `SMALL_WHOLE` of its block (an MoE router beside experts the plan shards) may stay whole.
             unplanned = name not in styles and in_repeated_block(name)
             whole = block_whole_fraction(self.model, name, {**self.given, **styles}) if unplanned else 0
-            if whole > SMALL_WHOLE and self._takes_whole_input(name, styles):
+            if whole > SMALL_WHOLE and self._stands_alone(name, styles):
                 # A projection on its own (Swin's patch merging between stages): split by its input's features, each
                 # rank multiplying its share, one all-reduce summing them, rather than held whole on every rank.
                 styles[name] = "rowwise_split_input"
@@ -227,20 +227,21 @@ class _Planner:
                 )
         return styles
 
-    def _takes_whole_input(self, name: str, styles: dict[str, str]) -> bool:
-        """Whether `name`'s input is whole on every rank in the sharded model: traced, called alike each time, and
-        computed from no layer the plan splits by columns (nor inside an attention that runs on local heads)."""
+    def _stands_alone(self, name: str, styles: dict[str, str]) -> bool:
+        """Whether `name` is a projection on its own: no Linear of its own block reads its output (Swin's patch
+        merging feeds the next stage; a fused qkv whose heads no split finds feeds its block's output projection),
+        and its input is whole on every rank in the sharded model (traced, the same shape at every call, computed
+        from no layer the plan splits by columns, not inside an attention running on local heads)."""
         call = self.calls[name]
         if name in self.untraced or len(call.shapes) > 1 or call.input is None:
+            return False
+        block = _block_of(name)
+        if any(name in self.producers[other][0] and _block_of(other) == block for other in self.linears):
             return False
         split = {other for other, style in styles.items() if style.startswith(("colwise", "packed_", "fused_"))}
         local = [other for other, style in styles.items() if style.startswith("attention")]
         inside = any(name.startswith(attention + ".") for attention in local)
-        return (
-            not inside
-            and not (self.producers[name][0] & split)
-            and "colwise_gather_output" not in {styles.get(producer) for producer in self.producers[name][0]}
-        )
+        return not inside and not self.producers[name][0] & split
 
     # ----------------------------------------------------------------------------------------- column/row pairs
 
@@ -608,6 +609,12 @@ def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, sh
     """True on rank `share`'s part of every section of `output`'s last dimension."""
     mask = torch.cat([(torch.arange(size) // (size // shares)) == share for size in sections])
     return mask.expand_as(output).to(output.device)
+
+
+def _block_of(name: str) -> str:
+    """The repeated block holding module `name`: its name up to the first numbered part (`layers.3`)."""
+    parts = name.split(".")
+    return ".".join(parts[: next((i for i, part in enumerate(parts) if part.isdigit()), len(parts)) + 1])
 
 
 def _enclosing(pair: _Pair) -> str:
