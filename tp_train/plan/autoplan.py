@@ -203,6 +203,7 @@ class _Planner:
                 self._attention_styles(pair, styles, views.get(enclosing, "attention"))
             for name in sorted(pair.between):
                 styles[name] = "replicated_with_grad_allreduce"
+        styles.update(self._uncalled_siblings(styles))
         if self.tokens is not None:
             styles[self.tokens] = "embedding_rowwise"
         if self.head is not None:
@@ -226,6 +227,21 @@ class _Planner:
                     f"{shape[1]}): {reason}; give the model a `tp_plan` (or pass plan=...) for this block"
                 )
         return styles
+
+    def _uncalled_siblings(self, styles: dict[str, str]) -> dict[str, str]:
+        """Styles for the Linears the probe never ran that have a sibling it did, one name part apart by its number
+        (the experts routing sent no probe token to: Switch Transformers' `experts.expert_6.wi`, as `expert_0.wi`):
+        a layer of the same kind, split alike."""
+        planned = {name: style for name, style in styles.items() if style in ("colwise", "rowwise")}
+        found = {}
+        for name, module in self.modules.items():
+            if name in self.calls or linear_shape(module) is None or not in_repeated_block(name):
+                continue
+            key = _numbered_away(name)
+            style = next((style for other, style in planned.items() if _numbered_away(other) == key), None)
+            if style is not None and key != name:
+                found[name] = style
+        return found
 
     def _stands_alone(self, name: str, styles: dict[str, str]) -> bool:
         """Whether `name` is a projection on its own: no Linear of its own block reads its output (Swin's patch
@@ -609,6 +625,11 @@ def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, sh
     """True on rank `share`'s part of every section of `output`'s last dimension."""
     mask = torch.cat([(torch.arange(size) // (size // shares)) == share for size in sections])
     return mask.expand_as(output).to(output.device)
+
+
+def _numbered_away(name: str) -> str:
+    """`name` with the number ending each part removed (`experts.expert_6.wi` -> `experts.expert_.wi`)."""
+    return ".".join(part.rstrip("0123456789") for part in name.split("."))
 
 
 def _block_of(name: str) -> str:

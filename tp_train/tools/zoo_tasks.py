@@ -60,7 +60,14 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     "siglip2": dict(vision_config=dict(num_patches=16)),
     # its Q-Former reads the vision tower's width and, for retrieval, the text
     "blip-2": dict(qformer_config=dict(encoder_hidden_size=32, use_qformer_text_input=True)),
-    "shieldgemma2": dict(yes_token_index=1, no_token_index=2),  # its answer tokens, inside the tiny vocabulary
+    # images large enough that attention has more than one token to mix: MobileViT's third stage (stride 8) cuts
+    # 2 x 2 patches; VideoPrism's tubelets of 8 x 8 pixels (18 x 18 by default: one per 32 x 32 frame)
+    "mobilevit": dict(image_size=128),
+    "videoprism": dict(
+        vision_config=dict(tubelet_size=[1, 8, 8], num_frames=4, num_spatial_layers=2, num_temporal_layers=2)
+    ),  # fmt: skip
+    # one head in its first stage by default (tp divides none), and full-size stages whose training diverges
+    "cvt": dict(num_heads=[2, 4, 8], embed_dim=[32, 64, 128], depth=[1, 2, 3]),
     # local attention windows of 8 tokens (512 by default: the probe's tokens would be padded to 512)
     "led": dict(attention_window=[8, 8]),
     "longformer": dict(attention_window=8),
