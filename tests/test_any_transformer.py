@@ -1,8 +1,8 @@
 """Transformers that are not causal LMs shard with no plan given: a ViT classifier, T5 and BART (encoder-decoders,
 cross-attention included, T5's per-head relative position bias split with its heads), Whisper (mel features in),
-CLIP (text and images in) and BERT's masked LM. Each is probed on the batch its config shapes
-(`tp_train.plan.probe_input`) and matches the unsharded model at tp 2 and 4: outputs, every gradient and three SGD
-losses, each rank holding 1/tp of the block matrices."""
+CLIP (text and images in), BERT's masked LM, and ALBERT, MPNet and DeBERTa (below). Each is probed on the batch its
+config shapes (`tp_train.plan.probe_input`) and matches the unsharded model at tp 2 and 4: outputs, every gradient
+and three SGD losses, each rank holding 1/tp of the block matrices."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ MODELS = {  # name: (zoo task, family)
     "whisper": ("speech-seq2seq", "whisper"),
     "clip": ("dual-encoder", "clip"),
     "bert_mlm": ("masked-lm", "bert"),
+    # masked LMs the planner reads beyond one attention per layer: ALBERT runs one layer at every depth, MPNet hands
+    # every layer the relative bias of all heads (its table whole, each attention cutting its heads), DeBERTa adds
+    # per-channel biases to its heads inside attention (split with them)
+    "albert": ("masked-lm", "albert"),
+    "mpnet": ("masked-lm", "mpnet"),
+    "deberta": ("masked-lm", "deberta"),
 }
 
 
@@ -66,3 +72,17 @@ def test_t5s_relative_position_bias_is_split_with_its_heads():
         assert plan[f"{stack}.block.*.layer.*.SelfAttention.relative_attention_bias.weight"] == "rowwise"
         assert plan[f"{stack}.block.*.layer.*.SelfAttention"] == "attention"
     assert plan["decoder.block.*.layer.*.EncDecAttention.q"] == "colwise"  # cross-attention, sharded alike
+
+
+def test_the_planner_reads_reused_layers_shared_bias_tables_and_per_head_biases():
+    """ALBERT's one layer is planned once for every depth; MPNet's encoder-level relative bias stays whole (its
+    gradient summed) while each attention takes its heads of it; DeBERTa's q_bias and v_bias split with the heads."""
+    torch.manual_seed(0)
+    albert = tp_train.infer_plan(build("masked-lm", "albert"), tensor_parallel_size=2)
+    assert albert["albert.encoder.albert_layer_groups.*.albert_layers.*.attention.query"] == "colwise"
+    mpnet = tp_train.infer_plan(build("masked-lm", "mpnet"), tensor_parallel_size=2)
+    assert mpnet["mpnet.encoder.relative_attention_bias"] == "replicated_with_grad_allreduce"
+    assert mpnet["mpnet.encoder.layer.*.attention.attn"] == "attention(all_head_size, position_bias[1])"
+    deberta = tp_train.infer_plan(build("masked-lm", "deberta"), tensor_parallel_size=2)
+    assert deberta["deberta.encoder.layer.*.attention.self.q_bias"] == "colwise"
+    assert deberta["deberta.encoder.layer.*.attention"] == "attention(self.num_attention_heads)"

@@ -127,3 +127,34 @@ def test_tiny_config_keeps_one_layer_of_each_kind_of_a_per_layer_list():
 
     assert tiny_config("zamba2")["layers_block_type"] == ["linear_attention", "hybrid"]
     assert "layer_types" not in tiny_config("qwen2")  # a list the family re-derives from the tiny count is left alone
+
+
+@pytest.mark.parametrize(
+    "task,expected",
+    [
+        ("masked-lm", {"bert", "roberta", "albert"}),
+        ("seq2seq-lm", {"t5", "bart", "mt5", "pegasus"}),
+        ("speech-seq2seq", {"whisper", "speech_to_text"}),
+        ("image-classification", {"vit", "deit", "beit", "swin"}),
+        ("dual-encoder", {"clip", "siglip"}),
+        ("towers", {"clip.text", "clip.vision", "siglip.vision"}),
+    ],
+)
+def test_the_zoo_lists_every_family_of_each_task(task, expected):
+    assert expected <= set(families(task))
+
+
+def test_a_network_with_no_linear_in_its_blocks_is_not_counted_as_a_transformer():
+    """ResNet's blocks are convolutions: nothing for a column/row split to take, so it is `no blocks`, apart from
+    the transformers a task's share of passing families is counted over; ViT's blocks are Linears."""
+    import torch
+
+    from tp_train.tools.zoo import _has_block_linears, build_family
+
+    with torch.device("meta"):
+        assert not _has_block_linears(build_family("image-classification", "resnet"))
+        assert _has_block_linears(build_family("image-classification", "vit"))
+    text = summary({"vit": {"class": "pass", "reason": ""}, "resnet": {"class": "no blocks", "reason": "convs"}}, 2)
+    assert (
+        text.startswith("1 of 1 buildable families pass at tp=2 (100%)") and "1 with no Linear in their blocks" in text
+    )

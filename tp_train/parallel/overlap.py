@@ -94,7 +94,10 @@ def linear_with_deferred_weight_gradient(
     Under autocast the operands are cast as `F.linear` casts them, and the gradients back to their dtypes."""
     if id(weight) not in deferred.index or (bias is not None and id(bias) not in deferred.index):
         return F.linear(x, weight, bias)  # not among the entry's parameters (replaced since): no deferral
-    return _LinearWithDeferredWeightGradient.apply(x, weight, bias, deferred)
+    # 2-D through the Function, whose output is then a tensor of its own, not a view made inside it (F.linear views
+    # a 3-D input's matmul): a model may modify it in place (Swin V2's position-bias MLP); reshaped outside.
+    output = _LinearWithDeferredWeightGradient.apply(x.reshape(-1, x.shape[-1]), weight, bias, deferred)
+    return output.view(*x.shape[:-1], output.shape[-1])
 
 
 class _EnterWithOverlap(torch.autograd.Function):

@@ -196,8 +196,9 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
 
     The layer's class becomes `(type(module), type(layer), base)`: in that order the subclass's `super().forward`
     reaches the parallel layer's forward, so Gemma's `super().forward(ids) * embed_scale` scales the sharded
-    lookup. What the subclass keeps besides parameters (its buffers, such as `embed_scale`, and attributes) moves
-    to the layer, and so do its child modules (Inkling's `embed_norm`). A subclass whose forward never calls
+    lookup. What the subclass keeps besides the swapped parameters (its buffers, such as `embed_scale`, parameters
+    of its own, as T5Gemma 2's `eoi_embedding`, and attributes) moves to the layer, and so do its child modules
+    (Inkling's `embed_norm`). A subclass whose forward never calls
     `super().forward` keeps the plain layer (see the module docstring).
     """
     cls = type(module)
@@ -211,6 +212,9 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
     for key, buffer in module._buffers.items():
         if key not in layer._buffers:
             layer.register_buffer(key, buffer, persistent=key not in module._non_persistent_buffers_set)
+    for key, param in module._parameters.items():  # T5Gemma 2's `eoi_embedding`, whole on every rank
+        if key not in layer._parameters:
+            layer.register_parameter(key, param)
     for key, child in module._modules.items():  # Inkling's embedding normalises its lookup with a child norm
         if key not in layer._modules:
             layer.add_module(key, child)

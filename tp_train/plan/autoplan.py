@@ -80,7 +80,10 @@ class _Pair:
     replicated: set[str] = field(default_factory=set)  # earlier row layers whose (all-reduced) output feeds it
     channels: dict[str, str] = field(default_factory=dict)  # modules holding per-channel parameters -> style
     tables: set[str] = field(default_factory=set)  # per-head embedding tables feeding it (T5's relative bias)
-    own: set[str] = field(default_factory=set)  # per-channel parameters of the attention module itself (DeBERTa's)
+    # parameters inside the attention split with its heads, by full name -> style: per-channel biases (DeBERTa's),
+    # "colwise" along dim 0; per-head tables (Swin's relative_position_bias_table), "rowwise" along the last dim
+    own: dict[str, str] = field(default_factory=dict)
+    shared_tables: set[str] = field(default_factory=set)  # embedding tables all its heads read (SpeechT5's)
 
 
 class InferredPlan(dict):
@@ -197,7 +200,8 @@ class _Planner:
                 styles[f"{table}.weight" if split else table] = (
                     TABLE_STYLE if split else "replicated_with_grad_allreduce"
                 )
-            styles.update({name: "colwise" for name in pair.own})
+            styles.update(pair.own)
+            styles.update({table: "replicated_with_grad_allreduce" for table in pair.shared_tables})
             styles.setdefault(pair.row, "rowwise")
             styles.update(pair.channels)
             for name in pair.replicated:  # its replicated output re-enters a sharded region: f after its g
@@ -206,6 +210,7 @@ class _Planner:
                 self._attention_styles(pair, styles, views.get(enclosing, "attention"))
             for name in sorted(pair.between):
                 styles[name] = "replicated_with_grad_allreduce"
+        styles.update(self._uncalled_siblings(styles))
         if self.tokens is not None:
             styles[self.tokens] = "embedding_rowwise"
         if self.head is not None:
@@ -216,7 +221,11 @@ class _Planner:
             # Up to `SMALL_WHOLE` of its block (an MoE router beside experts the plan shards) may stay whole.
             unplanned = name not in styles and in_repeated_block(name)
             whole = block_whole_fraction(self.model, name, {**self.given, **styles}) if unplanned else 0
-            if whole > SMALL_WHOLE:
+            if whole > SMALL_WHOLE and self._stands_alone(name, styles):
+                # A projection on its own (Swin's patch merging between stages): split by its input's features, each
+                # rank multiplying its share, one all-reduce summing them, rather than held whole on every rank.
+                styles[name] = "rowwise_split_input"
+            elif whole > SMALL_WHOLE:
                 shape = linear_shape(self.modules[name])
                 reason = failures.get(name, "its output reaches no Linear through position- and head-wise operations")
                 reason += f" (left whole, its block would keep {whole:.0%} of its parameters whole on every rank)"
@@ -225,6 +234,37 @@ class _Planner:
                     f"{shape[1]}): {reason}; give the model a `tp_plan` (or pass plan=...) for this block"
                 )
         return styles
+
+    def _uncalled_siblings(self, styles: dict[str, str]) -> dict[str, str]:
+        """Styles for the Linears the probe never ran that have a sibling it did, one name part apart by its number
+        (the experts routing sent no probe token to: Switch Transformers' `experts.expert_6.wi`, as `expert_0.wi`):
+        a layer of the same kind, split alike."""
+        planned = {name: style for name, style in styles.items() if style in ("colwise", "rowwise")}
+        found = {}
+        for name, module in self.modules.items():
+            if name in self.calls or linear_shape(module) is None or not in_repeated_block(name):
+                continue
+            key = _numbered_away(name)
+            style = next((style for other, style in planned.items() if _numbered_away(other) == key), None)
+            if style is not None and key != name:
+                found[name] = style
+        return found
+
+    def _stands_alone(self, name: str, styles: dict[str, str]) -> bool:
+        """Whether `name` is a projection on its own: no Linear of its own block reads its output (Swin's patch
+        merging feeds the next stage; a fused qkv whose heads no split finds feeds its block's output projection),
+        and its input is whole on every rank in the sharded model (traced, the same shape at every call, computed
+        from no layer the plan splits by columns, not inside an attention running on local heads)."""
+        call = self.calls[name]
+        if name in self.untraced or len(call.shapes) > 1 or call.input is None:
+            return False
+        block = _block_of(name)
+        if any(name in self.producers[other][0] and _block_of(other) == block for other in self.linears):
+            return False
+        split = {other for other, style in styles.items() if style.startswith(("colwise", "packed_", "fused_"))}
+        local = [other for other, style in styles.items() if style.startswith("attention")]
+        inside = any(name.startswith(attention + ".") for attention in local)
+        return not inside and not self.producers[name][0] & split
 
     # ----------------------------------------------------------------------------------------- column/row pairs
 
@@ -271,10 +311,12 @@ class _Planner:
                 continue
             if (producers | {row}) & self.untraced:
                 continue
-            if len({self.calls[name].calls for name in producers | {row}}) != 1:
+            pair_calls = [self.calls[name] for name in producers | {row}]
+            if len({call.calls for call in pair_calls}) != 1 or any(len(call.shapes) > 1 for call in pair_calls):
                 # A layer reused as a whole (ALBERT's one layer, run at every depth) calls its columns and its row
-                # alike; a projection run for two roles (DeBERTa's key on hidden states and on relative positions),
-                # or only some of the pair, is not one split.
+                # alike, on the same shapes; a projection run for two roles (DeBERTa's key on hidden states and on
+                # relative positions, Pegasus-X's on tokens and on global tokens), or only some of the pair, is not
+                # one split the probe can check.
                 why = "it is called a different number of times per forward than the layers it pairs with"
                 failures.update({name: why for name in producers | {row}})
                 continue
@@ -291,19 +333,15 @@ class _Planner:
                     break
                 pair.columns[column] = style
             else:
-                pair.tables = tables
+                # Per-head tables split with the heads; a table shared by the heads (SpeechT5's relative key
+                # positions, one column per feature of a head) stays whole on every rank, its gradient summed.
                 frozen = frozenset(pair.columns)
-                unsplit = next((table for table in sorted(tables) if not self._table_local(table, row, frozen)), None)
-                if unsplit is not None:
-                    reason = (
-                        f"the embedding '{unsplit}' feeds '{row}' beside its column layers, and no split of its "
-                        f"columns at tp={self.shares} gives each rank a share that feeds only that rank's share"
-                    )
-                    failures.update({name: reason for name in producers | {row}})
-                    continue
+                pair.tables = {table for table in tables if self._table_local(table, row, frozen)}
+                pair.shared_tables = tables - pair.tables
                 pair.attention = self._mixes_tokens(pair)
                 pair.between = self._between(pair)
                 self._own_channels(pair)
+                self._per_head_tables(pair)
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
                         f"an RMS norm between '{row}' and its column layers normalises over the split features in an "
@@ -332,7 +370,31 @@ class _Planner:
             if id(param) in used and param.dim() and param.shape[0] == channels
         }  # fmt: skip
         if all(style == "channelwise" for style in pair.channels.values()) and all(p.dim() == 1 for p in own.values()):
-            pair.channels, pair.own = {}, set(own)
+            pair.channels, pair.own = {}, dict.fromkeys(own, "colwise")
+
+    def _per_head_tables(self, pair: _Pair) -> None:
+        """2-D parameters inside the attention whose last dim holds one column per head (Swin's and BEiT's
+        relative_position_bias_table, indexed into a (heads, tokens, tokens) bias): split with the heads along that
+        dim, as T5's embedding table is, instead of kept whole with summed gradients."""
+        enclosing = _enclosing(pair)
+        if not pair.attention or not enclosing:
+            return
+        # the head count the attention (or a module inside it: Swin's self-attention) keeps
+        counts = (
+            getattr(module, name, None) for module in self.modules[enclosing].modules() for name in HEAD_ATTRIBUTES
+        )
+        heads = next((count for count in counts if isinstance(count, int)), None)
+        used = {id(param) for param in self.producers[pair.row][1]}
+        for owner in sorted(pair.between):
+            if heads is None or owner != enclosing and not owner.startswith(enclosing + "."):
+                continue
+            tables = {
+                f"{owner}.{name}" for name, param in self.modules[owner].named_parameters(recurse=False)
+                if id(param) in used and param.dim() == 2 and param.shape[-1] == heads and heads % self.shares == 0
+            }  # fmt: skip
+            if tables and len(tables) == sum(1 for p in self.modules[owner].parameters(recurse=False) if id(p) in used):
+                pair.between.discard(owner)
+                pair.own.update(dict.fromkeys(tables, "rowwise"))
 
     def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
         """Whether `pair` is attention with an `rmsnorm_parallel` norm between its layers whose enclosing module keeps
@@ -405,16 +467,24 @@ class _Planner:
         return self._cache[key]
 
     def _perturbed_first_token_moves_later_ones(self, pair: _Pair) -> bool:
+        """Whether perturbing the columns' outputs at one position moves the row input at more positions than were
+        perturbed: index 0 along each dimension but the features in turn (tokens are the second-to-last in most
+        models, the first in time-major ones, LED's and FSMT's (T, B, C)). A batch dimension never mixes."""
         base = self._row_input(pair.row, {})
-        if base.dim() < 3 or base.shape[-2] < 2:
-            return False
-        masks = {}
-        for column in pair.columns:
-            mask = torch.zeros_like(self.calls[column].output, dtype=torch.bool)
-            mask[..., 0, :] = True
-            masks[column] = mask
-        moved = self._row_input(pair.row, masks)
-        return bool((moved - base)[..., 1:, :].abs().max() > 0)
+        outputs = {column: self.calls[column].output for column in pair.columns}
+        for dim in range(max(output.dim() for output in outputs.values()) - 1):
+            masks = {}
+            for column, output in outputs.items():  # a cross-attention's keys may be longer than its queries
+                if dim < output.dim() - 1 and output.shape[dim] >= 2:
+                    masks[column] = torch.zeros_like(output, dtype=torch.bool)
+                    masks[column].narrow(dim, 0, 1).fill_(True)
+            if not masks:
+                continue
+            perturbed = max(int(mask.any(-1).sum()) for mask in masks.values())
+            moved = int(((self._row_input(pair.row, masks) - base).abs().amax(-1) > 0).sum())
+            if moved > perturbed:
+                return True
+        return False
 
     def _between(self, pair: _Pair) -> set[str]:
         """Modules whose parameters act between the columns and the row layer: summed gradients, unless they span
@@ -468,7 +538,7 @@ class _Planner:
             # later layers take it as an argument, whole in this probe but already their heads' once sharded; the
             # first layer's view holds for them.
             relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
-            relative |= {own[len(name) + 1 :]: "colwise" for own in pair.own}
+            relative |= {own[len(name) + 1 :]: style for own, style in pair.own.items()}
             if key not in self._cache:
                 row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
                 self._cache[key] = find_local_view(self.modules[name], calls[name], relative, row, self.shares, config)
@@ -504,7 +574,7 @@ class _Planner:
         token_ids = [tensor for tensor in self.inputs.tensors() if not tensor.is_floating_point()]
         for name in self.embeddings:
             seen = self.calls[name].input
-            if any(seen.shape == ids.shape and torch.equal(seen, ids) for ids in token_ids):
+            if seen is not None and any(seen.shape == ids.shape and torch.equal(seen, ids) for ids in token_ids):
                 module = self.modules[name]
                 if module.max_norm is None and not module.sparse and not module.scale_grad_by_freq:
                     return name
@@ -569,6 +639,17 @@ def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, sh
     """True on rank `share`'s part of every section of `output`'s last dimension."""
     mask = torch.cat([(torch.arange(size) // (size // shares)) == share for size in sections])
     return mask.expand_as(output).to(output.device)
+
+
+def _numbered_away(name: str) -> str:
+    """`name` with the number ending each part removed (`experts.expert_6.wi` -> `experts.expert_.wi`)."""
+    return ".".join(part.rstrip("0123456789") for part in name.split("."))
+
+
+def _block_of(name: str) -> str:
+    """The repeated block holding module `name`: its name up to the first numbered part (`layers.3`)."""
+    parts = name.split(".")
+    return ".".join(parts[: next((i for i, part in enumerate(parts) if part.isdigit()), len(parts)) + 1])
 
 
 def _enclosing(pair: _Pair) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -24,6 +24,7 @@ class ModuleCall:
     input: torch.Tensor | None = None
     output: torch.Tensor | None = None
     calls: int = 0
+    shapes: set = field(default_factory=set)  # of its tensor outputs, over its calls
 
 
 def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
@@ -47,6 +48,8 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
             call = calls[name]
             call.input = args[0] if args and isinstance(args[0], torch.Tensor) else None
             call.output = output if isinstance(output, torch.Tensor) else None
+            if call.output is not None:
+                call.shapes.add(tuple(output.shape))
 
         return hook
 

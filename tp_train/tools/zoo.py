@@ -354,18 +354,29 @@ def _has_block_linears(model) -> bool:
 
 def _block_share(model, reference_params: dict) -> tuple[float, str]:
     """This rank's share of the elements of the block matrices that train (parameters of two or more dims inside a
-    repeated block, `in_block`, that got a gradient: a vision tower a text batch never reaches does not count), and
-    the first one it holds whole."""
+    repeated block, `in_block`, that holds a Linear, and that got a gradient: a vision tower a text batch never
+    reaches does not count, nor a convolutional stem's numbered layers), and the first one it holds whole."""
     from tp_train.plan.coverage import in_block
 
     held = full = 0
     whole = ""
     for name, param in model.named_parameters():
         expected = reference_params[name]
-        if param.dim() >= 2 and expected.grad is not None and in_block(model, name):
+        if param.dim() >= 2 and expected.grad is not None and in_block(model, name) and _in_linear_block(model, name):
             held, full = held + param.numel(), full + expected.numel()
             whole = whole or (name if param.numel() == expected.numel() else "")
     return held / max(full, 1), whole
+
+
+def _in_linear_block(model, name: str) -> bool:
+    """Whether parameter `name`'s repeated block (its first numbered module) holds a Linear: a transformer block,
+    not a numbered convolution of a feature encoder (SpeechT5's) or a stage's patch embedding (PVT's)."""
+    from tp_train.plan.styles import linear_shape
+
+    parts = name.split(".")
+    index = next(i for i, part in enumerate(parts) if part.isdigit())
+    block = model.get_submodule(".".join(parts[: index + 1]))
+    return any(linear_shape(module) is not None for module in block.modules())
 
 
 def _rank_main(model_type: str, case: dict, rank: int, world_size: int, port: int, results) -> None:

@@ -31,7 +31,7 @@ TASK_FIELDS = dict(image_size=32, patch_size=8, window_size=4, num_mel_bins=16, 
 # Hierarchical vision models keep their sizes per stage, in lists of their own: the generic sizes are dropped (None).
 STAGES = dict(hidden_size=None, num_hidden_layers=None, num_attention_heads=None, intermediate_size=None)
 SWIN = dict(STAGES, embed_dim=32, depths=[2, 2], num_heads=[4, 8], window_size=4, patch_size=2)
-PYRAMID = dict(STAGES, image_size=64, hidden_sizes=[16, 32, 64, 128], num_attention_heads=[2, 2, 4, 8], depths=[1] * 4)
+PYRAMID = dict(STAGES, image_size=64, hidden_sizes=[16, 32, 64, 128], num_attention_heads=[2, 2, 4, 8])
 # Fields a family needs beyond those (where its defaults disagree with the tiny sizes), by model type.
 FAMILY_TASK_FIELDS: dict[str, dict] = {
     "mobilebert": dict(embedding_size=16, intra_bottleneck_size=16, num_feedforward_networks=1),
@@ -60,6 +60,18 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     "siglip2": dict(vision_config=dict(num_patches=16)),
     # its Q-Former reads the vision tower's width and, for retrieval, the text
     "blip-2": dict(qformer_config=dict(encoder_hidden_size=32, use_qformer_text_input=True)),
+    # images large enough that attention has more than one token to mix: MobileViT's third stage (stride 8) cuts
+    # 2 x 2 patches; VideoPrism's tubelets of 8 x 8 pixels (18 x 18 by default: one per 32 x 32 frame)
+    "mobilevit": dict(image_size=128),
+    "videoprism": dict(
+        vision_config=dict(tubelet_size=[1, 8, 8], num_frames=4, num_spatial_layers=2, num_temporal_layers=2)
+    ),  # fmt: skip
+    # one head in its first stage by default (tp divides none), and full-size stages whose training diverges
+    "cvt": dict(num_heads=[2, 4, 8], embed_dim=[32, 64, 128], depth=[1, 2, 3]),
+    # local attention windows of 8 tokens (512 by default: the probe's tokens would be padded to 512)
+    "led": dict(attention_window=[8, 8]),
+    "longformer": dict(attention_window=8),
+    "pegasus_x": dict(block_size=8, num_global_tokens=4),  # blocks of 512 tokens and 32 global ones by default
     # BLIP's vision tower initialises at 1e-10 by default (its checkpoints set their weights): at the tiny size its
     # norms then blow gradients up to 1e9
     "blip": dict(vision_config=dict(initializer_range=0.02)),
@@ -206,7 +218,8 @@ def batches(task: str, model, steps: int) -> list[tuple]:
     for step in range(steps):
         generator = torch.Generator().manual_seed(1234 + step)
         if task == "causal-lm":
-            idx = torch.randint(0, model.config.vocab_size, (BATCH, LENGTH), generator=generator)
+            vocabulary = model.config.get_text_config().vocab_size  # a multimodal LM keeps it in its text config
+            idx = torch.randint(0, vocabulary, (BATCH, LENGTH), generator=generator)
             pairs.append((ProbeInput((idx,)), lambda output, idx=idx: _next_token_loss(output, idx)))
             continue
         inputs = dummy_batch(model, LENGTH, BATCH, seed=1234 + 10 * step)
