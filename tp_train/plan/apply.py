@@ -213,7 +213,7 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
         if key not in layer._buffers:
             layer.register_buffer(key, buffer, persistent=key not in module._non_persistent_buffers_set)
     for key, param in module._parameters.items():  # T5Gemma 2's `eoi_embedding`, whole on every rank
-        if key not in layer._parameters:
+        if key not in layer._parameters and not hasattr(layer, key):
             layer.register_parameter(key, param)
     for key, child in module._modules.items():  # Inkling's embedding normalises its lookup with a child norm
         if key not in layer._modules:
