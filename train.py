@@ -71,6 +71,8 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         plugins.append(TensorParallelMixedPrecision("16-mixed", "cpu"))
         precision = None
     callbacks = [instantiate(callback) for callback in (cfg.get("callbacks") or {}).values()]
+    if cfg.get("samples") and cfg.samples.get("prompts"):
+        callbacks.append(instantiate(cfg.samples))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     return instantiate(cfg.trainer, precision=precision, plugins=plugins, callbacks=callbacks, logger=logger)
 

@@ -133,7 +133,7 @@ def test_a_saved_tokenizer_gives_the_same_blocks(stdlib, tmp_path, form):
     assert other_size.vocab_size == stdlib.vocab_size
 
 
-def _tokenizer_ending_documents_with(eos: str):
+def tokenizer_ending_documents_with(eos: str):
     """A byte-level BPE tokenizer with two special tokens that ends documents with `eos`: two of these share their
     tokenizer.json and differ in tokenizer_config.json only (as Llama 3's base and instruct tokenizers do)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -154,7 +154,7 @@ def test_tokenizers_that_end_documents_differently_never_share_blocks(tmp_path):
         f.writelines(json.dumps({"text": sentence}) + "\n" for sentence in SENTENCES)  # one document each
     files = {}
     for eos in ("<end>", "<eot>"):
-        _tokenizer_ending_documents_with(eos).save_pretrained(tmp_path / eos)
+        tokenizer_ending_documents_with(eos).save_pretrained(tmp_path / eos)
         files[eos] = (tmp_path / eos / "tokenizer.json").read_text()
         built = _build(source=str(tmp_path / "sentences.jsonl"), tokenizer_path=str(tmp_path / eos),
                        cache_dir=str(tmp_path / "cache"), block_size=16)  # fmt: skip
