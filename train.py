@@ -49,6 +49,7 @@ from tp_train.app.resolvers import lightning_precision, register_resolvers
 from tp_train.errors import CheckpointError
 from tp_train.lightning.metrics import TrainingMetrics, peak_memory_mib
 from tp_train.lightning.preemption import Preempted
+from tp_train.tools.tokenizer import RUN_TOKENIZER
 
 register_resolvers()
 # Lightning 2.6's CombinedLoader builds torch's `LeafSpec()`, which torch 2.13 deprecates with a FutureWarning on
@@ -70,6 +71,8 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         plugins.append(TensorParallelMixedPrecision("16-mixed", "cpu"))
         precision = None
     callbacks = [instantiate(callback) for callback in (cfg.get("callbacks") or {}).values()]
+    if cfg.get("samples") and cfg.samples.get("prompts"):
+        callbacks.append(instantiate(cfg.samples))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     return instantiate(cfg.trainer, precision=precision, plugins=plugins, callbacks=callbacks, logger=logger)
 
@@ -159,6 +162,8 @@ def run(cfg: DictConfig) -> float | None:
             with torch.device("meta"):  # shapes only
                 model = instantiate(cfg.model)()
             preflight.check_tokenizer(cfg, datamodule.vocab_size, datamodule.tokenizer_source, model)
+            # The run's own copy (JSON), which generation and export read the model's token ids with.
+            datamodule.tokenizer.save_pretrained(Path(HydraConfig.get().runtime.output_dir) / RUN_TOKENIZER)
         trainer = build_trainer(cfg)
         # Taken once, by rank 0, for every rank: ranks that each looked for themselves could start apart.
         ckpt_path = trainer.strategy.rank_zero_decides(lambda: resume_from(cfg))

@@ -71,6 +71,16 @@ def test_trainer_config_instantiates_with_the_tensor_parallel_strategy(tmp_path)
     assert trainer.strategy.tensor_parallel_size == 2 and trainer.num_devices == 4
 
 
+def test_samples_config_is_off_by_default_and_builds_the_callback(tmp_path):
+    from tp_train import ValidationSamples
+
+    assert list(_compose(tmp_path, []).samples.prompts) == []  # off: train.py adds no callback
+    cfg = _compose(tmp_path, ['samples.prompts=["def "]', "samples.temperature=0.5"])
+    samples = instantiate(cfg.samples)
+    assert isinstance(samples, ValidationSamples) and samples.prompts == ["def "]
+    assert samples.sampling.temperature == 0.5 and samples.sampling.seed == cfg.seed
+
+
 def test_trainer_config_lists_every_trainer_argument():
     """So any Trainer argument can be overridden without Hydra's `+` (and stays so as Lightning grows)."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

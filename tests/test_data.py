@@ -133,6 +133,38 @@ def test_a_saved_tokenizer_gives_the_same_blocks(stdlib, tmp_path, form):
     assert other_size.vocab_size == stdlib.vocab_size
 
 
+def tokenizer_ending_documents_with(eos: str):
+    """A byte-level BPE tokenizer with two special tokens that ends documents with `eos`: two of these share their
+    tokenizer.json and differ in tokenizer_config.json only (as Llama 3's base and instruct tokenizers do)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=300, special_tokens=["<end>", "<eot>"],
+                                                           initial_alphabet=alphabet))  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eos)
+
+
+def test_tokenizers_that_end_documents_differently_never_share_blocks(tmp_path):
+    """The blocks hold the token that ends each document, which is not in tokenizer.json: the cache key hashes it
+    too, so each tokenizer's blocks hold its own end token and never the other's."""
+    with open(tmp_path / "sentences.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": sentence}) + "\n" for sentence in SENTENCES)  # one document each
+    files = {}
+    for eos in ("<end>", "<eot>"):
+        tokenizer_ending_documents_with(eos).save_pretrained(tmp_path / eos)
+        files[eos] = (tmp_path / eos / "tokenizer.json").read_text()
+        built = _build(source=str(tmp_path / "sentences.jsonl"), tokenizer_path=str(tmp_path / eos),
+                       cache_dir=str(tmp_path / "cache"), block_size=16)  # fmt: skip
+        own, other = built.tokenizer.convert_tokens_to_ids([eos, "<eot>" if eos == "<end>" else "<end>"])
+        blocks = _all_blocks(built.train_dataset)
+        assert (blocks == own).sum() > 10 and (blocks == other).sum() == 0, eos
+    assert files["<end>"] == files["<eot>"]
+    assert len(list((tmp_path / "cache").glob("corpus-*/blocks-*"))) == 2
+
+
 def test_local_text_and_jsonl_files(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

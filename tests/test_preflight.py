@@ -43,6 +43,8 @@ CASES = {
     "collective_timeout_not_positive": (["collective_timeout_s=0"], "collective_timeout_s=0: use a positive number"),
     "unknown_data_parallel": (["data_parallel=zero"], "data_parallel=zero: use data_parallel=ddp (each data-parallel"),
     "checkpoint_is_a_file": (["ckpt_path=train.py"], "checkpoint train.py: a file, not a checkpoint directory"),
+    "samples_with_sequence_parallel": (["tp=2", "sequence_parallel=true", 'samples.prompts=["def "]'],
+                                       "samples.prompts=['def '] with sequence_parallel=true: samples are drawn one"),
     # Numbers Lightning or the data module would reject inside the ranks (tp_train.app.config_values).
     "batch_size_zero": (["data.batch_size=0"], "data.batch_size=0 is out of range; use a positive integer"),
     "block_size_one": (["data.block_size=1"], "data.block_size=1 is out of range; use an integer >= 2"),

@@ -3,23 +3,30 @@ modules (torch, Lightning, Hydra) once, then each case runs train.py as `__main_
 `python train.py <overrides>` would, with its own stdout, stderr and exit status. For runs that end in the
 launching process (preflight refusals); a run that starts ranks needs a real `python train.py`.
 
+A case naming a `module` runs that module as `__main__` instead, with `overrides` as its arguments, as its console
+script would (`tp_train.app.generate` is `tp-train-generate`); the module is imported once, before any fork. Its own
+ranks are forked from the child, as from the console script.
+
     python -m tests.train_cases < cases.json > results.json
-    cases: [{"overrides": [...], "env": {...}, "directory": "..."}]; results: [{"status", "stdout", "stderr"}]
+    cases: [{"overrides": [...], "env": {...}, "directory": "...", "module": "..." (optional)}];
+    results: [{"status", "stdout", "stderr"}]
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_case(case: dict) -> int:
-    """Forks a child that runs train.py's main with `case`'s overrides; returns its exit status."""
+    """Forks a child that runs train.py (or the case's module) with `case`'s overrides; returns its exit status."""
     directory = Path(case["directory"])
     pid = os.fork()
     if pid:
@@ -29,11 +36,17 @@ def _run_case(case: dict) -> int:
         for fd, name in ((1, "stdout"), (2, "stderr")):
             os.dup2(os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
         os.environ.update(case.get("env", {}))
-        sys.argv = ["train.py", *case["overrides"]]
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")  # as `python train.py` runs it
+        if case.get("module"):
+            sys.argv = [case["module"], *case["overrides"]]
+            runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["train.py", *case["overrides"]]
+            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")  # as `python train.py` runs it
         status = 0
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported as the process would, before os._exit ends it
+        traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -46,6 +59,8 @@ def main() -> None:
     import train  # noqa: F401 - its imports (torch, Lightning, Hydra) happen once, before forking
 
     cases = json.load(sys.stdin)
+    for module in sorted({case["module"] for case in cases if case.get("module")}):
+        importlib.import_module(module)
     results = []
     for case in cases:
         status = _run_case(case)

@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from tp_train.app.data import TextDataModule
 from tp_train.app.module import CausalLMModule
+from tp_train.app.samples import ValidationSamples
 from tp_train.app.schedulers import cosine_with_warmup
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.dcp import load as load_checkpoint
@@ -38,6 +39,7 @@ from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
 from tp_train.plan.verify import PlanVerificationError, verify_parallelized
 from tp_train.tools.export import export_hugging_face
+from tp_train.tools.generation import Sampling, generate
 from tp_train.tools.memory import estimate_memory
 
 TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor_parallel"
@@ -57,12 +59,14 @@ __all__ = [
     "ResumableDataLoader",
     "ResumableDistributedSampler",
     "RowParallelLinear",
+    "Sampling",
     "ShardSpec",
     "TensorParallelMixedPrecision",
     "TensorParallelRNG",
     "TensorParallelStrategy",
     "TextDataModule",
     "TrainingMetrics",
+    "ValidationSamples",
     "WandbLogger",
     "VocabParallelEmbedding",
     "clip_grad_norm_",
@@ -72,6 +76,7 @@ __all__ = [
     "export_hugging_face",
     "full_state_dict",
     "fully_shard_data_parallel",
+    "generate",
     "gather_from_sequence_parallel_region",
     "global_grad_norm",
     "infer_plan",

@@ -8,7 +8,8 @@ CI smoke runs need no download. Local text/JSON files and Hugging Face hub datas
     <cache_dir>/<corpus key>/blocks-b<block>-val<fraction>-seed<seed>-tok<hash>/   DatasetDict "train", "val"
     <cache_dir>/hf/                                                        datasets' own cache (raw text as Arrow)
 
-The corpus key hashes the source and its files' paths, sizes and mtimes after the caps, so an edited file rebuilds.
+The corpus key hashes the source and its files' paths, sizes and mtimes after the caps, so an edited file rebuilds;
+`tok<hash>` hashes the tokenizer (its tokenizer.json and the id that ends documents, which the blocks hold).
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from huggingface_hub.utils import get_session
 from lightning.pytorch import LightningDataModule
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 from typing_extensions import override
 
 from tp_train.errors import ConfigError
 from tp_train.lightning.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
+from tp_train.tools.tokenizer import EOS, load_tokenizer
 
-EOS = "<|endoftext|>"
 STDLIB = "python_stdlib"
 _CACHE_VERSION = 1  # bump when tokenizing or packing changes, so caches built by older code are not reused
 _JSON_SUFFIXES = (".json", ".jsonl")
@@ -222,21 +223,19 @@ class TextDataModule(LightningDataModule):
 
     def _load_tokenizer(self, trained_dir: Path) -> None:
         path = trained_dir if self.tokenizer_path is None else Path(self.tokenizer_path).expanduser()
-        if path.is_dir():
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
-        elif path.is_file():
-            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
-            if tokenizer.eos_token is None and EOS in tokenizer.get_vocab():
-                tokenizer.eos_token = EOS  # a bare tokenizer.json does not say which token ends a document
-        else:
-            raise ConfigError(f"data.tokenizer_path={self.tokenizer_path!r}: no tokenizer at {path}")
+        try:
+            tokenizer = load_tokenizer(path)
+        except FileNotFoundError:
+            raise ConfigError(f"data.tokenizer_path={self.tokenizer_path!r}: no tokenizer at {path}") from None
         if tokenizer.eos_token_id is None:
             raise ConfigError(f"data.tokenizer_path={self.tokenizer_path!r} has no eos_token to separate documents")
         # Whether the model's embedding holds every id is checked against the model (tp_train.app.preflight).
         self.tokenizer, self.vocab_size, self.tokenizer_source = tokenizer, len(tokenizer), str(path)
 
     def _blocks_dir(self, corpus_dir: Path) -> Path:
-        tokenizer_hash = _digest(self.tokenizer.backend_tokenizer.to_str())[:12]
+        # Its ids and the one that ends each document (which the packing inserts; it is not in tokenizer.json: two
+        # tokenizers may share that file and end documents differently, as Llama 3's base and instruct ones do).
+        tokenizer_hash = _digest([self.tokenizer.backend_tokenizer.to_str(), self.tokenizer.eos_token_id])[:12]
         return corpus_dir / f"blocks-b{self.block_size}-val{self.val_fraction}-seed{self.seed}-tok{tokenizer_hash}"
 
     def _pack(self, documents: datasets.Dataset) -> datasets.DatasetDict:

@@ -5,19 +5,19 @@
 
 The model is rebuilt from the run's own config (`<run>/.hydra/config.yaml`: the model, and its adapters with
 `peft`), sharded at `--tp` (any tp: the checkpoint reshards as it loads; gloo CPU ranks, or NCCL with one GPU per rank)
-and loaded with `tp_train.load_checkpoint`. The tokenizer is the one the run used (the checkpoint names it), or
-`--tokenizer`. Tokens are drawn one at a time with a KV cache: each rank caches only its own heads' keys and values
-(the sharded attention computes no others), so the cache is split like the model. Greedy decoding by default
-(`--temperature 0`), otherwise sampling with temperature and top-k from a generator seeded alike on every rank, so
-every rank draws the same token. Rank 0 prints the continuation (not the prompt), as the last line on stdout, and
-the speed on stderr; `--no-cache` recomputes the whole prefix at every token instead, to measure what the cache
-saves.
+and loaded with `tp_train.load_checkpoint`. The tokenizer is the one the run used (`<run>/tokenizer/`, or the one
+the checkpoint names), or `--tokenizer`. Tokens are drawn one at a time with a KV cache: each rank caches only its
+own heads' keys and values (`tp_train.tools.generation`). Greedy decoding by default (`--temperature 0`), otherwise
+sampling with temperature and top-k from a generator seeded alike on every rank; drawing stops at the tokenizer's
+end-of-document token. stdout holds the continuation alone (not the prompt), followed by one newline; everything
+else (the speed, notes from sharding) goes to stderr. `--no-cache` recomputes the whole prefix at every token
+instead, to measure what the cache saves.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -29,12 +29,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from tp_train.app.module import CausalLMModule
+from tp_train.app.preflight import context_length
 from tp_train.app.resolvers import register_resolvers
-from tp_train.checkpoint.dcp import META_FILE, TOKENIZER_KEY, load
+from tp_train.checkpoint.checks import check_files
+from tp_train.checkpoint.dcp import META_FILE, load
 from tp_train.checkpoint.safe_load import read_extra
 from tp_train.errors import CheckpointError, ConfigError
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.ranks import start_ranks
+from tp_train.tools.generation import Sampling, generate
+from tp_train.tools.tokenizer import load_tokenizer, run_tokenizer
 
 RUN_CONFIG = Path(".hydra", "config.yaml")  # in the run directory, beside checkpoints/
 
@@ -70,78 +74,18 @@ def load_sharded(checkpoint: Path, group, mesh, device: torch.device) -> tuple[n
     return model.eval(), extra
 
 
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    ids: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-    use_cache: bool = True,
-):
-    """`max_new_tokens` token ids continuing `ids` (1, T), and the KV cache they were drawn with (None without).
-
-    The model is `models.GPT` (its `KVCache`) or a Hugging Face causal LM (its own cache), sharded or not; its logits
-    are whole (a sharded head gathers them). Greedy when `temperature` is 0, else sampled from the `top_k` most likely
-    tokens at that temperature with `generator` (the same seed on every rank draws the same token)."""
-    cache, tokens = None, ids
-    for _ in range(max_new_tokens):
-        if use_cache:
-            logits, cache = _step(model, tokens if cache is None else tokens[:, -1:], cache, start=cache is None)
-        else:
-            logits, _ = _step(model, tokens, None, start=True)
-        tokens = torch.cat([tokens, _pick(logits[:, -1].float(), temperature, top_k, generator)], dim=1)
-    return tokens[:, ids.shape[1] :], cache
-
-
-def _step(model: nn.Module, ids: torch.Tensor, cache, start: bool):
-    """Logits of `ids` (continuing what `cache` holds) and the cache, for our GPT or a Hugging Face model."""
-    if "cache" in inspect.signature(type(model).forward).parameters:  # models.GPT
-        from models import KVCache
-
-        cache = KVCache() if start else cache
-        return model(ids, cache=cache), cache
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-    return out.logits, out.past_key_values
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None):
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    return AutoTokenizer.from_pretrained(path) if Path(path).is_dir() else PreTrainedTokenizerFast(tokenizer_file=path)
-
-
-def _tokenizer_path(args: argparse.Namespace) -> str:
-    if args.tokenizer:
-        return args.tokenizer
-    extra = read_extra(args.checkpoint / META_FILE) if (args.checkpoint / META_FILE).is_file() else {}
-    if TOKENIZER_KEY not in extra:
-        raise ConfigError(f"checkpoint {args.checkpoint} names no tokenizer (saved by an older run); pass --tokenizer")
-    return extra[TOKENIZER_KEY]
-
-
 def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, tokenizer_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (world_size,))
-    model, _ = load_sharded(args.checkpoint, mesh, mesh, device)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the continuation's alone
+        mesh = init_device_mesh(device.type, (world_size,))
+        model, _ = load_sharded(args.checkpoint, mesh, mesh, device)
     tokenizer = load_tokenizer(tokenizer_path)
     ids = torch.tensor([tokenizer.encode(args.prompt, add_special_tokens=False)], device=device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
+    sampling = Sampling(args.temperature, args.top_k, args.seed)
     dist.barrier()
     start = time.perf_counter()
-    new, _ = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, generator, not args.no_cache)
+    new, _ = generate(model, ids, args.max_new_tokens, sampling, tokenizer.eos_token_id, not args.no_cache)
     seconds = time.perf_counter() - start
     if rank == 0:
         how = "recomputing the prefix" if args.no_cache else "with the KV cache"
@@ -150,6 +94,29 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
             f"{new.shape[1]} tokens in {seconds:.2f} s ({rate:.1f} tokens/s, tp={world_size}, {how})", file=sys.stderr
         )
         print(tokenizer.decode(new[0].tolist()), flush=True)
+
+
+def _check(args: argparse.Namespace) -> str:
+    """What can be checked before any rank starts (one `ConfigError` line each); returns the tokenizer's path."""
+    if args.tp < 1 or args.max_new_tokens < 1:
+        raise ConfigError(f"--tp={args.tp} and --max-new-tokens={args.max_new_tokens} must be positive")
+    check_files(args.checkpoint)  # there, whole and data only
+    cfg = run_config(args.checkpoint)
+    extra = read_extra(args.checkpoint / META_FILE) if (args.checkpoint / META_FILE).is_file() else {}
+    tokenizer_path = args.tokenizer or run_tokenizer(args.checkpoint, extra)
+    if tokenizer_path is None:
+        raise ConfigError(f"checkpoint {args.checkpoint} names no tokenizer (saved by an older run); pass --tokenizer")
+    prompt = load_tokenizer(tokenizer_path).encode(args.prompt, add_special_tokens=False)
+    if not prompt:
+        raise ConfigError(f"--prompt={args.prompt!r} gives no tokens; give some text to continue")
+    context = context_length(build_model(cfg))
+    if context is not None and len(prompt) + args.max_new_tokens > context:
+        room = max(context - len(prompt), 0)
+        raise ConfigError(
+            f"--max-new-tokens={args.max_new_tokens}: the prompt's {len(prompt)} tokens and {args.max_new_tokens} new "
+            f"ones exceed the model's context of {context} tokens; use --max-new-tokens<={room} or a shorter prompt"
+        )
+    return tokenizer_path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,14 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix for every token")
     args = parser.parse_args(argv)
     try:
-        if args.tp < 1 or args.max_new_tokens < 1:
-            raise ConfigError(f"--tp={args.tp} and --max-new-tokens={args.max_new_tokens} must be positive")
-        tokenizer_path = _tokenizer_path(args)
-        if not load_tokenizer(tokenizer_path).encode(args.prompt, add_special_tokens=False):
-            raise ConfigError(f"--prompt={args.prompt!r} gives no tokens; give some text to continue")
-        run_config(args.checkpoint)  # there, before any rank starts
-    except (ConfigError, CheckpointError, OSError) as error:  # one line, status 2
-        print(f"error: {error}", file=sys.stderr)
+        tokenizer_path = _check(args)
+    except (ConfigError, CheckpointError, OSError, ValueError) as error:  # one line, status 2
+        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     start_ranks(_rank, args.tp, args, tokenizer_path)
     sys.stdout.flush()

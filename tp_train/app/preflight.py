@@ -70,7 +70,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"data.vocab_size={data_vocab} exceeds the model's vocabulary of {vocab} tokens; "
             f"use data.vocab_size<={vocab} or a model with a larger vocabulary"
         )
-    context = _context_length(model)
+    context = context_length(model)
     block_size = cfg.data.get("block_size")
     if context is not None and block_size is not None and block_size > context:
         raise ConfigError(
@@ -84,6 +84,13 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"sequence_parallel=true splits each sequence across tp={tp} ranks, but data.block_size={block_size} "
             f"is not a multiple of {tp}; use data.block_size={block_size - block_size % tp or tp} "
             f"or sequence_parallel=false"
+        )
+    samples = cfg.get("samples")
+    if sequence_parallel and tp > 1 and samples and samples.get("prompts"):
+        raise ConfigError(
+            f"samples.prompts={list(samples.prompts)} with sequence_parallel=true: samples are drawn one token at a "
+            f"time, which cannot be split along the sequence across tp={tp} ranks; use samples.prompts=[] or "
+            f"sequence_parallel=false"
         )
 
 
@@ -169,7 +176,8 @@ def _check_fault_handling(cfg: DictConfig) -> None:
         raise ConfigError(f"collective_timeout_s={timeout}: use a positive number of seconds, e.g. 1800")
 
 
-def _context_length(model: torch.nn.Module) -> int | None:
+def context_length(model: torch.nn.Module) -> int | None:
+    """The longest sequence `model` takes (its config's block_size, max_position_embeddings or n_positions)."""
     config = getattr(model, "config", None)
     for field in ("block_size", "max_position_embeddings", "n_positions"):
         value = getattr(config, field, None)

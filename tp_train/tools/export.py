@@ -29,12 +29,12 @@ from tp_train.checkpoint.dcp import (
     BASE_WEIGHTS_KEY,
     HUGGING_FACE_CONFIG_KEY,
     META_FILE,
-    TOKENIZER_KEY,
 )
 from tp_train.checkpoint.safe_load import SafeFileSystemReader, read_extra
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.styles import LINEAR_STYLES
+from tp_train.tools.tokenizer import load_tokenizer, run_tokenizer
 
 SECTION = "/section"  # tp_train.checkpoint's key suffix for the sections of a packed tensor
 
@@ -89,8 +89,9 @@ def export_hugging_face(
         model.load_state_dict(state, assign=True)
         model.tie_weights()
         model.save_pretrained(out_dir)
-    if TOKENIZER_KEY in extra:  # so that AutoTokenizer.from_pretrained(out_dir) works too
-        _load_tokenizer(extra[TOKENIZER_KEY]).save_pretrained(out_dir)
+    tokenizer = run_tokenizer(checkpoint, extra)
+    if tokenizer is not None:  # so that AutoTokenizer.from_pretrained(out_dir) works too
+        load_tokenizer(tokenizer).save_pretrained(out_dir)
     return Path(out_dir)
 
 
@@ -127,12 +128,6 @@ def _write_adapted(checkpoint, out_dir, stored, extra, config, trust_checkpoint:
         model.save_pretrained(out_dir)
     else:
         model.merge_and_unload().save_pretrained(out_dir)
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    return AutoTokenizer.from_pretrained(path) if Path(path).is_dir() else PreTrainedTokenizerFast(tokenizer_file=path)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
