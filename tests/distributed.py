@@ -42,13 +42,19 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout),
+            )
+        except dist.DistNetworkError as error:
+            if "EADDRINUSE" not in str(error):
+                raise
+            results.put((rank, "port taken", traceback.format_exc()))  # before fn ran: the parent tries another
+            return
         # Plain pickle bytes: torch's queue would pass tensors by shared memory, gone once this process exits.
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -79,8 +85,26 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180
     failing rank's traceback, or `TimeoutError` naming the ranks that never reported.
     """
     ctx = _context()
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _run_once(ctx, free_port(), fn, world_size, args, timeout)
+        except _PortTaken:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+# free_port's port can be taken before rank 0 listens on it (by another pytest worker, or by any connection that
+# draws the same ephemeral port); rank 0 then fails to bind before `fn` runs, and the ranks start again elsewhere.
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the chosen port; nothing of `fn` ran."""
+
+
+def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     results = ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, timeout), daemon=True)
         for rank in range(world_size)
@@ -101,6 +125,8 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
                 continue
+            if status == "port taken":
+                raise _PortTaken(payload)
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             outputs[rank] = pickle.loads(payload)

@@ -193,8 +193,9 @@ def generated(runs) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     outcomes = zip(cases, json.loads(done.stdout), strict=True)
     results = {case: (result["status"], result["stdout"], result["stderr"]) for case, result in outcomes}
+    console_script = Path(sys.executable).parent / "tp-train-generate"  # beside the interpreter, on PATH or not
     script = subprocess.run(
-        ["tp-train-generate", str(runs["gpt"] / "checkpoints" / "last.ckpt"), "--tp", "2", "--prompt", PROMPT,
+        [str(console_script), str(runs["gpt"] / "checkpoints" / "last.ckpt"), "--tp", "2", "--prompt", PROMPT,
          "--max-new-tokens", str(NEW_TOKENS)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
