@@ -54,6 +54,15 @@ def test_round_off_in_a_family_that_holds_too_much_is_unsharded_not_wrong():
     assert "float64 matches" in result["reason"] and "holds 0.34 of the trained block matrices" in result["reason"]
 
 
+@pytest.mark.slow
+def test_an_attention_kept_whole_with_too_little_else_sharded_is_unsharded():
+    """CodeGen's qkv_proj (four blocks of [q; v; k]) is kept whole on every rank, and says so; its MLP, twice the
+    width at the tiny sizes, is then half the block matrices: below 1/tp + 0.15, so `unsharded`, not a pass."""
+    result = run_zoo(["codegen"], tp=2, jobs=1, timeout=300, echo=lambda line: None)["codegen"]
+    assert result["class"] == "unsharded" and result["kept_whole"], result
+    assert "only 0.50 of the trained block matrices are sharded (a pass shards 0.65)" in result["reason"], result
+
+
 @pytest.mark.parametrize("model_type", ["gemma3", "mllama", "qwen3_5", "phi4_multimodal", "dots3_note"])
 def test_tiny_config_shrinks_every_sub_config(model_type):
     """Multimodal families keep their sizes in sub-configs (text, vision, audio): each is made tiny, so the model
