@@ -29,7 +29,7 @@ from tp_train.parallel.layers import (
     SharedInputRegion,
     VocabParallelEmbedding,
 )
-from tp_train.parallel.norm import ParallelRMSNormRegion, norm_epsilon, norm_groups
+from tp_train.parallel.norm import ParallelLayerNormRegion, ParallelRMSNormRegion, norm_epsilon, norm_groups
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
 from tp_train.plan.adapters import materialize_adapters, shard_adapters
@@ -329,9 +329,15 @@ def _sum_replicas(model: nn.Module, name: str, layer: nn.Module, group: ProcessG
 
 
 def _parallel_norm(module: nn.Module, style: str, group: ProcessGroup) -> None:
-    """An RMS norm over features split across ranks (`tp_train.parallel.norm`): its weight split with them, and its
-    output corrected to normalise over every rank's features of its group, unless each rank holds whole groups. A
-    gated norm whose groups span ranks normalises this rank's share of its group as one group (`group_size`)."""
+    """An RMS norm or a LayerNorm over features split across ranks (`tp_train.parallel.norm`): its weight (and bias)
+    split with them, and its output corrected to normalise over every rank's features of its group, unless each rank
+    holds whole groups. A gated norm whose groups span ranks normalises this rank's share of its group as one group
+    (`group_size`)."""
+    if style == "layernorm_parallel":
+        shard_channels(module, group)  # its normalized_shape too: its own forward runs on this rank's features
+        module.tp_region = ParallelLayerNormRegion(group, module.eps)
+        module.tp_region.install(module)
+        return
     tp = dist.get_world_size(group)
     gated = style == "gated_rmsnorm_parallel"
     groups = norm_groups(module) if gated else 1

@@ -36,6 +36,10 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 |                         |                     | `channelwise`; groups whole on each rank stay local, a group     |
 |                         |                     | spanning ranks (fewer groups than ranks) is normalised over all  |
 |                         |                     | of them, its sum of squares all-reduced (`tp_train.parallel.norm`) |
+| `layernorm_parallel`    | an `nn.LayerNorm`   | over features split across ranks (ESM C's q_norm and k_norm over  |
+|                         |                     | q's and k's whole width): its weight and bias split like           |
+|                         |                     | `channelwise`, its output recomputed from the mean and variance  |
+|                         |                     | over the whole width, all-reduced (`tp_train.parallel.norm`)     |
 | `moe_tp_experts`        | MoE experts module  | its floating-point inputs (tokens, routing weights) enter the    |
 |                         |                     | parallel region (`f`), its output (each rank's partial sum over  |
 |                         |                     | its share of every expert) is all-reduced (`g`): one all-reduce  |
@@ -109,10 +113,11 @@ STYLES = (
         "channelwise",
         "rmsnorm_parallel",
         "gated_rmsnorm_parallel",
+        "layernorm_parallel",
     }
 )
 # Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
-NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel")
+NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel", "layernorm_parallel")
 PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate", "replicate_once"}
 # Parameter styles that keep the parameter whole on every rank.
 WHOLE_PARAMETER_STYLES = ("replicate", "replicate_once")
