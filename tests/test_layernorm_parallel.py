@@ -8,6 +8,8 @@ verification, and a module that is no LayerNorm by the plan reader. ESM C itself
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -89,30 +91,31 @@ class LayerNormedLM(NormedMLPLM):
         self.tp_plan = PLAN
 
 
-def _auto_planned():
-    model = LayerNormedLM()
-    del model.tp_plan
-    return model
+def parity_and_refusal(build, refused) -> tuple[dict, str | None]:
+    """In a rank: the parity of `build()`'s model planned by its `tp_plan` ("by_hand") and by the auto-planner
+    ("auto"), and the one-line verification refusal of `refused()`'s (None if it was accepted)."""
+
+    def auto_planned():
+        model = build()
+        del model.tp_plan
+        return model
+
+    parity = parity_of_each({"by_hand": (build, _logits), "auto": (auto_planned, _logits)})
+    torch.manual_seed(0)
+    try:
+        tp_train.parallelize(refused())
+    except PlanVerificationError as error:
+        return parity, str(error)
+    return parity, None
 
 
 def _on_ranks(rank, world_size):
-    parity = parity_of_each({"by_hand": (LayerNormedLM, _logits), "auto": (_auto_planned, _logits)})
-    torch.manual_seed(0)
-    try:
-        tp_train.parallelize(LayerNormedLM(UncenteredLayerNorm))
-        refusal = None
-    except PlanVerificationError as error:
-        refusal = str(error)
-    return parity, refusal
+    return parity_and_refusal(LayerNormedLM, lambda: LayerNormedLM(UncenteredLayerNorm))
 
 
-_RESULTS: dict[int, list] = {}
-
-
+@functools.cache
 def _results(tp: int) -> list:
-    if tp not in _RESULTS:
-        _RESULTS[tp] = run_on_ranks(_on_ranks, tp, timeout=300)
-    return _RESULTS[tp]
+    return run_on_ranks(_on_ranks, tp, timeout=300)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -147,7 +150,9 @@ def test_the_auto_planner_puts_a_layernorm_between_column_and_row_in_the_new_sty
     from tp_train.plan.presets import plan_additions
     from tp_train.tools.zoo import build_family
 
-    plan = tp_train.infer_plan(_auto_planned(), tensor_parallel_size=2)
+    model = LayerNormedLM()
+    del model.tp_plan
+    plan = tp_train.infer_plan(model, tensor_parallel_size=2)
     assert {key: plan[key] for key in PLAN} == PLAN
     torch.manual_seed(0)
     esmc = build_family("masked-lm", "esmc")

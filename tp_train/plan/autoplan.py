@@ -15,7 +15,9 @@ structure off what happened, not off class names:
    the first that holds. Heads are thereby respected: a split through a head, or a [q; k; v] split as one matrix,
    moves other shares and fails. An RMS norm or a LayerNorm between them (BitNet's sub-norms, ESM C's q_norm and
    k_norm) has its statistic held in these probes: it gets `rmsnorm_parallel` (`layernorm_parallel`), which
-   normalises over every rank's features.
+   normalises over every rank's features. So do the reductions over the features of a module with per-feature
+   parameters along their last dim (ConvNeXt V2's GRN, a mean over the channels): it gets
+   `feature_reduction_parallel`, which completes them by an all-reduce.
 3. **Attention.** A pair whose perturbation at the first token moves later tokens mixes positions: it is
    attention, and the module enclosing the pair gets the `attention` style (local head counts, sharded dropout
    stream). Dropout modules inside it that run after the row layer get `replicated_rng`; modules whose
@@ -43,6 +45,7 @@ import torch.nn as nn
 
 from tp_train.errors import first_line
 from tp_train.parallel.norm import hold_statistic, is_layer_norm, is_rms_norm
+from tp_train.parallel.reductions import held_reductions
 from tp_train.plan.coverage import (
     as_patterns,
     block_whole_fraction,
@@ -55,6 +58,7 @@ from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of, split_sizes, trace_calls
 from tp_train.plan.probe_input import ProbeInput, probe_input
 from tp_train.plan.styles import (
+    FEATURE_REDUCTION_STYLE,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     NORM_STYLES,
@@ -170,9 +174,18 @@ class _Planner:
         self.norms = {
             name: style
             for name, call in self.calls.items()
-            if call.calls == 1 and isinstance(call.input, torch.Tensor)
+            if call.calls == 1
+            and isinstance(call.input, torch.Tensor)
+            and _over_last_dim(self.modules[name], call.input)
             for style, recognised in SPLIT_NORMS
             if recognised(self.modules[name])
+        }
+        # Leaf modules called once whose parameters hold one entry per feature along their last dim (GRN's (1, 1, 1,
+        # C) weight and bias): their reductions over the features are held in perturbed probes too.
+        self.reducers = {
+            name
+            for name, call in self.calls.items()
+            if call.calls == 1 and isinstance(call.input, torch.Tensor) and _per_feature(self.modules[name])
         }
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
 
@@ -503,6 +516,9 @@ class _Planner:
         channels = _last_dim(self.calls[pair.row].input)
         for param in self.producers[pair.row][1]:
             owner = self.owner.get(id(param), "?")
+            if owner in self.reducers and param.shape[-1] == channels:
+                pair.channels[owner] = FEATURE_REDUCTION_STYLE
+                continue
             if param.dim() and param.shape[0] == channels and owner in self.modules:
                 # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
                 # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`), or an
@@ -615,6 +631,10 @@ class _Planner:
             for name in frozen
         ]
         if masks:
+            for name in self.reducers:
+                enter, leave = held_reductions(self.modules[name], self.calls[name].input)
+                handles += [self.modules[name].register_forward_pre_hook(enter)]
+                handles += [self.modules[name].register_forward_hook(leave, always_call=True)]
             handles += [
                 self.modules[name].register_forward_hook(
                     lambda m, a, o, name=name: hold_statistic(m, a[0], o, self.calls[name].input)
@@ -645,6 +665,20 @@ def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, sh
     """True on rank `share`'s part of every section of `output`'s last dimension."""
     mask = torch.cat([(torch.arange(size) // (size // shares)) == share for size in sections])
     return mask.expand_as(output).to(output.device)
+
+
+def _over_last_dim(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `norm`'s weights are as wide as its input's last dim (not ConvNeXt's channels-first LayerNorm, which
+    permutes its (B, C, H, W) input before normalising)."""
+    return all(param.shape[-1] == x.shape[-1] for param in norm.parameters(recurse=False))
+
+
+def _per_feature(module: nn.Module) -> bool:
+    """Whether `module` has no children and parameters, each of 2 or more dims all 1 but the last (one entry per
+    feature along the last dim, broadcast over the others)."""
+    params = list(module.parameters(recurse=False))
+    per_feature = all(param.dim() >= 2 and set(param.shape[:-1]) == {1} for param in params)
+    return bool(params) and per_feature and not any(True for _ in module.children())
 
 
 def _numbered_away(name: str) -> str:
