@@ -21,6 +21,14 @@ r * groups // tp) and normalises it alone (its `group_size` set to its width, `l
 all-reduce a vector of one partial sum of squares per group (zeros for the groups a rank does not hold), so any
 number of groups dividing tp needs one all-reduce of `groups` numbers per token each way. With whole groups on
 every rank nothing is corrected or communicated.
+
+A LayerNorm over features split across ranks (the `layernorm_parallel` style; ESM C's `q_norm` and `k_norm`, over
+the whole width of q and k before the heads) centres as well as scales, so its output is not corrected by a ratio:
+`ParallelLayerNormRegion` recomputes it, `w * (x_local - mean) * rsqrt(var + eps) + b` with this rank's shares of
+`w` and `b`, from the mean and variance over every rank's features. Each rank contributes its own mean, the square
+of it and its sum of squared deviations from it, one all-reduce of three numbers per token each way; the variance
+is their pooled combination (`sum_r M2_r + n * sum_r (mean_r - mean)^2`, n features a rank), which stays accurate
+where the mean is large beside the spread, unlike a sum of squares less the squared mean.
 """
 
 from __future__ import annotations
@@ -58,10 +66,19 @@ def is_rms_norm(module: nn.Module) -> bool:
     return named and norm_epsilon(module)[0] and bool(params) and all(param.dim() == 1 for param in params)
 
 
+def is_layer_norm(module: nn.Module) -> bool:
+    """Whether `module` is torch's `nn.LayerNorm` (or a subclass: Hugging Face's `EsmcLayerNorm`) over its last
+    dimension alone, with or without its weight and bias."""
+    return isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1
+
+
 def hold_statistic(module: nn.Module, x: torch.Tensor, output: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """An RMS norm's `output` on `x` rescaled as if its mean of squares were that of `reference` (an input it saw
-    before): it then acts on each feature alone, as it will on each rank's share once `rmsnorm_parallel` corrects
-    it (the auto-planner's probes, which look for what moves which features)."""
+    """An RMS norm's (or a LayerNorm's) `output` on `x` as if its statistic (mean of squares; mean and variance)
+    were that of `reference` (an input it saw before): it then acts on each feature alone, as it will on each rank's
+    share once `rmsnorm_parallel` (`layernorm_parallel`) corrects it (the auto-planner's probes, which look for what
+    moves which features)."""
+    if is_layer_norm(module):
+        return _hold_moments(module, x, output, reference)
     eps = norm_epsilon(module)[1]
     eps = eps if eps is not None else torch.finfo(x.dtype).eps
     held = reference.detach().float().pow(2).mean(-1, keepdim=True)
@@ -71,13 +88,80 @@ def hold_statistic(module: nn.Module, x: torch.Tensor, output: torch.Tensor, ref
     return output * scale.to(output)
 
 
-class ParallelRMSNormRegion(Configurable):
+def _hold_moments(module: nn.LayerNorm, x: torch.Tensor, output: torch.Tensor, reference: torch.Tensor):
+    """A LayerNorm's `output` on `x` normalised with the mean and variance of `reference` instead of its own (rows
+    whose moments did not move keep `output` exactly)."""
+    held_var, held_mean = torch.var_mean(reference.detach().float(), -1, correction=0, keepdim=True)
+    var, mean = torch.var_mean(x.float(), -1, correction=0, keepdim=True)
+    held = _affine(module, (x.float() - held_mean) * torch.rsqrt(held_var + module.eps))
+    return torch.where((mean == held_mean) & (var == held_var), output, held.to(output))
+
+
+def _affine(module: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
+    """`normalized` times the module's `weight` plus its `bias` (either may be None), in float32."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    scaled = normalized if weight is None else normalized * weight.float()
+    return scaled if bias is None else scaled + bias.float()
+
+
+class _FeatureSplitNorm(Configurable):
+    """A norm running on this rank's share of the features whose output `corrected` makes that of the norm over every
+    rank's (see the module docstring): `install(module)` hooks its forward; its first floating-point tensor argument
+    is the input (its second, for a gated norm, the gate)."""
+
+    SETTINGS = ("comm_counter",)
+    STYLE = ""
+
+    def install(self, module: nn.Module) -> None:
+        module.register_forward_hook(self._output, with_kwargs=True)
+
+    def corrected(self, module: nn.Module, tensors: list[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _output(self, module, args, kwargs, output):
+        if dist.get_world_size(self.group) == 1:
+            return output
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        first = output[0] if isinstance(output, tuple) and output else output
+        if not tensors or not isinstance(first, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} takes or returns no tensor for '{self.STYLE}' to correct")
+        corrected = self.corrected(module, tensors, first).to(first.dtype)
+        return (corrected, *output[1:]) if isinstance(output, tuple) else corrected
+
+
+class ParallelLayerNormRegion(_FeatureSplitNorm):
+    """Recomputes a LayerNorm running on this rank's features from the mean and variance over every rank's (see the
+    module docstring), with this rank's shares of its weight and bias."""
+
+    STYLE = "layernorm_parallel"
+
+    def __init__(self, group: ProcessGroup, eps: float, comm_counter: CommunicationCounter | None = None):
+        self.group, self.eps, self.comm_counter = group, eps, comm_counter
+
+    def moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, variance) over every rank's features, in float32, one value of each per row of `x`."""
+        width, tp = x.shape[-1], dist.get_world_size(self.group)
+        var, mean = torch.var_mean(x.float(), -1, correction=0, keepdim=True)
+        local = torch.cat([mean, mean.pow(2), var * width], -1)  # its mean, the square of it, its M2
+        totals = sum_across_tensor_parallel_region(local, self.group, self.comm_counter)
+        means, squared_means, deviations = totals.split(1, -1)
+        mean = means / tp
+        variance = (deviations + width * (squared_means - tp * mean.pow(2)).clamp_min(0)) / (width * tp)
+        return mean, variance
+
+    def corrected(self, module, tensors, output):
+        x = tensors[0].float()
+        mean, variance = self.moments(x)
+        return _affine(module, (x - mean) * torch.rsqrt(variance + self.eps))
+
+
+class ParallelRMSNormRegion(_FeatureSplitNorm):
     """Corrects an RMS norm running on this rank's features to normalise over those of every rank holding its group
     (see the module docstring). `install(module)` hooks its forward; its first floating-point tensor argument is the
     input, and with `gated` its second (if given) the gate. `groups`: how many groups of features it normalises
     apart (at most, and dividing, tp; 1 for a plain RMS norm)."""
 
-    SETTINGS = ("comm_counter",)
+    STYLE = "rmsnorm_parallel"
 
     def __init__(
         self,
@@ -89,9 +173,6 @@ class ParallelRMSNormRegion(Configurable):
     ):
         self.group, self.eps, self.comm_counter = group, eps, comm_counter
         self.groups, self.gated = groups, gated
-
-    def install(self, module: nn.Module) -> None:
-        module.register_forward_hook(self._output, with_kwargs=True)
 
     def scale(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """sqrt(mean_local(y^2) + eps) / sqrt(mean_group(y^2) + eps), in float32, one value per row of `x`, where
@@ -106,16 +187,9 @@ class ParallelRMSNormRegion(Configurable):
         total = totals.narrow(-1, mine, 1)
         return torch.sqrt(squares / width + eps) * torch.rsqrt(total / (width * tp // self.groups) + eps)
 
-    def _output(self, module, args, kwargs, output):
-        if dist.get_world_size(self.group) == 1:
-            return output
-        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        first = output[0] if isinstance(output, tuple) and output else output
-        if not tensors or not isinstance(first, torch.Tensor):
-            raise TypeError(f"{type(module).__name__} takes or returns no tensor for 'rmsnorm_parallel' to correct")
+    def corrected(self, module, tensors, output):
         gate = tensors[1] if self.gated and len(tensors) > 1 else None
-        corrected = (first.float() * self.scale(tensors[0], gate)).to(first.dtype)
-        return (corrected, *output[1:]) if isinstance(output, tuple) else corrected
+        return output.float() * self.scale(tensors[0], gate)
 
 
 def norm_groups(module: nn.Module) -> int:

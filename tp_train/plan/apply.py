@@ -29,14 +29,16 @@ from tp_train.parallel.layers import (
     SharedInputRegion,
     VocabParallelEmbedding,
 )
-from tp_train.parallel.norm import ParallelRMSNormRegion, norm_epsilon, norm_groups
+from tp_train.parallel.norm import ParallelLayerNormRegion, ParallelRMSNormRegion, norm_epsilon, norm_groups
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
+from tp_train.parallel.reductions import FeatureReductionRegion
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
 from tp_train.plan.adapters import materialize_adapters, shard_adapters
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
 from tp_train.plan.styles import (
+    FEATURE_REDUCTION_STYLE,
     FEEDS_PARALLEL_REGION,
     LINEAR_STYLES,
     NORM_STYLES,
@@ -124,6 +126,11 @@ def apply_plan(
             shard_channels(module, group, entry.arguments)
         elif style in NORM_STYLES:
             _parallel_norm(module, style, group)
+        elif style == FEATURE_REDUCTION_STYLE:  # its parameters split along their last dim, as `rowwise` splits one
+            own = dict(module.named_parameters(recurse=False))
+            _shard_parameters(module, dict.fromkeys(own, "rowwise"), group, shared)
+            module.tp_region = FeatureReductionRegion(group)
+            module.tp_region.install(module)
         elif style == "replicated_rng":
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":
@@ -329,9 +336,15 @@ def _sum_replicas(model: nn.Module, name: str, layer: nn.Module, group: ProcessG
 
 
 def _parallel_norm(module: nn.Module, style: str, group: ProcessGroup) -> None:
-    """An RMS norm over features split across ranks (`tp_train.parallel.norm`): its weight split with them, and its
-    output corrected to normalise over every rank's features of its group, unless each rank holds whole groups. A
-    gated norm whose groups span ranks normalises this rank's share of its group as one group (`group_size`)."""
+    """An RMS norm or a LayerNorm over features split across ranks (`tp_train.parallel.norm`): its weight (and bias)
+    split with them, and its output corrected to normalise over every rank's features of its group, unless each rank
+    holds whole groups. A gated norm whose groups span ranks normalises this rank's share of its group as one group
+    (`group_size`)."""
+    if style == "layernorm_parallel":
+        shard_channels(module, group)  # its normalized_shape too: its own forward runs on this rank's features
+        module.tp_region = ParallelLayerNormRegion(group, module.eps)
+        module.tp_region.install(module)
+        return
     tp = dist.get_world_size(group)
     gated = style == "gated_rmsnorm_parallel"
     groups = norm_groups(module) if gated else 1

@@ -13,8 +13,11 @@ structure off what happened, not off class names:
    share in turn and watching which share of the row input moves, for the contiguous split (`colwise`), the split
    of two halves (`packed_colwise`, [gate; up]) and of three thirds (`fused_qkv_colwise`, [q; k; v]), and takes
    the first that holds. Heads are thereby respected: a split through a head, or a [q; k; v] split as one matrix,
-   moves other shares and fails. An RMS norm between them (BitNet's sub-norms) has its statistic held in these
-   probes: it gets `rmsnorm_parallel`, which normalises over every rank's features.
+   moves other shares and fails. An RMS norm or a LayerNorm between them (BitNet's sub-norms, ESM C's q_norm and
+   k_norm) has its statistic held in these probes: it gets `rmsnorm_parallel` (`layernorm_parallel`), which
+   normalises over every rank's features. So do the reductions over the features of a module with per-feature
+   parameters along their last dim (ConvNeXt V2's GRN, a mean over the channels): it gets
+   `feature_reduction_parallel`, which completes them by an all-reduce.
 3. **Attention.** A pair whose perturbation at the first token moves later tokens mixes positions: it is
    attention, and the module enclosing the pair gets the `attention` style (local head counts, sharded dropout
    stream). Dropout modules inside it that run after the row layer get `replicated_rng`; modules whose
@@ -41,7 +44,8 @@ import torch
 import torch.nn as nn
 
 from tp_train.errors import first_line
-from tp_train.parallel.norm import hold_statistic, is_rms_norm
+from tp_train.parallel.norm import hold_statistic, is_layer_norm, is_rms_norm
+from tp_train.parallel.reductions import held_reductions
 from tp_train.plan.coverage import (
     as_patterns,
     block_whole_fraction,
@@ -54,8 +58,10 @@ from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of, split_sizes, trace_calls
 from tp_train.plan.probe_input import ProbeInput, probe_input
 from tp_train.plan.styles import (
+    FEATURE_REDUCTION_STYLE,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
+    NORM_STYLES,
     WIDTH_ATTRIBUTES,
     column_layout,
     head_counts,
@@ -69,6 +75,8 @@ LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
 SMALL_WHOLE = 0.1  # an unpaired Linear in a block stays whole up to this fraction of its block's parameters
 # A per-head embedding table's weight (buckets, heads), split along its last dim with the heads (a parameter entry).
 TABLE_STYLE = "rowwise"
+# Norms the probes hold the statistic of, by the style that normalises them over every rank's features.
+SPLIT_NORMS = (("rmsnorm_parallel", is_rms_norm), ("layernorm_parallel", is_layer_norm))
 
 
 @dataclass
@@ -160,13 +168,25 @@ class _Planner:
         self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
         self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
         self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
-        # RMS norms called once: their statistic is held in perturbed probes (`rmsnorm_parallel` normalises over
-        # every rank's features), so one between a column and a row layer does not spread a share to the others.
-        self.rms_norms = [
+        # RMS norms and LayerNorms called once, by style: their statistic is held in perturbed probes (their style
+        # normalises over every rank's features), so one between a column and a row layer does not spread a share
+        # to the others.
+        self.norms = {
+            name: style
+            for name, call in self.calls.items()
+            if call.calls == 1
+            and isinstance(call.input, torch.Tensor)
+            and _over_last_dim(self.modules[name], call.input)
+            for style, recognised in SPLIT_NORMS
+            if recognised(self.modules[name])
+        }
+        # Leaf modules called once whose parameters hold one entry per feature along their last dim (GRN's (1, 1, 1,
+        # C) weight and bias): their reductions over the features are held in perturbed probes too.
+        self.reducers = {
             name
             for name, call in self.calls.items()
-            if call.calls == 1 and isinstance(call.input, torch.Tensor) and is_rms_norm(self.modules[name])
-        ]
+            if call.calls == 1 and isinstance(call.input, torch.Tensor) and _per_feature(self.modules[name])
+        }
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
 
     def _called(self) -> list[str]:
@@ -344,7 +364,7 @@ class _Planner:
                 self._per_head_tables(pair)
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
-                        f"an RMS norm between '{row}' and its column layers normalises over the split features in an "
+                        f"a norm between '{row}' and its column layers normalises over the split features in an "
                         f"attention that keeps head counts, which the planner cannot check together"
                     )
                     failures.update({name: reason for name in producers | {row}})
@@ -397,11 +417,11 @@ class _Planner:
                 pair.own.update(dict.fromkeys(tables, "rowwise"))
 
     def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
-        """Whether `pair` is attention with an `rmsnorm_parallel` norm between its layers whose enclosing module keeps
+        """Whether `pair` is attention with a norm over split features between its layers whose enclosing module keeps
         head counts or widths: the local-view search (`tp_train.plan.local_search`), which simulates ranks without
         the norm's all-reduce, skips pairs with channels, so those counts would stay whole (MiniMax's lightning
         attention). An attention that views heads with -1 (BitNet's) needs no view."""
-        if not pair.attention or "rmsnorm_parallel" not in pair.channels.values():
+        if not pair.attention or not set(NORM_STYLES) & set(pair.channels.values()):
             return False
         module = self.modules.get(_enclosing(pair))
         names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
@@ -496,14 +516,16 @@ class _Planner:
         channels = _last_dim(self.calls[pair.row].input)
         for param in self.producers[pair.row][1]:
             owner = self.owner.get(id(param), "?")
+            if owner in self.reducers and param.shape[-1] == channels:
+                pair.channels[owner] = FEATURE_REDUCTION_STYLE
+                continue
             if param.dim() and param.shape[0] == channels and owner in self.modules:
                 # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
                 # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`), or an
-                # RMS norm over them, normalising over every rank's (`rmsnorm_parallel`).
+                # norm over them, normalising over every rank's (`rmsnorm_parallel`, `layernorm_parallel`).
                 shape = linear_shape(self.modules[owner])
                 pair.channels[owner] = "colwise" if shape is not None and shape[1] == channels else "channelwise"
-                if owner in self.rms_norms:
-                    pair.channels[owner] = "rmsnorm_parallel"
+                pair.channels[owner] = self.norms.get(owner, pair.channels[owner])
                 continue
             if param.dim() and param.shape[-1] in split_widths:
                 raise ValueError(
@@ -609,11 +631,15 @@ class _Planner:
             for name in frozen
         ]
         if masks:
+            for name in self.reducers:
+                enter, leave = held_reductions(self.modules[name], self.calls[name].input)
+                handles += [self.modules[name].register_forward_pre_hook(enter)]
+                handles += [self.modules[name].register_forward_hook(leave, always_call=True)]
             handles += [
                 self.modules[name].register_forward_hook(
                     lambda m, a, o, name=name: hold_statistic(m, a[0], o, self.calls[name].input)
                 )
-                for name in self.rms_norms
+                for name in self.norms
             ]
         try:
             with torch.no_grad():
@@ -639,6 +665,20 @@ def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, sh
     """True on rank `share`'s part of every section of `output`'s last dimension."""
     mask = torch.cat([(torch.arange(size) // (size // shares)) == share for size in sections])
     return mask.expand_as(output).to(output.device)
+
+
+def _over_last_dim(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `norm`'s weights are as wide as its input's last dim (not ConvNeXt's channels-first LayerNorm, which
+    permutes its (B, C, H, W) input before normalising)."""
+    return all(param.shape[-1] == x.shape[-1] for param in norm.parameters(recurse=False))
+
+
+def _per_feature(module: nn.Module) -> bool:
+    """Whether `module` has no children and parameters, each of 2 or more dims all 1 but the last (one entry per
+    feature along the last dim, broadcast over the others)."""
+    params = list(module.parameters(recurse=False))
+    per_feature = all(param.dim() >= 2 and set(param.shape[:-1]) == {1} for param in params)
+    return bool(params) and per_feature and not any(True for _ in module.children())
 
 
 def _numbered_away(name: str) -> str:

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.plan.styles import LINEAR_STYLES, NORM_STYLES, linear_shape, pattern_matches, split_style
+from tp_train.plan.styles import (
+    FEATURE_REDUCTION_STYLE,
+    LINEAR_STYLES,
+    NORM_STYLES,
+    linear_shape,
+    pattern_matches,
+    split_style,
+)
 
 
 def sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[int]:
     """The ids of the parameters `plan` splits: those of modules it swaps or splits by channel, and those it names."""
-    splitting = {"embedding_rowwise", "channelwise", *NORM_STYLES, *LINEAR_STYLES}
+    splitting = {"embedding_rowwise", "channelwise", FEATURE_REDUCTION_STYLE, *NORM_STYLES, *LINEAR_STYLES}
     found = set()
     for name, module in model.named_modules():
         styles = [style for pattern, style in plan.items() if pattern_matches(pattern, name)]

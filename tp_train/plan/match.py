@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.parallel.norm import EPSILON_ATTRIBUTES, norm_epsilon, norm_groups
+from tp_train.parallel.norm import EPSILON_ATTRIBUTES, is_layer_norm, norm_epsilon, norm_groups
 from tp_train.parallel.sharding import check_divisible, check_sections, divisors
 from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style
 from tp_train.plan.styles import (
     ALIASES,
     CONFIG_HEAD_FIELDS,
+    FEATURE_REDUCTION_STYLE,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
@@ -181,6 +182,16 @@ def _check_module(
             if sum(sections) != out_features:
                 raise ValueError(f"{where}: out_features={out_features} does not split into {len(sections)} sections")
             check_sections(where, "out_features", sections, units, tp)
+    elif style == FEATURE_REDUCTION_STYLE:
+        for param_name, param in module.named_parameters(recurse=False):
+            if not param.dim():
+                raise ValueError(f"{where} cannot take style '{style}': its {param_name} is a scalar, not per feature")
+            check_divisible(where, f"{param_name}.shape[-1]", param.shape[-1], tp)
+    elif style == "layernorm_parallel" and not (is_layer_norm(module) and module.elementwise_affine):
+        raise ValueError(
+            f"{where} cannot take style '{style}': it needs an nn.LayerNorm over its last dimension alone with its "
+            f"weight (an RMS norm takes 'rmsnorm_parallel')"
+        )
     elif style in NORM_STYLES:
         found, _ = norm_epsilon(module)
         weights = [param for param in module.parameters(recurse=False) if param.dim() == 1]

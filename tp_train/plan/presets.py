@@ -249,6 +249,10 @@ ADDITIONS: dict[str, dict[str, str]] = {
         "layers.*.self_attn.dt_proj": "rowwise_scatter_output",
         "layers.*.self_attn.A": "colwise",
     },
+    # ESM C's QK-LayerNorms normalise over q's and k's whole width (every head's features), between the column
+    # projections HF's plan splits and o_proj: each normalises this rank's share over every rank's features
+    # (`layernorm_parallel`), as the auto-planner, given no plan, plans them too.
+    "esmc": {"layers.*.self_attn.q_norm": "layernorm_parallel", "layers.*.self_attn.k_norm": "layernorm_parallel"},
     # Corrections: Inkling's fused expert weights are [gate; up] halves (`chunk(2)` in the experts' forward), which
     # HF's plan splits `colwise` (rank 0 would hold every gate, rank 1 every up): split half by half.
     "inkling_text": {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"},

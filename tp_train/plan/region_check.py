@@ -34,15 +34,15 @@ from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.probe import eval_mode, forward_without_cache
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
-from tp_train.plan.styles import NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
+from tp_train.plan.styles import FEATURE_REDUCTION_STYLE, NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
 from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
 
 # Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
 # compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design), and
 # styles whose module takes and returns this rank's share of the features (the last dim), compared with that share of
 # the unsharded module's output and gradients.
-CHECKED_STYLES = ("moe_tp_experts", "all_reduce", *NORM_STYLES)
-FEATURE_SPLIT_STYLES = NORM_STYLES
+CHECKED_STYLES = ("moe_tp_experts", "all_reduce", *NORM_STYLES, FEATURE_REDUCTION_STYLE)
+FEATURE_SPLIT_STYLES = (*NORM_STYLES, FEATURE_REDUCTION_STYLE)
 
 
 class RegionCheck:

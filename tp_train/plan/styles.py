@@ -36,6 +36,15 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 |                         |                     | `channelwise`; groups whole on each rank stay local, a group     |
 |                         |                     | spanning ranks (fewer groups than ranks) is normalised over all  |
 |                         |                     | of them, its sum of squares all-reduced (`tp_train.parallel.norm`) |
+| `layernorm_parallel`    | an `nn.LayerNorm`   | over features split across ranks (ESM C's q_norm and k_norm over  |
+|                         |                     | q's and k's whole width): its weight and bias split like           |
+|                         |                     | `channelwise`, its output recomputed from the mean and variance  |
+|                         |                     | over the whole width, all-reduced (`tp_train.parallel.norm`)     |
+| `feature_reduction_parallel` | any module     | between a column and a row layer, reducing over the features they |
+|                         |                     | split (ConvNeXt V2's GRN, a mean over the channels): its own     |
+|                         |                     | parameters split along their last dim with the features; each    |
+|                         |                     | mean, sum or L2 normalize over the last dim in its forward       |
+|                         |                     | completed by an all-reduce (`tp_train.parallel.reductions`)      |
 | `moe_tp_experts`        | MoE experts module  | its floating-point inputs (tokens, routing weights) enter the    |
 |                         |                     | parallel region (`f`), its output (each rank's partial sum over  |
 |                         |                     | its share of every expert) is all-reduced (`g`): one all-reduce  |
@@ -94,6 +103,9 @@ LINEAR_STYLES = {
     "fused_qkv_colwise",
 }
 ROW_STYLES = {"rowwise", "rowwise_split_input", "rowwise_scatter_output"}
+# A module reducing over split features: its parameters split as the parameter style `rowwise` splits them (their
+# last dim), its reductions over the features completed (`tp_train.parallel.reductions`).
+FEATURE_REDUCTION_STYLE = "feature_reduction_parallel"
 # Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
 REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj"}
 STYLES = (
@@ -109,10 +121,12 @@ STYLES = (
         "channelwise",
         "rmsnorm_parallel",
         "gated_rmsnorm_parallel",
+        "layernorm_parallel",
+        FEATURE_REDUCTION_STYLE,
     }
 )
 # Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
-NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel")
+NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel", "layernorm_parallel")
 PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate", "replicate_once"}
 # Parameter styles that keep the parameter whole on every rank.
 WHOLE_PARAMETER_STYLES = ("replicate", "replicate_once")
