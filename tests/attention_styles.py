@@ -198,3 +198,43 @@ class LiteralHeadsAttention(nn.Module):
 
 def literal_heads() -> nn.Module:
     return _LM(LiteralHeadsAttention, 32)
+
+
+# ------------------------------------------------ Swin's shifted windows: a mask, and a head count, every second block
+
+
+class MaskedHeadsAttention(nn.Module):
+    """Views heads with -1, except when given a mask (every second block), which it adds per head, viewing the
+    scores with its own head count (Donut-Swin's shifted windows)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.masked_heads = heads  # read only when a mask is given
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, mask=None):
+        B, T, C = x.shape
+        q, k, v = (p(x).view(B, T, -1, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / 8**0.5
+        if mask is not None:
+            scores = scores.reshape(B * self.masked_heads, T, T) + mask
+        y = scores.view(B, -1, T, T).softmax(-1) @ v
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _MaskedBlock(_Block):
+    def __init__(self, dim: int, masked: bool):
+        super().__init__(MaskedHeadsAttention(dim), dim)
+        self.masked = masked
+
+    def forward(self, x):
+        T = x.shape[1]
+        mask = torch.full((T, T), float("-inf")).triu(1) if self.masked else None
+        x = x + self.attn(self.norm_1(x), mask)
+        return x + self.mlp(self.norm_2(x))
+
+
+def masked_every_second_block() -> nn.Module:
+    model = _LM(MaskedHeadsAttention, 32)
+    model.h = nn.ModuleList(_MaskedBlock(32, masked=index % 2 == 1) for index in range(2))
+    return model

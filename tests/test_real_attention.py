@@ -32,6 +32,8 @@ MODELS = {
     "einops_patterns": (styles.einops_style, "attention(heads, split_q_heads.axes_lengths.h)"),
     "nanogpt_width": (styles.nanogpt_style, "attention(n_head, n_embd, input_width)"),
 }
+# models whose blocks get different views (no one `h.*.attn` entry)
+UNPATTERNED = {"masked_every_second_block": (styles.masked_every_second_block, None)}
 if importlib.util.find_spec("einops") is not None:  # not one of our dependencies: tested where installed
     MODELS["real_einops"] = (styles.real_einops_style, "attention(heads, split_q_heads.axes_lengths.h)")
 
@@ -44,6 +46,14 @@ def test_the_auto_planner_finds_where_the_head_counts_are(name, tp):
     plan = tp_train.infer_plan(build(), tensor_parallel_size=tp)
     assert plan["h.*.attn"] == expected, plan
     assert not plan.notes
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_block_gets_the_view_its_own_call_needs(tp):
+    """Blocks alike but for what they are passed (a mask every second block, Donut-Swin's shifted windows) each get
+    the view their call needs: only the masked one reads its head count."""
+    plan = tp_train.infer_plan(styles.masked_every_second_block(), tensor_parallel_size=tp)
+    assert (plan["h.0.attn"], plan["h.1.attn"]) == ("attention", "attention(masked_heads)"), plan
 
 
 def test_the_fused_grouped_query_projection_is_split_by_its_unequal_sections():
@@ -78,7 +88,7 @@ def _logits(model, idx):
 
 def _parity(rank, world_size):
     results = {}
-    for name, (build, _) in {**MODELS, "literal_heads": (styles.literal_heads, None)}.items():
+    for name, (build, _) in {**MODELS, **UNPATTERNED, "literal_heads": (styles.literal_heads, None)}.items():
         torch.manual_seed(0)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
@@ -93,7 +103,7 @@ def parity_results(request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [*MODELS, *UNPATTERNED])
 def test_attention_as_projects_write_it_matches_unsharded(parity_results, name):
     tp, per_rank = parity_results
     for rank, results in enumerate(per_rank):

@@ -39,6 +39,7 @@ on by default, is for.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -55,6 +56,7 @@ from tp_train.plan.coverage import (
     kept_whole_notes,
 )
 from tp_train.plan.local_search import capture_calls, find_local_view
+from tp_train.plan.local_view import parse_attention_style
 from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of, split_sizes, trace_calls
 from tp_train.plan.probe_input import ProbeInput, probe_input
 from tp_train.plan.styles import (
@@ -561,10 +563,20 @@ class _Planner:
             # first layer's view holds for them.
             relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
             relative |= {own[len(name) + 1 :]: style for own, style in pair.own.items()}
+            row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
+            search = partial(find_local_view, self.modules[name], calls[name], relative, row, self.shares, config)
+            called = key + (_arguments_shape(calls[name]),)
             if key not in self._cache:
-                row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
-                self._cache[key] = find_local_view(self.modules[name], calls[name], relative, row, self.shares, config)
-            style, reason = self._cache[key]
+                self._cache[key] = self._cache[called] = search()
+            elif called not in self._cache:
+                # A block passed other arguments (a mask, every second block: Donut-Swin's shifted windows) may read
+                # a head count its neighbour never does: its own view, where one holds for its call that splits no
+                # argument by heads (T5's later layers, handed the relative bias the first one computes, are whole
+                # in this probe but their heads' once sharded: the first layer's view holds for them).
+                found = search()
+                view = parse_attention_style(found[0]) if found[0] else None
+                self._cache[called] = found if found[0] and not (view and view.per_head) else self._cache[key]
+            style, reason = self._cache[called]
             if style is None:
                 self.kept_whole[name] = reason
             else:
@@ -659,6 +671,17 @@ class _Planner:
 
 def _last_dim(tensor: torch.Tensor | None) -> int:
     return tensor.shape[-1] if tensor is not None and tensor.dim() else 0
+
+
+def _arguments_shape(call) -> tuple:
+    """The kinds of a probe call's arguments: each tensor's shape, None as None, anything else its type's name."""
+
+    def kind(value):
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+        return None if value is None else type(value).__name__
+
+    return tuple(map(kind, call.args)) + tuple((key, kind(value)) for key, value in sorted(call.kwargs.items()))
 
 
 def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, share: int) -> torch.Tensor:
