@@ -147,6 +147,7 @@ class _Planner:
         self.covered = covered_linears(model, given)
         self.modules = dict(model.named_modules())
         self.owner = {id(param): name for name, module in self.modules.items() for param in module.parameters(False)}
+        self.parameter_names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
         self.calls = trace_calls(model, inputs)
         self.linears = [name for name in self._called() if linear_shape(self.modules[name]) is not None]
         self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
@@ -494,8 +495,15 @@ class _Planner:
         }
         owners = set()
         channels = _last_dim(self.calls[pair.row].input)
+        heads = self._attention_heads(pair)
         for param in self.producers[pair.row][1]:
             owner = self.owner.get(id(param), "?")
+            if heads and _per_head(param, heads, channels) and self._inside_attention(pair, owner):
+                # One slice per head inside the attention (Funnel's r_w_bias (heads, head_dim) and r_kernel
+                # (d_model, heads, head_dim); NeoMME's exclusive-attention alpha (heads,)): split with the heads along
+                # that dimension, as a parameter entry (`colwise` splits the second-to-last, a vector's only).
+                pair.own[self.parameter_names[id(param)]] = "colwise"
+                continue
             if param.dim() and param.shape[0] == channels and owner in self.modules:
                 # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
                 # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`), or an
@@ -518,6 +526,21 @@ class _Planner:
                 f"no style splits with the channels; give the model a `tp_plan`"
             )
         return owners
+
+    def _attention_heads(self, pair: _Pair) -> int | None:
+        """The head count of the attention enclosing `pair` when tp divides it: the first usual attribute of the
+        module or a module inside it, else its config's (Funnel's `config.n_head`); None for no attention."""
+        module = self.modules.get(_enclosing(pair)) if pair.attention and _enclosing(pair) else None
+        if module is None:
+            return None
+        counts = (getattr(inner, name, None) for inner in module.modules() for name in HEAD_ATTRIBUTES)
+        heads = next((count for count in counts if isinstance(count, int)), None)
+        heads = heads or head_counts(module, getattr(self.model, "config", None)).heads
+        return heads if heads and heads % self.shares == 0 else None
+
+    def _inside_attention(self, pair: _Pair, owner: str) -> bool:
+        enclosing = _enclosing(pair)
+        return owner == enclosing or owner.startswith(enclosing + ".")
 
     def _local_views(self, pairs: list[_Pair]) -> dict[str, str]:
         """The attention style of each attention module: the view under which it runs right on local heads
@@ -639,6 +662,14 @@ def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, sh
     """True on rank `share`'s part of every section of `output`'s last dimension."""
     mask = torch.cat([(torch.arange(size) // (size // shares)) == share for size in sections])
     return mask.expand_as(output).to(output.device)
+
+
+def _per_head(param: torch.Tensor, heads: int, channels: int) -> bool:
+    """Whether `param` holds one slice per head: shaped (heads,), or ending in (heads, head_dim) where the heads'
+    features are the row layer's `channels`."""
+    if param.dim() == 1:
+        return param.shape[0] == heads
+    return channels % heads == 0 and tuple(param.shape[-2:]) == (heads, channels // heads)
 
 
 def _numbered_away(name: str) -> str:
