@@ -37,15 +37,16 @@ def _forward(model, inputs):
 
 
 def models_parity(rank, world_size, models=None):
-    """Each model's parity errors (`models`: name -> (zoo task, family), default `MODELS`), on one rank."""
+    """Each model's parity errors (`models`: name -> (zoo task, family[, config fields]), default `MODELS`), on one
+    rank."""
     import contextlib
     import io
 
     results = {}
     with contextlib.redirect_stdout(io.StringIO()):
-        for name, (task, family) in (models or MODELS).items():
+        for name, (task, family, *fields) in (models or MODELS).items():
             torch.manual_seed(0)
-            reference = build(task, family).eval()
+            reference = build(task, family, *fields).eval()
             steps = [(inputs, _forward, loss) for inputs, loss in batches(task, reference, steps=3)]
             results[name] = batch_parity_errors(reference, steps)
     return results
