@@ -36,15 +36,17 @@ def _forward(model, inputs):
     return output_tensor(inputs(model))
 
 
-def _parity(rank, world_size):
+def models_parity(rank, world_size, models=None):
+    """Each model's parity errors (`models`: name -> (zoo task, family[, config fields]), default `MODELS`), on one
+    rank."""
     import contextlib
     import io
 
     results = {}
     with contextlib.redirect_stdout(io.StringIO()):
-        for name, (task, family) in MODELS.items():
+        for name, (task, family, *fields) in (models or MODELS).items():
             torch.manual_seed(0)
-            reference = build(task, family).eval()
+            reference = build(task, family, *fields).eval()
             steps = [(inputs, _forward, loss) for inputs, loss in batches(task, reference, steps=3)]
             results[name] = batch_parity_errors(reference, steps)
     return results
@@ -52,7 +54,7 @@ def _parity(rank, world_size):
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")
 def parity_results(request):
-    return request.param, run_on_ranks(_parity, request.param, timeout=600)
+    return request.param, run_on_ranks(models_parity, request.param, timeout=600)
 
 
 @pytest.mark.slow

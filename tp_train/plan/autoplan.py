@@ -157,6 +157,7 @@ class _Planner:
         self.covered = covered_linears(model, given)
         self.modules = dict(model.named_modules())
         self.owner = {id(param): name for name, module in self.modules.items() for param in module.parameters(False)}
+        self.parameter_names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
         self.calls = trace_calls(model, inputs)
         self.linears = [name for name in self._called() if linear_shape(self.modules[name]) is not None]
         self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
@@ -516,10 +517,17 @@ class _Planner:
         }
         owners = set()
         channels = _last_dim(self.calls[pair.row].input)
+        heads = self._attention_heads(pair)
         for param in self.producers[pair.row][1]:
             owner = self.owner.get(id(param), "?")
             if owner in self.reducers and param.shape[-1] == channels:
                 pair.channels[owner] = FEATURE_REDUCTION_STYLE
+                continue
+            if heads and _per_head(param, heads, channels) and self._inside_attention(pair, owner):
+                # One slice per head inside the attention (Funnel's r_w_bias (heads, head_dim) and r_kernel
+                # (d_model, heads, head_dim); NeoMME's exclusive-attention alpha (heads,)): split with the heads along
+                # that dimension, as a parameter entry (`colwise` splits the second-to-last, a vector's only).
+                pair.own[self.parameter_names[id(param)]] = "colwise"
                 continue
             if param.dim() and param.shape[0] == channels and owner in self.modules:
                 # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
@@ -542,6 +550,21 @@ class _Planner:
                 f"no style splits with the channels; give the model a `tp_plan`"
             )
         return owners
+
+    def _attention_heads(self, pair: _Pair) -> int | None:
+        """The head count of the attention enclosing `pair` when tp divides it: the first usual attribute of the
+        module or a module inside it, else its config's (Funnel's `config.n_head`); None for no attention."""
+        module = self.modules.get(_enclosing(pair)) if pair.attention and _enclosing(pair) else None
+        if module is None:
+            return None
+        counts = (getattr(inner, name, None) for inner in module.modules() for name in HEAD_ATTRIBUTES)
+        heads = next((count for count in counts if isinstance(count, int)), None)
+        heads = heads or head_counts(module, getattr(self.model, "config", None)).heads
+        return heads if heads and heads % self.shares == 0 else None
+
+    def _inside_attention(self, pair: _Pair, owner: str) -> bool:
+        enclosing = _enclosing(pair)
+        return owner == enclosing or owner.startswith(enclosing + ".")
 
     def _local_views(self, pairs: list[_Pair]) -> dict[str, str]:
         """The attention style of each attention module: the view under which it runs right on local heads
@@ -702,6 +725,12 @@ def _per_feature(module: nn.Module) -> bool:
     params = list(module.parameters(recurse=False))
     per_feature = all(param.dim() >= 2 and set(param.shape[:-1]) == {1} for param in params)
     return bool(params) and per_feature and not any(True for _ in module.children())
+def _per_head(param: torch.Tensor, heads: int, channels: int) -> bool:
+    """Whether `param` holds one slice per head: shaped (heads,), or ending in (heads, head_dim) where the heads'
+    features are the row layer's `channels`."""
+    if param.dim() == 1:
+        return param.shape[0] == heads
+    return channels % heads == 0 and tuple(param.shape[-2:]) == (heads, channels // heads)
 
 
 def _numbered_away(name: str) -> str:

@@ -160,14 +160,16 @@ def localize_heads(module: nn.Module, tp: int) -> None:
 
 def share_replicated_kv_heads(attention: nn.Module, copies: int) -> None:
     """An attention whose kv heads are replicated over `copies` ranks each (fewer kv heads than ranks): one kv head
-    per rank, and each rank's share of the query heads per kv head."""
-    for attribute in KV_HEAD_ATTRIBUTES:
-        if _is_count(getattr(attention, attribute, None)):
-            setattr(attention, attribute, 1)
-    for attribute in KV_GROUP_ATTRIBUTES:
-        value = getattr(attention, attribute, None)
-        if _is_count(value):
-            setattr(attention, attribute, value // copies)
+    per rank, and each rank's share of the query heads per kv head; in the attention and the modules inside it that
+    keep the counts too (NeoMME's exclusive self-attention repeats the kv heads by its own `num_key_value_groups`)."""
+    for module in attention.modules():
+        for attribute in KV_HEAD_ATTRIBUTES:
+            if _is_count(getattr(module, attribute, None)):
+                setattr(module, attribute, 1)
+        for attribute in KV_GROUP_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if _is_count(value):
+                setattr(module, attribute, value // copies)
 
 
 def heads_of_rank(tensor: torch.Tensor, argument: PerHeadArgument, batch: int, tp: int, rank: int) -> torch.Tensor:

@@ -253,6 +253,10 @@ ADDITIONS: dict[str, dict[str, str]] = {
     # projections HF's plan splits and o_proj: each normalises this rank's share over every rank's features
     # (`layernorm_parallel`), as the auto-planner, given no plan, plans them too.
     "esmc": {"layers.*.self_attn.q_norm": "layernorm_parallel", "layers.*.self_attn.k_norm": "layernorm_parallel"},
+    # NeoMME's exclusive self-attention removes from each head's output its projection on the head's value, scaled
+    # by a per-head `alpha` (heads,): split with the heads. Its value embeddings, an (vocab, kv_heads x head_dim) table
+    # added to the values of the first and last global layers, are split with v_proj's kv heads (`CONFIG_VARIANTS`).
+    "neomme": {"layers.*.self_attn.exclusive_self_attention.alpha": "colwise"},
     # Corrections: Inkling's fused expert weights are [gate; up] halves (`chunk(2)` in the experts' forward), which
     # HF's plan splits `colwise` (rank 0 would hold every gate, rank 1 every up): split half by half.
     "inkling_text": {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"},
@@ -298,6 +302,12 @@ def _dbrx_experts(config) -> dict[str, str]:
     return {f"blocks.*.ffn.experts.mlp.{weight}": f"colwise({sections})" for weight in ("w1", "v1", "w2")}
 
 
+def _neomme_value_embeddings(config) -> dict[str, str]:
+    """NeoMME's value-embedding table split along its columns by kv heads, as v_proj's output is (whole heads; each
+    held by tp / kv_heads ranks when fewer than tp)."""
+    return {"value_embeddings.weight": f"colwise({config.num_key_value_heads}x{config.head_dim})"}
+
+
 # Models of a family that its preset (or its additions to Hugging Face's plan) cannot shard correctly (a config,
 # or how it was built): model_type -> model -> the reason, or None.
 UNSUPPORTED_CONFIGS = {"falcon": _falcon_unsupported, "falcon_h1": falcon_h1_unsupported, "xlnet": _xlnet_unsupported}
@@ -320,6 +330,7 @@ CONFIG_VARIANTS = {
     "bamba": mamba_layers,
     "granitemoehybrid": mamba_layers,
     "falcon_h1": falcon_h1_layers,
+    "neomme": _neomme_value_embeddings,
 }
 
 HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered
