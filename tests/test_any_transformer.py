@@ -36,13 +36,14 @@ def _forward(model, inputs):
     return output_tensor(inputs(model))
 
 
-def _parity(rank, world_size):
+def task_parity(rank, world_size, models: dict[str, tuple[str, str]] = MODELS):
+    """On each rank: `batch_parity_errors` of each zoo model in `models` ({name: (zoo task, family)})."""
     import contextlib
     import io
 
     results = {}
     with contextlib.redirect_stdout(io.StringIO()):
-        for name, (task, family) in MODELS.items():
+        for name, (task, family) in models.items():
             torch.manual_seed(0)
             reference = build(task, family).eval()
             steps = [(inputs, _forward, loss) for inputs, loss in batches(task, reference, steps=3)]
@@ -52,7 +53,7 @@ def _parity(rank, world_size):
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")
 def parity_results(request):
-    return request.param, run_on_ranks(_parity, request.param, timeout=600)
+    return request.param, run_on_ranks(task_parity, request.param, timeout=600)
 
 
 @pytest.mark.slow

@@ -69,6 +69,7 @@ LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
 SMALL_WHOLE = 0.1  # an unpaired Linear in a block stays whole up to this fraction of its block's parameters
 # A per-head embedding table's weight (buckets, heads), split along its last dim with the heads (a parameter entry).
 TABLE_STYLE = "rowwise"
+WHOLE_SUMMED = "replicated_with_grad_allreduce"  # a parameter entry: whole on every rank, its gradient summed
 
 
 @dataclass
@@ -342,6 +343,7 @@ class _Planner:
                 pair.between = self._between(pair)
                 self._own_channels(pair)
                 self._per_head_tables(pair)
+                self._own_whole(pair)
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
                         f"an RMS norm between '{row}' and its column layers normalises over the split features in an "
@@ -395,6 +397,20 @@ class _Planner:
             if tables and len(tables) == sum(1 for p in self.modules[owner].parameters(recurse=False) if id(p) in used):
                 pair.between.discard(owner)
                 pair.own.update(dict.fromkeys(tables, "rowwise"))
+
+    def _own_whole(self, pair: _Pair) -> None:
+        """Parameters of the module holding the pair acting between its layers, on every local head alike
+        (VideoPrism's pooling attention scales each head's queries by `per_dim_scale`): whole, their gradients summed,
+        as entries of their own (`pair.own`), so that the module's other parameters are left as they are (the pooling
+        query, read by the column layers, whose entry into the parallel region sums its gradient already: summed
+        again it counted tp times) and an attention module keeps its `attention` style."""
+        enclosing = _enclosing(pair)
+        if not enclosing or enclosing not in pair.between:
+            return
+        used = {id(param) for param in self.producers[pair.row][1]}
+        parameters = self.modules[enclosing].named_parameters(recurse=False)
+        pair.between.discard(enclosing)
+        pair.own.update({f"{enclosing}.{name}": WHOLE_SUMMED for name, param in parameters if id(param) in used})
 
     def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
         """Whether `pair` is attention with an `rmsnorm_parallel` norm between its layers whose enclosing module keeps

@@ -173,7 +173,9 @@ class _Ranks:
         for name, style in columns.items():
             holder, attribute = _holder(module, name)
             if attribute in holder._parameters:  # a per-channel parameter inside the attention (DeBERTa's q_bias)
-                self.specs[name] = parameter_shard_spec(style, holder, attribute)
+                spec = parameter_shard_spec(style, holder, attribute)
+                if spec is not None:  # one held whole (its gradient summed) runs as it is
+                    self.specs[name] = spec
                 continue
             child = module.get_submodule(name)
             if isinstance(child, nn.Embedding):  # a per-head table (T5's relative position bias)
