@@ -35,6 +35,8 @@ on by default, is for.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +53,7 @@ from tp_train.plan.coverage import (
     kept_whole_notes,
 )
 from tp_train.plan.local_search import capture_calls, find_local_view
-from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of, split_sizes, trace_calls
+from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of_calls, split_sizes, trace_calls
 from tp_train.plan.probe_input import ProbeInput, probe_input
 from tp_train.plan.styles import (
     HEAD_ATTRIBUTES,
@@ -154,13 +156,15 @@ class _Planner:
         # A module whose output carries no autograd history (run under no_grad, detached, or not a tensor: a
         # module called only with keyword arguments is traced without it) shows no dataflow.
         self.untraced = {name for name in self.linears if getattr(self.calls[name].output, "grad_fn", None) is None}
-        outputs = {
-            id(getattr(self.calls[name].output, "grad_fn", None)): name for name in self.linears + self.embeddings
+        outputs = {  # every call's: a layer run on two inputs (Pegasus-X's q_proj on tokens and global tokens)
+            id(getattr(output, "grad_fn", None)): name
+            for name in self.linears + self.embeddings
+            for output in self.calls[name].outputs
         }
         outputs.pop(id(None), None)
-        self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
+        self.producers = {name: producers_of_calls(self.calls[name].inputs, outputs) for name in self.linears}
         self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
-        self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
+        self._bases: dict[str, list[torch.Tensor]] = {}  # each row layer's unperturbed input, at each of its calls
         # RMS norms called once: their statistic is held in perturbed probes (`rmsnorm_parallel` normalises over
         # every rank's features), so one between a column and a row layer does not spread a share to the others.
         self.rms_norms = [
@@ -312,15 +316,6 @@ class _Planner:
                 continue
             if (producers | {row}) & self.untraced:
                 continue
-            pair_calls = [self.calls[name] for name in producers | {row}]
-            if len({call.calls for call in pair_calls}) != 1 or any(len(call.shapes) > 1 for call in pair_calls):
-                # A layer reused as a whole (ALBERT's one layer, run at every depth) calls its columns and its row
-                # alike, on the same shapes; a projection run for two roles (DeBERTa's key on hidden states and on
-                # relative positions, Pegasus-X's on tokens and on global tokens), or only some of the pair, is not
-                # one split the probe can check.
-                why = "it is called a different number of times per forward than the layers it pairs with"
-                failures.update({name: why for name in producers | {row}})
-                continue
             pair = _Pair(row, replicated=replicated)
             for column in sorted(producers - replicated, key=lambda name: self.calls[name].order):
                 style = self._split(column, row, frozenset(replicated))
@@ -454,19 +449,25 @@ class _Planner:
 
     def _local(self, column: str, row: str, sections: tuple[int, ...], frozen: frozenset = frozenset()) -> bool:
         """Whether perturbing rank r's share of `column`'s output (split in `sections`, each divided among the
-        ranks) moves only rank r's share of `row`'s input, for every r; the outputs of `frozen` modules (earlier row
-        layers, all-reduced in the sharded model) held as they were."""
-        base = self._row_input(row, {})
+        ranks) at every call moves only rank r's share of `row`'s input at every call, for every r; the outputs of
+        `frozen` modules (earlier row layers, all-reduced in the sharded model) held as they were. A layer run on
+        two inputs (Pegasus-X's q_proj on the tokens and on the global tokens, BLIP-2's on queries and on text) is
+        thereby checked as the one split the sharded model runs at each of its calls."""
+        base = self._row_inputs(row, {})
         for share in range(self.shares):
-            mask = _share_mask(self.calls[column].output, sections, self.shares, share)
-            moved = self._row_input(row, {column: mask}, frozen)
-            delta = (moved - base).abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
-            inside = delta.select(-2, share)
-            outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
-            effect = inside.max().item()
-            if not effect > 0 or (outside.numel() and outside.max().item() > LEAK_TOLERANCE * effect):
+            mask = functools.partial(_share_mask, sections=sections, shares=self.shares, share=share)
+            moved = self._row_inputs(row, {column: mask}, frozen)
+            effects = [self._share_effect(after - before, share) for before, after in zip(base, moved, strict=True)]
+            if not max(effect for effect, _ in effects) > 0 or any(leak > LEAK_TOLERANCE * e for e, leak in effects):
                 return False
         return True
+
+    def _share_effect(self, delta: torch.Tensor, share: int) -> tuple[float, float]:
+        """How far a row input moved inside rank `share`'s features, and outside them."""
+        delta = delta.abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
+        inside = delta.select(-2, share)
+        outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
+        return inside.max().item(), outside.max().item() if outside.numel() else 0.0
 
     def _table_local(self, table: str, row: str, columns: frozenset) -> bool:
         """Whether embedding `table`'s columns split evenly across ranks (its heads, one column each in T5's
@@ -483,22 +484,20 @@ class _Planner:
         return self._cache[key]
 
     def _perturbed_first_token_moves_later_ones(self, pair: _Pair) -> bool:
-        """Whether perturbing the columns' outputs at one position moves the row input at more positions than were
-        perturbed: index 0 along each dimension but the features in turn (tokens are the second-to-last in most
-        models, the first in time-major ones, LED's and FSMT's (T, B, C)). A batch dimension never mixes."""
-        base = self._row_input(pair.row, {})
-        outputs = {column: self.calls[column].output for column in pair.columns}
-        for dim in range(max(output.dim() for output in outputs.values()) - 1):
-            masks = {}
-            for column, output in outputs.items():  # a cross-attention's keys may be longer than its queries
-                if dim < output.dim() - 1 and output.shape[dim] >= 2:
-                    masks[column] = torch.zeros_like(output, dtype=torch.bool)
-                    masks[column].narrow(dim, 0, 1).fill_(True)
-            if not masks:
+        """Whether perturbing the columns' outputs at one position (at every call) moves the row input (at a call)
+        at more positions than one call perturbed: index 0 along each dimension but the features in turn (tokens are
+        the second-to-last in most models, the first in time-major ones, LED's and FSMT's (T, B, C)). A batch
+        dimension never mixes."""
+        base = self._row_inputs(pair.row, {})
+        outputs = [output for column in pair.columns for output in self.calls[column].outputs if output is not None]
+        for dim in range(max(output.dim() for output in outputs) - 1):
+            mask = functools.partial(_first_mask, dim=dim)  # a cross-attention's keys may be longer than its queries
+            perturbed = max(int(mask(output).any(-1).sum()) for output in outputs)
+            if not perturbed:
                 continue
-            perturbed = max(int(mask.any(-1).sum()) for mask in masks.values())
-            moved = int(((self._row_input(pair.row, masks) - base).abs().amax(-1) > 0).sum())
-            if moved > perturbed:
+            moved = self._row_inputs(pair.row, dict.fromkeys(pair.columns, mask))
+            pairs = zip(base, moved, strict=True)
+            if max(int(((after - before).abs().amax(-1) > 0).sum()) for before, after in pairs) > perturbed:
                 return True
         return False
 
@@ -598,32 +597,38 @@ class _Planner:
 
     # ------------------------------------------------------------------------------------------- probe forwards
 
-    def _row_input(self, row: str, masks: dict[str, torch.Tensor], frozen: frozenset = frozenset()) -> torch.Tensor:
-        """`row`'s input in a probe forward in which `masks[name]` marks entries of `name`'s output to perturb, and
-        the outputs of `frozen` modules are held at their unperturbed values."""
+    def _row_inputs(self, row: str, masks: dict[str, Callable], frozen: frozenset = frozenset()) -> list[torch.Tensor]:
+        """`row`'s input at each of its calls in a probe forward in which `masks[name](output)` marks entries of
+        `name`'s output (at each of its calls) to perturb, and the outputs of `frozen` modules are held at their
+        unperturbed values; so is `row`'s own output (all-reduced, whole on every rank in the sharded model): a
+        perturbation reaches a later call of it (ALBERT's one layer, run at every depth) only as its columns carry
+        it there, not through the residual stream its earlier calls wrote."""
         if not masks and row in self._bases:
             return self._bases[row]
-        captured = {}
+        frozen = frozen | {row} if masks else frozen
+        captured = []
         generator = torch.Generator(device=self.calls[row].input.device).manual_seed(0)
 
         def perturb(module, args, output, mask):
             scale = output.detach().abs().mean() + 1e-3
             noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
-            return output + noise * scale * mask
+            return output + noise * scale * mask(output)
 
         def capture(module, args):
-            captured["input"] = args[0].detach().clone()
-            raise _Stop
+            captured.append(args[0].detach().clone().float())
+            if len(captured) == self.calls[row].calls:
+                raise _Stop
+
+        def held(name):
+            outputs = iter(self.calls[name].outputs)
+            return lambda module, args, output: next(outputs).detach()
 
         handles = [self.modules[row].register_forward_pre_hook(capture)]
         handles += [
             self.modules[name].register_forward_hook(lambda m, a, o, mask=mask: perturb(m, a, o, mask))
             for name, mask in masks.items()
         ]
-        handles += [
-            self.modules[name].register_forward_hook(lambda m, a, o, name=name: self.calls[name].output.detach())
-            for name in frozen
-        ]
+        handles += [self.modules[name].register_forward_hook(held(name)) for name in frozen]
         if masks:
             handles += [
                 self.modules[name].register_forward_hook(
@@ -640,8 +645,8 @@ class _Planner:
             for handle in handles:
                 handle.remove()
         if not masks:
-            self._bases[row] = captured["input"].float()
-        return captured["input"].float()
+            self._bases[row] = captured
+        return captured
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -649,6 +654,14 @@ class _Planner:
 
 def _last_dim(tensor: torch.Tensor | None) -> int:
     return tensor.shape[-1] if tensor is not None and tensor.dim() else 0
+
+
+def _first_mask(output: torch.Tensor, dim: int) -> torch.Tensor:
+    """True at index 0 of `output`'s dimension `dim` (none where it is the features or shorter than 2)."""
+    mask = torch.zeros_like(output, dtype=torch.bool)
+    if dim < output.dim() - 1 and output.shape[dim] >= 2:
+        mask.narrow(dim, 0, 1).fill_(True)
+    return mask
 
 
 def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, share: int) -> torch.Tensor:
