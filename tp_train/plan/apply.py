@@ -135,7 +135,7 @@ def apply_plan(
             rng.run_in(module, REPLICATED)
         elif style == "replicated_with_grad_allreduce":
             for param_name, _ in module.named_parameters(recurse=False):
-                register_gradient_hook(module, param_name, lambda grad: all_reduce_gradient(grad, group))
+                _sum_gradient(module, param_name, group)
     _share_sibling_inputs(model, planned, group)
     _share_ties(model, shared)
 
@@ -366,6 +366,8 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
     for param_name, style in styles.items():
         if style == "replicate_once":
             _count_once(module, param_name, group)
+        elif style == "replicated_with_grad_allreduce":  # one parameter of a module planned otherwise (attention)
+            _sum_gradient(module, param_name, group)
         spec = parameter_shard_spec(style, module, param_name)
         if spec is None:
             continue
@@ -396,7 +398,7 @@ def _count_once(module: nn.Module, param_name: str, group: ProcessGroup) -> None
     (`replicate_once`), so the partial sum its region all-reduces counts it once; its gradient (rank 0's) is summed
     over the ranks. Every rank multiplies, so every rank's backward runs the same steps in the same order (the sum
     is a collective)."""
-    register_gradient_hook(module, param_name, lambda grad: all_reduce_gradient(grad, group))
+    _sum_gradient(module, param_name, group)
     scale = 1.0 if dist.get_rank(group) == 0 else 0.0
     kept = {}
 
@@ -409,6 +411,11 @@ def _count_once(module: nn.Module, param_name: str, group: ProcessGroup) -> None
 
     module.register_forward_pre_hook(scaled)
     module.register_forward_hook(restore, always_call=True)
+
+
+def _sum_gradient(module: nn.Module, param_name: str, group: ProcessGroup) -> None:
+    """`module`'s whole parameter `param_name` has its gradient summed over the tensor-parallel group."""
+    register_gradient_hook(module, param_name, lambda grad: all_reduce_gradient(grad, group))
 
 
 def _region(style: str, group: ProcessGroup, config=None, own_shards: bool = False) -> ModuleRegion:

@@ -38,6 +38,8 @@ on by default, is for.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -57,7 +59,7 @@ from tp_train.plan.coverage import (
 )
 from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.local_view import parse_attention_style
-from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of, split_sizes, trace_calls
+from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of_calls, split_sizes, trace_calls
 from tp_train.plan.probe_input import ProbeInput, probe_input
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
@@ -79,6 +81,7 @@ SMALL_WHOLE = 0.1  # an unpaired Linear in a block stays whole up to this fracti
 TABLE_STYLE = "rowwise"
 # Norms the probes hold the statistic of, by the style that normalises them over every rank's features.
 SPLIT_NORMS = (("rmsnorm_parallel", is_rms_norm), ("layernorm_parallel", is_layer_norm))
+WHOLE_SUMMED = "replicated_with_grad_allreduce"  # a parameter entry: whole on every rank, its gradient summed
 
 
 @dataclass
@@ -164,13 +167,15 @@ class _Planner:
         # A module whose output carries no autograd history (run under no_grad, detached, or not a tensor: a
         # module called only with keyword arguments is traced without it) shows no dataflow.
         self.untraced = {name for name in self.linears if getattr(self.calls[name].output, "grad_fn", None) is None}
-        outputs = {
-            id(getattr(self.calls[name].output, "grad_fn", None)): name for name in self.linears + self.embeddings
+        outputs = {  # every call's: a layer run on two inputs (Pegasus-X's q_proj on tokens and global tokens)
+            id(getattr(output, "grad_fn", None)): name
+            for name in self.linears + self.embeddings
+            for output in self.calls[name].outputs
         }
         outputs.pop(id(None), None)
-        self.producers = {name: producers_of(self.calls[name].input, outputs) for name in self.linears}
+        self.producers = {name: producers_of_calls(self.calls[name].inputs, outputs) for name in self.linears}
         self._cache: dict[tuple, str | bool | None] = {}  # results per block shape, by generic names
-        self._bases: dict[str, torch.Tensor] = {}  # each row layer's unperturbed input
+        self._bases: dict[str, list[torch.Tensor]] = {}  # each row layer's unperturbed input, at each of its calls
         # RMS norms and LayerNorms called once, by style: their statistic is held in perturbed probes (their style
         # normalises over every rank's features), so one between a column and a row layer does not spread a share
         # to the others.
@@ -334,15 +339,6 @@ class _Planner:
                 continue
             if (producers | {row}) & self.untraced:
                 continue
-            pair_calls = [self.calls[name] for name in producers | {row}]
-            if len({call.calls for call in pair_calls}) != 1 or any(len(call.shapes) > 1 for call in pair_calls):
-                # A layer reused as a whole (ALBERT's one layer, run at every depth) calls its columns and its row
-                # alike, on the same shapes; a projection run for two roles (DeBERTa's key on hidden states and on
-                # relative positions, Pegasus-X's on tokens and on global tokens), or only some of the pair, is not
-                # one split the probe can check.
-                why = "it is called a different number of times per forward than the layers it pairs with"
-                failures.update({name: why for name in producers | {row}})
-                continue
             pair = _Pair(row, replicated=replicated)
             for column in sorted(producers - replicated, key=lambda name: self.calls[name].order):
                 style = self._split(column, row, frozenset(replicated))
@@ -365,6 +361,7 @@ class _Planner:
                 pair.between = self._between(pair)
                 self._own_channels(pair)
                 self._per_head_tables(pair)
+                self._own_whole(pair)
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
                         f"a norm between '{row}' and its column layers normalises over the split features in an "
@@ -419,6 +416,20 @@ class _Planner:
                 pair.between.discard(owner)
                 pair.own.update(dict.fromkeys(tables, "rowwise"))
 
+    def _own_whole(self, pair: _Pair) -> None:
+        """Parameters of the module holding the pair acting between its layers, on every local head alike
+        (VideoPrism's pooling attention scales each head's queries by `per_dim_scale`): whole, their gradients summed,
+        as entries of their own (`pair.own`), so that the module's other parameters are left as they are (the pooling
+        query, read by the column layers, whose entry into the parallel region sums its gradient already: summed
+        again it counted tp times) and an attention module keeps its `attention` style."""
+        enclosing = _enclosing(pair)
+        if not enclosing or enclosing not in pair.between:
+            return
+        used = {id(param) for param in self.producers[pair.row][1]}
+        parameters = self.modules[enclosing].named_parameters(recurse=False)
+        pair.between.discard(enclosing)
+        pair.own.update({f"{enclosing}.{name}": WHOLE_SUMMED for name, param in parameters if id(param) in used})
+
     def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
         """Whether `pair` is attention with a norm over split features between its layers whose enclosing module keeps
         head counts or widths: the local-view search (`tp_train.plan.local_search`), which simulates ranks without
@@ -461,19 +472,25 @@ class _Planner:
 
     def _local(self, column: str, row: str, sections: tuple[int, ...], frozen: frozenset = frozenset()) -> bool:
         """Whether perturbing rank r's share of `column`'s output (split in `sections`, each divided among the
-        ranks) moves only rank r's share of `row`'s input, for every r; the outputs of `frozen` modules (earlier row
-        layers, all-reduced in the sharded model) held as they were."""
-        base = self._row_input(row, {})
+        ranks) at every call moves only rank r's share of `row`'s input at every call, for every r; the outputs of
+        `frozen` modules (earlier row layers, all-reduced in the sharded model) held as they were. A layer run on
+        two inputs (Pegasus-X's q_proj on the tokens and on the global tokens, BLIP-2's on queries and on text) is
+        thereby checked as the one split the sharded model runs at each of its calls."""
+        base = self._row_inputs(row, {})
         for share in range(self.shares):
-            mask = _share_mask(self.calls[column].output, sections, self.shares, share)
-            moved = self._row_input(row, {column: mask}, frozen)
-            delta = (moved - base).abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
-            inside = delta.select(-2, share)
-            outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
-            effect = inside.max().item()
-            if not effect > 0 or (outside.numel() and outside.max().item() > LEAK_TOLERANCE * effect):
+            mask = functools.partial(_share_mask, sections=sections, shares=self.shares, share=share)
+            moved = self._row_inputs(row, {column: mask}, frozen)
+            effects = [self._share_effect(after - before, share) for before, after in zip(base, moved, strict=True)]
+            if not max(effect for effect, _ in effects) > 0 or any(leak > LEAK_TOLERANCE * e for e, leak in effects):
                 return False
         return True
+
+    def _share_effect(self, delta: torch.Tensor, share: int) -> tuple[float, float]:
+        """How far a row input moved inside rank `share`'s features, and outside them."""
+        delta = delta.abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
+        inside = delta.select(-2, share)
+        outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
+        return inside.max().item(), outside.max().item() if outside.numel() else 0.0
 
     def _table_local(self, table: str, row: str, columns: frozenset) -> bool:
         """Whether embedding `table`'s columns split evenly across ranks (its heads, one column each in T5's
@@ -490,22 +507,20 @@ class _Planner:
         return self._cache[key]
 
     def _perturbed_first_token_moves_later_ones(self, pair: _Pair) -> bool:
-        """Whether perturbing the columns' outputs at one position moves the row input at more positions than were
-        perturbed: index 0 along each dimension but the features in turn (tokens are the second-to-last in most
-        models, the first in time-major ones, LED's and FSMT's (T, B, C)). A batch dimension never mixes."""
-        base = self._row_input(pair.row, {})
-        outputs = {column: self.calls[column].output for column in pair.columns}
-        for dim in range(max(output.dim() for output in outputs.values()) - 1):
-            masks = {}
-            for column, output in outputs.items():  # a cross-attention's keys may be longer than its queries
-                if dim < output.dim() - 1 and output.shape[dim] >= 2:
-                    masks[column] = torch.zeros_like(output, dtype=torch.bool)
-                    masks[column].narrow(dim, 0, 1).fill_(True)
-            if not masks:
+        """Whether perturbing the columns' outputs at one position (at every call) moves the row input (at a call)
+        at more positions than one call perturbed: index 0 along each dimension but the features in turn (tokens are
+        the second-to-last in most models, the first in time-major ones, LED's and FSMT's (T, B, C)). A batch
+        dimension never mixes."""
+        base = self._row_inputs(pair.row, {})
+        outputs = [output for column in pair.columns for output in self.calls[column].outputs if output is not None]
+        for dim in range(max(output.dim() for output in outputs) - 1):
+            mask = functools.partial(_first_mask, dim=dim)  # a cross-attention's keys may be longer than its queries
+            perturbed = max(int(mask(output).any(-1).sum()) for output in outputs)
+            if not perturbed:
                 continue
-            perturbed = max(int(mask.any(-1).sum()) for mask in masks.values())
-            moved = int(((self._row_input(pair.row, masks) - base).abs().amax(-1) > 0).sum())
-            if moved > perturbed:
+            moved = self._row_inputs(pair.row, dict.fromkeys(pair.columns, mask))
+            pairs = zip(base, moved, strict=True)
+            if max(int(((after - before).abs().amax(-1) > 0).sum()) for before, after in pairs) > perturbed:
                 return True
         return False
 
@@ -639,32 +654,38 @@ class _Planner:
 
     # ------------------------------------------------------------------------------------------- probe forwards
 
-    def _row_input(self, row: str, masks: dict[str, torch.Tensor], frozen: frozenset = frozenset()) -> torch.Tensor:
-        """`row`'s input in a probe forward in which `masks[name]` marks entries of `name`'s output to perturb, and
-        the outputs of `frozen` modules are held at their unperturbed values."""
+    def _row_inputs(self, row: str, masks: dict[str, Callable], frozen: frozenset = frozenset()) -> list[torch.Tensor]:
+        """`row`'s input at each of its calls in a probe forward in which `masks[name](output)` marks entries of
+        `name`'s output (at each of its calls) to perturb, and the outputs of `frozen` modules are held at their
+        unperturbed values; so is `row`'s own output (all-reduced, whole on every rank in the sharded model): a
+        perturbation reaches a later call of it (ALBERT's one layer, run at every depth) only as its columns carry
+        it there, not through the residual stream its earlier calls wrote."""
         if not masks and row in self._bases:
             return self._bases[row]
-        captured = {}
+        frozen = frozen | {row} if masks else frozen
+        captured = []
         generator = torch.Generator(device=self.calls[row].input.device).manual_seed(0)
 
         def perturb(module, args, output, mask):
             scale = output.detach().abs().mean() + 1e-3
             noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
-            return output + noise * scale * mask
+            return output + noise * scale * mask(output)
 
         def capture(module, args):
-            captured["input"] = args[0].detach().clone()
-            raise _Stop
+            captured.append(args[0].detach().clone().float())
+            if len(captured) == self.calls[row].calls:
+                raise _Stop
+
+        def held(name):
+            outputs = iter(self.calls[name].outputs)
+            return lambda module, args, output: next(outputs).detach()
 
         handles = [self.modules[row].register_forward_pre_hook(capture)]
         handles += [
             self.modules[name].register_forward_hook(lambda m, a, o, mask=mask: perturb(m, a, o, mask))
             for name, mask in masks.items()
         ]
-        handles += [
-            self.modules[name].register_forward_hook(lambda m, a, o, name=name: self.calls[name].output.detach())
-            for name in frozen
-        ]
+        handles += [self.modules[name].register_forward_hook(held(name)) for name in frozen]
         if masks:
             for name in self.reducers:
                 enter, leave = held_reductions(self.modules[name], self.calls[name].input)
@@ -685,8 +706,8 @@ class _Planner:
             for handle in handles:
                 handle.remove()
         if not masks:
-            self._bases[row] = captured["input"].float()
-        return captured["input"].float()
+            self._bases[row] = captured
+        return captured
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -707,6 +728,14 @@ def _arguments_shape(call) -> tuple:
     return tuple(map(kind, call.args)) + tuple((key, kind(value)) for key, value in sorted(call.kwargs.items()))
 
 
+def _first_mask(output: torch.Tensor, dim: int) -> torch.Tensor:
+    """True at index 0 of `output`'s dimension `dim` (none where it is the features or shorter than 2)."""
+    mask = torch.zeros_like(output, dtype=torch.bool)
+    if dim < output.dim() - 1 and output.shape[dim] >= 2:
+        mask.narrow(dim, 0, 1).fill_(True)
+    return mask
+
+
 def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, share: int) -> torch.Tensor:
     """True on rank `share`'s part of every section of `output`'s last dimension."""
     mask = torch.cat([(torch.arange(size) // (size // shares)) == share for size in sections])
@@ -725,6 +754,8 @@ def _per_feature(module: nn.Module) -> bool:
     params = list(module.parameters(recurse=False))
     per_feature = all(param.dim() >= 2 and set(param.shape[:-1]) == {1} for param in params)
     return bool(params) and per_feature and not any(True for _ in module.children())
+
+
 def _per_head(param: torch.Tensor, heads: int, channels: int) -> bool:
     """Whether `param` holds one slice per head: shaped (heads,), or ending in (heads, head_dim) where the heads'
     features are the row layer's `channels`."""

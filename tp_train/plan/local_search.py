@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 
 import torch
@@ -106,15 +106,16 @@ def find_local_view(
 
 
 class _RowStandIn(nn.Module):
-    """The row layer in a rank's copy: records its (local) input, returns the unsharded row layer's output."""
+    """The row layer in a rank's copy: records its (local) input at each call, returns the unsharded row layer's
+    output at that call."""
 
-    def __init__(self, output: torch.Tensor):
+    def __init__(self, outputs: list[torch.Tensor]):
         super().__init__()
-        self.output, self.input = output, None
+        self.outputs, self.inputs = outputs, []
 
     def forward(self, x):
-        self.input = x
-        return self.output
+        self.inputs.append(x)
+        return self.outputs[min(len(self.inputs), len(self.outputs)) - 1]
 
 
 class _LocalLinear(nn.Module):
@@ -129,8 +130,8 @@ class _LocalLinear(nn.Module):
 @dataclass
 class _Recorded:
     output: torch.Tensor | None = None
-    row_input: torch.Tensor | None = None
-    row_output: torch.Tensor | None = None
+    row_inputs: list[torch.Tensor] = field(default_factory=list)  # at each call of the row layer
+    row_outputs: list[torch.Tensor] = field(default_factory=list)
     error: str | None = None
 
     @staticmethod
@@ -138,7 +139,8 @@ class _Recorded:
         recorded = _Recorded()
 
         def hook(_, args, output):
-            recorded.row_input, recorded.row_output = args[0].detach(), output.detach()
+            recorded.row_inputs.append(args[0].detach())
+            recorded.row_outputs.append(output.detach())
 
         handle = module.get_submodule(row).register_forward_hook(hook)
         try:
@@ -173,7 +175,9 @@ class _Ranks:
         for name, style in columns.items():
             holder, attribute = _holder(module, name)
             if attribute in holder._parameters:  # a per-channel parameter inside the attention (DeBERTa's q_bias)
-                self.specs[name] = parameter_shard_spec(style, holder, attribute)
+                spec = parameter_shard_spec(style, holder, attribute)
+                if spec is not None:  # one held whole (its gradient summed) runs as it is
+                    self.specs[name] = spec
                 continue
             child = module.get_submodule(name)
             if isinstance(child, nn.Embedding):  # a per-head table (T5's relative position bias)
@@ -205,7 +209,7 @@ class _Ranks:
             bias_spec = replace(spec, transposed=False, padded=False)
             local_bias = None if bias is None else shard_tensor(bias, bias_spec, rank, self.tp)
             memo[id(child)] = _LocalLinear(shard_tensor(weight, spec, rank, self.tp), local_bias)
-        stand_in = _RowStandIn(self.reference.row_output)
+        stand_in = _RowStandIn(self.reference.row_outputs)
         memo[id(self.module.get_submodule(self.row))] = stand_in
         local = copy.deepcopy(self.module, memo)
         for name, shard in own.items():
@@ -238,22 +242,23 @@ def _simulate(ranks: _Ranks, call: ProbeCall, view: LocalView | None, reference:
                 output = first_tensor(local(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - a view under which the forward fails is a wrong view
             return f"on local heads its forward fails: {first_line(error)}"
-        if stand_in.input is None:
-            return "its row layer is not reached"
+        if len(stand_in.inputs) != len(reference.row_inputs):
+            return "its row layer is not reached as often as in the unsharded module"
         if (
             output is None
             or output.shape != reference.output.shape
             or relative_difference(output, reference.output) > TOLERANCE
         ):
             return "on local heads its output differs from the unsharded module's"
-        row_inputs.append(stand_in.input)
-    try:
-        side_by_side = torch.cat(row_inputs, dim=-1)
-    except RuntimeError as error:
-        return f"its row layer's local inputs do not line up ({first_line(error)})"
-    mismatched = side_by_side.shape != reference.row_input.shape  # relative_difference does not compare shapes
-    if mismatched or relative_difference(side_by_side, reference.row_input) > TOLERANCE:
-        return "on local heads its row layer's input differs from the unsharded module's"
+        row_inputs.append(stand_in.inputs)
+    for index, expected in enumerate(reference.row_inputs):  # at each call of the row layer
+        try:
+            side_by_side = torch.cat([inputs[index] for inputs in row_inputs], dim=-1)
+        except RuntimeError as error:
+            return f"its row layer's local inputs do not line up ({first_line(error)})"
+        mismatched = side_by_side.shape != expected.shape  # relative_difference does not compare shapes
+        if mismatched or relative_difference(side_by_side, expected) > TOLERANCE:
+            return "on local heads its row layer's input differs from the unsharded module's"
     return None
 
 

@@ -25,11 +25,13 @@ class ModuleCall:
     output: torch.Tensor | None = None
     calls: int = 0
     shapes: set = field(default_factory=set)  # of its tensor outputs, over its calls
+    inputs: list = field(default_factory=list)  # first input of each call, in order (None where not a tensor)
+    outputs: list = field(default_factory=list)  # first tensor output of each call, in order (None where none)
 
 
 def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
-    """Every module called in one forward: entry order, call count, and (for the last call) its first input and
-    first tensor output, with autograd history.
+    """Every module called in one forward: entry order, call count, and the first input and first tensor output of
+    each call (`input` and `output`: the last call's), with autograd history.
 
     Raises:
         ValueError: one line naming the model, the probe's input and the innermost module whose forward raised."""
@@ -50,6 +52,8 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
             call.output = output if isinstance(output, torch.Tensor) else None
             if call.output is not None:
                 call.shapes.add(tuple(output.shape))
+            call.inputs.append(call.input)
+            call.outputs.append(call.output)
 
         return hook
 
@@ -120,6 +124,17 @@ def producers_of(tensor: torch.Tensor | None, outputs: dict[int, str]) -> tuple[
         else:
             stack.extend(next_node for next_node, _ in node.next_functions)
     return found, params
+
+
+def producers_of_calls(tensors: list, outputs: dict[int, str]) -> tuple[set[str], list[nn.Parameter]]:
+    """`producers_of` over several tensors (a module's input at each of its calls): the union of their producers and
+    of the parameters used on the way, each parameter once."""
+    found, params = set(), {}
+    for tensor in tensors:
+        names, used = producers_of(tensor, outputs)
+        found |= names
+        params.update((id(param), param) for param in used)
+    return found, list(params.values())
 
 
 def split_sizes(output: torch.Tensor | None, consumer_input: torch.Tensor | None) -> tuple[int, ...] | None:

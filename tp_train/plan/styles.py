@@ -62,10 +62,12 @@ plainly where the module stores gate and up interleaved (`is_concatenated = Fals
 sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole, and so does
 `replicate_once`, for a parameter added into a partial sum its module's region all-reduces (gpt-oss's experts'
 `down_proj_bias`): only rank 0's copy enters the forward (the others add zeros), so the sum counts it once, and its
-gradient is summed over the ranks. A buffer that acts on
-a split activation is named the same way (Falcon-H1's `mamba.mup_vector`, (1, 1, width) μP multipliers of in_proj's
-output, takes in_proj's sections along the last dimension, the one they add up to); its split is recorded in its
-module's `shard_specs` like a parameter's.
+gradient is summed over the ranks; and so does `replicated_with_grad_allreduce`, for one parameter of a module whose
+other parameters must not be summed (VideoPrism's pooling head scales each local head's queries by `per_dim_scale`;
+its pooling query, read by q_proj, has its gradient summed where it enters the parallel region). A buffer that acts
+on a split activation is named the same way (Falcon-H1's `mamba.mup_vector`, (1, 1, width) μP multipliers of
+in_proj's output, takes in_proj's sections along the last dimension, the one they add up to); its split is recorded
+in its module's `shard_specs` like a parameter's.
 Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
 surrounds it.
 
@@ -127,9 +129,17 @@ STYLES = (
 )
 # Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
 NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel", "layernorm_parallel")
-PARAMETER_STYLES = {"colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate", "replicate_once"}
+PARAMETER_STYLES = {
+    "colwise",
+    "rowwise",
+    "packed_colwise",
+    "packed_rowwise",
+    "replicate",
+    "replicate_once",
+    "replicated_with_grad_allreduce",
+}
 # Parameter styles that keep the parameter whole on every rank.
-WHOLE_PARAMETER_STYLES = ("replicate", "replicate_once")
+WHOLE_PARAMETER_STYLES = ("replicate", "replicate_once", "replicated_with_grad_allreduce")
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 
