@@ -31,7 +31,8 @@ TASK_FIELDS = dict(image_size=32, patch_size=8, window_size=4, num_mel_bins=16, 
 # Hierarchical vision models keep their sizes per stage, in lists of their own: the generic sizes are dropped (None).
 STAGES = dict(hidden_size=None, num_hidden_layers=None, num_attention_heads=None, intermediate_size=None)
 SWIN = dict(STAGES, embed_dim=32, depths=[2, 2], num_heads=[4, 8], window_size=4, patch_size=2)
-PYRAMID = dict(STAGES, image_size=64, hidden_sizes=[16, 32, 64, 128], num_attention_heads=[2, 2, 4, 8])
+# Every stage has heads that tp 2 and 4 divide (the families run at both).
+PYRAMID = dict(STAGES, image_size=64, hidden_sizes=[16, 32, 64, 128], num_attention_heads=[4, 4, 4, 8])
 # Fields a family needs beyond those (where its defaults disagree with the tiny sizes), by model type.
 FAMILY_TASK_FIELDS: dict[str, dict] = {
     "mobilebert": dict(embedding_size=16, intra_bottleneck_size=16, num_feedforward_networks=1),
@@ -54,7 +55,7 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     "pvt_v2": PYRAMID,
     "segformer": {key: value for key, value in PYRAMID.items() if key != "image_size"},
     "hiera": dict(
-        STAGES, image_size=[64, 64], patch_size=[7, 7], embed_dim=32, num_heads=[2, 4, 8, 16], depths=[1] * 4
+        STAGES, image_size=[64, 64], patch_size=[7, 7], embed_dim=32, num_heads=[4, 4, 8, 16], depths=[1] * 4
     ),
     # NaFlex patches: 16 of 8 x 8 pixels (a 4 x 4 grid)
     "siglip2": dict(vision_config=dict(num_patches=16)),
@@ -67,7 +68,7 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
         vision_config=dict(tubelet_size=[1, 8, 8], num_frames=4, num_spatial_layers=2, num_temporal_layers=2)
     ),  # fmt: skip
     # one head in its first stage by default (tp divides none), and full-size stages whose training diverges
-    "cvt": dict(num_heads=[2, 4, 8], embed_dim=[32, 64, 128], depth=[1, 2, 3]),
+    "cvt": dict(num_heads=[4, 4, 8], embed_dim=[32, 64, 128], depth=[1, 2, 3]),
     # local attention windows of 8 tokens (512 by default: the probe's tokens would be padded to 512)
     "led": dict(attention_window=[8, 8]),
     "longformer": dict(attention_window=8),
