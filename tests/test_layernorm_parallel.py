@@ -160,3 +160,16 @@ def test_the_auto_planner_puts_a_layernorm_between_column_and_row_in_the_new_sty
     own = {**esmc._tp_plan, **plan_additions(esmc)}
     assert {key: inferred[key] for key in own} == own
     assert inferred["esmc.layers.*.self_attn.q_norm"] == "layernorm_parallel"
+
+
+def test_a_layernorm_in_the_residual_stream_is_not_taken_for_one_between_column_and_row():
+    """SigLIP 2's first pre-norm reads its Linear patch embedding plus a position-embedding parameter: held in the
+    probes, it made the patch embedding look like a column of the first block's projections (refused: "parameter of
+    'vision_model.embeddings.position_embedding' ... acts on the features split"). Only a LayerNorm reading Linear
+    outputs alone is held, and SigLIP 2 is planned as before."""
+    from tp_train.tools.zoo import build_family
+
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build_family("image-classification", "siglip2"), tensor_parallel_size=2)
+    assert plan["vision_model.encoder.layers.*.self_attn.q_proj"] == "colwise"
+    assert "layernorm_parallel" not in plan.values()

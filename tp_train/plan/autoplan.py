@@ -188,14 +188,33 @@ class _Planner:
             for style, recognised in SPLIT_NORMS
             if recognised(self.modules[name])
         }
-        # Leaf modules called once whose parameters hold one entry per feature along their last dim (GRN's (1, 1, 1,
-        # C) weight and bias): their reductions over the features are held in perturbed probes too.
+        # Only LayerNorms whose input is computed from Linear outputs alone (ESM C's q_norm): one in the residual stream
+        # reads embeddings too, and held, it would make a Linear patch embedding (SigLIP 2's, plus its position
+        # embedding) look like a column of the first block's projections. RMS norms are held wherever they are, as
+        # before.
+        self.norms = {
+            name: style
+            for name, style in self.norms.items()
+            if style != "layernorm_parallel" or self._inside_region(outputs, name)
+        }
+        # Leaf modules called once, reading Linear outputs alone, whose parameters hold one entry per feature along
+        # their last dim (GRN's (1, 1, 1, C) weight and bias): their reductions over the features are held in
+        # perturbed probes too.
         self.reducers = {
             name
             for name, call in self.calls.items()
-            if call.calls == 1 and isinstance(call.input, torch.Tensor) and _per_feature(self.modules[name])
+            if call.calls == 1
+            and isinstance(call.input, torch.Tensor)
+            and _per_feature(self.modules[name])
+            and self._inside_region(outputs, name)
         }
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
+
+    def _inside_region(self, outputs: dict[int, str], name: str) -> bool:
+        """Whether module `name`'s input is computed from Linear outputs alone, through no parameter (no embedding,
+        no residual stream, no position embedding added as a parameter, as SigLIP 2's is)."""
+        producers, params = producers_of(self.calls[name].input, outputs)
+        return bool(producers) and producers <= set(self.linears) and not params
 
     def _called(self) -> list[str]:
         return sorted(self.calls, key=lambda name: self.calls[name].order)
