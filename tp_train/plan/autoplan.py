@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from tp_train.errors import first_line
 from tp_train.parallel.norm import hold_statistic, is_rms_norm
+from tp_train.plan.caches import tensor_caches
 from tp_train.plan.coverage import (
     as_patterns,
     block_whole_fraction,
@@ -55,6 +56,7 @@ from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.local_view import parse_attention_style
 from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of, split_sizes, trace_calls
 from tp_train.plan.probe_input import ProbeInput, probe_input
+from tp_train.plan.running_statistics import probe_statistics
 from tp_train.plan.styles import (
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
@@ -62,6 +64,7 @@ from tp_train.plan.styles import (
     column_layout,
     head_counts,
     linear_shape,
+    split_style,
 )
 
 INFERRED_SOURCE = "inferred by the auto-planner"
@@ -121,8 +124,9 @@ def infer_plan(
     with probe_copy(model) as probe:
         inputs = probe_input(probe, example_input)
         try:
-            planner = _Planner(probe, inputs, shares, given or {})
-            styles = planner.styles()
+            with probe_statistics(probe, inputs):
+                planner = _Planner(probe, inputs, shares, given or {})
+                styles = planner.styles()
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 - a structure the planner does not understand is a refusal
@@ -341,9 +345,12 @@ class _Planner:
                 pair.tables = {table for table in tables if self._table_local(table, row, frozen)}
                 pair.shared_tables = tables - pair.tables
                 pair.attention = self._mixes_tokens(pair)
-                pair.between = self._between(pair)
+                pair.between, spanning = self._between(pair)
                 self._own_channels(pair)
                 self._per_head_tables(pair)
+                spanning = [message for owner, message in spanning if owner in pair.between]
+                if spanning:  # not a per-head table (LeViT's (heads, offsets) biases, as wide as the split)
+                    raise ValueError(spanning[0])
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
                         f"an RMS norm between '{row}' and its column layers normalises over the split features in an "
@@ -364,20 +371,28 @@ class _Planner:
         inside = all(owner == enclosing or owner.startswith(enclosing + ".") for owner in pair.channels)
         if not pair.attention or not pair.channels or not inside:
             return
-        channels = _last_dim(self.calls[pair.row].input)
         used = {id(param) for param in self.producers[pair.row][1]}
-        own = {
-            f"{owner}.{name}": param for owner in pair.channels
-            for name, param in self.modules[owner].named_parameters(recurse=False)
-            if id(param) in used and param.dim() and param.shape[0] == channels
-        }  # fmt: skip
-        if all(style == "channelwise" for style in pair.channels.values()) and all(p.dim() == 1 for p in own.values()):
-            pair.channels, pair.own = {}, dict.fromkeys(own, "colwise")
+        own, styles = {}, {}
+        for owner, style in pair.channels.items():
+            module, arguments = self.modules[owner], split_style(style)[1]
+            params = [(name, param) for name, param in module.named_parameters(recurse=False) if id(param) in used]
+            width = params[0][1].shape[0] if params and params[0][1].dim() else None
+            # its running statistics too (a BatchNorm's running_mean and running_var), split as its parameters are
+            buffers = [(name, buffer) for name, buffer in module.named_buffers(recurse=False) if buffer.dim()]
+            for name, tensor in params + buffers:
+                if tensor.dim() and tensor.shape[0] == width and tensor.is_floating_point():
+                    own[f"{owner}.{name}"] = tensor
+                    styles[f"{owner}.{name}"] = f"colwise({arguments})" if arguments else "colwise"
+        if all(split_style(style)[0] == "channelwise" for style in pair.channels.values()) and all(
+            p.dim() == 1 for p in own.values()
+        ):
+            pair.channels, pair.own = {}, styles
 
     def _per_head_tables(self, pair: _Pair) -> None:
         """2-D parameters inside the attention whose last dim holds one column per head (Swin's and BEiT's
-        relative_position_bias_table, indexed into a (heads, tokens, tokens) bias): split with the heads along that
-        dim, as T5's embedding table is, instead of kept whole with summed gradients."""
+        relative_position_bias_table, indexed into a (heads, tokens, tokens) bias), or whose first holds one row per
+        head (LeViT's attention_biases): split with the heads along that dim, as T5's embedding table is, instead of
+        kept whole with summed gradients."""
         enclosing = _enclosing(pair)
         if not pair.attention or not enclosing:
             return
@@ -388,15 +403,21 @@ class _Planner:
         heads = next((count for count in counts if isinstance(count, int)), None)
         used = {id(param) for param in self.producers[pair.row][1]}
         for owner in sorted(pair.between):
-            if heads is None or owner != enclosing and not owner.startswith(enclosing + "."):
+            if heads is None or heads % self.shares or owner != enclosing and not owner.startswith(enclosing + "."):
                 continue
+            # (entries, heads): Swin's table, split along its last dim (`rowwise`); (heads, entries): LeViT's
+            # attention_biases, indexed into a (heads, tokens, tokens) bias, along its first (`colwise`); whichever
+            # the probe finds local (both of `heads` entries: LeViT's stage of 4 offsets and 4 heads)
             tables = {
-                f"{owner}.{name}" for name, param in self.modules[owner].named_parameters(recurse=False)
-                if id(param) in used and param.dim() == 2 and param.shape[-1] == heads and heads % self.shares == 0
-            }  # fmt: skip
+                f"{owner}.{name}": style
+                for name, param in self.modules[owner].named_parameters(recurse=False)
+                if id(param) in used and param.dim() == 2
+                for style, dim in (("rowwise", -1), ("colwise", 0))
+                if param.shape[dim] == heads and self._parameter_local(pair.row, owner, param, dim)
+            }
             if tables and len(tables) == sum(1 for p in self.modules[owner].parameters(recurse=False) if id(p) in used):
                 pair.between.discard(owner)
-                pair.own.update(dict.fromkeys(tables, "rowwise"))
+                pair.own.update(tables)
 
     def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
         """Whether `pair` is attention with an `rmsnorm_parallel` norm between its layers whose enclosing module keeps
@@ -445,14 +466,44 @@ class _Planner:
         base = self._row_input(row, {})
         for share in range(self.shares):
             mask = _share_mask(self.calls[column].output, sections, self.shares, share)
-            moved = self._row_input(row, {column: mask}, frozen)
-            delta = (moved - base).abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
-            inside = delta.select(-2, share)
-            outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
-            effect = inside.max().item()
-            if not effect > 0 or (outside.numel() and outside.max().item() > LEAK_TOLERANCE * effect):
+            if not self._moves_only(share, self._row_input(row, {column: mask}, frozen) - base):
                 return False
         return True
+
+    def _moves_only(self, share: int, delta: torch.Tensor) -> bool:
+        """Whether `delta`, a change of a row layer's input, is inside rank `share`'s share of its features only."""
+        delta = delta.abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
+        inside = delta.select(-2, share)
+        outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
+        effect = inside.max().item()
+        return effect > 0 and not (outside.numel() and outside.max().item() > LEAK_TOLERANCE * effect)
+
+    def _parameter_local(self, row: str, owner: str, param: torch.Tensor, dim: int) -> bool:
+        """Whether perturbing rank r's share of `param` (of module `owner`) along `dim` moves only rank r's share of
+        `row`'s input, for every r: its heads along that dim (a per-head table). The owner's tensor caches
+        (`tp_train.plan.caches`) are emptied around each probe, so it computes from the perturbed values."""
+        base = self._row_input(row, {})
+        generator = torch.Generator(device=param.device).manual_seed(0)
+        caches = tensor_caches(self.modules[owner])
+        saved = [(cache, dict(cache)) for cache in caches]
+        original = param.detach().clone()
+        try:
+            for share in range(self.shares):
+                noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
+                mask = _share_mask(param.movedim(dim, -1), (param.shape[dim],), self.shares, share).movedim(-1, dim)
+                with torch.no_grad():
+                    param.copy_(original + noise * (original.abs().mean() + 1e-3) * mask)
+                for cache in caches:
+                    cache.clear()
+                if not self._moves_only(share, self._row_input(row, {}, fresh=True) - base):
+                    return False
+            return True
+        finally:
+            with torch.no_grad():
+                param.copy_(original)
+            for cache, contents in saved:
+                cache.clear()
+                cache.update(contents)
 
     def _table_local(self, table: str, row: str, columns: frozenset) -> bool:
         """Whether embedding `table`'s columns split evenly across ranks (its heads, one column each in T5's
@@ -488,13 +539,14 @@ class _Planner:
                 return True
         return False
 
-    def _between(self, pair: _Pair) -> set[str]:
-        """Modules whose parameters act between the columns and the row layer: summed gradients, unless they span
-        the split features (then no existing style can shard them)."""
+    def _between(self, pair: _Pair) -> tuple[set[str], list[tuple[str, str]]]:
+        """Modules whose parameters act between the columns and the row layer (summed gradients), and of those, the
+        ones whose parameters span the split features, with the refusal due unless they prove per-head tables (no
+        other existing style can shard them)."""
         split_widths = {_last_dim(self.calls[name].output) for name in pair.columns} | {
             _last_dim(self.calls[pair.row].input)
         }
-        owners = set()
+        owners, spanning = set(), []
         channels = _last_dim(self.calls[pair.row].input)
         for param in self.producers[pair.row][1]:
             owner = self.owner.get(id(param), "?")
@@ -507,11 +559,18 @@ class _Planner:
                 if owner in self.rms_norms:
                     pair.channels[owner] = "rmsnorm_parallel"
                 continue
+            column = self._column_of_channels(pair, owner)
+            if column is not None:
+                # One entry per channel of a column's output, the column's split already found local (a norm with
+                # per-channel statistics, LeViT's BatchNorm over q/k/v): split as the column splits its output.
+                pair.channels[owner] = self._channels_like(column, pair.columns[column])
+                continue
             if param.dim() and param.shape[-1] in split_widths:
-                raise ValueError(
+                spanning.append((
+                    owner,
                     f"the auto-planner cannot plan '{pair.row}': parameter of '{owner}' (shape {tuple(param.shape)}) "
-                    f"acts on the features split between {sorted(pair.columns)} and it; give the model a `tp_plan`"
-                )
+                    f"acts on the features split between {sorted(pair.columns)} and it; give the model a `tp_plan`",
+                ))  # fmt: skip
             owners.add(owner)
         mixed = sorted(owners & set(pair.channels))  # per-channel parameters beside others (Kimi's per-head A_log)
         if mixed:
@@ -519,7 +578,29 @@ class _Planner:
                 f"the auto-planner cannot plan '{pair.row}': '{mixed[0]}' holds per-channel parameters beside others "
                 f"no style splits with the channels; give the model a `tp_plan`"
             )
-        return owners
+        return owners, spanning
+
+    def _column_of_channels(self, pair: _Pair, owner: str) -> str | None:
+        """The column whose output `owner` acts on channel by channel: all its parameters one entry per channel of
+        that output (1-D, as wide), and no RMS norm (whose statistic the probes held, so locality did not check it)."""
+        module = self.modules.get(owner)
+        if module is None or owner in self.rms_norms or linear_shape(module) is not None:
+            return None
+        params = list(module.parameters(recurse=False))
+        for column in pair.columns:
+            width = _last_dim(self.calls[column].output)
+            if params and all(param.dim() == 1 and param.shape[0] == width for param in params):
+                return column
+        return None
+
+    def _channels_like(self, column: str, style: str) -> str:
+        """The `channelwise` style splitting a per-channel module as `column`'s `style` splits its output: by the
+        same sections (a fused [q; k; v] column's thirds)."""
+        base, arguments = split_style(style)
+        parent = self.modules.get(column.rpartition(".")[0])
+        counts = head_counts(parent, getattr(self.model, "config", None))
+        sections, _ = column_layout(base, _last_dim(self.calls[column].output), counts, arguments)
+        return "channelwise" if len(sections) == 1 else f"channelwise({','.join(map(str, sections))})"
 
     def _local_views(self, pairs: list[_Pair]) -> dict[str, str]:
         """The attention style of each attention module: the view under which it runs right on local heads
@@ -535,7 +616,7 @@ class _Planner:
             relative = {column[len(name) + 1 :]: style for column, style in pair.columns.items()}
             whole_tables = bool(pair.tables - self.split_tables)
             key = ("view", generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
-            key += (whole_tables,)
+            key += (whole_tables, tuple(sorted((own[len(name) + 1 :], style) for own, style in pair.own.items())))
             # Not keyed by the split tables: T5's first layer computes the relative bias (its table inside it), the
             # later layers take it as an argument, whole in this probe but already their heads' once sharded; the
             # first layer's view holds for them.
@@ -594,11 +675,23 @@ class _Planner:
 
     # ------------------------------------------------------------------------------------------- probe forwards
 
-    def _row_input(self, row: str, masks: dict[str, torch.Tensor], frozen: frozenset = frozenset()) -> torch.Tensor:
+    def _row_input(
+        self, row: str, masks: dict[str, torch.Tensor], frozen: frozenset = frozenset(), fresh: bool = False
+    ) -> torch.Tensor:
         """`row`'s input in a probe forward in which `masks[name]` marks entries of `name`'s output to perturb, and
-        the outputs of `frozen` modules are held at their unperturbed values."""
+        the outputs of `frozen` modules are held at their unperturbed values; `fresh`: run again (a parameter was
+        perturbed), not the unperturbed input kept."""
+        if fresh:
+            return self._forward_to(row, masks, frozen)
         if not masks and row in self._bases:
             return self._bases[row]
+        captured = self._forward_to(row, masks, frozen)
+        if not masks:
+            self._bases[row] = captured
+        return captured
+
+    def _forward_to(self, row: str, masks: dict[str, torch.Tensor], frozen: frozenset) -> torch.Tensor:
+        """One probe forward up to `row`, perturbed as `masks` say, `frozen` held (`_row_input`): its input."""
         captured = {}
         generator = torch.Generator(device=self.calls[row].input.device).manual_seed(0)
 
@@ -635,8 +728,6 @@ class _Planner:
         finally:
             for handle in handles:
                 handle.remove()
-        if not masks:
-            self._bases[row] = captured["input"].float()
         return captured["input"].float()
 
 

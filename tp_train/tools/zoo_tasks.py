@@ -75,9 +75,10 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     # BLIP's vision tower initialises at 1e-10 by default (its checkpoints set their weights): at the tiny size its
     # norms then blow gradients up to 1e9
     "blip": dict(vision_config=dict(initializer_range=0.02)),
+    # images of 8 x 8 patches of 16 pixels: its last stage attends among 2 x 2 (with 1, its heads act alike)
     "levit": dict(
         STAGES,
-        image_size=64,
+        image_size=128,
         patch_size=16,
         hidden_sizes=[32, 64, 96],
         num_attention_heads=[4, 4, 4],
