@@ -167,3 +167,30 @@ def test_a_network_with_no_linear_in_its_blocks_is_not_counted_as_a_transformer(
     assert (
         text.startswith("1 of 1 buildable families pass at tp=2 (100%)") and "1 with no Linear in their blocks" in text
     )
+
+
+@pytest.mark.parametrize("model_type", ["levit", "mobilevit"])
+def test_every_attention_of_a_tiny_vision_family_has_tokens_to_mix(model_type):
+    """With one token, an attention's heads act alike and no probe shows a split by heads (LeViT's last stage at 64 x
+    64 pixels; MobileViT's stages in the task's patches of 8): the tiny images give every attention more than one."""
+    import torch
+
+    from tp_train.plan.probe_input import probe_input
+    from tp_train.tools.zoo import build_family
+
+    torch.manual_seed(0)
+    model = build_family("image-classification", model_type).eval()
+    tokens = {}
+
+    def record(name):
+        def hook(module, args):
+            tokens[name] = args[0].shape[-2]
+
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "num_attention_heads", None), int):
+            module.register_forward_pre_hook(record(name))
+    with torch.no_grad():
+        probe_input(model, None)(model)
+    assert tokens and min(tokens.values()) > 1, tokens

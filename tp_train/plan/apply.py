@@ -34,6 +34,7 @@ from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.reductions import FeatureReductionRegion
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
 from tp_train.plan.adapters import materialize_adapters, shard_adapters
+from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
@@ -363,6 +364,8 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
     gradients of sections held whole by several ranks (fewer units than ranks) are summed over those replicas."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     specs = getattr(module, "shard_specs", {})
+    for cache in tensor_caches(module, recurse=False):  # of the whole parameters (`tp_train.plan.caches`)
+        cache.clear()
     for param_name, style in styles.items():
         if style == "replicate_once":
             _count_once(module, param_name, group)

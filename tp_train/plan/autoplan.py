@@ -49,6 +49,7 @@ import torch.nn as nn
 from tp_train.errors import first_line
 from tp_train.parallel.norm import hold_statistic, is_layer_norm, is_rms_norm
 from tp_train.parallel.reductions import held_reductions
+from tp_train.plan.caches import tensor_caches
 from tp_train.plan.coverage import (
     as_patterns,
     block_whole_fraction,
@@ -59,8 +60,16 @@ from tp_train.plan.coverage import (
 )
 from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.local_view import parse_attention_style
-from tp_train.plan.probe import forward_without_cache, probe_copy, producers_of_calls, split_sizes, trace_calls
+from tp_train.plan.probe import (
+    forward_without_cache,
+    probe_copy,
+    producers_of,
+    producers_of_calls,
+    split_sizes,
+    trace_calls,
+)
 from tp_train.plan.probe_input import ProbeInput, probe_input
+from tp_train.plan.running_statistics import probe_statistics
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
     HEAD_ATTRIBUTES,
@@ -70,6 +79,7 @@ from tp_train.plan.styles import (
     column_layout,
     head_counts,
     linear_shape,
+    split_style,
 )
 
 INFERRED_SOURCE = "inferred by the auto-planner"
@@ -132,8 +142,9 @@ def infer_plan(
     with probe_copy(model) as probe:
         inputs = probe_input(probe, example_input)
         try:
-            planner = _Planner(probe, inputs, shares, given or {})
-            styles = planner.styles()
+            with probe_statistics(probe, inputs):
+                planner = _Planner(probe, inputs, shares, given or {})
+                styles = planner.styles()
         except ValueError:
             raise
         except Exception as error:  # noqa: BLE001 - a structure the planner does not understand is a refusal
@@ -377,10 +388,13 @@ class _Planner:
                 pair.tables = {table for table in tables if self._table_local(table, row, frozen)}
                 pair.shared_tables = tables - pair.tables
                 pair.attention = self._mixes_tokens(pair)
-                pair.between = self._between(pair)
+                pair.between, spanning = self._between(pair)
                 self._own_channels(pair)
                 self._per_head_tables(pair)
                 self._own_whole(pair)
+                spanning = [message for owner, message in spanning if owner in pair.between]
+                if spanning:  # not a per-head table (LeViT's (heads, offsets) biases, as wide as the split)
+                    raise ValueError(spanning[0])
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
                         f"a norm between '{row}' and its column layers normalises over the split features in an "
@@ -401,20 +415,28 @@ class _Planner:
         inside = all(owner == enclosing or owner.startswith(enclosing + ".") for owner in pair.channels)
         if not pair.attention or not pair.channels or not inside:
             return
-        channels = _last_dim(self.calls[pair.row].input)
         used = {id(param) for param in self.producers[pair.row][1]}
-        own = {
-            f"{owner}.{name}": param for owner in pair.channels
-            for name, param in self.modules[owner].named_parameters(recurse=False)
-            if id(param) in used and param.dim() and param.shape[0] == channels
-        }  # fmt: skip
-        if all(style == "channelwise" for style in pair.channels.values()) and all(p.dim() == 1 for p in own.values()):
-            pair.channels, pair.own = {}, dict.fromkeys(own, "colwise")
+        own, styles = {}, {}
+        for owner, style in pair.channels.items():
+            module, arguments = self.modules[owner], split_style(style)[1]
+            params = [(name, param) for name, param in module.named_parameters(recurse=False) if id(param) in used]
+            width = params[0][1].shape[0] if params and params[0][1].dim() else None
+            # its running statistics too (a BatchNorm's running_mean and running_var), split as its parameters are
+            buffers = [(name, buffer) for name, buffer in module.named_buffers(recurse=False) if buffer.dim()]
+            for name, tensor in params + buffers:
+                if tensor.dim() and tensor.shape[0] == width and tensor.is_floating_point():
+                    own[f"{owner}.{name}"] = tensor
+                    styles[f"{owner}.{name}"] = f"colwise({arguments})" if arguments else "colwise"
+        if all(split_style(style)[0] == "channelwise" for style in pair.channels.values()) and all(
+            p.dim() == 1 for p in own.values()
+        ):
+            pair.channels, pair.own = {}, styles
 
     def _per_head_tables(self, pair: _Pair) -> None:
         """2-D parameters inside the attention whose last dim holds one column per head (Swin's and BEiT's
-        relative_position_bias_table, indexed into a (heads, tokens, tokens) bias): split with the heads along that
-        dim, as T5's embedding table is, instead of kept whole with summed gradients."""
+        relative_position_bias_table, indexed into a (heads, tokens, tokens) bias), or whose first holds one row per
+        head (LeViT's attention_biases): split with the heads along that dim, as T5's embedding table is, instead of
+        kept whole with summed gradients."""
         enclosing = _enclosing(pair)
         if not pair.attention or not enclosing:
             return
@@ -425,15 +447,21 @@ class _Planner:
         heads = next((count for count in counts if isinstance(count, int)), None)
         used = {id(param) for param in self.producers[pair.row][1]}
         for owner in sorted(pair.between):
-            if heads is None or owner != enclosing and not owner.startswith(enclosing + "."):
+            if heads is None or heads % self.shares or owner != enclosing and not owner.startswith(enclosing + "."):
                 continue
+            # (entries, heads): Swin's table, split along its last dim (`rowwise`); (heads, entries): LeViT's
+            # attention_biases, indexed into a (heads, tokens, tokens) bias, along its first (`colwise`); whichever
+            # the probe finds local (both of `heads` entries: LeViT's stage of 4 offsets and 4 heads)
             tables = {
-                f"{owner}.{name}" for name, param in self.modules[owner].named_parameters(recurse=False)
-                if id(param) in used and param.dim() == 2 and param.shape[-1] == heads and heads % self.shares == 0
-            }  # fmt: skip
+                f"{owner}.{name}": style
+                for name, param in self.modules[owner].named_parameters(recurse=False)
+                if id(param) in used and param.dim() == 2
+                for style, dim in (("rowwise", -1), ("colwise", 0))
+                if param.shape[dim] == heads and self._parameter_local(pair.row, owner, param, dim)
+            }
             if tables and len(tables) == sum(1 for p in self.modules[owner].parameters(recurse=False) if id(p) in used):
                 pair.between.discard(owner)
-                pair.own.update(dict.fromkeys(tables, "rowwise"))
+                pair.own.update(tables)
 
     def _own_whole(self, pair: _Pair) -> None:
         """Parameters of the module holding the pair acting between its layers, on every local head alike
@@ -498,11 +526,15 @@ class _Planner:
         base = self._row_inputs(row, {})
         for share in range(self.shares):
             mask = functools.partial(_share_mask, sections=sections, shares=self.shares, share=share)
-            moved = self._row_inputs(row, {column: mask}, frozen)
-            effects = [self._share_effect(after - before, share) for before, after in zip(base, moved, strict=True)]
-            if not max(effect for effect, _ in effects) > 0 or any(leak > LEAK_TOLERANCE * e for e, leak in effects):
+            if not self._moves_only(share, base, self._row_inputs(row, {column: mask}, frozen)):
                 return False
         return True
+
+    def _moves_only(self, share: int, base: list[torch.Tensor], moved: list[torch.Tensor]) -> bool:
+        """Whether a row layer's inputs at its calls, `base` before and `moved` after a perturbation, moved inside
+        rank `share`'s share of their features only (and somewhere at all)."""
+        effects = [self._share_effect(after - before, share) for before, after in zip(base, moved, strict=True)]
+        return max(effect for effect, _ in effects) > 0 and not any(leak > LEAK_TOLERANCE * e for e, leak in effects)
 
     def _share_effect(self, delta: torch.Tensor, share: int) -> tuple[float, float]:
         """How far a row input moved inside rank `share`'s features, and outside them."""
@@ -510,6 +542,33 @@ class _Planner:
         inside = delta.select(-2, share)
         outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
         return inside.max().item(), outside.max().item() if outside.numel() else 0.0
+
+    def _parameter_local(self, row: str, owner: str, param: torch.Tensor, dim: int) -> bool:
+        """Whether perturbing rank r's share of `param` (of module `owner`) along `dim` moves only rank r's share of
+        `row`'s input, for every r: its heads along that dim (a per-head table). The owner's tensor caches
+        (`tp_train.plan.caches`) are emptied around each probe, so it computes from the perturbed values."""
+        base = self._row_inputs(row, {})
+        generator = torch.Generator(device=param.device).manual_seed(0)
+        caches = tensor_caches(self.modules[owner])
+        saved = [(cache, dict(cache)) for cache in caches]
+        original = param.detach().clone()
+        try:
+            for share in range(self.shares):
+                noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
+                mask = _share_mask(param.movedim(dim, -1), (param.shape[dim],), self.shares, share).movedim(-1, dim)
+                with torch.no_grad():
+                    param.copy_(original + noise * (original.abs().mean() + 1e-3) * mask)
+                for cache in caches:
+                    cache.clear()
+                if not self._moves_only(share, base, self._row_inputs(row, {}, fresh=True)):
+                    return False
+            return True
+        finally:
+            with torch.no_grad():
+                param.copy_(original)
+            for cache, contents in saved:
+                cache.clear()
+                cache.update(contents)
 
     def _table_local(self, table: str, row: str, columns: frozenset) -> bool:
         """Whether embedding `table`'s columns split evenly across ranks (its heads, one column each in T5's
@@ -543,13 +602,14 @@ class _Planner:
                 return True
         return False
 
-    def _between(self, pair: _Pair) -> set[str]:
-        """Modules whose parameters act between the columns and the row layer: summed gradients, unless they span
-        the split features (then no existing style can shard them)."""
+    def _between(self, pair: _Pair) -> tuple[set[str], list[tuple[str, str]]]:
+        """Modules whose parameters act between the columns and the row layer (summed gradients), and of those, the
+        ones whose parameters span the split features, with the refusal due unless they prove per-head tables (no
+        other existing style can shard them)."""
         split_widths = {_last_dim(self.calls[name].output) for name in pair.columns} | {
             _last_dim(self.calls[pair.row].input)
         }
-        owners = set()
+        owners, spanning = set(), []
         channels = _last_dim(self.calls[pair.row].input)
         heads = self._attention_heads(pair)
         for param in self.producers[pair.row][1]:
@@ -571,11 +631,18 @@ class _Planner:
                 pair.channels[owner] = "colwise" if shape is not None and shape[1] == channels else "channelwise"
                 pair.channels[owner] = self.norms.get(owner, pair.channels[owner])
                 continue
+            column = self._column_of_channels(pair, owner)
+            if column is not None:
+                # One entry per channel of a column's output, the column's split already found local (a norm with
+                # per-channel statistics, LeViT's BatchNorm over q/k/v): split as the column splits its output.
+                pair.channels[owner] = self._channels_like(column, pair.columns[column])
+                continue
             if param.dim() and param.shape[-1] in split_widths:
-                raise ValueError(
+                spanning.append((
+                    owner,
                     f"the auto-planner cannot plan '{pair.row}': parameter of '{owner}' (shape {tuple(param.shape)}) "
-                    f"acts on the features split between {sorted(pair.columns)} and it; give the model a `tp_plan`"
-                )
+                    f"acts on the features split between {sorted(pair.columns)} and it; give the model a `tp_plan`",
+                ))  # fmt: skip
             owners.add(owner)
         mixed = sorted(owners & set(pair.channels))  # per-channel parameters beside others (Kimi's per-head A_log)
         if mixed:
@@ -583,7 +650,29 @@ class _Planner:
                 f"the auto-planner cannot plan '{pair.row}': '{mixed[0]}' holds per-channel parameters beside others "
                 f"no style splits with the channels; give the model a `tp_plan`"
             )
-        return owners
+        return owners, spanning
+
+    def _column_of_channels(self, pair: _Pair, owner: str) -> str | None:
+        """The column whose output `owner` acts on channel by channel: all its parameters one entry per channel of
+        that output (1-D, as wide), and no RMS norm (whose statistic the probes held, so locality did not check it)."""
+        module = self.modules.get(owner)
+        if module is None or owner in self.norms or linear_shape(module) is not None:
+            return None
+        params = list(module.parameters(recurse=False))
+        for column in pair.columns:
+            width = _last_dim(self.calls[column].output)
+            if params and all(param.dim() == 1 and param.shape[0] == width for param in params):
+                return column
+        return None
+
+    def _channels_like(self, column: str, style: str) -> str:
+        """The `channelwise` style splitting a per-channel module as `column`'s `style` splits its output: by the
+        same sections (a fused [q; k; v] column's thirds)."""
+        base, arguments = split_style(style)
+        parent = self.modules.get(column.rpartition(".")[0])
+        counts = head_counts(parent, getattr(self.model, "config", None))
+        sections, _ = column_layout(base, _last_dim(self.calls[column].output), counts, arguments)
+        return "channelwise" if len(sections) == 1 else f"channelwise({','.join(map(str, sections))})"
 
     def _attention_heads(self, pair: _Pair) -> int | None:
         """The head count of the attention enclosing `pair` when tp divides it: the first usual attribute of the
@@ -614,7 +703,7 @@ class _Planner:
             relative = {column[len(name) + 1 :]: style for column, style in pair.columns.items()}
             whole_tables = bool(pair.tables - self.split_tables)
             key = ("view", generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
-            key += (whole_tables,)
+            key += (whole_tables, tuple(sorted((own[len(name) + 1 :], style) for own, style in pair.own.items())))
             # Not keyed by the split tables: T5's first layer computes the relative bias (its table inside it), the
             # later layers take it as an argument, whole in this probe but already their heads' once sharded; the
             # first layer's view holds for them.
@@ -673,13 +762,16 @@ class _Planner:
 
     # ------------------------------------------------------------------------------------------- probe forwards
 
-    def _row_inputs(self, row: str, masks: dict[str, Callable], frozen: frozenset = frozenset()) -> list[torch.Tensor]:
+    def _row_inputs(
+        self, row: str, masks: dict[str, Callable], frozen: frozenset = frozenset(), fresh: bool = False
+    ) -> list[torch.Tensor]:
         """`row`'s input at each of its calls in a probe forward in which `masks[name](output)` marks entries of
         `name`'s output (at each of its calls) to perturb, and the outputs of `frozen` modules are held at their
         unperturbed values; so is `row`'s own output (all-reduced, whole on every rank in the sharded model): a
         perturbation reaches a later call of it (ALBERT's one layer, run at every depth) only as its columns carry
-        it there, not through the residual stream its earlier calls wrote."""
-        if not masks and row in self._bases:
+        it there, not through the residual stream its earlier calls wrote. `fresh`: run again (a parameter was
+        perturbed), not the unperturbed inputs kept."""
+        if not masks and not fresh and row in self._bases:
             return self._bases[row]
         frozen = frozen | {row} if masks else frozen
         captured = []
@@ -724,7 +816,7 @@ class _Planner:
         finally:
             for handle in handles:
                 handle.remove()
-        if not masks:
+        if not masks and not fresh:
             self._bases[row] = captured
         return captured
 

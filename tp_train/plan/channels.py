@@ -18,14 +18,15 @@ from tp_train.parallel.sharding import replicated_rows, shard_tensor, sum_replic
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.styles import style_shard_spec
 
-CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "normalized_shape")
+CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "normalized_shape", "num_features")
 
 
 def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") -> None:
     """Replaces each of `module`'s own parameters by this rank's chunk along dim 0 (of each section the style's
     `arguments` name, else one contiguous chunk), records the split in `module.shard_specs` (for checkpoints and
-    gathering), sums the gradients of replicated sections over their replicas, and sets its channel counts (a Conv's
-    `groups`, `in_channels`, `out_channels`) to the channels this rank holds."""
+    gathering), its per-channel buffers with them (a BatchNorm's running statistics), sums the gradients of replicated
+    sections over their replicas, and sets its channel counts (a Conv's `groups`, `in_channels`, `out_channels`, a
+    BatchNorm's `num_features`) to the channels this rank holds."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
     channels = local_channels = None
     specs = dict(getattr(module, "shard_specs", {}))
@@ -38,6 +39,11 @@ def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") 
         local_channels = local.shape[0]
         if replicated_rows(spec, tp):
             register_gradient_hook(module, name, functools.partial(sum_replicated_gradient, spec=spec, group=group))
+    for name, buffer in list(module.named_buffers(recurse=False)):
+        # per-channel statistics (a BatchNorm's running_mean and running_var): this rank's channels, as its weight
+        if buffer.dim() and buffer.shape[0] == channels and buffer.is_floating_point():
+            specs[name] = style_shard_spec("channelwise", module, name, arguments=arguments)
+            module._buffers[name] = shard_tensor(buffer, specs[name], rank, tp)
     module.shard_specs = specs
     for attribute in CHANNEL_COUNTS:
         value = getattr(module, attribute, None)

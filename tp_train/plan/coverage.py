@@ -88,10 +88,12 @@ def in_block(model: nn.Module, name: str) -> bool:
 
 
 def as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
-    """`styles` (of modules, and of parameters: a per-head table's weight) with numbered names folded into `*`
-    patterns wherever every name a pattern matches has the same style; in the order of `named_modules`."""
+    """`styles` (of modules, and of parameters and buffers: a per-head table's weight) with numbered names folded
+    into `*` patterns wherever every name a pattern matches has the same style; in the order of `named_modules`."""
     names = [name for name, _ in model.named_modules() if name]
-    names += [name for name, _ in model.named_parameters() if name in styles]
+    # every parameter or buffer a pattern of a planned one could match, planned or not (a kept-whole attention's)
+    planned = {generic(name) for name in styles}
+    names += [name for name, _ in [*model.named_parameters(), *model.named_buffers()] if generic(name) in planned]
     plan: dict[str, str] = {}
     for name in names:
         if name not in styles:

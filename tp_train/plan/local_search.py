@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
+from tp_train.plan.caches import tensor_caches
 from tp_train.plan.local_view import (
     LocalView,
     PerHeadArgument,
@@ -174,7 +175,8 @@ class _Ranks:
         self.specs, self.replicated = {}, {}
         for name, style in columns.items():
             holder, attribute = _holder(module, name)
-            if attribute in holder._parameters:  # a per-channel parameter inside the attention (DeBERTa's q_bias)
+            if attribute in holder._parameters or attribute in holder._buffers:
+                # a per-channel parameter inside the attention (DeBERTa's q_bias), or buffer (a BatchNorm's statistics)
                 spec = parameter_shard_spec(style, holder, attribute)
                 if spec is not None:  # one held whole (its gradient summed) runs as it is
                     self.specs[name] = spec
@@ -193,12 +195,12 @@ class _Ranks:
                 self.replicated[parent] = copies
 
     def copy(self, rank: int) -> tuple[nn.Module, _RowStandIn]:
-        memo = {}
+        memo = {id(cache): {} for cache in tensor_caches(self.module)}  # whole values: computed again on shards
         own = {}
         for name, spec in self.specs.items():
             holder, attribute = _holder(self.module, name)
-            if attribute in holder._parameters:
-                own[name] = shard_tensor(holder._parameters[attribute].detach(), spec, rank, self.tp)
+            if attribute in holder._parameters or attribute in holder._buffers:
+                own[name] = shard_tensor(getattr(holder, attribute).detach(), spec, rank, self.tp)
                 continue
             child = self.module.get_submodule(name)
             if isinstance(child, nn.Embedding):
@@ -214,7 +216,10 @@ class _Ranks:
         local = copy.deepcopy(self.module, memo)
         for name, shard in own.items():
             holder, attribute = _holder(local, name)
-            holder._parameters[attribute] = nn.Parameter(shard)
+            if attribute in holder._buffers:
+                holder._buffers[attribute] = shard
+            else:
+                holder._parameters[attribute] = nn.Parameter(shard)
         return local, stand_in
 
     def localize(self, local: nn.Module, view: LocalView | None, rank: int) -> None:

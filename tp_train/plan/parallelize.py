@@ -19,6 +19,7 @@ from tp_train.plan.activation_checkpointing import checkpoint_blocks
 from tp_train.plan.adapters import adapted_model
 from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
+from tp_train.plan.caches import caches_kept
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
 from tp_train.plan.region_check import RegionCheck
@@ -153,7 +154,8 @@ def parallelize(
     whole_model_errors = None
     if skeleton is not None:
         reference = unsharded_reference(skeleton, model, group)
-        whole_model_errors = verify_parallelized(model, reference, group, planned, example_input)
+        with caches_kept(model):  # its probe forward's, from the gradient-tracking pass it backpropagates
+            whole_model_errors = verify_parallelized(model, reference, group, planned, example_input)
     if check is not None and dist.get_rank() == 0:
         print(_verification_summary(check, regions, whole_model_errors), flush=True)
     model.tp_comm_counter = _count_communication(model, counter)

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from tp_train.errors import first_line
 from tp_train.plan.apply import materialize
+from tp_train.plan.caches import caches_kept
 from tp_train.plan.probe_input import EXAMPLE_INPUT_HINT, ProbeInput, forward_argument
 
 
@@ -176,7 +177,8 @@ def _through_elementwise(parents: list, target, steps: int = 3) -> bool:
 @contextmanager
 def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
     """`model` itself (in eval mode, its parameters requiring gradients so the forward records its dataflow), or,
-    for a model on the meta device, a copy materialised on the CPU; the global RNG is left as it was."""
+    for a model on the meta device, a copy materialised on the CPU; the global RNG and its tensor caches
+    (`tp_train.plan.caches`) are left as they were."""
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -191,7 +193,7 @@ def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
         for param in requires_grad:
             param.requires_grad_(param.is_floating_point())
         try:
-            with eval_mode(probe):
+            with eval_mode(probe), caches_kept(probe):
                 yield probe
         finally:
             for param, flag in requires_grad.items():

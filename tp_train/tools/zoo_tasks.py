@@ -61,9 +61,10 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     "siglip2": dict(vision_config=dict(num_patches=16)),
     # its Q-Former reads the vision tower's width and, for retrieval, the text
     "blip-2": dict(qformer_config=dict(encoder_hidden_size=32, use_qformer_text_input=True)),
-    # images large enough that attention has more than one token to mix: MobileViT's third stage (stride 8) cuts
-    # 2 x 2 patches; VideoPrism's tubelets of 8 x 8 pixels (18 x 18 by default: one per 32 x 32 frame)
-    "mobilevit": dict(image_size=128),
+    # images large enough that attention has more than one token to mix: MobileViT's 2 x 2 patches (its own size, not
+    # the task's 8, which leaves one patch per stage) of its stages at strides 8 to 32; VideoPrism's tubelets of 8 x 8
+    # pixels (18 x 18 by default: one per 32 x 32 frame)
+    "mobilevit": dict(image_size=96, patch_size=2),
     "videoprism": dict(
         vision_config=dict(tubelet_size=[1, 8, 8], num_frames=4, num_spatial_layers=2, num_temporal_layers=2)
     ),  # fmt: skip
@@ -76,9 +77,10 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     # BLIP's vision tower initialises at 1e-10 by default (its checkpoints set their weights): at the tiny size its
     # norms then blow gradients up to 1e9
     "blip": dict(vision_config=dict(initializer_range=0.02)),
+    # images of 8 x 8 patches of 16 pixels: its last stage attends among 2 x 2 (with 1, its heads act alike)
     "levit": dict(
         STAGES,
-        image_size=64,
+        image_size=128,
         patch_size=16,
         hidden_sizes=[32, 64, 96],
         num_attention_heads=[4, 4, 4],
