@@ -13,7 +13,10 @@ Longformer's sliding-window attention (and LED's encoder, the same module) turns
 `hidden_states.transpose(0, 1)` and only then reads its width, which it checks against its `embed_dim` and reshapes
 the heads' output to. The local-width view (`input_width`) stays local through that transpose, so the auto-planner
 finds a view that runs it on local heads (its head count, its width and its input's width) instead of keeping it whole,
-and the sharded model matches the unsharded one at tp 2 and 4."""
+and the sharded model matches the unsharded one at tp 2 and 4.
+
+MobileBERT's bottleneck projections feed its attention's query and key and the residual at once: split by their
+input (`rowwise_split_input`), beside an attention and MLP split as usual."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ MODELS = {  # name: (zoo task, family, config fields)
     "neomme_two_kv_heads": ("masked-lm", "neomme", {"num_key_value_heads": 2}),
     "longformer": ("masked-lm", "longformer", {}),
     "led": ("seq2seq-lm", "led", {}),
+    "mobilebert": ("masked-lm", "mobilebert", {}),
 }
 FUNNEL_PER_HEAD = [
     f"funnel.encoder.blocks.*.*.attention.{name}"
@@ -84,6 +88,18 @@ def test_the_time_major_attention_runs_on_local_heads(name):
     pattern, style = VIEWS[name]
     assert plan[pattern] == style
     assert not plan.notes  # no attention kept whole
+
+
+def test_mobileberts_bottlenecks_split_by_their_input_and_its_tied_embedding_whole():
+    """MobileBERT's bottlenecks feed query and key (or the MLP and the output bottleneck through the residual), so
+    they are projections on their own, split by their (whole) input; its head reads the decoder's weight directly
+    (`cat([decoder.weight.t(), dense.weight])`), so the embedding tied to it stays whole."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("masked-lm", "mobilebert"), tensor_parallel_size=2)
+    for name in ("bottleneck.input.dense", "bottleneck.attention.dense", "output.bottleneck.dense"):
+        assert plan[f"mobilebert.encoder.layer.*.{name}"] == "rowwise_split_input"
+    assert plan["mobilebert.encoder.layer.*.attention"] == "attention" and not plan.notes
+    assert "mobilebert.embeddings.word_embeddings" not in plan
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")
