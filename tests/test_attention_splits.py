@@ -59,6 +59,16 @@ def test_neomme_splits_alpha_with_the_heads_and_its_value_table_with_the_kv_head
     assert plan["model.value_embeddings.weight"] == "colwise(2x16)"  # 2 kv heads of 16
 
 
+def test_a_per_head_parameter_of_an_attention_kept_whole_stays_out_of_its_pattern():
+    """The auto-planner alone (not Hugging Face's plan) keeps NeoMME's last layer whole: its value table, outside the
+    attention, reaches it as an argument no view cuts. Layer 0's alpha is split; layer 1's must not be by a pattern."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("masked-lm", "neomme"), tensor_parallel_size=2)
+    assert plan["model.layers.1.self_attn"] == "replicate"
+    assert plan["model.layers.0.self_attn.exclusive_self_attention.alpha"] == "colwise"
+    assert "model.layers.*.self_attn.exclusive_self_attention.alpha" not in plan
+
+
 VIEWS = {
     "longformer": ("longformer.encoder.layer.*.attention", "attention(self.num_heads, self.embed_dim, input_width)"),
     "led": (

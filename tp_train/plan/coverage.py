@@ -84,7 +84,9 @@ def as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     """`styles` (of modules, and of parameters: a per-head table's weight) with numbered names folded into `*`
     patterns wherever every name a pattern matches has the same style; in the order of `named_modules`."""
     names = [name for name, _ in model.named_modules() if name]
-    names += [name for name, _ in model.named_parameters() if name in styles]
+    # every parameter of a kind the styles name, so that one left out (its attention kept whole) blocks the pattern
+    kinds = {generic(name) for name in styles}
+    names += [name for name, _ in model.named_parameters() if generic(name) in kinds]
     plan: dict[str, str] = {}
     for name in names:
         if name not in styles:
