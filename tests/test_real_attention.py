@@ -82,6 +82,14 @@ def test_a_local_width_view_reports_the_local_width_and_computes_on_the_whole_te
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
 
 
+def test_a_local_width_view_stays_local_through_a_transpose_that_keeps_the_features_last():
+    """Longformer's attention reads its width after `hidden_states.transpose(0, 1)` (time-major): still local."""
+    view = LocalWidth.of(torch.randn(2, 3, 8), 4)
+    assert view.transpose(0, 1).size() == (3, 2, 2) and torch.transpose(view, 1, 0).shape == (3, 2, 2)
+    assert view.transpose(1, 2).size() == (2, 8, 3) and view.transpose(-1, 0).shape == (8, 3, 2)  # features moved
+    assert (view + 1).shape == (2, 3, 8)  # any other operation: a plain tensor
+
+
 def _logits(model, idx):
     return model(idx)
 

@@ -309,20 +309,28 @@ class _Planner:
         return found
 
     def _stands_alone(self, name: str, styles: dict[str, str]) -> bool:
-        """Whether `name` is a projection on its own: no Linear of its own block reads its output (Swin's patch
-        merging feeds the next stage; a fused qkv whose heads no split finds feeds its block's output projection),
-        and its input is whole on every rank in the sharded model (traced, the same shape at every call, computed
-        from no layer the plan splits by columns, not inside an attention running on local heads)."""
+        """Whether `name` is a projection on its own: the Linears of its own block that read its output take it
+        whole, as column layers the plan splits or as projections that also read a row layer's (all-reduced)
+        output (Swin's patch merging feeds the next stage; MobileBERT's bottlenecks feed query and key, the MLP and
+        the block's output bottleneck through the residual; a fused qkv whose heads no split finds feeds only its
+        block's output projection: refused), and its input is whole on every rank in the sharded model (traced, the
+        same shape at every call, computed from no layer the plan splits by columns, not inside an attention running
+        on local heads)."""
         call = self.calls[name]
         if name in self.untraced or len(call.shapes) > 1 or call.input is None:
             return False
-        block = _block_of(name)
-        if any(name in self.producers[other][0] and _block_of(other) == block for other in self.linears):
-            return False
         split = {other for other, style in styles.items() if style.startswith(("colwise", "packed_", "fused_"))}
+        rows = {other for other, style in styles.items() if style.startswith("rowwise")}
+        if any(reader not in split and not self.producers[reader][0] & rows for reader in self._readers_in_block(name)):
+            return False
         local = [other for other, style in styles.items() if style.startswith("attention")]
         inside = any(name.startswith(attention + ".") for attention in local)
         return not inside and not self.producers[name][0] & split
+
+    def _readers_in_block(self, name: str) -> list[str]:
+        """The Linears of `name`'s repeated block whose input is computed from its output."""
+        block = _block_of(name)
+        return [other for other in self.linears if name in self.producers[other][0] and _block_of(other) == block]
 
     # ----------------------------------------------------------------------------------------- column/row pairs
 
@@ -757,8 +765,17 @@ class _Planner:
             if seen is not None and any(seen.shape == ids.shape and torch.equal(seen, ids) for ids in token_ids):
                 module = self.modules[name]
                 if module.max_norm is None and not module.sparse and not module.scale_grad_by_freq:
-                    return name
+                    return None if self._weight_read_directly(module) else name
         return None
+
+    def _weight_read_directly(self, embedding: nn.Embedding) -> bool:
+        """Whether a Linear tied to `embedding` never runs while its weight is still read (MobileBERT's head
+        multiplies by `cat([decoder.weight.t(), dense.weight])`): split with the vocabulary, as a tie must be, it
+        would hand that forward the rank's rows only, so the embedding stays whole."""
+        return any(
+            linear_shape(module) is not None and name not in self.calls and module.weight is embedding.weight
+            for name, module in self.modules.items()
+        )
 
     # ------------------------------------------------------------------------------------------- probe forwards
 

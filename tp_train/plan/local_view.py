@@ -183,7 +183,9 @@ def heads_of_rank(tensor: torch.Tensor, argument: PerHeadArgument, batch: int, t
 
 class LocalWidth(torch.Tensor):
     """A tensor whose `size()` and `.shape` report `1/tp` of its last dimension; every operation runs on the whole
-    tensor and returns plain tensors (autograd flows through as usual)."""
+    tensor and returns plain tensors (autograd flows through as usual), but a transpose of two other dimensions,
+    which keeps the features last, is a `LocalWidth` again (Longformer's time-major `hidden_states.transpose(0, 1)`
+    before it reads its width)."""
 
     tp: int = 1
 
@@ -205,7 +207,15 @@ class LocalWidth(torch.Tensor):
                 return shape[args[1] if len(args) > 1 else kwargs["dim"]]
             return torch.Size(shape)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if func in (torch.Tensor.transpose, torch.transpose) and isinstance(args[0], LocalWidth):
+            last = args[0].dim() - 1
+            dims = [
+                kwargs.get(name, args[i + 1] if len(args) > i + 1 else None) for i, name in enumerate(("dim0", "dim1"))
+            ]
+            if all(isinstance(dim, int) and dim % args[0].dim() != last for dim in dims):
+                return LocalWidth.of(result, args[0].tp)
+        return result
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
