@@ -2,7 +2,9 @@
 and 4 (outputs, every gradient, three SGD losses): VideoPrism's pooling head, whose learned query enters through
 q_proj (its gradient summed there) and whose `per_dim_scale` scales every local head's queries alike (kept whole, its
 gradient summed by an entry of its own); Pegasus-X's global-local attention, whose q/k/v and out_proj run on the
-tokens and again on the global tokens, at other shapes (the split is checked at every call of the pair)."""
+tokens and again on the global tokens, at other shapes (the split is checked at every call of the pair); BLIP-2's
+Q-Former, whose self-attention runs on the image queries and again on the text, and whose layers run the queries
+and the text through MLPs of their own."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tp_train.tools.zoo import build_family as build
 MODELS = {  # name: (zoo task, family)
     "videoprism": ("dual-encoder", "videoprism"),
     "pegasus_x": ("seq2seq-lm", "pegasus_x"),
+    "blip-2": ("dual-encoder", "blip-2"),
 }
 
 

@@ -33,6 +33,10 @@ STAGES = dict(hidden_size=None, num_hidden_layers=None, num_attention_heads=None
 SWIN = dict(STAGES, embed_dim=32, depths=[2, 2], num_heads=[4, 8], window_size=4, patch_size=2)
 # Every stage has heads that tp 2 and 4 divide (the families run at both).
 PYRAMID = dict(STAGES, image_size=64, hidden_sizes=[16, 32, 64, 128], num_attention_heads=[4, 4, 4, 8])
+# Parameters a family initialises to zeros that its checkpoints train, drawn as its other weights are (std 0.02):
+# BLIP-2's query tokens, all zero, are 32 equal queries whose Q-Former queries stay zero, so that no key moves its
+# cross-attention's output (no split of it can be seen, and none could be wrong).
+TRAINED_ZEROS = {"blip-2": ("query_tokens",)}
 # Fields a family needs beyond those (where its defaults disagree with the tiny sizes), by model type.
 FAMILY_TASK_FIELDS: dict[str, dict] = {
     "mobilebert": dict(embedding_size=16, intra_bottleneck_size=16, num_feedforward_networks=1),
@@ -59,8 +63,12 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     ),
     # NaFlex patches: 16 of 8 x 8 pixels (a 4 x 4 grid)
     "siglip2": dict(vision_config=dict(num_patches=16)),
-    # its Q-Former reads the vision tower's width and, for retrieval, the text
-    "blip-2": dict(qformer_config=dict(encoder_hidden_size=32, use_qformer_text_input=True)),
+    # its Q-Former reads the vision tower's width and, for retrieval, the text; its vision tower initialises at 1e-10
+    # by default (as BLIP's), which makes every image position the same to the Q-Former's cross-attention
+    "blip-2": dict(
+        qformer_config=dict(encoder_hidden_size=32, use_qformer_text_input=True),
+        vision_config=dict(initializer_range=0.02),
+    ),
     # images large enough that attention has more than one token to mix: MobileViT's 2 x 2 patches (its own size, not
     # the task's 8, which leaves one patch per stage) of its stages at strides 8 to 32; VideoPrism's tubelets of 8 x 8
     # pixels (18 x 18 by default: one per 32 x 32 frame)
@@ -128,6 +136,7 @@ def build(task: str, family: str, config: dict):
     """The family's model for the task, randomly initialised from the current seed, from `config` (its tiny config,
     `tp_train.tools.zoo.tiny_config`; a tower's, its dual encoder's) with `TASK_FIELDS` and `FAMILY_TASK_FIELDS`
     (`tp_train.tools.zoo.build_family` passes it)."""
+    import torch
     import transformers
 
     from models.hf import hugging_face_model
@@ -136,7 +145,10 @@ def build(task: str, family: str, config: dict):
         return _tower(*family.split("."), config)
     if task == "causal-lm":  # as the causal-LM zoo always built them: text sizes only
         return hugging_face_model(family, config, transformers.AutoModelForCausalLM)
-    return hugging_face_model(family, _without_none(task_config(family, config)), _model_class(task, family))
+    model = hugging_face_model(family, _without_none(task_config(family, config)), _model_class(task, family))
+    for name in TRAINED_ZEROS.get(family, ()):
+        torch.nn.init.normal_(getattr(model, name), std=0.02)
+    return model
 
 
 def _model_class(task: str, family: str):
