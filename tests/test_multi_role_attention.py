@@ -4,7 +4,9 @@ q_proj (its gradient summed there) and whose `per_dim_scale` scales every local 
 gradient summed by an entry of its own); Pegasus-X's global-local attention, whose q/k/v and out_proj run on the
 tokens and again on the global tokens, at other shapes (the split is checked at every call of the pair); BLIP-2's
 Q-Former, whose self-attention runs on the image queries and again on the text, and whose layers run the queries
-and the text through MLPs of their own."""
+and the text through MLPs of their own. Cohere ASR's Conformer attention, whose relative-position biases (one row per
+head) are split with the heads, is checked by its plan (its convolution module, Conv1d layers, stays whole, so a rank
+holds 0.87 of its block matrices at tp 2, beyond what `assert_parity` allows)."""
 
 from __future__ import annotations
 
@@ -57,3 +59,14 @@ def test_layers_run_twice_at_two_shapes_are_planned_as_one_split():
     assert plan["model.encoder.layers.*.self_attn.q_proj"] == "colwise"
     assert plan["model.encoder.layers.*.self_attn.out_proj"] == "rowwise"
     assert plan["model.encoder.layers.*.self_attn"] == "attention(num_heads, input_width)"
+
+
+def test_per_head_biases_of_a_conformer_attention_are_split_with_its_heads():
+    """Cohere ASR's encoder attention adds bias_u and bias_v, (heads, head width), to its queries: split along the
+    heads, so the attention runs on local heads instead of being kept whole on every rank."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("speech-seq2seq", "cohere_asr"), tensor_parallel_size=2)
+    assert plan["model.encoder.layers.*.self_attn.bias_u"] == "colwise"
+    assert plan["model.encoder.layers.*.self_attn.bias_v"] == "colwise"
+    assert plan["model.encoder.layers.*.self_attn"].startswith("attention")
+    assert not plan.notes

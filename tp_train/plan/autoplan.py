@@ -472,18 +472,23 @@ class _Planner:
                 pair.own.update(tables)
 
     def _own_whole(self, pair: _Pair) -> None:
-        """Parameters of the module holding the pair acting between its layers, on every local head alike
-        (VideoPrism's pooling attention scales each head's queries by `per_dim_scale`): whole, their gradients summed,
-        as entries of their own (`pair.own`), so that the module's other parameters are left as they are (the pooling
-        query, read by the column layers, whose entry into the parallel region sums its gradient already: summed
-        again it counted tp times) and an attention module keeps its `attention` style."""
+        """Parameters of the module holding the pair acting between its layers get entries of their own (`pair.own`),
+        so that the module's other parameters are left as they are (VideoPrism's pooling query, read by the column
+        layers, whose entry into the parallel region sums its gradient already: summed again it counted tp times) and
+        an attention module keeps its `attention` style. One (heads, head width) per head, as many entries as the
+        split features (a Conformer's relative-position biases pos_bias_u and pos_bias_v, added to each head's
+        queries), is split with the heads along dim 0 (`colwise`); others act on every local head alike
+        (VideoPrism's `per_dim_scale`, scaling each head's queries): whole, their gradients summed."""
         enclosing = _enclosing(pair)
         if not enclosing or enclosing not in pair.between:
             return
         used = {id(param) for param in self.producers[pair.row][1]}
-        parameters = self.modules[enclosing].named_parameters(recurse=False)
+        channels = _last_dim(self.calls[pair.row].input)
         pair.between.discard(enclosing)
-        pair.own.update({f"{enclosing}.{name}": WHOLE_SUMMED for name, param in parameters if id(param) in used})
+        for name, param in self.modules[enclosing].named_parameters(recurse=False):
+            if id(param) in used:
+                per_head = param.dim() == 2 and param.numel() == channels and param.shape[0] % self.shares == 0
+                pair.own[f"{enclosing}.{name}"] = "colwise" if per_head else WHOLE_SUMMED
 
     def _counts_heads_beside_a_norm(self, pair: _Pair) -> bool:
         """Whether `pair` is attention with a norm over split features between its layers whose enclosing module keeps
