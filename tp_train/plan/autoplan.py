@@ -222,10 +222,12 @@ class _Planner:
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
 
     def _inside_region(self, outputs: dict[int, str], name: str) -> bool:
-        """Whether module `name`'s input is computed from Linear outputs alone, through no parameter (no embedding,
-        no residual stream, no position embedding added as a parameter, as SigLIP 2's is)."""
+        """Whether module `name`'s input is computed from Linear outputs alone, through no parameter but per-feature
+        ones (another norm's weight; no embedding, no residual stream, no position embedding added as a parameter,
+        as SigLIP 2's (positions, features) one is)."""
         producers, params = producers_of(self.calls[name].input, outputs)
-        return bool(producers) and producers <= set(self.linears) and not params
+        per_feature = all(set(param.shape[:-1]) <= {1} for param in params)
+        return bool(producers) and producers <= set(self.linears) and per_feature
 
     def _called(self) -> list[str]:
         return sorted(self.calls, key=lambda name: self.calls[name].order)
@@ -883,7 +885,7 @@ def _over_last_dim(norm: nn.Module, x: torch.Tensor) -> bool:
 
 def _per_feature(module: nn.Module) -> bool:
     """Whether `module` has no children and parameters, each of 2 or more dims all 1 but the last (one entry per
-    feature along the last dim, broadcast over the others)."""
+    feature along the last dim, broadcast over the others; 1-D ones are `channelwise`'s)."""
     params = list(module.parameters(recurse=False))
     per_feature = all(param.dim() >= 2 and set(param.shape[:-1]) == {1} for param in params)
     return bool(params) and per_feature and not any(True for _ in module.children())
