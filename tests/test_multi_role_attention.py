@@ -70,3 +70,15 @@ def test_per_head_biases_of_a_conformer_attention_are_split_with_its_heads():
     assert plan["model.encoder.layers.*.self_attn.bias_v"] == "colwise"
     assert plan["model.encoder.layers.*.self_attn"].startswith("attention")
     assert not plan.notes
+
+
+def test_norms_held_in_every_probe_forward_leave_a_later_attention_plannable():
+    """SeamlessM4T's conformer convolution feeds a LayerNorm the probes hold; a forward without autograd gives that
+    norm an input 6e-8 off the traced one. Held in perturbed forwards only, the norm moved every feature after it,
+    and the speech adapter's attention further on was refused ("no split of ... linear_q"); held in the unperturbed
+    forward too, the adapter's attention is split by its heads."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("speech-seq2seq", "seamless_m4t"), tensor_parallel_size=2)
+    assert plan["speech_encoder.adapter.layers.*.self_attn.linear_q"] == "colwise"
+    assert plan["speech_encoder.adapter.layers.*.self_attn.linear_out"] == "rowwise"
+    assert not plan.notes

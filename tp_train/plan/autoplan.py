@@ -821,17 +821,19 @@ class _Planner:
             for name, mask in masks.items()
         ]
         handles += [self.modules[name].register_forward_hook(held(name)) for name in frozen]
-        if masks:
-            for name in self.reducers:
-                enter, leave = held_reductions(self.modules[name], self.calls[name].input)
-                handles += [self.modules[name].register_forward_pre_hook(enter)]
-                handles += [self.modules[name].register_forward_hook(leave, always_call=True)]
-            handles += [
-                self.modules[name].register_forward_hook(
-                    lambda m, a, o, name=name: hold_statistic(m, a[0], o, self.calls[name].input)
-                )
-                for name in self.norms
-            ]
+        # Norms and reductions hold their traced statistics in every probe forward, the unperturbed one too: a
+        # forward without autograd may differ from the traced one by round-off (SeamlessM4T's conformer convolutions,
+        # 6e-8), and a norm held in perturbed forwards only then moved every feature downstream of it.
+        for name in self.reducers:
+            enter, leave = held_reductions(self.modules[name], self.calls[name].input)
+            handles += [self.modules[name].register_forward_pre_hook(enter)]
+            handles += [self.modules[name].register_forward_hook(leave, always_call=True)]
+        handles += [
+            self.modules[name].register_forward_hook(
+                lambda m, a, o, name=name: hold_statistic(m, a[0], o, self.calls[name].input)
+            )
+            for name in self.norms
+        ]
         try:
             with torch.no_grad():
                 forward_without_cache(self.model, self.inputs)
