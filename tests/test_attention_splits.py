@@ -16,7 +16,10 @@ finds a view that runs it on local heads (its head count, its width and its inpu
 and the sharded model matches the unsharded one at tp 2 and 4.
 
 MobileBERT's bottleneck projections feed its attention's query and key and the residual at once: split by their
-input (`rowwise_split_input`), beside an attention and MLP split as usual."""
+input (`rowwise_split_input`), beside an attention and MLP split as usual.
+
+Perceiver's latent self-attentions and cross-attentions split by heads, its masked LM's token embedding (read by
+the embedding decoder as a weight) whole, and its classification decoder's one-head attention whole beside its MLP."""
 
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ MODELS = {  # name: (zoo task, family, config fields)
     "longformer": ("masked-lm", "longformer", {}),
     "led": ("seq2seq-lm", "led", {}),
     "mobilebert": ("masked-lm", "mobilebert", {}),
+    "perceiver": ("masked-lm", "perceiver", {}),
+    "perceiver_image": ("image-classification", "perceiver", {"image_size": 16}),
 }
 FUNNEL_PER_HEAD = [
     f"funnel.encoder.blocks.*.*.attention.{name}"
@@ -110,6 +115,34 @@ def test_mobileberts_bottlenecks_split_by_their_input_and_its_tied_embedding_who
         assert plan[f"mobilebert.encoder.layer.*.{name}"] == "rowwise_split_input"
     assert plan["mobilebert.encoder.layer.*.attention"] == "attention" and not plan.notes
     assert "mobilebert.embeddings.word_embeddings" not in plan
+
+
+PERCEIVER_ATTENTIONS = ("encoder.cross_attention", "encoder.self_attends.*", "decoder.decoding_cross_attention")
+
+
+def test_perceivers_attentions_split_by_heads_and_its_embedding_read_by_the_decoder_whole():
+    """Perceiver's masked LM multiplies by its embedding's weight in `embedding_decoder` (`embedding_layer.weight.t()`)
+    without calling the embedding: a vocabulary split would hand it the rank's rows, so the embedding stays whole;
+    its latent self-attentions and both cross-attentions are split by heads."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("masked-lm", "perceiver"), tensor_parallel_size=2)
+    for name in PERCEIVER_ATTENTIONS:
+        assert plan[f"perceiver.{name}.attention"] == "attention(self.num_heads)"
+        assert plan[f"perceiver.{name}.attention.self.query"] == "colwise"
+    assert "perceiver.input_preprocessor.embeddings" not in plan and not plan.notes
+
+
+def test_perceivers_one_head_classification_decoder_keeps_its_attention_whole_and_splits_its_mlp():
+    """Perceiver's classification decoder attends with one head (PerceiverBasicDecoder's default) from a trainable
+    query added back to its output projection's: that projection also feeds the final layer, so it is no column of
+    the MLP (the query, spanning its features, refused nothing); the MLP is split, the encoder by heads."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("image-classification", "perceiver", {"image_size": 16}), tensor_parallel_size=2)
+    decoder = "perceiver.decoder.decoder.decoding_cross_attention"
+    assert plan[f"{decoder}.mlp.dense1"] == "colwise" and plan[f"{decoder}.mlp.dense2"] == "rowwise"
+    assert f"{decoder}.attention.output.dense" not in plan
+    for name in PERCEIVER_ATTENTIONS[:2]:
+        assert plan[f"perceiver.{name}.attention"] == "attention(self.num_heads)"
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")

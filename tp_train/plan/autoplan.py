@@ -61,6 +61,7 @@ from tp_train.plan.coverage import (
 from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.local_view import parse_attention_style
 from tp_train.plan.probe import (
+    foreign_readers,
     forward_without_cache,
     probe_copy,
     producers_of,
@@ -107,6 +108,7 @@ class _Pair:
     # "colwise" along dim 0; per-head tables (Swin's relative_position_bias_table), "rowwise" along the last dim
     own: dict[str, str] = field(default_factory=dict)
     shared_tables: set[str] = field(default_factory=set)  # embedding tables all its heads read (SpeechT5's)
+    refusal: str | None = None  # why it cannot be planned, raised if it is still a pair once the leaks are dropped
 
 
 class InferredPlan(dict):
@@ -351,6 +353,9 @@ class _Planner:
                 None,
             )  # fmt: skip
             if leak is None:
+                refusal = next((pair.refusal for pair in pairs if pair.refusal), None)
+                if refusal:
+                    raise ValueError(refusal)
                 return pairs, failures
             column, name = leak
             row = next(pair.row for pair in pairs if column in pair.columns)
@@ -403,8 +408,11 @@ class _Planner:
                 self._per_head_tables(pair)
                 self._own_whole(pair)
                 spanning = [message for owner, message in spanning if owner in pair.between]
-                if spanning:  # not a per-head table (LeViT's (heads, offsets) biases, as wide as the split)
-                    raise ValueError(spanning[0])
+                # not a per-head table (LeViT's (heads, offsets) biases, as wide as the split): refused, unless the
+                # pair is dropped for a column feeding another Linear (Perceiver's classification decoder: its
+                # attention's output projection, read by the MLP through a LayerNorm beside the trainable query
+                # added to it, also feeds the final layer)
+                pair.refusal = next(iter(spanning), None)
                 if self._counts_heads_beside_a_norm(pair):
                     reason = (
                         f"a norm between '{row}' and its column layers normalises over the split features in an "
@@ -776,13 +784,11 @@ class _Planner:
         return None
 
     def _weight_read_directly(self, embedding: nn.Embedding) -> bool:
-        """Whether a Linear tied to `embedding` never runs while its weight is still read (MobileBERT's head
-        multiplies by `cat([decoder.weight.t(), dense.weight])`): split with the vocabulary, as a tie must be, it
-        would hand that forward the rank's rows only, so the embedding stays whole."""
-        return any(
-            linear_shape(module) is not None and name not in self.calls and module.weight is embedding.weight
-            for name, module in self.modules.items()
-        )
+        """Whether a module's forward reads `embedding`'s weight without calling it or a Linear tied to it
+        (Perceiver's embedding decoder multiplies by `embedding_layer.weight.t()`, MobileBERT's head by
+        `cat([decoder.weight.t(), dense.weight])`): split with the vocabulary, it would hand that forward the
+        rank's rows only, so the embedding stays whole."""
+        return bool(foreign_readers(self.model, self.inputs, embedding.weight))
 
     # ------------------------------------------------------------------------------------------- probe forwards
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from tp_train.errors import first_line
 from tp_train.plan.apply import materialize
@@ -74,6 +76,32 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
         for handle in handles:
             handle.remove()
     return calls
+
+
+def foreign_readers(model: nn.Module, inputs: ProbeInput, parameter: nn.Parameter) -> set[str]:
+    """The modules that, in one forward of `model` on `inputs`, read `parameter` in their own forward (innermost
+    running) without holding it themselves: a torch function took it and returned a tensor with autograd history
+    (Perceiver's embedding decoder multiplies by `embedding_layer.weight.t()`; a shape or a dtype read is no use of
+    it). A module's weight split by a style reaches only the module's own forward as a whole; these read a shard."""
+    holders = {name for name, module in model.named_modules() if any(p is parameter for p in module.parameters(False))}
+    found: set[str] = set()
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            read = any(arg is parameter for arg in tree_leaves((args, kwargs)))
+            where = running[-1] if running else ""  # "": the model's own forward
+            if read and where not in holders and _has_history(result):
+                found.add(where)
+            return result
+
+    with torch.enable_grad(), running_modules(model) as running, Reads():
+        forward_without_cache(model, inputs)
+    return found
+
+
+def _has_history(result) -> bool:
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(result))
 
 
 def forward_without_cache(model: nn.Module, inputs: ProbeInput | torch.Tensor):
