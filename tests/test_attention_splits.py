@@ -19,7 +19,8 @@ MobileBERT's bottleneck projections feed its attention's query and key and the r
 input (`rowwise_split_input`), beside an attention and MLP split as usual.
 
 Perceiver's latent self-attentions and cross-attentions split by heads, its masked LM's token embedding (read by
-the embedding decoder as a weight) whole, and its classification decoder's one-head attention whole beside its MLP."""
+the embedding decoder as a weight) whole, and its classification decoder's one-head attention whole beside its MLP.
+Nystromformer's depthwise conv over each head's values is split with the heads."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ MODELS = {  # name: (zoo task, family, config fields)
     "mobilebert": ("masked-lm", "mobilebert", {}),
     "perceiver": ("masked-lm", "perceiver", {}),
     "perceiver_image": ("image-classification", "perceiver", {"image_size": 16}),
+    "nystromformer": ("masked-lm", "nystromformer", {}),
 }
 FUNNEL_PER_HEAD = [
     f"funnel.encoder.blocks.*.*.attention.{name}"
@@ -143,6 +145,16 @@ def test_perceivers_one_head_classification_decoder_keeps_its_attention_whole_an
     assert f"{decoder}.attention.output.dense" not in plan
     for name in PERCEIVER_ATTENTIONS[:2]:
         assert plan[f"perceiver.{name}.attention"] == "attention(self.num_heads)"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_nystromformers_per_head_conv_is_split_with_the_heads(tp):
+    """Nystromformer adds a depthwise conv over each head's values (a Conv2d with one group per head) to its
+    attention's output: split with the heads (`channelwise`: weight, bias, groups), it runs on local heads."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("masked-lm", "nystromformer"), tensor_parallel_size=tp)
+    assert plan["nystromformer.encoder.layer.*.attention.self.conv"] == "channelwise"
+    assert plan["nystromformer.encoder.layer.*.attention"].startswith("attention") and not plan.notes
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")

@@ -640,6 +640,12 @@ class _Planner:
             if owner in self.reducers and param.shape[-1] == channels:
                 pair.channels[owner] = FEATURE_REDUCTION_STYLE
                 continue
+            if heads and _conv_per_head(self.modules.get(owner), heads) and self._inside_attention(pair, owner):
+                # A convolution with one group per head inside the attention (Nystromformer's depthwise conv over
+                # each head's values): its weight and bias split with the heads along dim 0, its groups and
+                # channels set to the local heads (`channelwise`).
+                pair.own[owner] = "channelwise"
+                continue
             if heads and _per_head(param, heads, channels) and self._inside_attention(pair, owner):
                 # One slice per head inside the attention (Funnel's r_w_bias (heads, head_dim) and r_kernel
                 # (d_model, heads, head_dim); NeoMME's exclusive-attention alpha (heads,)): split with the heads along
@@ -905,6 +911,13 @@ def _per_head(param: torch.Tensor, heads: int, channels: int) -> bool:
     if param.dim() == 1:
         return param.shape[0] == heads
     return channels % heads == 0 and tuple(param.shape[-2:]) == (heads, channels // heads)
+
+
+def _conv_per_head(module: nn.Module | None, heads: int) -> bool:
+    """Whether `module` is a convolution over one channel per head, each its own group (in, out and groups all
+    `heads`)."""
+    conv = isinstance(module, nn.modules.conv._ConvNd)
+    return conv and module.groups == module.in_channels == module.out_channels == heads
 
 
 def _numbered_away(name: str) -> str:

@@ -45,6 +45,12 @@ def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") 
             specs[name] = style_shard_spec("channelwise", module, name, arguments=arguments)
             module._buffers[name] = shard_tensor(buffer, specs[name], rank, tp)
     module.shard_specs = specs
+    set_channel_counts(module, channels, local_channels)
+
+
+def set_channel_counts(module: nn.Module, channels: int, local_channels: int) -> None:
+    """Sets `module`'s channel counts (a Conv's `groups`, `in_channels`, `out_channels`, a BatchNorm's
+    `num_features`) that are `channels` to the `local_channels` a rank holds."""
     for attribute in CHANNEL_COUNTS:
         value = getattr(module, attribute, None)
         if isinstance(value, int) and value == channels:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.caches import tensor_caches
+from tp_train.plan.channels import set_channel_counts
 from tp_train.plan.local_view import (
     LocalView,
     PerHeadArgument,
@@ -173,6 +174,7 @@ class _Ranks:
     def __init__(self, module: nn.Module, columns: dict[str, str], row: str, tp: int, config, reference: _Recorded):
         self.module, self.row, self.tp, self.reference = module, row, tp, reference
         self.specs, self.replicated = {}, {}
+        self.channel_counts = {}  # modules split `channelwise` -> their channels (set to the rank's on its copy)
         for name, style in columns.items():
             holder, attribute = _holder(module, name)
             if attribute in holder._parameters or attribute in holder._buffers:
@@ -184,6 +186,13 @@ class _Ranks:
             child = module.get_submodule(name)
             if isinstance(child, nn.Embedding):  # a per-head table (T5's relative position bias)
                 self.specs[name] = parameter_shard_spec(style, child, "weight")
+                continue
+            if split_style(style)[0] == "channelwise":  # a conv over one channel per head (Nystromformer's)
+                self.specs.update({
+                    f"{name}.{attribute}": style_shard_spec("channelwise", child, attribute)
+                    for attribute, _ in child.named_parameters(recurse=False)
+                })  # fmt: skip
+                self.channel_counts[name] = next(child.parameters()).shape[0]
                 continue
             parent = name.rpartition(".")[0]
             counts = head_counts(module.get_submodule(parent) if parent else module, config)
@@ -220,6 +229,9 @@ class _Ranks:
                 holder._buffers[attribute] = shard
             else:
                 holder._parameters[attribute] = nn.Parameter(shard)
+        for name, channels in self.channel_counts.items():
+            child = local.get_submodule(name)
+            set_channel_counts(child, channels, next(child.parameters()).shape[0])
         return local, stand_in
 
     def localize(self, local: nn.Module, view: LocalView | None, rank: int) -> None:

@@ -44,6 +44,9 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     "esm": dict(pad_token_id=1, mask_token_id=2),  # none by default: its embedding masks by them
     "neomme": dict(head_dim=16),  # M-RoPE rotates a quarter of a head, in multiples of 4
     "reformer": dict(is_decoder=False),  # its masked LM is bidirectional (the causal-LM zoo sets True)
+    # a conv over each head's values shorter than the 16 tokens, as its default 65 is than real sequences: at one head
+    # per rank (tp 4), torch 2.13's oneDNN conv backward on one channel with a 65-long kernel over 16 rows segfaults
+    "nystromformer": dict(conv_kernel_size=9),
     "perceiver": dict(
         d_model=32,
         d_latents=32,
