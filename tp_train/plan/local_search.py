@@ -28,6 +28,8 @@ from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.local_view import (
+    INPUT_WIDTH,
+    LOCAL_RESHAPES,
     LocalView,
     PerHeadArgument,
     apply_local_view,
@@ -42,6 +44,7 @@ from tp_train.plan.verify import first_tensor, relative_difference
 MOST_CHANGES = 4  # largest set of changes tried at once
 MOST_CANDIDATES = 12  # candidates considered, most likely first
 TOLERANCE = 1e-4  # relative to the largest reference value
+FLAGS = (INPUT_WIDTH, LOCAL_RESHAPES)  # toggles that are no field
 HEADISH = ("head", "group", "embd", "embed", "hidden", "width", "dim", "size", "kv")
 
 
@@ -280,7 +283,8 @@ def _candidates(module: nn.Module, call: ProbeCall, columns, row, tp: int):
     first = bound[names[0]] if names else None
     toggles: list = fields[: MOST_CANDIDATES - 1]
     if isinstance(first, torch.Tensor) and first.dim() and first.shape[-1] % tp == 0:
-        toggles.insert(min(len(toggles), 3), "input_width")
+        toggles.insert(min(len(toggles), 3), INPUT_WIDTH)
+        toggles.insert(min(len(toggles), 4), LOCAL_RESHAPES)
     batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
     for name in names[1:]:
         value = bound[name]
@@ -301,9 +305,10 @@ def _candidates(module: nn.Module, call: ProbeCall, columns, row, tp: int):
             if len({item.name for item in per_head}) < len(per_head):
                 continue
             yield LocalView(
-                fields=tuple(item for item in chosen if isinstance(item, str) and item != "input_width"),
-                input_width="input_width" in chosen,
+                fields=tuple(item for item in chosen if isinstance(item, str) and item not in FLAGS),
+                input_width=INPUT_WIDTH in chosen,
                 per_head=per_head,
+                local_reshapes=LOCAL_RESHAPES in chosen,
             )
 
 
