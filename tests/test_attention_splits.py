@@ -15,6 +15,11 @@ the heads' output to. The local-width view (`input_width`) stays local through t
 finds a view that runs it on local heads (its head count, its width and its input's width) instead of keeping it whole,
 and the sharded model matches the unsharded one at tp 2 and 4.
 
+PVT v2's attention reads its width off its input and uses it twice: to reshape the whole input for its spatial
+reduction (a strided conv before key and value) and to reshape the heads' output. No count makes both right; the view
+`local_reshapes` gives only the second, which cannot hold its (local) tensor at the whole width, the local width, so
+it runs on local heads at tp 2 and 4, and its Mix-FFN's depthwise conv is split with the MLP's hidden channels.
+
 MobileBERT's bottleneck projections feed its attention's query and key and the residual at once: split by their
 input (`rowwise_split_input`), beside an attention and MLP split as usual.
 
@@ -45,6 +50,7 @@ MODELS = {  # name: (zoo task, family, config fields)
     "perceiver": ("masked-lm", "perceiver", {}),
     "perceiver_image": ("image-classification", "perceiver", {"image_size": 16}),
     "nystromformer": ("masked-lm", "nystromformer", {}),
+    "pvt_v2": ("image-classification", "pvt_v2", {}),
 }
 FUNNEL_PER_HEAD = [
     f"funnel.encoder.blocks.*.*.attention.{name}"
@@ -84,12 +90,29 @@ VIEWS = {
     ),
 }
 
+
+def test_pvt_v2s_attention_reshapes_to_the_local_width():
+    """Its spatially reduced stages need `local_reshapes`, its last stage (no reduction) the input's local width."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("image-classification", "pvt_v2"), tensor_parallel_size=2)
+    blocks = "pvt_v2.encoder.layers.{}.blocks.{}.attention"
+    for stage, block in ((0, 0), (2, 1)):
+        assert plan[blocks.format(stage, block)] == "attention(num_attention_heads, local_reshapes)"
+    assert plan[blocks.format(3, 1)] == "attention(num_attention_heads, input_width)"
+    assert plan["pvt_v2.encoder.layers.*.blocks.*.mlp.dwconv.dwconv"] == "channelwise"
+    assert not plan.notes  # no attention kept whole
+
+
 # The global-attention projections of Longformer and LED's encoder (query_global, key_global, value_global) never
 # run on a batch without global tokens (the probe's, the zoo's): the planner leaves them whole, and a rank holds that
 # much more of the blocks. (Global attention does not run on local heads: its `new_zeros(..., self.embed_dim)` takes
 # whole rows of the input, which the local `embed_dim` the sliding-window path needs cannot hold.)
 # NeoMME's 2 kv heads at tp 4 are each on two ranks (k_proj, v_proj and the value table): a rank holds 0.29 of them.
+# PVT v2's spatial reduction (a strided Conv2d over the whole input, before key and value) stays whole: 0.26 of its
+# block matrices.
 WHOLE = {
+    ("pvt_v2", 2): 0.26,
+    ("pvt_v2", 4): 0.79,
     ("neomme_two_kv_heads", 4): 0.2,
     ("longformer", 2): 0.28,
     ("longformer", 4): 0.82,

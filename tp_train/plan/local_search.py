@@ -29,6 +29,7 @@ from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import set_channel_counts
 from tp_train.plan.local_view import (
+    INPUT_WIDTH,
     LocalView,
     PerHeadArgument,
     apply_local_view,
@@ -291,8 +292,9 @@ def _candidates(module: nn.Module, call: ProbeCall, columns, row, tp: int):
     names = list(bound)[1:]
     first = bound[names[0]] if names else None
     toggles: list = fields[: MOST_CANDIDATES - 1]
-    if isinstance(first, torch.Tensor) and first.dim() and first.shape[-1] % tp == 0:
-        toggles.insert(min(len(toggles), 3), "input_width")
+    width = isinstance(first, torch.Tensor) and first.dim() and first.shape[-1] % tp == 0
+    if width:
+        toggles.insert(min(len(toggles), 3), INPUT_WIDTH)
     batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
     for name in names[1:]:
         value = bound[name]
@@ -307,16 +309,20 @@ def _candidates(module: nn.Module, call: ProbeCall, columns, row, tp: int):
             if dim == 0 and batch > 1 and size % (batch * tp) == 0 and size > batch:
                 toggles.append(PerHeadArgument(name, dim, True))
     toggles = toggles[:MOST_CANDIDATES]
-    for count in range(1, MOST_CHANGES + 1):
-        for chosen in combinations(toggles, count):
-            per_head = tuple(item for item in chosen if isinstance(item, PerHeadArgument))
-            if len({item.name for item in per_head}) < len(per_head):
-                continue
-            yield LocalView(
-                fields=tuple(item for item in chosen if isinstance(item, str) and item != "input_width"),
-                input_width="input_width" in chosen,
-                per_head=per_head,
-            )
+    # `local_reshapes` last, once every view without it has failed: it only mends reshapes that would raise, so a
+    # view that needs no mending (Longformer's input_width) is the one a plan names
+    for reshapes, first_count in ((False, 1), (True, 0)) if width else ((False, 1),):
+        for count in range(first_count, MOST_CHANGES + 1 - reshapes):
+            for chosen in combinations(toggles, count):
+                per_head = tuple(item for item in chosen if isinstance(item, PerHeadArgument))
+                if len({item.name for item in per_head}) < len(per_head):
+                    continue
+                yield LocalView(
+                    fields=tuple(item for item in chosen if isinstance(item, str) and item != INPUT_WIDTH),
+                    input_width=INPUT_WIDTH in chosen,
+                    per_head=per_head,
+                    local_reshapes=reshapes,
+                )
 
 
 def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:

@@ -18,6 +18,10 @@ everything the module shares with the rest of the model untouched:
   every rank, and its group count, which is then 1 on each rank.
 - **input_width**: the module's first input reports `1/tp` of its last dimension through `size()` and `.shape`
   (nanoGPT's `B, T, C = x.size()` then `C // n_head`); every operation on it still sees the whole tensor.
+- **local_reshapes**: a reshape (or view) inside the forward to a shape naming the first input's whole width,
+  which cannot hold its tensor (a rank's heads, `1/tp` of the elements), takes `1/tp` of that width instead: PVT
+  v2's `context.reshape(batch, seq_len, num_channels)`, where `num_channels` is read off the input, which its
+  spatial reduction also reshapes whole. A reshape that holds its tensor is left as it is.
 - **per-head arguments** (`alibi[0,batch]`): a tensor argument holding one slice per head (Bloom's ALiBi
   `(batch * heads, 1, keys)`, MPT's `(heads, 1, keys)`) is cut to this rank's heads along that dimension;
   `batch` when the dimension folds the batch in front of the heads.
@@ -31,10 +35,12 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from tp_train.parallel.sharding import ShardSpec, check_sections
 from tp_train.plan.styles import (
@@ -48,6 +54,8 @@ from tp_train.plan.styles import (
 )
 
 INPUT_WIDTH = "input_width"
+LOCAL_RESHAPES = "local_reshapes"
+RESHAPES = (torch.Tensor.reshape, torch.Tensor.view, torch.reshape)
 
 
 @dataclass(frozen=True)
@@ -65,9 +73,11 @@ class LocalView:
     fields: tuple[str, ...] = ()
     input_width: bool = False
     per_head: tuple[PerHeadArgument, ...] = ()
+    local_reshapes: bool = False
 
     def style(self) -> str:
-        items = [*self.fields, *([INPUT_WIDTH] if self.input_width else []), *map(str, self.per_head)]
+        flags = [INPUT_WIDTH] * self.input_width + [LOCAL_RESHAPES] * self.local_reshapes
+        items = [*self.fields, *flags, *map(str, self.per_head)]
         return f"attention({', '.join(items)})"
 
 
@@ -77,17 +87,19 @@ def parse_attention_style(style: str) -> LocalView | None:
         return None
     if not (style.startswith("attention(") and style.endswith(")")):
         raise ValueError(f"'{style}' is not an attention style; write 'attention' or 'attention(n_head, ...)'")
-    fields, width, per_head = [], False, []
+    fields, width, per_head, reshapes = [], False, [], False
     for item in (part.strip() for part in style[len("attention(") : -1].split(", ")):
         if item == INPUT_WIDTH:
             width = True
+        elif item == LOCAL_RESHAPES:
+            reshapes = True
         elif item.endswith("]") and "[" in item:
             name, _, where = item[:-1].partition("[")
             dim, _, batch = where.partition(",")
             per_head.append(PerHeadArgument(name, int(dim), batch == "batch"))
         elif item:
             fields.append(item)
-    return LocalView(tuple(fields), width, tuple(per_head))
+    return LocalView(tuple(fields), width, tuple(per_head), reshapes)
 
 
 def is_attention_style(style: str) -> bool:
@@ -120,6 +132,8 @@ def apply_local_view(module: nn.Module, view: LocalView | None, tp: int, rank: i
         _divide_field(module, path, tp, rebuilt)
     for layer in list(rebuilt.values()):
         _rebuild_pattern_layer(module, layer)
+    if view.local_reshapes:
+        _install_local_reshapes(module, tp)
     if not (view.input_width or view.per_head):
         return
     signature = inspect.signature(type(module).forward)
@@ -216,6 +230,47 @@ class LocalWidth(torch.Tensor):
             if all(isinstance(dim, int) and dim % args[0].dim() != last for dim in dims):
                 return LocalWidth.of(result, args[0].tp)
         return result
+
+
+class _LocalReshapes(TorchFunctionMode):
+    """Gives a reshape to a shape naming `width` that cannot hold its tensor `width / tp` instead (at the last place
+    it names it), where that holds the tensor; every other call runs as it is."""
+
+    def __init__(self, width: int, tp: int):
+        super().__init__()
+        self.width, self.tp = width, tp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in RESHAPES and len(args) > 1 and isinstance(args[0], torch.Tensor) and not kwargs:
+            x, shape = args[0], args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:]
+            shape = list(shape) if all(isinstance(size, int) for size in shape) else None
+            if shape and self.width in shape and -1 not in shape and math.prod(shape) != x.numel():
+                where = len(shape) - 1 - shape[::-1].index(self.width)
+                shape[where] = self.width // self.tp
+                if math.prod(shape) == x.numel():
+                    return func(x, tuple(shape))
+        return func(*args, **kwargs)
+
+
+def _install_local_reshapes(module: nn.Module, tp: int) -> None:
+    """Runs `module`'s forward under `_LocalReshapes` for the width of its first input."""
+    modes: list[_LocalReshapes] = []
+
+    def enter(mod, args, kwargs):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(first, torch.Tensor) and first.dim():
+            with torch._C.DisableTorchFunctionSubclass():
+                width = first.shape[-1]
+            modes.append(_LocalReshapes(width, tp))
+            modes[-1].__enter__()
+
+    def leave(mod, args, output):
+        if modes:
+            modes.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, always_call=True)
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
