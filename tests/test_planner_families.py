@@ -11,7 +11,8 @@ held whole by the ranks its heads are on, their gradients summed, and the gated 
 those ranks; a group count that neither divides nor is divisible by tp is refused in one line; Nemotron-H's, Bamba's
 and GraniteMoeHybrid's Mamba2 layers the same way. BitNet's RMS norms between the column and the row layers are split
 with the features and normalise over all of them. CodeGen's attention, four hard-coded groups of [q; v; k], is split
-by each group's heads, its row layer by the groups."""
+by each group's heads, its row layer by the groups. xLSTM's feed-forward with its gate zero at initialisation, and its
+mLSTM cell by heads with its per-head norm."""
 
 from __future__ import annotations
 
@@ -319,6 +320,10 @@ CASES = {
     # CodeGen's four hard-coded [q; v; k] groups: each rank holds its share of every group's heads (qkv_proj by twelve
     # sections, out_proj by four), what its forward's reshape into four groups needs on local heads.
     "codegen_head_groups": (lambda: _family("codegen"), _hf_logits, (2, 4), 0.0),
+    # xLSTM: its feed-forward gate's weight is initialised to zeros (silu(0) = 0 hides where proj_up's shares go) and
+    # its mLSTM cell runs on local heads with its per-head norm (checking its head count) split with them. Called
+    # without a cache: its cache, built from the model's config, holds every head's state (refused in its forward).
+    "xlstm_zero_gate_and_mlstm_heads": (lambda: _family("xlstm"), forward_without_cache_logits, (2, 4), 0.0),
 }
 
 
@@ -407,6 +412,16 @@ def test_codegens_attention_is_split_by_its_head_groups():
     assert plan["transformer.h.*.attn.qkv_proj"] == f"colwise({','.join(['8'] * 12)})"
     assert plan["transformer.h.*.attn.out_proj"] == "rowwise(8,8,8,8)"
     assert plan["transformer.h.*.attn"] == "attention" and not plan.notes
+
+
+def test_xlstms_zero_gate_and_per_head_norm_are_planned():
+    """Its feed-forward gate (weight zeros at initialisation, silu(0) = 0) would hide where proj_up's shares go: the
+    other columns are moved in every probe; its mLSTM cell's view divides its per-head norm's head count, which the
+    norm's forward checks."""
+    plan, _ = resolve_plan(_family("xlstm"), tensor_parallel_size=2)
+    assert plan["backbone.blocks.*.ffn.proj_up"] == "colwise" and plan["backbone.blocks.*.ffn.proj_down"] == "rowwise"
+    assert plan["backbone.blocks.*.mlstm_layer"] == "attention(v_dim, config.num_heads, multihead_norm.num_heads)"
+    assert plan["backbone.blocks.*.mlstm_layer.multihead_norm.weight"] == "colwise" and not plan.notes
 
 
 def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():

@@ -388,6 +388,9 @@ class _Planner:
             pair = _Pair(row, replicated=replicated)
             for column in sorted(producers - replicated, key=lambda name: self.calls[name].order):
                 style = self._split(column, row, frozenset(replicated))
+                others = frozenset(producers - replicated - {column})
+                if style is None and others:  # seen where the other columns' outputs are not all zero (xLSTM's gate)
+                    style = self._split(column, row, frozenset(replicated), others)
                 if style is None or columns_done.get(column, style) != style:
                     reason = (
                         f"no split of '{column}' ({', '.join(s for s, _ in SPLITS)}) at tp={self.shares} gives each "
@@ -509,11 +512,19 @@ class _Planner:
         names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
         return module is None or any(isinstance(getattr(module, name, None), int) for name in names)
 
-    def _split(self, column: str, row: str, frozen: frozenset = frozenset()) -> str | None:
+    def _split(
+        self, column: str, row: str, frozen: frozenset = frozenset(), background: frozenset = frozenset()
+    ) -> str | None:
+        """The first split of `column`'s output (`SPLITS`, or [q; k; v] of the sizes the row's view shows) whose
+        shares feed only the same shares of `row`'s input (`_local`), or None. `background`: other columns of the row
+        whose outputs are moved alike in every probe forward, so that one multiplying `column`'s output and zero in
+        the probe (xLSTM's feed-forward gate, its weight initialised to zeros: silu(0) = 0) does not hide where
+        `column`'s shares go."""
         width, row_width = _last_dim(self.calls[column].output), _last_dim(self.calls[row].input)
         if row_width % self.shares:
             return None
         key = ("split", generic(column), generic(row), width, row_width, tuple(sorted(map(generic, frozen))))
+        key += tuple(sorted(map(generic, background)))
         if key not in self._cache:
             candidates = [(style, (width // sections,) * sections) for style, sections in SPLITS]
             # Unnamed, `fused_qkv_colwise` takes [q; k; v] from the head counts of the column's parent or the model's
@@ -532,7 +543,7 @@ class _Planner:
                     for style, sizes in candidates
                     if sum(sizes) == width
                     and all(size % self.shares == 0 for size in sizes)
-                    and self._local(column, row, sizes, frozen)
+                    and self._local(column, row, sizes, frozen, background=background)
                 ),
                 None,
             )
@@ -545,17 +556,19 @@ class _Planner:
         sections: tuple[int, ...],
         frozen: frozenset = frozenset(),
         row_sections: tuple[int, ...] | None = None,
+        background: frozenset = frozenset(),
     ) -> bool:
         """Whether perturbing rank r's share of `column`'s output (split in `sections`, each divided among the
         ranks) at every call moves only rank r's share of `row`'s input (of each of its `row_sections`, default
         one) at every call, for every r; the outputs of `frozen` modules (earlier row layers, all-reduced in the
         sharded model) held as they were. A layer run on two inputs (Pegasus-X's q_proj on the tokens and on the
         global tokens, BLIP-2's on queries and on text) is thereby checked as the one split the sharded model runs
-        at each of its calls."""
-        base = self._row_inputs(row, {})
+        at each of its calls. `background`: modules whose outputs are moved alike in every one of these forwards
+        (`_split`)."""
+        base = self._row_inputs(row, {}, frozen, background=background) if background else self._row_inputs(row, {})
         for share in range(self.shares):
             mask = functools.partial(_share_mask, sections=sections, shares=self.shares, share=share)
-            moved = self._row_inputs(row, {column: mask}, frozen)
+            moved = self._row_inputs(row, {column: mask}, frozen, background=background)
             if not self._moves_only(share, base, moved, row_sections):
                 return False
         return True
@@ -856,21 +869,28 @@ class _Planner:
     # ------------------------------------------------------------------------------------------- probe forwards
 
     def _row_inputs(
-        self, row: str, masks: dict[str, Callable], frozen: frozenset = frozenset(), fresh: bool = False
+        self,
+        row: str,
+        masks: dict[str, Callable],
+        frozen: frozenset = frozenset(),
+        fresh: bool = False,
+        background: frozenset = frozenset(),
     ) -> list[torch.Tensor]:
         """`row`'s input at each of its calls in a probe forward in which `masks[name](output)` marks entries of
         `name`'s output (at each of its calls) to perturb, and the outputs of `frozen` modules are held at their
-        unperturbed values; so is `row`'s own output (all-reduced, whole on every rank in the sharded model): a
+        unperturbed values, and the outputs of `background` modules are moved by the same noise in every forward
+        given them (`_split`); so is `row`'s own output (all-reduced, whole on every rank in the sharded model): a
         perturbation reaches a later call of it (ALBERT's one layer, run at every depth) only as its columns carry
         it there, not through the residual stream its earlier calls wrote. `fresh`: run again (a parameter was
         perturbed), not the unperturbed inputs kept."""
-        if not masks and not fresh and row in self._bases:
+        if not masks and not fresh and not background and row in self._bases:
             return self._bases[row]
-        frozen = frozen | {row} if masks else frozen
+        frozen = frozen | {row} if masks or background else frozen
         captured = []
         generator = torch.Generator(device=self.calls[row].input.device).manual_seed(0)
+        still = torch.Generator(device=self.calls[row].input.device).manual_seed(1)  # the background's, alike each time
 
-        def perturb(module, args, output, mask):
+        def perturb(module, args, output, mask, generator=generator):
             scale = output.detach().abs().mean() + 1e-3
             noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
             return output + noise * scale * mask(output)
@@ -888,6 +908,10 @@ class _Planner:
         handles += [
             self.modules[name].register_forward_hook(lambda m, a, o, mask=mask: perturb(m, a, o, mask))
             for name, mask in masks.items()
+        ]
+        handles += [
+            self.modules[name].register_forward_hook(lambda m, a, o: perturb(m, a, o, torch.ones_like, still))
+            for name in sorted(background)
         ]
         handles += [self.modules[name].register_forward_hook(held(name)) for name in frozen]
         # Norms and reductions hold their traced statistics in every probe forward, the unperturbed one too: a
@@ -911,7 +935,7 @@ class _Planner:
         finally:
             for handle in handles:
                 handle.remove()
-        if not masks and not fresh:
+        if not masks and not fresh and not background:
             self._bases[row] = captured
         return captured
 

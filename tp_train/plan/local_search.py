@@ -346,8 +346,10 @@ def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
             add_counts(f"{key}.", vars(value))
     for name, child in module.named_modules():
         # parameterless layers (einops'), and inner attention modules holding parameters of their own beside their
-        # layers (DeBERTa's self-attention, with its q_bias); not leaf layers with weights (embeddings, norms)
+        # layers (DeBERTa's self-attention, with its q_bias); not leaf layers with weights (embeddings), but those
+        # whose weights are split with the heads (xLSTM's per-head norm, which checks its input's head count)
         inner = not any(True for _ in child.parameters(recurse=False)) or any(True for _ in child.children())
+        inner = inner or any(f"{name}.{param}" in planned for param in child._parameters)
         if name and name not in planned and inner and linear_shape(child) is None:
             add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
     return paths
