@@ -134,7 +134,8 @@ def test_falcon_configs_the_preset_cannot_split_are_refused():
 @pytest.mark.parametrize("model_type", ["bloom", "codegen"])
 def test_families_with_unsplittable_layouts_have_no_preset(model_type):
     """Bloom's ALiBi tensor covers all heads (built outside the attention module); CodeGen's qkv_proj is split
-    with a hard-coded mp_num=4: neither can be sharded with the existing styles, so neither gets a preset."""
+    with a hard-coded mp_num=4, which the auto-planner finds (each rank its share of every group's heads, the row
+    layer split by the groups): neither gets a preset."""
     from tp_train.plan.presets import PRESETS
 
     assert model_type not in PRESETS

@@ -10,7 +10,9 @@ fewer groups than ranks (Bamba's and GraniteMoeHybrid's one group, as real check
 held whole by the ranks its heads are on, their gradients summed, and the gated norm normalises each group across
 those ranks; a group count that neither divides nor is divisible by tp is refused in one line; Nemotron-H's, Bamba's
 and GraniteMoeHybrid's Mamba2 layers the same way. BitNet's RMS norms between the column and the row layers are split
-with the features and normalise over all of them."""
+with the features and normalise over all of them. CodeGen's attention, four hard-coded groups of [q; v; k], is split
+by each group's heads, its row layer by the groups. xLSTM's feed-forward with its gate zero at initialisation, and its
+mLSTM cell by heads with its per-head norm."""
 
 from __future__ import annotations
 
@@ -315,6 +317,13 @@ CASES = {
     # gpt-oss with 2 kv heads (replicated at tp 4): attention on local heads with its sinks split with them, every
     # expert's interleaved gate/up and down split by its intermediate features, down_proj's bias counted once.
     "gpt_oss_sinks_and_experts": (lambda: _family("gpt_oss", num_key_value_heads=2), _hf_logits, (2, 4), 0.07),
+    # CodeGen's four hard-coded [q; v; k] groups: each rank holds its share of every group's heads (qkv_proj by twelve
+    # sections, out_proj by four), what its forward's reshape into four groups needs on local heads.
+    "codegen_head_groups": (lambda: _family("codegen"), _hf_logits, (2, 4), 0.0),
+    # xLSTM: its feed-forward gate's weight is initialised to zeros (silu(0) = 0 hides where proj_up's shares go) and
+    # its mLSTM cell runs on local heads with its per-head norm (checking its head count) split with them. Called
+    # without a cache: its cache, built from the model's config, holds every head's state (refused in its forward).
+    "xlstm_zero_gate_and_mlstm_heads": (lambda: _family("xlstm"), forward_without_cache_logits, (2, 4), 0.0),
 }
 
 
@@ -393,6 +402,26 @@ def test_the_family_shards_and_matches_unsharded(name, tp):
         if isinstance(results[name], str):
             pytest.fail(f"rank {rank}: {results[name]}")
         assert_parity(results[name], tp, rank, ATOL, block_rel_tol=CASES[name][3])
+
+
+def test_codegens_attention_is_split_by_its_head_groups():
+    """Its forward reshapes qkv_proj's output into four groups (`mp_num`) of [q; v; k] whatever the heads: the
+    contiguous split gives each rank whole groups, which that reshape cuts wrongly, so the planner splits each group's
+    q, v and k, and out_proj's input by the four groups' heads."""
+    plan, _ = resolve_plan(_family("codegen"), tensor_parallel_size=2)
+    assert plan["transformer.h.*.attn.qkv_proj"] == f"colwise({','.join(['8'] * 12)})"
+    assert plan["transformer.h.*.attn.out_proj"] == "rowwise(8,8,8,8)"
+    assert plan["transformer.h.*.attn"] == "attention" and not plan.notes
+
+
+def test_xlstms_zero_gate_and_per_head_norm_are_planned():
+    """Its feed-forward gate (weight zeros at initialisation, silu(0) = 0) would hide where proj_up's shares go: the
+    other columns are moved in every probe; its mLSTM cell's view divides its per-head norm's head count, which the
+    norm's forward checks."""
+    plan, _ = resolve_plan(_family("xlstm"), tensor_parallel_size=2)
+    assert plan["backbone.blocks.*.ffn.proj_up"] == "colwise" and plan["backbone.blocks.*.ffn.proj_down"] == "rowwise"
+    assert plan["backbone.blocks.*.mlstm_layer"] == "attention(v_dim, config.num_heads, multihead_norm.num_heads)"
+    assert plan["backbone.blocks.*.mlstm_layer.multihead_norm.weight"] == "colwise" and not plan.notes
 
 
 def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():

@@ -238,7 +238,9 @@ class RowParallelLinear(Configurable, nn.Module):
     partial sums to it (a LoRA adapter beside it, `tp_train.plan.adapters`) all-reduces once and adds the bias.
 
     Args:
-        in_features: full input width, split evenly across ranks.
+        in_features: full input width, split evenly across ranks; or into `sections`, each split evenly, rank r
+            holding its chunk of every section in turn (CodeGen's out_proj, reading each rank's heads of every one of
+            its four [q; v; k] groups). Not with `split_input`.
         out_features: output width (replicated; split evenly across ranks with `scatter_output`).
         group: the tensor-parallel process group.
         split_input: take a replicated input and keep this rank's share of its features.
@@ -261,6 +263,7 @@ class RowParallelLinear(Configurable, nn.Module):
         sequence_parallel: bool = False,
         comm_counter: CommunicationCounter | None = None,
         partial_output: bool = False,
+        sections: tuple[int, ...] | None = None,
     ):
         super().__init__()
         self.group = group
@@ -272,14 +275,21 @@ class RowParallelLinear(Configurable, nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         world_size = dist.get_world_size(group)
-        check_divisible("RowParallelLinear", "in_features", in_features, world_size)
+        sections = tuple(sections or (in_features,))
+        if sum(sections) != in_features or split_input and len(sections) > 1:
+            raise ValueError(
+                f"RowParallelLinear: sections {sections} must add up to in_features={in_features}, and "
+                f"split_input takes one (it keeps a contiguous share of a replicated input)"
+            )
+        for size in sections:
+            check_divisible("RowParallelLinear", "in_features (per section)", size, world_size)
         local_out = out_features
         if scatter_output:
             check_divisible("RowParallelLinear with scatter_output", "out_features", out_features, world_size)
             local_out = out_features // world_size
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
-        self.shard_specs = {"weight": ShardSpec(dim=1, sections=(in_features,))}
+        self.shard_specs = {"weight": ShardSpec(dim=1, sections=sections)}
         if scatter_output and bias:
             self.shard_specs["bias"] = ShardSpec(dim=0, sections=(out_features,))
         self.reset_parameters()

@@ -52,6 +52,7 @@ from tp_train.plan.styles import (
     linear_shape,
     mla_rope_dim,
     parameter_shard_spec,
+    row_layout,
 )
 
 
@@ -259,8 +260,15 @@ def _parallel_linear(
     kwargs = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
     if style in ROW_STYLES:
         split_input, scatter_output = style == "rowwise_split_input", style == "rowwise_scatter_output"
+        sections = row_layout(in_features, arguments)
         layer = RowParallelLinear(
-            in_features, out_features, group, split_input=split_input, scatter_output=scatter_output, **kwargs
+            in_features,
+            out_features,
+            group,
+            split_input=split_input,
+            scatter_output=scatter_output,
+            sections=sections,
+            **kwargs,
         )
     else:
         sections, units = column_layout(style, out_features, counts, arguments)

@@ -109,6 +109,12 @@ class _Pair:
     own: dict[str, str] = field(default_factory=dict)
     shared_tables: set[str] = field(default_factory=set)  # embedding tables all its heads read (SpeechT5's)
     refusal: str | None = None  # why it cannot be planned, raised if it is still a pair once the leaks are dropped
+    row_sections: tuple[int, ...] | None = None  # sections of the row's input, each split evenly (CodeGen's groups)
+
+    @property
+    def row_style(self) -> str:
+        sections = self.row_sections
+        return f"rowwise({','.join(map(str, sections))})" if sections and len(sections) > 1 else "rowwise"
 
 
 class InferredPlan(dict):
@@ -264,7 +270,7 @@ class _Planner:
                 )
             styles.update(pair.own)
             styles.update({table: "replicated_with_grad_allreduce" for table in pair.shared_tables})
-            styles.setdefault(pair.row, "rowwise")
+            styles.setdefault(pair.row, pair.row_style)
             styles.update(pair.channels)
             for name in pair.replicated:  # its replicated output re-enters a sharded region: f after its g
                 styles[name] = "rowwise(feeds_parallel_region)"
@@ -387,6 +393,9 @@ class _Planner:
             pair = _Pair(row, replicated=replicated)
             for column in sorted(producers - replicated, key=lambda name: self.calls[name].order):
                 style = self._split(column, row, frozenset(replicated))
+                others = frozenset(producers - replicated - {column})
+                if style is None and others:  # seen where the other columns' outputs are not all zero (xLSTM's gate)
+                    style = self._split(column, row, frozenset(replicated), others)
                 if style is None or columns_done.get(column, style) != style:
                     reason = (
                         f"no split of '{column}' ({', '.join(s for s, _ in SPLITS)}) at tp={self.shares} gives each "
@@ -511,11 +520,19 @@ class _Planner:
         names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
         return module is None or any(isinstance(getattr(module, name, None), int) for name in names)
 
-    def _split(self, column: str, row: str, frozen: frozenset = frozenset()) -> str | None:
+    def _split(
+        self, column: str, row: str, frozen: frozenset = frozenset(), background: frozenset = frozenset()
+    ) -> str | None:
+        """The first split of `column`'s output (`SPLITS`, or [q; k; v] of the sizes the row's view shows) whose
+        shares feed only the same shares of `row`'s input (`_local`), or None. `background`: other columns of the row
+        whose outputs are moved alike in every probe forward, so that one multiplying `column`'s output and zero in
+        the probe (xLSTM's feed-forward gate, its weight initialised to zeros: silu(0) = 0) does not hide where
+        `column`'s shares go."""
         width, row_width = _last_dim(self.calls[column].output), _last_dim(self.calls[row].input)
         if row_width % self.shares:
             return None
         key = ("split", generic(column), generic(row), width, row_width, tuple(sorted(map(generic, frozen))))
+        key += tuple(sorted(map(generic, background)))
         if key not in self._cache:
             candidates = [(style, (width // sections,) * sections) for style, sections in SPLITS]
             # Unnamed, `fused_qkv_colwise` takes [q; k; v] from the head counts of the column's parent or the model's
@@ -534,37 +551,52 @@ class _Planner:
                     for style, sizes in candidates
                     if sum(sizes) == width
                     and all(size % self.shares == 0 for size in sizes)
-                    and self._local(column, row, sizes, frozen)
+                    and self._local(column, row, sizes, frozen, background=background)
                 ),
                 None,
             )
         return self._cache[key]
 
-    def _local(self, column: str, row: str, sections: tuple[int, ...], frozen: frozenset = frozenset()) -> bool:
+    def _local(
+        self,
+        column: str,
+        row: str,
+        sections: tuple[int, ...],
+        frozen: frozenset = frozenset(),
+        row_sections: tuple[int, ...] | None = None,
+        background: frozenset = frozenset(),
+    ) -> bool:
         """Whether perturbing rank r's share of `column`'s output (split in `sections`, each divided among the
-        ranks) at every call moves only rank r's share of `row`'s input at every call, for every r; the outputs of
-        `frozen` modules (earlier row layers, all-reduced in the sharded model) held as they were. A layer run on
-        two inputs (Pegasus-X's q_proj on the tokens and on the global tokens, BLIP-2's on queries and on text) is
-        thereby checked as the one split the sharded model runs at each of its calls."""
-        base = self._row_inputs(row, {})
+        ranks) at every call moves only rank r's share of `row`'s input (of each of its `row_sections`, default
+        one) at every call, for every r; the outputs of `frozen` modules (earlier row layers, all-reduced in the
+        sharded model) held as they were. A layer run on two inputs (Pegasus-X's q_proj on the tokens and on the
+        global tokens, BLIP-2's on queries and on text) is thereby checked as the one split the sharded model runs
+        at each of its calls. `background`: modules whose outputs are moved alike in every one of these forwards
+        (`_split`)."""
+        base = self._row_inputs(row, {}, frozen, background=background) if background else self._row_inputs(row, {})
         for share in range(self.shares):
             mask = functools.partial(_share_mask, sections=sections, shares=self.shares, share=share)
-            if not self._moves_only(share, base, self._row_inputs(row, {column: mask}, frozen)):
+            moved = self._row_inputs(row, {column: mask}, frozen, background=background)
+            if not self._moves_only(share, base, moved, row_sections):
                 return False
         return True
 
-    def _moves_only(self, share: int, base: list[torch.Tensor], moved: list[torch.Tensor]) -> bool:
+    def _moves_only(self, share: int, base: list[torch.Tensor], moved: list[torch.Tensor], row_sections=None) -> bool:
         """Whether a row layer's inputs at its calls, `base` before and `moved` after a perturbation, moved inside
-        rank `share`'s share of their features only (and somewhere at all)."""
-        effects = [self._share_effect(after - before, share) for before, after in zip(base, moved, strict=True)]
+        rank `share`'s share of their features (of each of `row_sections`, default one) only, and somewhere at
+        all."""
+        effects = [
+            self._share_effect(after - before, share, row_sections) for before, after in zip(base, moved, strict=True)
+        ]
         return max(effect for effect, _ in effects) > 0 and not any(leak > LEAK_TOLERANCE * e for e, leak in effects)
 
-    def _share_effect(self, delta: torch.Tensor, share: int) -> tuple[float, float]:
-        """How far a row input moved inside rank `share`'s features, and outside them."""
-        delta = delta.abs().unflatten(-1, (self.shares, -1))  # (..., shares, features per share)
-        inside = delta.select(-2, share)
-        outside = torch.cat([delta.narrow(-2, 0, share), delta.narrow(-2, share + 1, self.shares - share - 1)], -2)
-        return inside.max().item(), outside.max().item() if outside.numel() else 0.0
+    def _share_effect(self, delta: torch.Tensor, share: int, sections=None) -> tuple[float, float]:
+        """How far a row input moved inside rank `share`'s features (its chunk of each of `sections`), and outside
+        them."""
+        inside = _share_mask(delta, sections or (delta.shape[-1],), self.shares, share)
+        delta = delta.abs()
+        outside = delta.masked_fill(inside, 0)
+        return delta.masked_fill(~inside, 0).max().item(), outside.max().item()
 
     def _parameter_local(self, row: str, owner: str, param: torch.Tensor, dim: int) -> bool:
         """Whether perturbing rank r's share of `param` (of module `owner`) along `dim` moves only rank r's share of
@@ -739,7 +771,15 @@ class _Planner:
             relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
             relative |= {own[len(name) + 1 :]: style for own, style in pair.own.items()}
             row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
-            search = partial(find_local_view, self.modules[name], calls[name], relative, row, self.shares, config)
+            search = partial(
+                find_local_view,
+                self.modules[name],
+                calls[name],
+                columns=relative,
+                row=row,
+                tp=self.shares,
+                config=config,
+            )
             called = key + (_arguments_shape(calls[name]),)
             if key not in self._cache:
                 self._cache[key] = self._cache[called] = search()
@@ -752,11 +792,53 @@ class _Planner:
                 view = parse_attention_style(found[0]) if found[0] else None
                 self._cache[called] = found if found[0] and not (view and view.per_head) else self._cache[key]
             style, reason = self._cache[called]
+            if style is None and not (pair.tables or pair.own or pair.replicated):
+                grouped_key = ("grouped",) + called
+                if grouped_key not in self._cache:
+                    self._cache[grouped_key] = self._grouped_layout(name, pair, calls[name], search)
+                style, columns, row_sections = self._cache[grouped_key] or (None, None, None)
+                if style is not None:
+                    pair.columns = {f"{name}.{column}": split for column, split in columns.items()}
+                    pair.row_sections = row_sections
             if style is None:
                 self.kept_whole[name] = reason
             else:
                 views[name] = style
         return views
+
+    def _grouped_layout(self, name: str, pair: _Pair, call, search) -> tuple[str, dict, tuple] | None:
+        """For an attention no view makes right under its columns' first local split: its heads in G groups, as
+        CodeGen keeps them (its forward reshapes qkv_proj's output into a hard-coded four groups of [q; v; k]), each
+        rank holding its share of every group's heads: its row layer split by G sections of its input, each column
+        by G, 2G or 3G sections (a group's q, v and k), each evenly. G from 2 up, as long as tp divides each group's
+        heads; the first whose splits are local and under which a view holds. Its style, the columns' styles (by
+        name relative to `name`) and the row's sections, or None."""
+        heads, row_width = self._attention_heads(pair), _last_dim(self.calls[pair.row].input)
+        frozen = frozenset(pair.replicated)
+        for groups in range(2, (heads or 0) // self.shares + 1):
+            if heads % (groups * self.shares) or row_width % (groups * self.shares):
+                continue
+            row_sections = (row_width // groups,) * groups
+            columns = {}
+            for column in pair.columns:
+                width = _last_dim(self.calls[column].output)
+                layouts = [(width // (k * groups),) * (k * groups) for k in (1, 2, 3) if width % (k * groups) == 0]
+                sections = next(
+                    (
+                        layout
+                        for layout in layouts
+                        if layout[0] % self.shares == 0 and self._local(column, pair.row, layout, frozen, row_sections)
+                    ),
+                    None,
+                )
+                if sections is None:
+                    break
+                columns[column[len(name) + 1 :]] = f"colwise({','.join(map(str, sections))})"
+            else:
+                style, _ = search(columns=columns, row_sections=row_sections)
+                if style is not None:
+                    return style, columns, row_sections
+        return None
 
     def _attention_styles(self, pair: _Pair, styles: dict[str, str], style: str) -> None:
         enclosing = _enclosing(pair)
@@ -799,21 +881,28 @@ class _Planner:
     # ------------------------------------------------------------------------------------------- probe forwards
 
     def _row_inputs(
-        self, row: str, masks: dict[str, Callable], frozen: frozenset = frozenset(), fresh: bool = False
+        self,
+        row: str,
+        masks: dict[str, Callable],
+        frozen: frozenset = frozenset(),
+        fresh: bool = False,
+        background: frozenset = frozenset(),
     ) -> list[torch.Tensor]:
         """`row`'s input at each of its calls in a probe forward in which `masks[name](output)` marks entries of
         `name`'s output (at each of its calls) to perturb, and the outputs of `frozen` modules are held at their
-        unperturbed values; so is `row`'s own output (all-reduced, whole on every rank in the sharded model): a
+        unperturbed values, and the outputs of `background` modules are moved by the same noise in every forward
+        given them (`_split`); so is `row`'s own output (all-reduced, whole on every rank in the sharded model): a
         perturbation reaches a later call of it (ALBERT's one layer, run at every depth) only as its columns carry
         it there, not through the residual stream its earlier calls wrote. `fresh`: run again (a parameter was
         perturbed), not the unperturbed inputs kept."""
-        if not masks and not fresh and row in self._bases:
+        if not masks and not fresh and not background and row in self._bases:
             return self._bases[row]
-        frozen = frozen | {row} if masks else frozen
+        frozen = frozen | {row} if masks or background else frozen
         captured = []
         generator = torch.Generator(device=self.calls[row].input.device).manual_seed(0)
+        still = torch.Generator(device=self.calls[row].input.device).manual_seed(1)  # the background's, alike each time
 
-        def perturb(module, args, output, mask):
+        def perturb(module, args, output, mask, generator=generator):
             scale = output.detach().abs().mean() + 1e-3
             noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
             return output + noise * scale * mask(output)
@@ -831,6 +920,10 @@ class _Planner:
         handles += [
             self.modules[name].register_forward_hook(lambda m, a, o, mask=mask: perturb(m, a, o, mask))
             for name, mask in masks.items()
+        ]
+        handles += [
+            self.modules[name].register_forward_hook(lambda m, a, o: perturb(m, a, o, torch.ones_like, still))
+            for name in sorted(background)
         ]
         handles += [self.modules[name].register_forward_hook(held(name)) for name in frozen]
         # Norms and reductions hold their traced statistics in every probe forward, the unperturbed one too: a
@@ -854,7 +947,7 @@ class _Planner:
         finally:
             for handle in handles:
                 handle.remove()
-        if not masks and not fresh:
+        if not masks and not fresh and not background:
             self._bases[row] = captured
         return captured
 

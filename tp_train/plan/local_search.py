@@ -79,7 +79,13 @@ def capture_calls(model: nn.Module, inputs: ProbeInput, names: set[str]) -> dict
 
 
 def find_local_view(
-    module: nn.Module, call: ProbeCall, columns: dict[str, str], row: str, tp: int, config=None
+    module: nn.Module,
+    call: ProbeCall,
+    columns: dict[str, str],
+    row: str,
+    tp: int,
+    config=None,
+    row_sections: tuple[int, ...] | None = None,
 ) -> tuple[str | None, str]:
     """The attention style (`attention` or `attention(...)`) under which `module` runs right on local heads, or
     None and why not.
@@ -91,6 +97,8 @@ def find_local_view(
         row: its row layer's name relative to `module`.
         tp: the tensor-parallel size to simulate.
         config: the model's config, where the column layers' head counts are read as `match_plan` reads them.
+        row_sections: the sections of the row layer's input its style splits, each evenly (`rowwise(8,8,8,8)`);
+            default one.
     """
     reference = _Recorded.run(module, row, call)
     if reference.error is not None:
@@ -98,7 +106,7 @@ def find_local_view(
     first_failure = None
     ranks = _Ranks(module, columns, row, tp, config, reference)
     for view in _candidates(module, call, columns, row, tp):
-        failure = _simulate(ranks, call, view, reference)
+        failure = _simulate(ranks, call, view, reference, row_sections)
         if failure is None:
             return ("attention" if view is None else view.style()), ""
         first_failure = first_failure or failure
@@ -248,8 +256,11 @@ def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(parent) if parent else module), attribute
 
 
-def _simulate(ranks: _Ranks, call: ProbeCall, view: LocalView | None, reference: _Recorded) -> str | None:
-    """None when `view` makes every simulated rank right; else what went wrong."""
+def _simulate(
+    ranks: _Ranks, call: ProbeCall, view: LocalView | None, reference: _Recorded, row_sections=None
+) -> str | None:
+    """None when `view` makes every simulated rank right; else what went wrong. The ranks' row inputs are put
+    together section by section (`row_sections`, default one), each rank's chunk of each in turn."""
     row_inputs = []
     for rank in range(ranks.tp):
         local, stand_in = ranks.copy(rank)
@@ -271,13 +282,21 @@ def _simulate(ranks: _Ranks, call: ProbeCall, view: LocalView | None, reference:
         row_inputs.append(stand_in.inputs)
     for index, expected in enumerate(reference.row_inputs):  # at each call of the row layer
         try:
-            side_by_side = torch.cat([inputs[index] for inputs in row_inputs], dim=-1)
+            side_by_side = _side_by_side([inputs[index] for inputs in row_inputs], row_sections, ranks.tp)
         except RuntimeError as error:
             return f"its row layer's local inputs do not line up ({first_line(error)})"
         mismatched = side_by_side.shape != expected.shape  # relative_difference does not compare shapes
         if mismatched or relative_difference(side_by_side, expected) > TOLERANCE:
             return "on local heads its row layer's input differs from the unsharded module's"
     return None
+
+
+def _side_by_side(local: list[torch.Tensor], sections: tuple[int, ...] | None, tp: int) -> torch.Tensor:
+    """The full row input from the ranks' `local` ones: rank by rank within each of its `sections` in turn."""
+    if not sections or len(sections) == 1:
+        return torch.cat(local, dim=-1)
+    pieces = [x.split([size // tp for size in sections], dim=-1) for x in local]
+    return torch.cat([piece[i] for i in range(len(sections)) for piece in pieces], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- candidates
@@ -345,8 +364,10 @@ def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
             add_counts(f"{key}.", vars(value))
     for name, child in module.named_modules():
         # parameterless layers (einops'), and inner attention modules holding parameters of their own beside their
-        # layers (DeBERTa's self-attention, with its q_bias); not leaf layers with weights (embeddings, norms)
+        # layers (DeBERTa's self-attention, with its q_bias); not leaf layers with weights (embeddings), but those
+        # whose weights are split with the heads (xLSTM's per-head norm, which checks its input's head count)
         inner = not any(True for _ in child.parameters(recurse=False)) or any(True for _ in child.children())
+        inner = inner or any(f"{name}.{param}" in planned for param in child._parameters)
         if name and name not in planned and inner and linear_shape(child) is None:
             add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
     return paths

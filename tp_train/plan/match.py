@@ -172,7 +172,13 @@ def _check_module(
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Linear or a Conv1D")
         in_features, out_features = shape
         if style in ROW_STYLES:
-            check_divisible(where, "in_features", in_features, tp)
+            named = section_sizes(arguments)
+            if named and (style != "rowwise" or sum(named) != in_features):
+                raise ValueError(
+                    f"{where}: '{style}({arguments})' must be 'rowwise' naming sections of in_features={in_features}"
+                )
+            for size in named or (in_features,):
+                check_divisible(where, "in_features" + (" (per section)" if named else ""), size, tp)
             if style == "rowwise_scatter_output":  # each rank keeps whole outputs (its kv heads'), never replicas
                 check_divisible(where, "out_features", out_features, tp)
         elif style in PACKED_SECTIONS or style == "colwise":

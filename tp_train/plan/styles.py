@@ -79,7 +79,10 @@ attention's depthwise conv1d over the concatenated q, k and v); a section writte
 N (`colwise(64,64,1x16,1x16,8)`: Mamba2's B and C of one group), each held whole by tp / G ranks when tp exceeds G,
 as replicated kv heads are (`tp_train.parallel.sharding.ShardSpec.units`); `attention(n_head,
 config.n_query_groups, input_width, ...)` names where the module keeps its head counts (`tp_train.plan.local_view`),
-`rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output enters a sharded region again, and
+`rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output enters a sharded region again,
+`rowwise(8,8,8,8)` names sections of a row layer's input, each split evenly (CodeGen's out_proj: its qkv_proj,
+`colwise` by the twelve sections [q; v; k] of each of four groups, gives each rank its share of every group's heads,
+which is what its hard-coded four-way reshape needs on local heads), and
 `moe_tp_experts(ffn_hidden_size)` names counts the experts' forward views its weights with, made local as an
 `attention(...)` view's are (DBRX's `view(-1, ffn_hidden_size, hidden_size)`).
 
@@ -254,6 +257,13 @@ def column_layout(
     return layout
 
 
+def row_layout(in_features: int, arguments: str = "") -> tuple[int, ...]:
+    """The sections a row style splits a layer's input into, each split evenly across ranks: those its arguments
+    name (`rowwise(8,8,8,8)`: CodeGen's out_proj, reading each rank's heads of each of its four [q; v; k] groups),
+    else one."""
+    return section_sizes(arguments) or (in_features,)
+
+
 def style_shard_spec(
     style: str, module: nn.Module, param_name: str, counts: HeadCounts | None = None, arguments: str = ""
 ) -> ShardSpec | None:
@@ -278,7 +288,8 @@ def style_shard_spec(
     if style == "rowwise_scatter_output" and param_name == "bias":  # added to this rank's share of the output
         return ShardSpec(dim=0, sections=(out_features,))
     if style in ROW_STYLES:
-        return ShardSpec(dim=1, sections=(in_features,), transposed=transposed) if param_name == "weight" else None
+        sections = row_layout(in_features, arguments)
+        return ShardSpec(dim=1, sections=sections, transposed=transposed) if param_name == "weight" else None
     padded = style == "colwise_gather_output"
     sections, units = column_layout(style, out_features, counts, arguments)
     return ShardSpec(dim=0, sections=sections, padded=padded, transposed=transposed, units=units)

@@ -122,7 +122,7 @@ class SwapCheck:
             inputs = local_inputs = inputs.to(weight.device)
         else:
             inputs = torch.randn(1, PROBE_TOKENS, layer.in_features, generator=generator).to(weight)
-            local_inputs = inputs.chunk(world_size, -1)[rank] if _takes_input_shard(layer) else inputs
+            local_inputs = _input_shard(layer, inputs, rank, world_size)
             inputs, local_inputs = inputs.requires_grad_(), local_inputs.detach().requires_grad_()
         # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
         # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
@@ -153,7 +153,7 @@ class SwapCheck:
         (reference.float() * projection).sum().backward()
         (output.float() * local_projection).sum().backward()
         if inputs.is_floating_point():
-            expected = inputs.grad.chunk(world_size, -1)[rank] if _takes_input_shard(layer) else inputs.grad
+            expected = _input_shard(layer, inputs.grad, rank, world_size)
             errors["input gradient"] = relative_difference(local_inputs.grad, expected)
         for param_name, param in wrapped.named_parameters(recurse=wrapped is not layer):  # a LoRA layer's adapters
             full_grad = module.get_parameter(param_name).grad
@@ -169,9 +169,13 @@ class SwapCheck:
         return errors
 
 
-def _takes_input_shard(layer: nn.Module) -> bool:
-    """Whether `layer` takes this rank's share of the input features (a row layer that does not split its own)."""
-    return isinstance(layer, RowParallelLinear) and not layer.split_input
+def _input_shard(layer: nn.Module, inputs: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's share of `inputs`' features as `layer` takes them (a row layer that does not split its own: its
+    chunk of each of its weight's sections), else `inputs`."""
+    if not isinstance(layer, RowParallelLinear) or layer.split_input:
+        return inputs
+    spec = ShardSpec(inputs.dim() - 1, layer.shard_specs["weight"].sections)
+    return shard_tensor(inputs.detach(), spec, rank, world_size)
 
 
 def _overrides_forward(module: nn.Module) -> bool:

@@ -65,6 +65,9 @@ FAMILY_FIELDS = {
     # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=(16, 16), axial_pos_shape=(8, 8)),
     "zamba": dict(layers_block_type=["hybrid", "hybrid"]),  # its shared attention is tied across two hybrid layers
+    # CodeGen reshapes qkv_proj's output into a hard-coded 4 groups of [q; v; k] (`mp_num`), on local heads too: each
+    # rank holds its share of every group, so tp x 4 must divide the heads (16 of 2, a rotary width that fits).
+    "codegen": dict(num_attention_heads=16, rotary_dim=2),
 }
 # Families whose default config builds no model that runs (transformers 5's defaults lack what every checkpoint of the
 # family sets): the fields a checkpoint would carry, at the tiny sizes.
