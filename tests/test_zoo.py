@@ -196,3 +196,49 @@ def test_every_attention_of_a_tiny_vision_family_has_tokens_to_mix(model_type):
     with torch.no_grad():
         probe_input(model, None)(model)
     assert tokens and min(tokens.values()) > 1, tokens
+
+
+@pytest.mark.parametrize("task,model_type", [("speech-seq2seq", "vibevoice"), ("seq2seq-lm", "vibevoice_asr")])
+def test_tiny_config_shrinks_the_sub_configs_of_sub_configs(task, model_type):
+    """VibeVoice's audio tokenizers kept their 6 stages doubling 32 filters to 2048 (1.0 and 0.7 billion parameters,
+    8.4 GB a rank at tp 2): run beside another family, the ranks were killed for memory. The `FAMILY_FIELDS` of the
+    sub-config's own model type make them small."""
+    import torch
+
+    from tp_train.tools.zoo import build_family
+
+    with torch.device("meta"):
+        model = build_family(task, model_type)
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+
+
+def _rank_killed(model_type: str, case: dict, rank: int, world_size: int, port: int, results) -> None:
+    """Stands in for the zoo's rank (`_rank_main`): rank 0 sends a pass at once; rank 1 is killed by SIGKILL (as the
+    out-of-memory killer does) in every attempt at `always`, in the first only at `once`."""
+    import os
+    import signal
+    from pathlib import Path
+
+    if rank == 0:
+        results.send({"class": "pass", "reason": "rank 0 saw nothing wrong"})
+        return
+    attempts = Path(case["fields"]["directory"]) / model_type
+    first = not attempts.exists()
+    attempts.write_text(attempts.read_text() + "x" if not first else "x")
+    if model_type == "always" or first:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_killed_not_a_pass_and_is_checked_again_alone(tmp_path):
+    """A family whose rank the kernel kills is `killed` even when rank 0 reports a pass, and is run again alone once
+    the others are done: `once` (killed beside another family only) then passes; `always` stays `killed`."""
+    lines = []
+    results = run_zoo(["always", "once"], tp=2, jobs=2, echo=lines.append, fields={"directory": str(tmp_path)},
+                      target=_rank_killed)  # fmt: skip
+    assert results["always"]["class"] == "killed", results
+    assert results["always"]["reason"] == "killed: rank 1 by SIGKILL (out of memory, if SIGKILL)", results
+    assert results["once"]["class"] == "pass", results
+    assert (tmp_path / "always").read_text() == "xx" and (tmp_path / "once").read_text() == "xx"
+    assert "again, one at a time: always, once" in lines
+    assert ", killed 1, error 0" in summary(results, tp=2)

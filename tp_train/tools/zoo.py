@@ -13,6 +13,8 @@ Each family lands in one class:
 - `unsharded`: it matches, but a rank holds more than 1.15/tp of the block matrices that train (some attention or MLP
   left whole on every rank without the planner saying so), or, with an attention the planner keeps whole, less than
   1/tp + 0.15 of them are sharded;
+- `killed`: a rank was killed by a signal it did not get from the zoo (the kernel's out-of-memory killer): checked
+  again alone once the other families are done, and `killed` only if it is killed again;
 - `error`: anything else (a crash, or no result within `--timeout` seconds);
 - `unbuildable`: no tiny model could be built from the family's config (not counted among the families);
 - `no blocks`: its repeated blocks hold no Linear layer (a convolutional network: ResNet, MobileNet), nothing for a
@@ -33,6 +35,7 @@ import copy
 import io
 import json
 import os
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -69,6 +72,13 @@ FAMILY_FIELDS = {
     # rank holds its share of every group, so tp x 4 must divide the heads (16 of 2, a rotary width that fits).
     "codegen": dict(num_attention_heads=16, rotary_dim=2),
 }
+# VibeVoice's audio tokenizers (the sub-configs of vibevoice and vibevoice_asr): by default 6 downsampling stages
+# that double 32 filters up to 2048 channels (1.0 and 0.7 billion parameters, 8.4 GB a rank at tp 2 with the
+# unsharded copy: two such families at once were killed for memory); 2 stages of 4 to 16 filters, one block each.
+FAMILY_FIELDS |= {
+    name: dict(num_filters=4, downsampling_ratios=[2, 2], depths=[1, 1, 1])
+    for name in ("vibevoice_acoustic_tokenizer", "vibevoice_acoustic_tokenizer_encoder")
+}
 # Families whose default config builds no model that runs (transformers 5's defaults lack what every checkpoint of the
 # family sets): the fields a checkpoint would carry, at the tiny sizes.
 FAMILY_FIELDS |= {
@@ -85,7 +95,7 @@ FAMILY_FIELDS |= {
     # rotary parameters are looked up per layer kind, and the default has none
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
-CLASSES = ("pass", "round-off", "refused", "WRONG", "error", "unsharded", "unbuildable", "no blocks")
+CLASSES = ("pass", "round-off", "refused", "WRONG", "killed", "error", "unsharded", "unbuildable", "no blocks")
 NOT_COUNTED = ("unbuildable", "no blocks")  # classes of families that are not among a task's buildable transformers
 UNSHARDED = 1.15  # a pass holds at most this over 1/tp of the trained block matrices (routers, convs, MLA latents)
 # With an attention the planner says it keeps whole, a pass still shards at least 1/tp + this of the trained block
@@ -118,7 +128,8 @@ def tiny_config(model_type: str) -> dict:
     tiny vocabulary, the `WIDTHS` the config has, expert counts its default leaves None, per-layer lists it would keep
     at the default layer count (shortened, one layer of each kind first), fewer kv-sharing layers than the tiny
     model has, `FAMILY_FIELDS`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
-    `audio_config`, ...) made tiny the same way, so no part of the model keeps its full size."""
+    `audio_config`, ...) made tiny the same way (with the `FAMILY_FIELDS` of its own model type), so no part of the
+    model keeps its full size."""
     from transformers import CONFIG_MAPPING
 
     try:
@@ -163,7 +174,9 @@ def _tiny_fields(defaults) -> dict:
         sub = getattr(defaults, field, None)
         if isinstance(sub, PretrainedConfig) and sub.model_type:  # not DBRX's attn_config: part of its parent
             sizes = {key: value for key, value in SIZES.items() if isinstance(_value(sub, key), int)}
-            config[field] = {"model_type": sub.model_type, **sizes, **_tiny_fields(sub)}
+            config[field] = {
+                "model_type": sub.model_type, **sizes, **_tiny_fields(sub), **FAMILY_FIELDS.get(sub.model_type, {})
+            }  # fmt: skip
             if "num_hidden_layers" in sizes and isinstance(_value(sub, "mlp_layer_types"), list):
                 # per-layer MLP kinds (dots3's vision tower) are not re-derived from the layer count: keep the first
                 config[field]["mlp_layer_types"] = sub.mlp_layer_types[: SIZES["num_hidden_layers"]]
@@ -427,11 +440,11 @@ def _free_port() -> int:
 class _Family:
     """One family's ranks, each a process forked from a server that imported torch and transformers once."""
 
-    def __init__(self, context, model_type: str, case: dict, tp: int, timeout: float):
+    def __init__(self, context, model_type: str, case: dict, tp: int, timeout: float, target=None):
         self.model_type, self.deadline, port = model_type, time.monotonic() + timeout, _free_port()
         self.receiver, sender = context.Pipe(duplex=False)
         self.ranks = [
-            context.Process(target=_rank_main, args=(model_type, case, rank, tp, port, sender), daemon=True)
+            context.Process(target=target or _rank_main, args=(model_type, case, rank, tp, port, sender), daemon=True)
             for rank in range(tp)
         ]
         for rank in self.ranks:
@@ -439,29 +452,42 @@ class _Family:
         sender.close()
 
     def result(self) -> dict | None:
-        """The family's result once rank 0 sends it (or its ranks die, or the deadline passes), else None."""
+        """The family's result once rank 0 sends it (or its ranks die, or the deadline passes), else None. A rank
+        killed by a signal the zoo did not send makes it `killed`, whatever rank 0 sent (its collectives failed)."""
         if self.receiver.poll():
             try:
                 result = self.receiver.recv()
             except EOFError:
                 result = None
             if result is not None:
-                self._stop(timeout=10)
-                return result
+                return self._killed(self._stop(timeout=10)) or result
         if all(not rank.is_alive() for rank in self.ranks):
             codes = [rank.exitcode for rank in self.ranks]
-            return {"class": "error", "reason": f"ranks exited with codes {codes} and no result"}
+            return self._killed(codes) or {"class": "error", "reason": f"ranks exited with codes {codes} and no result"}
         if time.monotonic() > self.deadline:
             self._stop(timeout=0)
             return {"class": "error", "reason": "no result within the time limit"}
         return None
 
-    def _stop(self, timeout: float) -> None:
+    @staticmethod
+    def _killed(codes: list) -> dict | None:
+        """`killed` when a rank's exit code (None: still running when the zoo stopped it) is a signal's."""
+        killed = {rank: -code for rank, code in enumerate(codes) if code is not None and code < 0}
+        if not killed:
+            return None
+        ranks = ", ".join(f"rank {rank} by {signal.Signals(number).name}" for rank, number in killed.items())
+        return {"class": "killed", "reason": f"killed: {ranks} (out of memory, if SIGKILL)"}
+
+    def _stop(self, timeout: float) -> list:
+        """Each rank's exit code before the zoo stopped it (None for one it had to kill)."""
+        codes = []
         for rank in self.ranks:
             rank.join(timeout)
+            codes.append(rank.exitcode)
             if rank.is_alive():
                 rank.kill()
                 rank.join()
+        return codes
 
 
 def run_zoo(
@@ -472,19 +498,31 @@ def run_zoo(
     echo=None,
     task: str = "causal-lm",
     fields: dict | None = None,
+    target=None,
 ) -> dict[str, dict]:
-    """{family: result} for each family of `task`, `jobs` families at a time; `fields` set in every family's tiny
-    config (a setting of the run: its kv heads)."""
+    """{family: result} for each family of `task`, `jobs` families at a time, then each one `killed` again alone;
+    `fields` set in every family's tiny config (a setting of the run: its kv heads). `target` runs a rank (tests)."""
     import multiprocessing
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks' warnings would bury the table
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "transformers", "tp_train", "models.hf", "tp_train.tools.zoo_tasks"])
     echo = echo or (lambda line: print(line, flush=True))
+    case = dict(task=task, fields=fields)
+    results = _run_families(model_types, jobs, lambda name: _Family(context, name, case, tp, timeout, target), echo)
+    killed = [name for name in model_types if results[name]["class"] == "killed"]
+    if killed and jobs > 1:
+        echo(f"again, one at a time: {', '.join(killed)}")
+        results |= _run_families(killed, 1, lambda name: _Family(context, name, case, tp, timeout, target), echo)
+    return results
+
+
+def _run_families(model_types: list[str], jobs: int, start, echo) -> dict[str, dict]:
+    """{family: result}, `jobs` families at a time, each started by `start(family)` (a `_Family`)."""
     pending, running, results = list(model_types), [], {}
     while pending or running:
         while pending and len(running) < jobs:
-            running.append(_Family(context, pending.pop(0), dict(task=task, fields=fields), tp, timeout))
+            running.append(start(pending.pop(0)))
         for family in list(running):
             result = family.result()
             if result is not None:
@@ -504,13 +542,13 @@ def summary(results: dict[str, dict], tp: int) -> str:
     lines = [
         f"{counts['pass']} of {buildable} buildable families pass at tp={tp} ({share:.0%}); "
         f"round-off {counts['round-off']}, refused {counts['refused']}, WRONG {counts['WRONG']}, "
-        f"error {counts['error']}, unsharded {counts['unsharded']}; "
+        f"killed {counts['killed']}, error {counts['error']}, unsharded {counts['unsharded']}; "
         f"{counts['unbuildable']} not buildable from a tiny config"
         + (f", {counts['no blocks']} with no Linear in their blocks" if counts["no blocks"] else ""),
     ]
     if partial:
         lines.append(f"pass with attention kept whole ({len(partial)}): {', '.join(partial)}")
-    for name in ("WRONG", "round-off", "unsharded", "refused", "error", "unbuildable", "no blocks"):
+    for name in ("WRONG", "round-off", "unsharded", "refused", "killed", "error", "unbuildable", "no blocks"):
         for family, result in sorted(results.items()):
             if result["class"] == name:
                 lines.append(f"{name:<8} {family:<26} {result['reason']}")
