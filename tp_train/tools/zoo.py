@@ -65,6 +65,11 @@ FAMILY_FIELDS = {
     # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=(16, 16), axial_pos_shape=(8, 8)),
     "zamba": dict(layers_block_type=["hybrid", "hybrid"]),  # its shared attention is tied across two hybrid layers
+    # Inkling's sliding-window layers keep head counts and widths of their own (64 heads of 128 by default, kept at
+    # the tiny sizes by no generic field), and a relative-position bank (d_rel x rel_extent, 16 x 1024) shared by the
+    # heads: a tiny sliding and a tiny full layer, a bank shorter than the input so its distance cut-off shows.
+    "inkling_text": dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=4, rel_extent=6)
+    | dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=8),
 }
 # Families whose default config builds no model that runs (transformers 5's defaults lack what every checkpoint of the
 # family sets): the fields a checkpoint would carry, at the tiny sizes.
