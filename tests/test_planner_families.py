@@ -314,6 +314,12 @@ CASES = {
     # bias split with them); with its CDMoE (HF's plan: the expert tables split by rows, the router gathered) at tp 2.
     "doge_dynamic_mask": (lambda: _doge(attention_bias=True), _hf_logits, (2, 4), 0.0),
     "doge_cdmoe": (lambda: _doge(is_moe=True, num_experts=16, num_experts_per_tok=4), _hf_logits, (2,), 0.0),
+    # Inkling's attention on local heads: its depthwise short convolutions over the keys and values (read through
+    # `conv1d.weight`; 2 kv heads wide in the full layer) split with the kv heads, its relative-position bank shared
+    # by the heads whole, its gradient summed, as the MoE router (1% of the block matrices). (With 2 kv heads at tp 4
+    # the auto-planner finds no split of k_proj.)
+    "inkling_short_convolutions_gqa": (lambda: _family("inkling_text", num_key_value_heads=2), _hf_logits, (2,), 0.02),
+    "inkling_short_convolutions": (lambda: _family("inkling_text"), _hf_logits, (4,), 0.04),
     # gpt-oss with 2 kv heads (replicated at tp 4): attention on local heads with its sinks split with them, every
     # expert's interleaved gate/up and down split by its intermediate features, down_proj's bias counted once.
     "gpt_oss_sinks_and_experts": (lambda: _family("gpt_oss", num_key_value_heads=2), _hf_logits, (2, 4), 0.07),
@@ -355,6 +361,17 @@ def test_recurrent_gemma_and_doge_plans():
     plan, _ = resolve_plan(_family("doge"), tensor_parallel_size=2)
     assert plan["model.layers.*.self_attn.dt_proj"] == "rowwise_scatter_output"
     assert plan["model.layers.*.self_attn.A"] == "colwise"
+
+
+def test_inklings_short_convolutions_split_with_the_kv_heads_they_convolve():
+    """Each short convolution is as wide as k_proj's output (the kv heads, 2 of 8 in the full layer, 4 in the
+    sliding one): split as k_proj splits it, so the attention runs on local heads rather than being kept whole."""
+    plan, _ = resolve_plan(_family("inkling_text", num_key_value_heads=2), tensor_parallel_size=2)
+    assert plan["model.layers.*.self_attn"] == "attention"
+    assert plan["model.layers.0.self_attn.k_sconv.conv1d"] == "channelwise"  # 4 kv heads: as wide as the row input
+    assert plan["model.layers.1.self_attn.v_sconv.conv1d"] == "channelwise(2x8)"
+    assert plan["model.layers.*.self_attn.rel_logits_proj"] == "replicated_with_grad_allreduce"
+    assert not plan.notes
 
 
 def test_rowwise_scatter_output_needs_whole_outputs_per_rank():

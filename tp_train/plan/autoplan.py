@@ -255,7 +255,7 @@ class _Planner:
         }
         views = self._local_views(pairs)
         for pair in pairs:
-            enclosing = _enclosing(pair) if pair.attention and not pair.channels else None
+            enclosing = _enclosing(pair) if self._on_local_heads(pair) else None
             if enclosing in self.kept_whole:
                 styles[enclosing] = "replicate"  # graceful: the rest of the model is still sharded
                 continue
@@ -276,6 +276,8 @@ class _Planner:
                 styles[name] = "rowwise(feeds_parallel_region)"
             if pair.attention and not pair.channels:
                 self._attention_styles(pair, styles, views.get(enclosing, "attention"))
+            elif enclosing in views:  # per-channel modules inside an attention that keeps head counts
+                self._attention_styles(pair, styles, views[enclosing])
             for name in sorted(pair.between):
                 styles[name] = "replicated_with_grad_allreduce"
         styles.update(self._uncalled_siblings(styles))
@@ -715,24 +717,32 @@ class _Planner:
 
     def _column_of_channels(self, pair: _Pair, owner: str) -> str | None:
         """The column whose output `owner` acts on channel by channel: all its parameters one entry per channel of
-        that output (1-D, as wide), and no RMS norm (whose statistic the probes held, so locality did not check it)."""
+        that output (1-D, as wide, or a depthwise convolution's (channels, 1, kernel) weight: Inkling's short
+        convolutions over the keys and values, as wide as the kv heads), and no RMS norm (whose statistic the probes
+        held, so locality did not check it)."""
         module = self.modules.get(owner)
         if module is None or owner in self.norms or linear_shape(module) is not None:
             return None
         params = list(module.parameters(recurse=False))
+        depthwise = isinstance(module, nn.modules.conv._ConvNd) and module.groups == module.in_channels
         for column in pair.columns:
             width = _last_dim(self.calls[column].output)
-            if params and all(param.dim() == 1 and param.shape[0] == width for param in params):
+            per_channel = (param.dim() == 1 or depthwise and module.groups == width for param in params)
+            if params and all(param.shape[0] == width for param in params) and all(per_channel):
                 return column
         return None
 
     def _channels_like(self, column: str, style: str) -> str:
         """The `channelwise` style splitting a per-channel module as `column`'s `style` splits its output: by the
-        same sections (a fused [q; k; v] column's thirds)."""
+        same sections (a fused [q; k; v] column's thirds), of the same heads (a k_proj's kv heads, `2x8`: held whole
+        by the ranks sharing one when they are fewer than the ranks)."""
         base, arguments = split_style(style)
         parent = self.modules.get(column.rpartition(".")[0])
         counts = head_counts(parent, getattr(self.model, "config", None))
-        sections, _ = column_layout(base, _last_dim(self.calls[column].output), counts, arguments)
+        sections, heads = column_layout(base, _last_dim(self.calls[column].output), counts, arguments)
+        if heads and all(heads):
+            sizes = [f"{units}x{size // units}" for units, size in zip(heads, sections, strict=True)]
+            return f"channelwise({','.join(sizes)})"
         return "channelwise" if len(sections) == 1 else f"channelwise({','.join(map(str, sections))})"
 
     def _attention_heads(self, pair: _Pair) -> int | None:
@@ -746,6 +756,18 @@ class _Planner:
         heads = heads or head_counts(module, getattr(self.model, "config", None)).heads
         return heads if heads and heads % self.shares == 0 else None
 
+    def _on_local_heads(self, pair: _Pair) -> bool:
+        """Whether `pair` is attention whose module is made to run on local heads (a view searched for, else kept
+        whole): one with nothing split by channels between its layers, or, holding head counts, only per-channel
+        modules inside it (Inkling's short convolutions over the keys and values, `channelwise`), which the search
+        simulates split; searched for and found nothing, such a pair runs as a mixer does, with no view. A mixer
+        with no head count (Mamba's, LFM2's convolution) or a norm over the split features is not searched."""
+        if not pair.attention or not pair.channels:
+            return pair.attention
+        inside = all(self._inside_attention(pair, owner) for owner in pair.channels)
+        plain = all(split_style(style)[0] == "channelwise" for style in pair.channels.values())
+        return inside and plain and self._attention_heads(pair) is not None
+
     def _inside_attention(self, pair: _Pair, owner: str) -> bool:
         enclosing = _enclosing(pair)
         return owner == enclosing or owner.startswith(enclosing + ".")
@@ -753,7 +775,7 @@ class _Planner:
     def _local_views(self, pairs: list[_Pair]) -> dict[str, str]:
         """The attention style of each attention module: the view under which it runs right on local heads
         (`tp_train.plan.local_search`), found once per block shape; modules with none go to `kept_whole`."""
-        enclosing = {_enclosing(pair): pair for pair in pairs if pair.attention and not pair.channels}
+        enclosing = {_enclosing(pair): pair for pair in pairs if self._on_local_heads(pair)}
         enclosing = {name: pair for name, pair in enclosing.items() if name and name in self.calls}
         if not enclosing:
             return {}
@@ -765,11 +787,13 @@ class _Planner:
             whole_tables = bool(pair.tables - self.split_tables)
             key = ("view", generic(name), tuple(sorted(relative.items())), _last_dim(self.calls[pair.row].input))
             key += (whole_tables, tuple(sorted((own[len(name) + 1 :], style) for own, style in pair.own.items())))
+            key += (tuple(sorted((owner[len(name) + 1 :], style) for owner, style in pair.channels.items())),)
             # Not keyed by the split tables: T5's first layer computes the relative bias (its table inside it), the
             # later layers take it as an argument, whole in this probe but already their heads' once sharded; the
             # first layer's view holds for them.
             relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
             relative |= {own[len(name) + 1 :]: style for own, style in pair.own.items()}
+            relative |= {owner[len(name) + 1 :]: style for owner, style in pair.channels.items()}
             row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
             search = partial(
                 find_local_view,
@@ -800,9 +824,9 @@ class _Planner:
                 if style is not None:
                     pair.columns = {f"{name}.{column}": split for column, split in columns.items()}
                     pair.row_sections = row_sections
-            if style is None:
+            if style is None and not pair.channels:
                 self.kept_whole[name] = reason
-            else:
+            elif style is not None:  # none found for per-channel modules inside it: it runs as a mixer, no view
                 views[name] = style
         return views
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from tp_train.parallel.sharding import replicated_rows, shard_tensor, sum_replicated_gradient
+from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
 from tp_train.plan.gradient_hooks import register_gradient_hook
 from tp_train.plan.styles import style_shard_spec
 
@@ -27,33 +27,36 @@ def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") 
     gathering), its per-channel buffers with them (a BatchNorm's running statistics), sums the gradients of replicated
     sections over their replicas, and sets its channel counts (a Conv's `groups`, `in_channels`, `out_channels`, a
     BatchNorm's `num_features`) to the channels this rank holds."""
-    rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    channels = local_channels = None
+    tp = dist.get_world_size(group)
+    for name, spec in local_channels(module, dist.get_rank(group), tp, arguments).items():
+        if name in module._parameters and replicated_rows(spec, tp):
+            register_gradient_hook(module, name, functools.partial(sum_replicated_gradient, spec=spec, group=group))
+
+
+def local_channels(module: nn.Module, rank: int, tp: int, arguments: str = "") -> dict[str, ShardSpec]:
+    """`module` made to hold rank `rank`'s channels of `tp` (its parameters, per-channel buffers and channel counts,
+    as `shard_channels` says), with no process group: what the local-view search simulates a rank with. Returns the
+    specs of the tensors it split (also recorded in `module.shard_specs`)."""
+    channels = local_count = None
     specs = dict(getattr(module, "shard_specs", {}))
+    split = {}
     for name, param in list(module.named_parameters(recurse=False)):
         channels = param.shape[0]
         spec = style_shard_spec("channelwise", module, name, arguments=arguments)
         local = nn.Parameter(shard_tensor(param.detach(), spec, rank, tp), requires_grad=param.requires_grad)
         setattr(module, name, local)
-        specs[name] = spec
-        local_channels = local.shape[0]
-        if replicated_rows(spec, tp):
-            register_gradient_hook(module, name, functools.partial(sum_replicated_gradient, spec=spec, group=group))
+        specs[name] = split[name] = spec
+        local_count = local.shape[0]
     for name, buffer in list(module.named_buffers(recurse=False)):
         # per-channel statistics (a BatchNorm's running_mean and running_var): this rank's channels, as its weight
         if buffer.dim() and buffer.shape[0] == channels and buffer.is_floating_point():
-            specs[name] = style_shard_spec("channelwise", module, name, arguments=arguments)
+            specs[name] = split[name] = style_shard_spec("channelwise", module, name, arguments=arguments)
             module._buffers[name] = shard_tensor(buffer, specs[name], rank, tp)
     module.shard_specs = specs
-    set_channel_counts(module, channels, local_channels)
-
-
-def set_channel_counts(module: nn.Module, channels: int, local_channels: int) -> None:
-    """Sets `module`'s channel counts (a Conv's `groups`, `in_channels`, `out_channels`, a BatchNorm's
-    `num_features`) that are `channels` to the `local_channels` a rank holds."""
     for attribute in CHANNEL_COUNTS:
         value = getattr(module, attribute, None)
         if isinstance(value, int) and value == channels:
-            setattr(module, attribute, local_channels)
+            setattr(module, attribute, local_count)
         elif isinstance(value, tuple) and value and value[0] == channels:
-            setattr(module, attribute, (local_channels, *value[1:]))
+            setattr(module, attribute, (local_count, *value[1:]))
+    return split

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.caches import tensor_caches
-from tp_train.plan.channels import set_channel_counts
+from tp_train.plan.channels import local_channels
 from tp_train.plan.local_view import (
     INPUT_WIDTH,
     LocalView,
@@ -177,13 +177,12 @@ class _LocalEmbedding(nn.Module):
 class _Ranks:
     """Builds each simulated rank's copy of the attention module: its column layers split as `apply_plan` splits
     them (the same `ShardSpec`s, from their styles, arguments and head counts, so kv heads fewer than ranks are
-    replicated), its per-head embedding tables as their parameter entries split them, and, where they are, its kv
-    heads made one per rank as `apply_plan` makes them."""
+    replicated), its per-head embedding tables as their parameter entries split them, its per-channel modules as
+    `channelwise` splits them, and, where they are, its kv heads made one per rank as `apply_plan` makes them."""
 
     def __init__(self, module: nn.Module, columns: dict[str, str], row: str, tp: int, config, reference: _Recorded):
         self.module, self.row, self.tp, self.reference = module, row, tp, reference
-        self.specs, self.replicated = {}, {}
-        self.channel_counts = {}  # modules split `channelwise` -> their channels (set to the rank's on its copy)
+        self.specs, self.replicated, self.channels = {}, {}, {}
         for name, style in columns.items():
             holder, attribute = _holder(module, name)
             if attribute in holder._parameters or attribute in holder._buffers:
@@ -196,16 +195,12 @@ class _Ranks:
             if isinstance(child, nn.Embedding):  # a per-head table (T5's relative position bias)
                 self.specs[name] = parameter_shard_spec(style, child, "weight")
                 continue
-            if split_style(style)[0] == "channelwise":  # a conv over one channel per head (Nystromformer's)
-                self.specs.update({
-                    f"{name}.{attribute}": style_shard_spec("channelwise", child, attribute)
-                    for attribute, _ in child.named_parameters(recurse=False)
-                })  # fmt: skip
-                self.channel_counts[name] = next(child.parameters()).shape[0]
+            base, arguments = split_style(style)
+            if base == "channelwise":  # per-channel parameters between the layers (Inkling's short convolutions)
+                self.channels[name] = arguments
                 continue
             parent = name.rpartition(".")[0]
             counts = head_counts(module.get_submodule(parent) if parent else module, config)
-            base, arguments = split_style(style)
             spec = style_shard_spec(base, child, "weight", counts, arguments)
             self.specs[name] = spec
             copies = max(spec.replicas(tp))
@@ -232,15 +227,14 @@ class _Ranks:
         stand_in = _RowStandIn(self.reference.row_outputs)
         memo[id(self.module.get_submodule(self.row))] = stand_in
         local = copy.deepcopy(self.module, memo)
+        for name, arguments in self.channels.items():
+            local_channels(local.get_submodule(name), rank, self.tp, arguments)
         for name, shard in own.items():
             holder, attribute = _holder(local, name)
             if attribute in holder._buffers:
                 holder._buffers[attribute] = shard
             else:
                 holder._parameters[attribute] = nn.Parameter(shard)
-        for name, channels in self.channel_counts.items():
-            child = local.get_submodule(name)
-            set_channel_counts(child, channels, next(child.parameters()).shape[0])
         return local, stand_in
 
     def localize(self, local: nn.Module, view: LocalView | None, rank: int) -> None:

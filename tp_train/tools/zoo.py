@@ -71,6 +71,11 @@ FAMILY_FIELDS = {
     # CodeGen reshapes qkv_proj's output into a hard-coded 4 groups of [q; v; k] (`mp_num`), on local heads too: each
     # rank holds its share of every group, so tp x 4 must divide the heads (16 of 2, a rotary width that fits).
     "codegen": dict(num_attention_heads=16, rotary_dim=2),
+    # Inkling's sliding-window layers keep head counts and widths of their own (64 heads of 128 by default, kept at
+    # the tiny sizes by no generic field), and a relative-position bank (d_rel x rel_extent, 16 x 1024) shared by the
+    # heads: a tiny sliding and a tiny full layer, a bank shorter than the input so its distance cut-off shows.
+    "inkling_text": dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=4, rel_extent=6)
+    | dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=8),
 }
 # VibeVoice's audio tokenizers (the sub-configs of vibevoice and vibevoice_asr): by default 6 downsampling stages
 # that double 32 filters up to 2048 channels (1.0 and 0.7 billion parameters, 8.4 GB a rank at tp 2 with the
