@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.sharding import replicated_rows, shard_tensor, sum_replicated_gradient
-from tp_train.plan.gradient_hooks import register_gradient_hook
+from tp_train.plan.gradient_hooks import SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.styles import style_shard_spec
 
 CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "normalized_shape", "num_features")
@@ -38,7 +38,8 @@ def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") 
         specs[name] = spec
         local_channels = local.shape[0]
         if replicated_rows(spec, tp):
-            register_gradient_hook(module, name, functools.partial(sum_replicated_gradient, spec=spec, group=group))
+            hook = functools.partial(sum_replicated_gradient, spec=spec, group=group)
+            register_gradient_hook(module, name, hook, once=SUM_REPLICAS)
     for name, buffer in list(module.named_buffers(recurse=False)):
         # per-channel statistics (a BatchNorm's running_mean and running_var): this rank's channels, as its weight
         if buffer.dim() and buffer.shape[0] == channels and buffer.is_floating_point():
