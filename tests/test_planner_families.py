@@ -9,7 +9,8 @@ heads and groups, as Megatron does (in_proj's [z; x; B; C; dt] and conv1d's [x; 
 fewer groups than ranks (Bamba's and GraniteMoeHybrid's one group, as real checkpoints have) each group's B and C are
 held whole by the ranks its heads are on, their gradients summed, and the gated norm normalises each group across
 those ranks; a group count that neither divides nor is divisible by tp is refused in one line; Nemotron-H's, Bamba's
-and GraniteMoeHybrid's Mamba2 layers the same way. BitNet's RMS norms between the column and the row layers are split
+and GraniteMoeHybrid's Mamba2 layers the same way, and Zamba2's, beside its tied shared block and its adapters; Zamba's
+multi-head Mamba splits by its heads. BitNet's RMS norms between the column and the row layers are split
 with the features and normalise over all of them. CodeGen's attention, four hard-coded groups of [q; v; k], is split
 by each group's heads, its row layer by the groups. xLSTM's feed-forward with its gate zero at initialisation, and its
 mLSTM cell by heads with its per-head norm."""
@@ -182,6 +183,31 @@ def test_falcon_h1s_mup_vector_is_split_with_in_proj_and_its_gated_norm_refused(
         resolve_plan(on_meta, tensor_parallel_size=2)
 
 
+def test_zambas_mixers_split_by_heads_and_its_shared_block_feeds_linear_by_rows():
+    """Zamba's per-head SSM weights split along their heads (dim 0, whatever their other dims hold), with a one-line
+    refusal where tp does not divide the heads; Zamba2's mixers are Mamba2's, in Mamba and hybrid layers alike."""
+    from tp_train.plan.match import match_plan
+
+    plan, source = resolve_plan(_family("zamba"), tensor_parallel_size=2)
+    assert source == "the built-in preset for model_type 'zamba'"
+    mixer = "model.layers.*.mamba_decoder.mamba"
+    assert plan[mixer] == "attention(n_mamba_heads, intermediate_size)"
+    assert plan[f"{mixer}.x_proj_weight"] == plan[f"{mixer}.A_log"] == "channelwise"
+    assert plan["model.layers.*.shared_transf.feed_forward.down_proj"] == "rowwise_scatter_output"
+    assert plan["model.layers.*.linear"] == "rowwise"
+    model = _family("zamba", n_mamba_heads=2)
+    with pytest.raises(ValueError) as refusal:
+        match_plan(model, resolve_plan(model, tensor_parallel_size=4)[0], 4)
+    message = str(refusal.value)
+    assert "(ZambaMambaMixer): n_mamba_heads=2 is not divisible by tensor_parallel_size=4" in message
+    assert "\n" not in message
+    plan, _ = resolve_plan(_family("zamba2"), tensor_parallel_size=2)
+    for mixer in ("model.layers.*.mamba", "model.layers.*.mamba_decoder.mamba"):
+        assert plan[f"{mixer}.in_proj"] == "colwise(64,64,1x8,1x8,8)"  # [z; x; B; C; dt], one group of 8
+        assert plan[f"{mixer}.norm"] == "gated_rmsnorm_parallel"
+    assert plan["model.layers.*.shared_transformer.feed_forward.gate_up_proj_adapter_list.*.1"] == "packed_colwise"
+
+
 MIXERS = {"mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)", "bamba": "model.layers.0.mamba' (BambaMixer)"}
 
 
@@ -293,6 +319,25 @@ CASES = {
     # Falcon-H1: attention, a one-group Mamba2 mixer and an MLP in every layer; in_proj's output scaled by the
     # `mup_vector` buffer (the tiny config's μP multipliers differ per section), split with in_proj's sections.
     "falcon_h1_mup_vector": (lambda: _family("falcon_h1"), _hf_logits, (2, 4), 0.2),
+    # Zamba: its Mamba mixers split by their 4 heads (x_proj, dt_proj, A_log and D along them), the shared block tied
+    # across both hybrid layers, with 2 kv heads (replicated at tp 4: the tied k and v gradients summed over the
+    # replicas once, not once per layer), down_proj's output reduce-scattered into the row-parallel `linear`.
+    "zamba_mamba_heads_and_tied_block": (lambda: _family("zamba", num_key_value_heads=2), _hf_logits, (2, 4), 0.1),
+    # Zamba2: a Mamba2 layer and two hybrid ones (one group: B and C on every rank, the gated norm across them), the
+    # shared block tied across both with its per-layer adapters on q, k, v and gate_up_proj (up Linears split with
+    # what they add to).
+    "zamba2_mamba2_and_adapters": (
+        lambda: _family(
+            "zamba2",
+            num_hidden_layers=3,
+            layers_block_type=["linear_attention", "hybrid", "hybrid"],
+            use_shared_attention_adapter=True,
+            head_dim=16,  # its adapters' output is attention_hidden_size wide: q's width only with its own head_dim
+        ),
+        _hf_logits,
+        (2, 4),
+        0.31,  # the adapters' down Linears (64 x 8, 4 of them) whole, and the group's B and C: 0.325 at tp 4
+    ),
     # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
     # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
     "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),

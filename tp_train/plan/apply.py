@@ -36,7 +36,7 @@ from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor,
 from tp_train.plan.adapters import materialize_adapters, shard_adapters
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
-from tp_train.plan.gradient_hooks import register_gradient_hook
+from tp_train.plan.gradient_hooks import SUM_OVER_RANKS, SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
@@ -336,7 +336,7 @@ def _sum_replicas(model: nn.Module, name: str, layer: nn.Module, group: ProcessG
     for param_name, param_spec in layer.shard_specs.items():
         if getattr(layer, param_name).requires_grad:  # FSDP2's unsharded parameters get the hook too
             hook = functools.partial(sum_replicated_gradient, spec=param_spec, group=group)
-            register_gradient_hook(layer, param_name, hook)
+            register_gradient_hook(layer, param_name, hook, once=SUM_REPLICAS)
     parent_name = name.rpartition(".")[0]
     if parent_name in done:
         return
@@ -398,9 +398,8 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
         module._parameters[param_name] = shard
         specs[param_name] = spec
         if shard.requires_grad and replicated_rows(spec, world_size):
-            register_gradient_hook(
-                module, param_name, functools.partial(sum_replicated_gradient, spec=spec, group=group)
-            )
+            hook = functools.partial(sum_replicated_gradient, spec=spec, group=group)
+            register_gradient_hook(module, param_name, hook, once=SUM_REPLICAS)
     module.shard_specs = specs
 
 
@@ -426,7 +425,7 @@ def _count_once(module: nn.Module, param_name: str, group: ProcessGroup) -> None
 
 def _sum_gradient(module: nn.Module, param_name: str, group: ProcessGroup) -> None:
     """`module`'s whole parameter `param_name` has its gradient summed over the tensor-parallel group."""
-    register_gradient_hook(module, param_name, lambda grad: all_reduce_gradient(grad, group))
+    register_gradient_hook(module, param_name, lambda grad: all_reduce_gradient(grad, group), once=SUM_OVER_RANKS)
 
 
 def _region(style: str, group: ProcessGroup, config=None, own_shards: bool = False) -> ModuleRegion:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
-from tp_train.plan.gradient_hooks import register_gradient_hook
+from tp_train.plan.gradient_hooks import SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.styles import style_shard_spec
 
 CHANNEL_COUNTS = ("in_channels", "out_channels", "groups", "num_channels", "normalized_shape", "num_features")
@@ -30,7 +30,8 @@ def shard_channels(module: nn.Module, group: ProcessGroup, arguments: str = "") 
     tp = dist.get_world_size(group)
     for name, spec in local_channels(module, dist.get_rank(group), tp, arguments).items():
         if name in module._parameters and replicated_rows(spec, tp):
-            register_gradient_hook(module, name, functools.partial(sum_replicated_gradient, spec=spec, group=group))
+            hook = functools.partial(sum_replicated_gradient, spec=spec, group=group)
+            register_gradient_hook(module, name, hook, once=SUM_REPLICAS)
 
 
 def local_channels(module: nn.Module, rank: int, tp: int, arguments: str = "") -> dict[str, ShardSpec]:

@@ -16,12 +16,24 @@ import torch
 import torch.nn as nn
 
 GradientHook = Callable[[torch.Tensor], torch.Tensor]
+# What a hook registered `once` does, by name.
+SUM_REPLICAS = "sum over the ranks holding a replicated section"
+SUM_OVER_RANKS = "sum over the tensor-parallel group"
 
 
-def register_gradient_hook(module: nn.Module, name: str, hook: GradientHook) -> None:
+def register_gradient_hook(module: nn.Module, name: str, hook: GradientHook, once: str | None = None) -> None:
     """`hook` on the gradient of `module`'s own parameter `name`, now and on any parameter replacing it; also on a
-    frozen parameter, so that one frozen before sharding and unfrozen later still has its gradient summed."""
-    _register(getattr(module, name), hook)
+    frozen parameter, so that one frozen before sharding and unfrozen later still has its gradient summed. A hook
+    registered `once` (a name for what it does: "sum over replicas") is not added again to a parameter that already
+    has it: a parameter tied between modules planned alike (Zamba's shared attention in every hybrid layer) gets its
+    gradient summed once, not once per module."""
+    param = getattr(module, name)
+    if once is not None:
+        done = param.__dict__.setdefault("tp_gradient_hooks_once", set())
+        if once in done:
+            return
+        done.add(once)
+    _register(param, hook)
     _mark(getattr(module, name), hook)
     module.__dict__.setdefault("tp_gradient_hooks", {}).setdefault(name, []).append(hook)
 

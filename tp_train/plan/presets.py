@@ -23,6 +23,7 @@ from tp_train.plan.mixer_presets import (
     recurrent_gemma_variant,
     under,
 )
+from tp_train.plan.zamba_presets import zamba2_layers, zamba_layers
 
 PRESETS: dict[str, dict[str, str]] = {
     # GPT-2: c_attn is a fused [q; k; v] Conv1D, so its split must be head-aware; the attention module keeps
@@ -95,6 +96,10 @@ PRESETS: dict[str, dict[str, str]] = {
     # Mamba2, as Megatron shards it: its mixer's entries are `mamba2_mixer`'s, their sections sized by the config
     # (`mamba2_variant`).
     "mamba2": {"embeddings": "embedding_rowwise"},
+    # Zamba and Zamba2: Mamba layers, and hybrid layers running a shared transformer block before theirs; every entry
+    # but the embedding is sized or placed by the config (`tp_train.plan.zamba_presets`).
+    "zamba": {"embed_tokens": "embedding_rowwise"},
+    "zamba2": {"embed_tokens": "embedding_rowwise"},
     # RecurrentGemma (Griffin): each layer's temporal block is local attention or a recurrent block; the entries of
     # both are given, and the config's layer kinds decide which match (`recurrent_gemma_variant` names each block's
     # own view). The recurrent block splits by the RG-LRU's heads: linear_x and linear_y by columns, the depthwise
@@ -331,6 +336,8 @@ CONFIG_VARIANTS = {
     "granitemoehybrid": mamba_layers,
     "falcon_h1": falcon_h1_layers,
     "neomme": _neomme_value_embeddings,
+    "zamba": zamba_layers,
+    "zamba2": zamba2_layers,
 }
 
 HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered

@@ -54,20 +54,21 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | `mla_kv_a_proj`         | DeepSeek's latent   | whole; the rotary key at the end of its output (`config.         |
 |                         | kv projection       | qk_rope_head_dim` features) enters the parallel region (`f`)     |
 
-Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.*.self_attn.sinks`), as Hugging
-Face's plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
+Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.*.self_attn.sinks`), as Hugging Face's
+plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
 (`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
-`rowwise` the last (in), `packed_colwise` / `packed_rowwise` the same dimensions as two halves ([gate; up]), or
-plainly where the module stores gate and up interleaved (`is_concatenated = False`), `colwise(32,32,32,32)` by
-sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole, and so does
-`replicate_once`, for a parameter added into a partial sum its module's region all-reduces (gpt-oss's experts'
-`down_proj_bias`): only rank 0's copy enters the forward (the others add zeros), so the sum counts it once, and its
-gradient is summed over the ranks; and so does `replicated_with_grad_allreduce`, for one parameter of a module whose
-other parameters must not be summed (VideoPrism's pooling head scales each local head's queries by `per_dim_scale`;
-its pooling query, read by q_proj, has its gradient summed where it enters the parallel region). A buffer that acts
-on a split activation is named the same way (Falcon-H1's `mamba.mup_vector`, (1, 1, width) μP multipliers of
-in_proj's output, takes in_proj's sections along the last dimension, the one they add up to); its split is recorded
-in its module's `shard_specs` like a parameter's.
+`rowwise` the last (in), `channelwise` the first (as a `channelwise` module splits its own: Zamba's per-head (heads,
+..., head_dim) SSM weights, whatever their other dims hold), `packed_colwise` / `packed_rowwise` the same dimensions as
+two halves ([gate; up]), or plainly where the module stores gate and up interleaved (`is_concatenated = False`),
+`colwise(32,32,32,32)` by sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole,
+and so does `replicate_once`, for a parameter added into a partial sum its module's region all-reduces (gpt-oss's
+experts' `down_proj_bias`): only rank 0's copy enters the forward (the others add zeros), so the sum counts it once, and
+its gradient is summed over the ranks; and so does `replicated_with_grad_allreduce`, for one parameter of a module whose
+other parameters must not be summed (VideoPrism's pooling head scales each local head's queries by `per_dim_scale`; its
+pooling query, read by q_proj, has its gradient summed where it enters the parallel region). A buffer that acts on a
+split activation is named the same way (Falcon-H1's `mamba.mup_vector`, (1, 1, width) μP multipliers of in_proj's
+output, takes in_proj's sections along the last dimension, the one they add up to); its split is recorded in its
+module's `shard_specs` like a parameter's.
 Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
 surrounds it.
 
@@ -133,6 +134,7 @@ STYLES = (
 # Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
 NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel", "layernorm_parallel")
 PARAMETER_STYLES = {
+    "channelwise",
     "colwise",
     "rowwise",
     "packed_colwise",
@@ -311,7 +313,7 @@ def parameter_shard_spec(style: str, module: nn.Module, param_name: str) -> Shar
             f"style '{style}' cannot split a {param.dim()}-D parameter; a parameter takes one of "
             f"{', '.join(sorted(PARAMETER_STYLES))} (rowwise ones need 2 or more dims)"
         )
-    dim = param.dim() - 1 if rowwise else max(param.dim() - 2, 0)
+    dim = param.dim() - 1 if rowwise else 0 if style == "channelwise" else max(param.dim() - 2, 0)
     named = section_sizes(arguments)
     if named and style == "colwise" and param.shape[dim] != sum(named):
         dim = next((d for d in reversed(range(param.dim())) if param.shape[d] == sum(named)), dim)

@@ -67,7 +67,12 @@ FAMILY_FIELDS = {
     # Reformer's causal LM asserts is_decoder (the default config is an encoder's); its axial position embeddings
     # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=(16, 16), axial_pos_shape=(8, 8)),
-    "zamba": dict(layers_block_type=["hybrid", "hybrid"]),  # its shared attention is tied across two hybrid layers
+    # Zamba: its shared attention tied across two hybrid layers; 4 Mamba heads of 16 (2 by default), so tp 2 and 4
+    # divide them (each rank holds whole heads).
+    "zamba": dict(layers_block_type=["hybrid", "hybrid"], n_mamba_heads=4),
+    # Zamba2 (a Mamba2 layer, then a hybrid one): 8 Mamba2 heads of 8 in one group (its default, as real checkpoints
+    # have), an 8-wide state, and adapters of rank 8 on its shared MLP (128 by default, 4 times the tiny width).
+    "zamba2": dict(mamba_d_state=8, adapter_rank=8),
     # CodeGen reshapes qkv_proj's output into a hard-coded 4 groups of [q; v; k] (`mp_num`), on local heads too: each
     # rank holds its share of every group, so tp x 4 must divide the heads (16 of 2, a rotary width that fits).
     "codegen": dict(num_attention_heads=16, rotary_dim=2),

@@ -1,0 +1,91 @@
+"""Plan entries for Zamba and Zamba2: Mamba layers, and hybrid layers in which a transformer block shared by several
+layers (tied, Zamba2's with per-layer low-rank adapters) feeds its output, through the layer's own `linear`, into
+the input of a Mamba layer. Sized per config; `tp_train.plan.presets` places them in each family's preset.
+
+The shared block splits as Llama's, its attention by heads (kv heads replicated when fewer than ranks), its MLP by
+its hidden features. Its output feeds only `linear` (hidden x hidden), so rather than summing it on every rank and
+holding `linear` whole, the MLP's down_proj keeps each rank's share of its summed output (`rowwise_scatter_output`,
+a reduce-scatter) and `linear` takes that share as a row layer (`rowwise`, one all-reduce): half an all-reduce more
+per hybrid layer, and no hidden x hidden matrix whole on every rank.
+"""
+
+from __future__ import annotations
+
+from tp_train.plan.mixer_presets import mamba2_mixer, under
+
+# Zamba's Mamba mixer: Mamba (v1) run as `n_mamba_heads` independent heads, each with its own x_proj, dt_proj, A_log
+# and D, stored as (heads, ...) parameters of the mixer itself. Split by those heads: in_proj's output holds each
+# channel's x and gate side by side ([x_0, z_0, x_1, z_1, ...], viewed (channels, 2)), so a plain column split hands
+# each rank its heads' x and z; the depthwise conv1d by channels; the per-head parameters along their heads
+# (parameter `channelwise`, dim 0); out_proj by rows. No reduction crosses a head (x_proj maps a head's channels to
+# its own dt, B and C), so out_proj's all-reduce is the mixer's only collective. Its view makes the head count and
+# the width local.
+ZAMBA_MAMBA = {
+    "in_proj": "colwise",
+    "conv1d": "channelwise",
+    "x_proj_weight": "channelwise",
+    "dt_proj_weight": "channelwise",
+    "dt_proj_bias": "channelwise",
+    "A_log": "channelwise",
+    "D": "channelwise",
+    "out_proj": "rowwise",
+}
+SHARED_ATTENTION = {
+    "self_attn": "attention",
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "feed_forward.down_proj": "rowwise_scatter_output",  # its output feeds only the hybrid layer's `linear`
+}
+# Zamba2's adapters (each a Sequential of a down and an up Linear, the rank between them): the down Linear whole on
+# every rank (its input replicated, its gradient complete once the up Linear's input gradient is summed), the up one
+# split as the projection it adds to: q, k and v by heads (`use_shared_attention_adapter`; their width is the query
+# heads', so only with as many kv heads), gate_up_proj's [gate; up] half by half.
+ATTENTION_ADAPTERS = {
+    f"self_attn.linear_{name}_adapter_list.*.{index}": style
+    for name in "qkv"
+    for index, style in ((0, "replicate"), (1, "colwise"))
+}
+MLP_ADAPTERS = {
+    "feed_forward.gate_up_proj_adapter_list.*.0": "replicate",
+    "feed_forward.gate_up_proj_adapter_list.*.1": "packed_colwise",
+}
+
+
+def mixer_patterns(config) -> list[str]:
+    """Where the Mamba mixers are: `layers.*.mamba` in a Mamba layer, `layers.*.mamba_decoder.mamba` in a hybrid one
+    (the Mamba layer behind the shared block), for the kinds of layer the config builds."""
+    kinds = set(config.layers_block_type)
+    mamba, hybrid = kinds - {"hybrid"}, kinds & {"hybrid"}
+    return [
+        pattern for pattern, built in (("layers.*.mamba", mamba), ("layers.*.mamba_decoder.mamba", hybrid)) if built
+    ]
+
+
+def _hybrid(config, block: str, entries: dict[str, str]) -> dict[str, str]:
+    """The shared block's entries (under `block`) and the hybrid layers' `linear`, when the config builds hybrids."""
+    if "hybrid" not in config.layers_block_type:
+        return {}
+    return {**under(f"layers.*.{block}", entries), "layers.*.linear": "rowwise"}
+
+
+def zamba_layers(config) -> dict[str, str]:
+    entries = {}
+    for mixer in mixer_patterns(config):
+        entries |= {mixer: "attention(n_mamba_heads, intermediate_size)", **under(mixer, ZAMBA_MAMBA)}
+    mlp = {"feed_forward.gate_proj": "colwise", "feed_forward.up_proj": "colwise"}
+    return entries | _hybrid(config, "shared_transf", {**SHARED_ATTENTION, **mlp})
+
+
+def zamba2_layers(config) -> dict[str, str]:
+    """Zamba2's mixers are Mamba2's (`mamba2_mixer`: in_proj's [z; x; B; C; dt], the gated norm normalising
+    `mamba_ngroups` groups); its shared block's MLP has a fused [gate; up] projection, and both take adapters."""
+    inner = int(config.mamba_expand * config.hidden_size)
+    entries = {}
+    for mixer in mixer_patterns(config):
+        entries |= mamba2_mixer(mixer, config.n_mamba_heads, inner, config.mamba_ngroups, config.mamba_d_state)
+    block = {**SHARED_ATTENTION, "feed_forward.gate_up_proj": "packed_colwise", **MLP_ADAPTERS}
+    if config.use_shared_attention_adapter:
+        block |= ATTENTION_ADAPTERS
+    return entries | _hybrid(config, "shared_transformer", block)
