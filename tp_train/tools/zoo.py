@@ -68,6 +68,10 @@ FAMILY_FIELDS = {
     # CodeGen reshapes qkv_proj's output into a hard-coded 4 groups of [q; v; k] (`mp_num`), on local heads too: each
     # rank holds its share of every group, so tp x 4 must divide the heads (16 of 2, a rotary width that fits).
     "codegen": dict(num_attention_heads=16, rotary_dim=2),
+    # BLT's random patcher gives every byte an entropy (about 4.4) above the default threshold (1.34): every byte its
+    # own patch, and a patch querying its one byte shows nothing of its queries; above ln(vocab) only the first byte
+    # is a patch of its own, the others one long patch.
+    "blt": dict(patching_threshold=5.0),
 }
 # Families whose default config builds no model that runs (transformers 5's defaults lack what every checkpoint of the
 # family sets): the fields a checkpoint would carry, at the tiny sizes.
