@@ -486,6 +486,16 @@ def test_xlstms_zero_gate_and_per_head_norm_are_planned():
     assert plan["backbone.blocks.*.mlstm_layer.multihead_norm.weight"] == "colwise" and not plan.notes
 
 
+def test_blts_cross_attention_is_planned_where_its_patches_are_longer_than_a_byte():
+    """A patch querying one byte (every byte its own patch, as the random patcher makes them at the default
+    threshold) shows nothing of its queries, and the cross-attention was refused; with the zoo's threshold above
+    ln(vocab) its patches are long and its queries split by heads."""
+    plan, _ = resolve_plan(_family("blt"), tensor_parallel_size=2)
+    assert plan["model.local_encoder.cross_attn_layers.*.q_proj"] == "colwise"
+    assert plan["model.local_encoder.cross_attn_layers.*.o_proj"] == "rowwise"
+    assert not plan.notes
+
+
 def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():
     """Gemma 4's text config keeps `head_dim` per layer (its full-attention layers are wider), and reading it as one
     value raises: the planner takes each attention's own head width and shards every block's attention and MLP."""

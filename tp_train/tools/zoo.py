@@ -81,6 +81,10 @@ FAMILY_FIELDS = {
     # heads: a tiny sliding and a tiny full layer, a bank shorter than the input so its distance cut-off shows.
     "inkling_text": dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=4, rel_extent=6)
     | dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=8),
+    # BLT's random patcher gives every byte an entropy (about 4.4) above the default threshold (1.34): every byte its
+    # own patch, and a patch querying its one byte shows nothing of its queries; above ln(vocab) only the first byte
+    # is a patch of its own, the others one long patch.
+    "blt": dict(patching_threshold=5.0),
 }
 # VibeVoice's audio tokenizers (the sub-configs of vibevoice and vibevoice_asr): by default 6 downsampling stages
 # that double 32 filters up to 2048 channels (1.0 and 0.7 billion parameters, 8.4 GB a rank at tp 2 with the
