@@ -365,6 +365,10 @@ CASES = {
     # the auto-planner finds no split of k_proj.)
     "inkling_short_convolutions_gqa": (lambda: _family("inkling_text", num_key_value_heads=2), _hf_logits, (2,), 0.02),
     "inkling_short_convolutions": (lambda: _family("inkling_text"), _hf_logits, (4,), 0.04),
+    # Inkling 2: the same, with per-head sinks (sink_proj) and gate split with the heads, the L2 clips' per-head
+    # scales with them, and its full layer's dynamic short convolutions: their static taps (kernel, kv width) split
+    # along the kv channels, their tap projections (weight_proj) by kv heads, their own `num_heads` made local.
+    "inkling2_dynamic_convolutions": (lambda: _family("inkling2_text"), _hf_logits, (2,), 0.05),
     # gpt-oss with 2 kv heads (replicated at tp 4): attention on local heads with its sinks split with them, every
     # expert's interleaved gate/up and down split by its intermediate features, down_proj's bias counted once.
     "gpt_oss_sinks_and_experts": (lambda: _family("gpt_oss", num_key_value_heads=2), _hf_logits, (2, 4), 0.07),
@@ -416,6 +420,15 @@ def test_inklings_short_convolutions_split_with_the_kv_heads_they_convolve():
     assert plan["model.layers.0.self_attn.k_sconv.conv1d"] == "channelwise"  # 4 kv heads: as wide as the row input
     assert plan["model.layers.1.self_attn.v_sconv.conv1d"] == "channelwise(2x8)"
     assert plan["model.layers.*.self_attn.rel_logits_proj"] == "replicated_with_grad_allreduce"
+    assert not plan.notes
+
+
+def test_inkling2s_full_layer_views_its_convolutions_heads_locally():
+    plan, _ = resolve_plan(_family("inkling2_text"), tensor_parallel_size=2)
+    assert plan["model.layers.1.self_attn"] == "attention(num_heads, k_sconv.num_heads, v_sconv.num_heads)"
+    assert plan["model.layers.*.self_attn.k_sconv.static_weight"] == "rowwise"  # along its last dim: the kv channels
+    assert plan["model.layers.*.self_attn.sink_proj"] == "colwise"
+    assert plan["model.layers.*.self_attn.rel_l2_clip.scale"] == "colwise"
     assert not plan.notes
 
 

@@ -694,6 +694,11 @@ class _Planner:
                 pair.channels[owner] = "colwise" if shape is not None and shape[1] == channels else "channelwise"
                 pair.channels[owner] = self.norms.get(owner, pair.channels[owner])
                 continue
+            if self._columns_along_last_dim(pair, owner, param):
+                # One column per channel of a column's output, inside the attention (Inkling 2's dynamic short
+                # convolutions: static taps (kernel, kv width) over k_proj's output), found local: split along it.
+                pair.own[self.parameter_names[id(param)]] = TABLE_STYLE
+                continue
             column = self._column_of_channels(pair, owner)
             if column is not None:
                 # One entry per channel of a column's output, the column's split already found local (a norm with
@@ -714,6 +719,21 @@ class _Planner:
                 f"no style splits with the channels; give the model a `tp_plan`"
             )
         return owners, spanning
+
+    def _columns_along_last_dim(self, pair: _Pair, owner: str, param: torch.Tensor) -> bool:
+        """Whether `param`, a 2-D parameter of a module inside the attention, holds one column per channel of one of
+        its column layers' outputs (split in one section), and perturbing rank r's share of those columns moves only
+        rank r's share of the row input."""
+        if (
+            not pair.attention
+            or param.dim() != 2
+            or not self._inside_attention(pair, owner)
+            or owner not in self.modules
+        ):
+            return False
+        widths = {_last_dim(self.calls[column].output) for column, style in pair.columns.items() if style == "colwise"}
+        local = param.shape[-1] in widths and param.shape[-1] % self.shares == 0
+        return local and self._parameter_local(pair.row, owner, param, -1)
 
     def _column_of_channels(self, pair: _Pair, owner: str) -> str | None:
         """The column whose output `owner` acts on channel by channel: all its parameters one entry per channel of

@@ -298,7 +298,10 @@ def _side_by_side(local: list[torch.Tensor], sections: tuple[int, ...] | None, t
 
 def _candidates(module: nn.Module, call: ProbeCall, columns, row, tp: int):
     yield None  # plain `attention`
-    usual = usual_fields(module)
+    # the usual head-count names, the module's own first, then those of modules inside it (Inkling 2's short
+    # convolutions, which view their input by their own `num_heads`)
+    usual = {*usual_fields(module), *(f"{name}.{field}" for name, inner in module.named_modules() if name
+                                      for field in usual_fields(inner))}  # fmt: skip
     fields = [path for path in _count_fields(module, {*columns, row}, tp)]
     fields.sort(key=lambda path: (path not in usual, not any(word in path.lower() for word in HEADISH)))
     bound = inspect.signature(type(module).forward).bind(module, *call.args, **call.kwargs).arguments

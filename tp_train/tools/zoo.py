@@ -79,7 +79,7 @@ FAMILY_FIELDS = {
     # Inkling's sliding-window layers keep head counts and widths of their own (64 heads of 128 by default, kept at
     # the tiny sizes by no generic field), and a relative-position bank (d_rel x rel_extent, 16 x 1024) shared by the
     # heads: a tiny sliding and a tiny full layer, a bank shorter than the input so its distance cut-off shows.
-    "inkling_text": dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=4, rel_extent=6)
+    "inkling_text": dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=5, rel_extent=6)
     | dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=8),
     # BLT's random patcher gives every byte an entropy (about 4.4) above the default threshold (1.34): every byte its
     # own patch, and a patch querying its one byte shows nothing of its queries; above ln(vocab) only the first byte
@@ -93,6 +93,7 @@ FAMILY_FIELDS |= {
     name: dict(num_filters=4, downsampling_ratios=[2, 2], depths=[1, 1, 1])
     for name in ("vibevoice_acoustic_tokenizer", "vibevoice_acoustic_tokenizer_encoder")
 }
+FAMILY_FIELDS["inkling2_text"] = FAMILY_FIELDS["inkling_text"]  # the same layout (its sliding layers: 48 heads of 128)
 # Families whose default config builds no model that runs (transformers 5's defaults lack what every checkpoint of the
 # family sets): the fields a checkpoint would carry, at the tiny sizes.
 FAMILY_FIELDS |= {
