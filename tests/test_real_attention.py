@@ -21,7 +21,7 @@ from tests import attention_styles as styles
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors
 from tests.test_parallelize import ATOL
-from tp_train.plan.local_view import LocalWidth
+from tp_train.plan.local_view import LocalView, LocalWidth, apply_local_view, parse_attention_style
 
 MODELS = {
     "litgpt_config_gqa": (lambda: styles.litgpt_style(), "attention(config.n_head, config.n_query_groups)"),
@@ -88,6 +88,26 @@ def test_a_local_width_view_stays_local_through_a_transpose_that_keeps_the_featu
     assert view.transpose(0, 1).size() == (3, 2, 2) and torch.transpose(view, 1, 0).shape == (3, 2, 2)
     assert view.transpose(1, 2).size() == (2, 8, 3) and view.transpose(-1, 0).shape == (8, 3, 2)  # features moved
     assert (view + 1).shape == (2, 3, 8)  # any other operation: a plain tensor
+
+
+class _ReshapesByInputWidth(torch.nn.Module):
+    """PVT v2's pattern: the input's width reshapes the whole input, then a rank's (half-width) output."""
+
+    def forward(self, x):
+        B, N, C = x.shape
+        whole = x.permute(0, 2, 1).reshape(B, C, 2, N // 2)  # holds its tensor at the whole width: as written
+        return whole.flatten(2).transpose(1, 2)[..., : C // 2].reshape(B, N, C), whole.view(B, C, N)
+
+
+def test_local_reshapes_give_the_local_width_only_to_a_reshape_that_cannot_hold_its_tensor():
+    module = _ReshapesByInputWidth()
+    apply_local_view(module, LocalView(local_reshapes=True), tp=2, rank=0)
+    x = torch.randn(2, 4, 8)
+    local, whole = module(x)
+    assert local.shape == (2, 4, 4) and torch.equal(local, x[..., :4])
+    assert whole.shape == (2, 8, 4)
+    assert LocalView(("heads",), local_reshapes=True).style() == "attention(heads, local_reshapes)"
+    assert parse_attention_style("attention(heads, local_reshapes)") == LocalView(("heads",), local_reshapes=True)
 
 
 def _logits(model, idx):
