@@ -57,8 +57,8 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.*.self_attn.sinks`), as Hugging Face's
 plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
 (`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
-`rowwise` the last (in), `channelwise` the first (as a `channelwise` module splits its own: Zamba's per-head (heads,
-..., head_dim) SSM weights, whatever their other dims hold), `packed_colwise` / `packed_rowwise` the same dimensions as
+`rowwise` the last (in), `channelwise` the first (as a `channelwise` module splits its own: Zamba's per-head SSM
+weights, (heads, ...) whatever their other dims hold), `packed_colwise` / `packed_rowwise` the same dimensions as
 two halves ([gate; up]), or plainly where the module stores gate and up interleaved (`is_concatenated = False`),
 `colwise(32,32,32,32)` by sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole,
 and so does `replicate_once`, for a parameter added into a partial sum its module's region all-reduces (gpt-oss's
