@@ -282,7 +282,9 @@ class RowParallelLinear(Configurable, nn.Module):
                 f"split_input takes one (it keeps a contiguous share of a replicated input)"
             )
         for size in sections:
-            check_divisible("RowParallelLinear", "in_features (per section)", size, world_size)
+            check_divisible(
+                "RowParallelLinear", "in_features" + (" (per section)" if sections[1:] else ""), size, world_size
+            )
         local_out = out_features
         if scatter_output:
             check_divisible("RowParallelLinear with scatter_output", "out_features", out_features, world_size)
