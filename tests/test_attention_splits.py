@@ -51,6 +51,7 @@ MODELS = {  # name: (zoo task, family, config fields)
     "perceiver_image": ("image-classification", "perceiver", {"image_size": 16}),
     "nystromformer": ("masked-lm", "nystromformer", {}),
     "pvt_v2": ("image-classification", "pvt_v2", {}),
+    "swiftformer": ("image-classification", "swiftformer", {}),
 }
 FUNNEL_PER_HEAD = [
     f"funnel.encoder.blocks.*.*.attention.{name}"
@@ -110,7 +111,11 @@ def test_pvt_v2s_attention_reshapes_to_the_local_width():
 # NeoMME's 2 kv heads at tp 4 are each on two ranks (k_proj, v_proj and the value table): a rank holds 0.29 of them.
 # PVT v2's spatial reduction (a strided Conv2d over the whole input, before key and value) stays whole: 0.26 of its
 # block matrices.
+# SwiftFormer's additive attention (its query normalised over the features, then summed over the tokens) stays whole,
+# and so do its depthwise convs and patch embeddings between stages: 0.2 (tp 2) and 0.6 (tp 4) of its block matrices.
 WHOLE = {
+    ("swiftformer", 2): 0.2,
+    ("swiftformer", 4): 0.6,
     ("pvt_v2", 2): 0.26,
     ("pvt_v2", 4): 0.79,
     ("neomme_two_kv_heads", 4): 0.2,
@@ -168,6 +173,23 @@ def test_perceivers_one_head_classification_decoder_keeps_its_attention_whole_an
     assert f"{decoder}.attention.output.dense" not in plan
     for name in PERCEIVER_ATTENTIONS[:2]:
         assert plan[f"perceiver.{name}.attention"] == "attention(self.num_heads)"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_swiftformers_pointwise_conv_mlps_split_and_its_additive_attention_kept_whole(tp):
+    """SwiftFormer's MLPs are 1x1 Conv2d pairs over the channels of (N, C, H, W) maps (`fc1`/`fc2`, and
+    `point_wise_conv1`/`point_wise_conv2` after a depthwise conv): column then row, as Linears. Its additive attention
+    normalises the query over the features before summing it over the tokens: no split is local, so it is kept
+    whole (noted), not refused, and the MLPs hold most of the block matrices."""
+    torch.manual_seed(0)
+    plan = tp_train.infer_plan(build("image-classification", "swiftformer"), tensor_parallel_size=tp)
+    blocks = "swiftformer.encoder.network.*.blocks.*"
+    for column, row in (("linear.fc1", "linear.fc2"), ("point_wise_conv1", "point_wise_conv2")):
+        assert plan[f"{blocks}.{column}"] == "colwise" and plan[f"{blocks}.{row}"] == "rowwise"
+    assert plan[f"{blocks}.local_representation.point_wise_conv1"] == "colwise"
+    assert plan["swiftformer.encoder.network.0.blocks.2.attn"] == "replicate"
+    assert not any(".attn." in pattern for pattern in plan)  # to_query, to_key, proj, final: whole
+    assert len(plan.notes) == 1 and "kept whole" in plan.notes[0], plan.notes
 
 
 @pytest.mark.parametrize("tp", [2, 4])

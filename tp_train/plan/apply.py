@@ -24,8 +24,10 @@ from torch.distributed import ProcessGroup
 from tp_train.parallel.collectives import all_reduce_gradient, copy_to_tensor_parallel_region
 from tp_train.parallel.layers import (
     ColumnParallelLinear,
+    ColumnParallelPointwiseConv,
     ModuleRegion,
     RowParallelLinear,
+    RowParallelPointwiseConv,
     SharedInputRegion,
     VocabParallelEmbedding,
 )
@@ -49,9 +51,10 @@ from tp_train.plan.styles import (
     PlannedModule,
     adapted_base,
     column_layout,
-    linear_shape,
+    matrix_shape,
     mla_rope_dim,
     parameter_shard_spec,
+    pointwise_conv_shape,
     row_layout,
 )
 
@@ -254,14 +257,17 @@ def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpe
 def _parallel_linear(
     module: nn.Module, style: str, group: ProcessGroup, shared: dict, loss_parallel: bool, counts=None, arguments=""
 ) -> nn.Module:
-    in_features, out_features = linear_shape(module)
-    transposed = not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
+    in_features, out_features = matrix_shape(module)
+    pointwise = pointwise_conv_shape(module) is not None  # a 1x1 Conv2d: channels at dim 1, weight (out, in, 1, 1)
+    transposed = not pointwise and not isinstance(module, nn.Linear)  # Conv1D stores (in, out)
+    row_class = RowParallelPointwiseConv if pointwise else RowParallelLinear
+    column_class = ColumnParallelPointwiseConv if pointwise else ColumnParallelLinear
     # Built on meta, with no initialisation of its own: its parameters are the slices of the module's.
     kwargs = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
     if style in ROW_STYLES:
         split_input, scatter_output = style == "rowwise_split_input", style == "rowwise_scatter_output"
         sections = row_layout(in_features, arguments)
-        layer = RowParallelLinear(
+        layer = row_class(
             in_features,
             out_features,
             group,
@@ -272,7 +278,7 @@ def _parallel_linear(
         )
     else:
         sections, units = column_layout(style, out_features, counts, arguments)
-        layer = ColumnParallelLinear(
+        layer = column_class(
             in_features,
             out_features,
             group,

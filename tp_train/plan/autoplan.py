@@ -61,6 +61,8 @@ from tp_train.plan.coverage import (
 from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.local_view import parse_attention_style
 from tp_train.plan.probe import (
+    channels_first,
+    channels_last,
     foreign_readers,
     forward_without_cache,
     probe_copy,
@@ -80,6 +82,7 @@ from tp_train.plan.styles import (
     column_layout,
     head_counts,
     linear_shape,
+    matrix_shape,
     split_style,
 )
 
@@ -181,7 +184,8 @@ class _Planner:
         self.owner = {id(param): name for name, module in self.modules.items() for param in module.parameters(False)}
         self.parameter_names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
         self.calls = trace_calls(model, inputs)
-        self.linears = [name for name in self._called() if linear_shape(self.modules[name]) is not None]
+        # Linear-like: nn.Linear, Conv1D, a 1x1 Conv2d (traced channels-last, `tp_train.plan.probe.channels_last`).
+        self.linears = [name for name in self._called() if matrix_shape(self.modules[name]) is not None]
         self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
         # A module whose output carries no autograd history (run under no_grad, detached, or not a tensor: a
         # module called only with keyword arguments is traced without it) shows no dataflow.
@@ -228,6 +232,7 @@ class _Planner:
             and self._inside_region(outputs, name)
         }
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
+        self.unsplit: dict[str, _Pair] = {}  # a Linear of a would-be pair no split makes local -> that pair
 
     def _inside_region(self, outputs: dict[int, str], name: str) -> bool:
         """Whether module `name`'s input is computed from Linear outputs alone, through no parameter but per-feature
@@ -288,6 +293,8 @@ class _Planner:
         for name in self.linears:
             if name in self.covered or any(name.startswith(whole + ".") for whole in self.kept_whole):
                 continue
+            if linear_shape(self.modules[name]) is None:  # a 1x1 Conv2d no pair takes stays whole, as any conv
+                continue
             # Up to `SMALL_WHOLE` of its block (an MoE router beside experts the plan shards) may stay whole.
             unplanned = name not in styles and in_repeated_block(name)
             whole = block_whole_fraction(self.model, name, {**self.given, **styles}) if unplanned else 0
@@ -295,8 +302,11 @@ class _Planner:
                 # A projection on its own (Swin's patch merging between stages): split by its input's features, each
                 # rank multiplying its share, one all-reduce summing them, rather than held whole on every rank.
                 styles[name] = "rowwise_split_input"
+            elif whole > SMALL_WHOLE and (attention := self._unsplit_attention(name, styles)):
+                self.kept_whole[attention] = failures[name]  # as one no local view makes right: noted, not refused
+                styles[attention] = "replicate"
             elif whole > SMALL_WHOLE:
-                shape = linear_shape(self.modules[name])
+                shape = matrix_shape(self.modules[name])
                 reason = failures.get(name, "its output reaches no Linear through position- and head-wise operations")
                 reason += f" (left whole, its block would keep {whole:.0%} of its parameters whole on every rank)"
                 raise ValueError(
@@ -305,6 +315,18 @@ class _Planner:
                 )
         return styles
 
+    def _unsplit_attention(self, name: str, styles: dict[str, str]) -> str | None:
+        """The attention module enclosing Linear `name`'s would-be pair that no split made local, when that pair mixes
+        tokens (SwiftFormer's additive attention: its query normalised over the features, then summed over the
+        tokens) and nothing inside it is planned: it is kept whole on every rank, as an attention no local view makes
+        right is, and the rest of the model is still sharded. Else None (an MLP no split fits is refused)."""
+        pair = self.unsplit.get(name)
+        if pair is None or not pair.columns:
+            return None
+        enclosing = _enclosing(pair)
+        planned = any(other.startswith(enclosing + ".") for other in styles)
+        return enclosing if enclosing and not planned and self._mixes_tokens(pair) else None
+
     def _uncalled_siblings(self, styles: dict[str, str]) -> dict[str, str]:
         """Styles for the Linears the probe never ran that have a sibling it did, one name part apart by its number
         (the experts routing sent no probe token to: Switch Transformers' `experts.expert_6.wi`, as `expert_0.wi`):
@@ -312,7 +334,7 @@ class _Planner:
         planned = {name: style for name, style in styles.items() if style in ("colwise", "rowwise")}
         found = {}
         for name, module in self.modules.items():
-            if name in self.calls or linear_shape(module) is None or not in_repeated_block(name):
+            if name in self.calls or matrix_shape(module) is None or not in_repeated_block(name):
                 continue
             key = _numbered_away(name)
             style = next((style for other, style in planned.items() if _numbered_away(other) == key), None)
@@ -405,6 +427,8 @@ class _Planner:
                         f"does not divide, or a fused layout it cannot determine)"
                     )
                     failures.update({name: reason for name in producers | {row}})
+                    ordered = sorted(producers, key=lambda name: self.calls[name].order)  # as a pair's columns
+                    self.unsplit.update(dict.fromkeys(producers | {row}, _Pair(row, dict.fromkeys(ordered, ""))))
                     break
                 pair.columns[column] = style
             else:
@@ -690,7 +714,7 @@ class _Planner:
                 # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
                 # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`), or an
                 # norm over them, normalising over every rank's (`rmsnorm_parallel`, `layernorm_parallel`).
-                shape = linear_shape(self.modules[owner])
+                shape = matrix_shape(self.modules[owner])
                 pair.channels[owner] = "colwise" if shape is not None and shape[1] == channels else "channelwise"
                 pair.channels[owner] = self.norms.get(owner, pair.channels[owner])
                 continue
@@ -741,7 +765,7 @@ class _Planner:
         convolutions over the keys and values, as wide as the kv heads), and no RMS norm (whose statistic the probes
         held, so locality did not check it)."""
         module = self.modules.get(owner)
-        if module is None or owner in self.norms or linear_shape(module) is not None:
+        if module is None or owner in self.norms or matrix_shape(module) is not None:
             return None
         params = list(module.parameters(recurse=False))
         depthwise = isinstance(module, nn.modules.conv._ConvNd) and module.groups == module.in_channels
@@ -947,18 +971,19 @@ class _Planner:
         still = torch.Generator(device=self.calls[row].input.device).manual_seed(1)  # the background's, alike each time
 
         def perturb(module, args, output, mask, generator=generator):
+            output = channels_last(module, output)  # as traced: a 1x1 conv's channels last
             scale = output.detach().abs().mean() + 1e-3
             noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
-            return output + noise * scale * mask(output)
+            return channels_first(module, output + noise * scale * mask(output))
 
         def capture(module, args):
-            captured.append(args[0].detach().clone().float())
+            captured.append(channels_last(module, args[0]).detach().clone().float())
             if len(captured) == self.calls[row].calls:
                 raise _Stop
 
         def held(name):
             outputs = iter(self.calls[name].outputs)
-            return lambda module, args, output: next(outputs).detach()
+            return lambda module, args, output: channels_first(module, next(outputs).detach())
 
         handles = [self.modules[row].register_forward_pre_hook(capture)]
         handles += [

@@ -27,6 +27,7 @@ from tp_train.plan.styles import (
     column_layout,
     head_counts,
     linear_shape,
+    matrix_shape,
     mla_rope_dim,
     parameter_shard_spec,
     pattern_matches,
@@ -167,9 +168,14 @@ def _check_module(
     if arguments and style in SECTIONED_STYLES and not section_sizes(arguments):
         raise ValueError(f"{where}: '{style}({arguments})' must name section sizes, e.g. '{style}(64,16,16)'")
     if style in LINEAR_STYLES:
-        shape = linear_shape(module)
+        shape = matrix_shape(module)
         if shape is None:
-            raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Linear or a Conv1D")
+            raise ValueError(
+                f"{where} cannot take style '{style}': it needs an nn.Linear, a Conv1D or a 1x1 Conv2d (stride 1, no "
+                "padding, one group)"
+            )
+        if linear_shape(module) is None and (style not in ("colwise", "rowwise") or arguments):
+            raise ValueError(f"{where} is a 1x1 Conv2d: it takes 'colwise' or 'rowwise' (no arguments), not '{style}'")
         in_features, out_features = shape
         if style in ROW_STYLES:
             named = section_sizes(arguments)

@@ -19,6 +19,7 @@ from tp_train.errors import first_line
 from tp_train.plan.apply import materialize
 from tp_train.plan.caches import caches_kept
 from tp_train.plan.probe_input import EXAMPLE_INPUT_HINT, ProbeInput, forward_argument
+from tp_train.plan.styles import pointwise_conv_shape
 
 
 @dataclass
@@ -30,6 +31,19 @@ class ModuleCall:
     shapes: set = field(default_factory=set)  # of its tensor outputs, over its calls
     inputs: list = field(default_factory=list)  # first input of each call, in order (None where not a tensor)
     outputs: list = field(default_factory=list)  # first tensor output of each call, in order (None where none)
+
+
+def channels_last(module: nn.Module, tensor):
+    """`tensor` as the planner reads a module's input or output: with the features last. A 1x1 Conv2d's (N, C, H, W)
+    becomes an (N, H, W, C) view (a matmul over its channels, like a Linear's); anything else is as it is."""
+    pointwise = isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and pointwise_conv_shape(module) is not None
+    return tensor.movedim(1, -1) if pointwise else tensor
+
+
+def channels_first(module: nn.Module, tensor):
+    """The inverse of `channels_last`: a planner's view of a 1x1 Conv2d's output back to the (N, C, H, W) it runs."""
+    pointwise = isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and pointwise_conv_shape(module) is not None
+    return tensor.movedim(-1, 1) if pointwise else tensor
 
 
 def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
@@ -51,12 +65,15 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
     def leave(name):
         def hook(module, args, output):
             call = calls[name]
-            call.input = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            call.output = output if isinstance(output, torch.Tensor) else None
+            call.input = channels_last(module, args[0]) if args and isinstance(args[0], torch.Tensor) else None
+            call.output = channels_last(module, output) if isinstance(output, torch.Tensor) else None
             if call.output is not None:
-                call.shapes.add(tuple(output.shape))
+                call.shapes.add(tuple(call.output.shape))
             call.inputs.append(call.input)
             call.outputs.append(call.output)
+            # The model goes on from the recorded view (a 1x1 conv's channels-last one), so the dataflow that later
+            # modules' inputs show passes through it.
+            return channels_first(module, call.output) if call.output is not output else None
 
         return hook
 

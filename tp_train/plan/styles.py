@@ -6,8 +6,10 @@ one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's voca
 | style                   | module              | what happens                                                     |
 |-------------------------|---------------------|------------------------------------------------------------------|
 | `colwise`               | Linear / HF Conv1D  | `ColumnParallelLinear`, output sharded (heads, MLP hidden)       |
+|                         | / 1x1 Conv2d        | (`ColumnParallelPointwiseConv`: channels at dim 1)               |
 | `colwise_gather_output` | Linear / HF Conv1D  | `ColumnParallelLinear`, output gathered (an LM head); vocab padded |
 | `rowwise`               | Linear / HF Conv1D  | `RowParallelLinear`, input sharded, output all-reduced           |
+|                         | / 1x1 Conv2d        | (`RowParallelPointwiseConv`: channels at dim 1)                  |
 | `rowwise_split_input`   | Linear / HF Conv1D  | `RowParallelLinear` taking a replicated input: it keeps its own  |
 |                         |                     | share of the features (an input gathered by `colwise_gather_output`) |
 | `rowwise_scatter_output`| Linear / HF Conv1D  | `RowParallelLinear` whose summed output each rank keeps only its |
@@ -200,6 +202,25 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def pointwise_conv_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(in_channels, out_channels) of a 1x1 nn.Conv2d that is a matmul over the channels at dim 1 of an (N, C, H, W)
+    input (stride 1, no padding or dilation, one group: SwiftFormer's and PoolFormer's MLPs), else None. A plan may
+    give it `colwise` or `rowwise` (`tp_train.parallel.layers.ColumnParallelPointwiseConv`); the auto-planner does
+    not pair it yet."""
+    if not isinstance(module, nn.Conv2d) or type(module).forward is not nn.Conv2d.forward:
+        return None
+    plain = module.stride == (1, 1) and module.dilation == (1, 1) and module.padding in ((0, 0), "valid")
+    if module.kernel_size == (1, 1) and plain and module.groups == 1 and module.padding_mode == "zeros":
+        return module.in_channels, module.out_channels
+    return None
+
+
+def matrix_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a module a column or row style can swap: a Linear-like one (`linear_shape`) or a 1x1 Conv2d
+    (`pointwise_conv_shape`)."""
+    return linear_shape(module) or pointwise_conv_shape(module)
+
+
 @dataclass(frozen=True)
 class HeadCounts:
     """An attention's head counts, as its module (or else the model's config) states them before sharding."""
@@ -282,11 +303,11 @@ def style_shard_spec(
     if style == "channelwise":  # one entry per channel along dim 0 (`tp_train.plan.channels`), by named sections
         sections = section_sizes(arguments) or (getattr(module, param_name).shape[0],)
         return ShardSpec(dim=0, sections=sections, units=section_units(arguments))
-    shape = linear_shape(module)
+    shape = matrix_shape(module)
     if shape is None or style not in LINEAR_STYLES:
         return None
     in_features, out_features = shape
-    transposed = not isinstance(module, nn.Linear) and param_name == "weight"
+    transposed = linear_shape(module) is not None and not isinstance(module, nn.Linear) and param_name == "weight"
     if style == "rowwise_scatter_output" and param_name == "bias":  # added to this rank's share of the output
         return ShardSpec(dim=0, sections=(out_features,))
     if style in ROW_STYLES:

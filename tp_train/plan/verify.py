@@ -121,7 +121,8 @@ class SwapCheck:
             inputs = torch.randint(0, layer.num_embeddings, (1, PROBE_TOKENS), generator=generator)
             inputs = local_inputs = inputs.to(weight.device)
         else:
-            inputs = torch.randn(1, PROBE_TOKENS, layer.in_features, generator=generator).to(weight)
+            shape = (1, PROBE_TOKENS, layer.in_features) if layer.feature_dim == -1 else (1, layer.in_features, 1, 2)
+            inputs = torch.randn(shape, generator=generator).to(weight)  # a 1x1 conv's channels at dim 1, on 1 x 2
             local_inputs = _input_shard(layer, inputs, rank, world_size)
             inputs, local_inputs = inputs.requires_grad_(), local_inputs.detach().requires_grad_()
         # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
@@ -139,7 +140,8 @@ class SwapCheck:
         spec = None
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
             weight_spec = layer.shard_specs["weight"]
-            spec = ShardSpec(output.dim() - 1, weight_spec.sections, weight_spec.padded, units=weight_spec.units)
+            features = layer.feature_dim % output.dim()
+            spec = ShardSpec(features, weight_spec.sections, weight_spec.padded, units=weight_spec.units)
         elif isinstance(layer, RowParallelLinear) and layer.scatter_output:  # this rank's share of the output
             spec = ShardSpec(output.dim() - 1, (layer.out_features,))
         full_output = unshard_tensor(output.detach(), spec, self.group) if spec else output
@@ -174,7 +176,7 @@ def _input_shard(layer: nn.Module, inputs: torch.Tensor, rank: int, world_size: 
     chunk of each of its weight's sections), else `inputs`."""
     if not isinstance(layer, RowParallelLinear) or layer.split_input:
         return inputs
-    spec = ShardSpec(inputs.dim() - 1, layer.shard_specs["weight"].sections)
+    spec = ShardSpec(layer.feature_dim % inputs.dim(), layer.shard_specs["weight"].sections)
     return shard_tensor(inputs.detach(), spec, rank, world_size)
 
 
