@@ -91,6 +91,10 @@ COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that sh
 SPLITS = (("colwise", 1), ("packed_colwise", 2), ("fused_qkv_colwise", 3))  # style, sections of the output
 LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
 SMALL_WHOLE = 0.1  # an unpaired Linear in a block stays whole up to this fraction of its block's parameters
+# An attention no split makes local is kept whole (noted) up to this fraction of its block's parameters, the rest of
+# the block sharded (SwiftFormer's additive attention beside its 1x1 conv MLPs: 0.16 at the zoo's sizes); above it
+# (an attention with no MLP beside it, heads no split divides) the planner refuses.
+UNSPLIT_WHOLE = 0.25
 # A per-head embedding table's weight (buckets, heads), split along its last dim with the heads (a parameter entry).
 TABLE_STYLE = "rowwise"
 # Norms the probes hold the statistic of, by the style that normalises them over every rank's features.
@@ -302,7 +306,7 @@ class _Planner:
                 # A projection on its own (Swin's patch merging between stages): split by its input's features, each
                 # rank multiplying its share, one all-reduce summing them, rather than held whole on every rank.
                 styles[name] = "rowwise_split_input"
-            elif whole > SMALL_WHOLE and (attention := self._unsplit_attention(name, styles)):
+            elif SMALL_WHOLE < whole <= UNSPLIT_WHOLE and (attention := self._unsplit_attention(name, styles)):
                 self.kept_whole[attention] = failures[name]  # as one no local view makes right: noted, not refused
                 styles[attention] = "replicate"
             elif whole > SMALL_WHOLE:
