@@ -146,14 +146,21 @@ def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) ->
     world_size = dist.get_world_size(group)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local.contiguous(), group=group)
+    full = join_shards(gathered, spec)
+    return full.t() if spec.transposed else full
+
+
+def join_shards(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The full tensor (in the parameter's local layout) from every rank's shard, in rank order: the inverse of
+    `shard_tensor`, section by section, one replica of each, padding dropped."""
+    world_size = len(shards)
     local_sizes = list(spec.local_sections(world_size))
-    per_rank = [shard.split(local_sizes, dim=spec.dim) for shard in gathered]
+    per_rank = [shard.split(local_sizes, dim=spec.dim) for shard in shards]
     sections = []
     for index, (full_size, copies) in enumerate(zip(spec.sections, spec.replicas(world_size), strict=True)):
         section = torch.cat([pieces[index] for pieces in per_rank[::copies]], dim=spec.dim)  # one replica each
         sections.append(section.narrow(spec.dim, 0, full_size))
-    full = torch.cat(sections, dim=spec.dim)
-    return full.t() if spec.transposed else full
+    return torch.cat(sections, dim=spec.dim)
 
 
 def replicated_rows(spec: ShardSpec, world_size: int) -> list[tuple[int, int, int]]:

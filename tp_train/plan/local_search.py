@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tp_train.errors import first_line
-from tp_train.parallel.sharding import shard_tensor
+from tp_train.parallel.sharding import ShardSpec, join_shards, shard_tensor
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import local_channels
 from tp_train.plan.local_view import (
@@ -276,7 +276,7 @@ def _simulate(
         row_inputs.append(stand_in.inputs)
     for index, expected in enumerate(reference.row_inputs):  # at each call of the row layer
         try:
-            side_by_side = _side_by_side([inputs[index] for inputs in row_inputs], row_sections, ranks.tp)
+            side_by_side = _side_by_side([inputs[index] for inputs in row_inputs], row_sections)
         except RuntimeError as error:
             return f"its row layer's local inputs do not line up ({first_line(error)})"
         mismatched = side_by_side.shape != expected.shape  # relative_difference does not compare shapes
@@ -285,12 +285,10 @@ def _simulate(
     return None
 
 
-def _side_by_side(local: list[torch.Tensor], sections: tuple[int, ...] | None, tp: int) -> torch.Tensor:
+def _side_by_side(local: list[torch.Tensor], sections: tuple[int, ...] | None) -> torch.Tensor:
     """The full row input from the ranks' `local` ones: rank by rank within each of its `sections` in turn."""
-    if not sections or len(sections) == 1:
-        return torch.cat(local, dim=-1)
-    pieces = [x.split([size // tp for size in sections], dim=-1) for x in local]
-    return torch.cat([piece[i] for i in range(len(sections)) for piece in pieces], dim=-1)
+    width = sum(x.shape[-1] for x in local)
+    return join_shards(local, ShardSpec(dim=local[0].dim() - 1, sections=tuple(sections or (width,))))
 
 
 # ---------------------------------------------------------------------------------------------- candidates
