@@ -9,7 +9,7 @@ else
 PYTHON ?= .venv/bin/python
 endif
 
-.PHONY: setup train test lint
+.PHONY: setup train test test-fast docs lint
 
 setup:
 	PYTHON=$(PYTHON) bash scripts/setup.sh
@@ -24,6 +24,15 @@ train: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The edit-test loop: every test not marked slow (under 3 minutes on 2 cores; docs/install.md). `make test` stays the
+# whole suite and CI's command.
+test-fast: setup
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+
+# The docs site from docs/ (mkdocs.yml) into site/; tests/test_docs.py runs the same build.
+docs: setup
+	$(PYTHON) -m mkdocs build --strict
 
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

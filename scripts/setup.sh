@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs tp_train (editable, with its test tools) and the exact dependency versions of constraints.txt into the
-# environment of $PYTHON (the Makefile's choice: an active venv or conda env, else .venv).
+# Installs tp_train (editable, with its test tools and the docs builder: the dev and docs extras) and the exact
+# dependency versions of constraints.txt into the environment of $PYTHON (the Makefile's choice: an active venv or
+# conda env, else .venv).
 #
 # .venv is created here when it is missing, from $BASE_PYTHON (default: python3 on PATH). A project venv, always
 # rather than only where pip refuses (PEP 668's "externally-managed-environment" on Debian/Ubuntu's python3): the
@@ -43,9 +44,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ] \
     && "$PYTHON" -I -c "
 import importlib.util as u, sys
 spec = u.find_spec('tp_train')
-found = all(u.find_spec(name) for name in ('torch', 'lightning', 'transformers', 'datasets', 'hydra', 'wandb', 'pytest', 'xdist'))
+found = all(u.find_spec(name) for name in ('torch', 'lightning', 'transformers', 'datasets', 'hydra', 'wandb', 'pytest', 'xdist', 'mkdocs', 'material'))
 sys.exit(not (found and spec and spec.origin.startswith('$(pwd)/')))" >/dev/null 2>&1; then
-    echo "setup: $prefix already holds tp_train[dev] with constraints.txt"
+    echo "setup: $prefix already holds tp_train[dev,docs] with constraints.txt"
     exit 0
 fi
 if [ -z "${TORCH_SPEC:-}" ]; then
@@ -59,6 +60,6 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing $TORCH_SPEC into $prefix"
     "$PYTHON" -m pip install --quiet "$TORCH_SPEC"
 fi
-echo "setup: installing tp_train[dev] with constraints.txt into $prefix"
-"$PYTHON" -m pip install --quiet -c constraints.txt -e ".[dev]"
+echo "setup: installing tp_train[dev,docs] with constraints.txt into $prefix"
+"$PYTHON" -m pip install --quiet -c constraints.txt -e ".[dev,docs]"
 echo "$wanted" > "$stamp"

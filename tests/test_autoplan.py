@@ -1,6 +1,6 @@
 """The auto-planner: it finds the hand-written plans (models.GPT, the Hugging Face presets, HF Llama's own plan, the
 test models), refuses in one line what it cannot be sure of, and a model planned by it alone matches the unsharded
-model at tp 2 and 4 (with verification on, as it is by default for inferred plans). Also the README's worked
+model at tp 2 and 4 (with verification on, as it is by default for inferred plans). Also the docs' worked
 example, run as written."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 import tp_train
 from models import GPT, GPTConfig
 from tests.distributed import free_port, run_on_ranks
+from tests.docs_examples import example
 from tests.parity import assert_parity, parity_errors
 from tests.test_hf_families import FAMILIES
 from tests.test_parallelize import ATOL, VOCAB, QKNormModel, SwiGLUModel, _gpt, _hf_gpt2, _hf_llama, _logits
@@ -159,13 +159,13 @@ def test_what_the_auto_planner_cannot_be_sure_of_is_refused_in_one_line(name):
 
 
 def _readme_example() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return re.search(r"<!-- readme-example: custom-model -->\n```python\n(.*?)```", readme, re.S).group(1)
+    """The worked example of docs/own-models.md (the README's own-model recipe saves it as mine.py)."""
+    return example("custom-model")
 
 
 def _readme_model() -> nn.Module:
     namespace = {"__name__": "readme_example"}
-    exec(compile(_readme_example(), "README.md", "exec"), namespace)
+    exec(compile(_readme_example(), "docs/own-models.md", "exec"), namespace)
     return namespace["TinyLM"](vocab=VOCAB)
 
 
@@ -229,7 +229,7 @@ def _run_readme_script(rank, world_size):
     os.environ["MASTER_PORT"] = str(port[0])
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(_readme_example(), "README.md", "exec"), {"__name__": "__main__"})
+        exec(compile(_readme_example(), "docs/own-models.md", "exec"), {"__name__": "__main__"})
     return printed.getvalue(), dist.is_initialized()
 
 

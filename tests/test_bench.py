@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import pytest
 
 from tests.test_train_app import ROOT
 
+SVG = "{http://www.w3.org/2000/svg}"
 CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=2", "ours tp=2 no overlap",
               "ours tp=2 +SP", "ours tp=2 +AC", "plain tp=1 x2 threads"]  # fmt: skip
 
@@ -42,6 +44,41 @@ def test_bench_smoke_writes_every_contender(tmp_path):
     assert rows["ours tp=1"]["collective_s"] == 0
     assert rows["ours tp=2"]["model_state_mib"] < 0.55 * rows["ours tp=1"]["model_state_mib"]
     assert {check["target"] for check in report["targets"]} and report["machine"]["cpus"] >= 1
+    plot = ElementTree.parse(output.with_suffix(".svg")).getroot()  # written beside the JSON by default
+    assert {line.findtext(f"{SVG}title") for line in plot.iter(f"{SVG}polyline")} == {"ours small", "native small"}
+
+
+def _row(kind: str, tp: int, step_ms: float, peak_mib: float, compiled=False, variant="") -> dict:
+    return {"kind": kind, "tp": tp, "step_s": step_ms / 1000, "peak_mib": peak_mib, "compiled": compiled,
+            "variant": variant}  # fmt: skip
+
+
+def test_the_plot_draws_step_time_and_memory_against_tp_for_each_kind_and_size(tmp_path):
+    """The plot from a report: per panel one line per (kind, size) through every tp it ran, eager rows without a
+    variant only; its points sit where the values are (higher step time, higher on the page)."""
+    from tp_train.tools.bench.plot import main
+
+    results = []
+    for size, scale in (("small", 1), ("large", 10)):
+        rows = [_row("plain", 1, 20 * scale, 14 * scale), _row("ours", 1, 21 * scale, 14 * scale),
+                _row("ours", 2, 40 * scale, 8 * scale), _row("native", 2, 90 * scale, 9 * scale),
+                _row("ours", 2, 30 * scale, 8 * scale, compiled=True), _row("ours", 2, 80 * scale, 6, variant="+AC"),
+                _row("ours", 4, 110 * scale, 5 * scale), _row("native", 4, 250 * scale, 6 * scale)]  # fmt: skip
+        contenders = {f"{row['kind']} {row['tp']} {row['compiled']} {row['variant']}": row for row in rows}
+        results.append({"size": {"name": size}, "contenders": contenders})
+    (tmp_path / "bench.json").write_text(json.dumps({"machine": {"cpus": 2, "torch": "x"}, "results": results}))
+    main([str(tmp_path / "bench.json"), str(tmp_path / "bench.svg")])
+    lines = list(ElementTree.parse(tmp_path / "bench.svg").getroot().iter(f"{SVG}polyline"))
+    names = [line.findtext(f"{SVG}title") for line in lines]
+    expected = sorted(f"{kind} {size}" for kind in ("native", "ours", "plain") for size in ("large", "small"))
+    assert sorted(names[:6]) == sorted(names[6:]) == expected  # two panels: step time, then memory
+    points = {name: [tuple(map(float, p.split(","))) for p in line.get("points").split()]
+              for name, line in zip(names[:6], lines[:6], strict=True)}  # fmt: skip
+    assert len(points["ours small"]) == 3 and len(points["native small"]) == 2 and len(points["plain large"]) == 1
+    xs = [x for x, _ in points["ours small"]]
+    assert xs == sorted(xs) and xs[0] < xs[1] < xs[2]  # tp 1, 2, 4 left to right
+    assert points["native small"][0][1] < points["ours small"][1][1]  # slower is higher (smaller y)
+    assert points["ours large"][0][1] < points["ours small"][0][1]
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ def test_model_configs_build(tmp_path, model):
     factory = instantiate(cfg.model)
     import torch
 
-    with torch.device("meta"):  # gpt_small has ~125M parameters: shapes only
+    with torch.device("meta"):  # gpt_small has 91M parameters: shapes only
         net = factory()
     context = getattr(net.config, "block_size", None) or net.config.max_position_embeddings  # GPT's or HF's name
     assert net.config.vocab_size == 512 and context == 32

@@ -1,7 +1,8 @@
-"""Fine-tuning a pretrained model as README shows it: README's snippet writes a tiny Llama and its own tokenizer to
-DIR; `train.py model=hf model.path=DIR peft=lora` trains LoRA adapters on DIR's tokenizer, tp=2 with the losses of
-tp=1; its checkpoint is small; `tp-train-generate` prints the same text at any tp (with a KV cache split by heads),
-as the run's own validation samples; `tp-train-export` writes the merged model and the peft adapter directory."""
+"""Fine-tuning a pretrained model as the README and docs/fine-tuning.md show it: scripts/tiny_llama.py writes a tiny
+Llama and its own tokenizer to DIR, and the corpus the commands read; `train.py model=hf model.path=DIR peft=lora`
+trains LoRA adapters on DIR's tokenizer, tp=2 with the losses of tp=1; its checkpoint is small; `tp-train-generate`
+prints the same text at any tp (with a KV cache split by heads), as the run's own validation samples;
+`tp-train-export` writes the merged model and the peft adapter directory."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import csv
 import json
 import os
 import random
-import re
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,6 @@ RUN = ["data=local_text", "trainer.enable_progress_bar=false", "~callbacks.progr
 SAMPLED = ["logger=wandb", "trainer.limit_val_batches=1", "trainer.val_check_interval=30", 'samples.prompts=["def "]',
            "samples.max_new_tokens=16"]  # fmt: skip
 PROMPT, NEW_TOKENS = "def ", 16
-
-
-def readme_snippet() -> str:
-    """README's Python snippet that writes the pretrained tiny Llama and its tokenizer."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Fine-tuning a pretrained model", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def code_corpus() -> str:
@@ -67,13 +59,13 @@ def _losses(run_dir: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """DIR from README's snippet, two corpora, and the runs the tests read: the adapter run of README's command at
-    tp=2 and the same at tp=1 (10 steps each), the whole of DIR's model fine-tuned on code (30 steps, W&B, a
-    validation sample), and a gpt_tiny trained on code from scratch (30 steps)."""
+    """DIR and corpus.txt from scripts/tiny_llama.py, a code corpus, and the runs the tests read: the adapter run of
+    the documented command at tp=2 and the same at tp=1 (10 steps each), the whole of DIR's model fine-tuned on code
+    (30 steps, W&B, a validation sample), and a gpt_tiny trained on code from scratch (30 steps)."""
     tmp = tmp_path_factory.mktemp("finetune")
-    subprocess.run([sys.executable, "-c", readme_snippet()], cwd=tmp, check=True, capture_output=True, timeout=300)
-    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))  # real Python text, on every machine
-    (tmp / "corpus.txt").write_text("\n\n".join(p.read_text(errors="replace") for p in stdlib[40:70]))
+    script = ROOT / "scripts" / "tiny_llama.py"
+    subprocess.run([sys.executable, str(script)], cwd=tmp, check=True, capture_output=True, timeout=300)
+    assert (tmp / "corpus.txt").stat().st_size > 100_000  # the documented commands read the script's corpus
     (tmp / "code.txt").write_text(code_corpus())
     lora = ["model=hf", f"model.path={tmp / 'tiny-llama'}", "peft=lora", "trainer.max_steps=10"]
     code = ["trainer.max_steps=30", "tp=2", "data.block_size=64"]

@@ -16,7 +16,7 @@ and the input. So the backward is split in two autograd nodes:
 
 The collectives are the ones of the plain path, one per entry: the counts and bytes do not change. gloo runs a
 collective on its own thread, so the overlap happens on CPU too, but it pays only where a core is free for that
-thread (on two cores busy with two ranks it does not: see README's benchmark); NCCL runs it on its own stream. A
+thread (on two cores busy with two ranks it does not: see docs/performance.md); NCCL runs it on its own stream. A
 layer defers only when its input is the entry's very output, so the entry's backward is sure to run after the
 layer's; otherwise the layer computes its own weight gradient. Eager only: under `torch.compile` the layers use
 the functional collectives of `tp_train.parallel.collectives`, and the compiler schedules them.

@@ -1,4 +1,4 @@
-"""`python -m tp_train.tools.planning_table`: the README's planning table, predicted per-GPU memory of training
+"""`python -m tp_train.tools.planning_table`: docs/cluster.md's planning table, predicted per-GPU memory of training
 Llama-2 7B, 13B and 70B shapes with AdamW at tp=8 x dp in {1, 8, 64}, DDP against FSDP2, by `estimate_memory`.
 
 The models are Hugging Face's `LlamaForCausalLM` built from Llama-2's published shapes on the meta device (nothing

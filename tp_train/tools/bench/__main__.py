@@ -1,6 +1,6 @@
 """`tp-train-bench` (or `python -m tp_train.tools.bench`): training-step time and memory of tp_train against
 PyTorch's DTensor tensor parallelism and the plain model, in one run (see tp_train/tools/bench/run.py). Prints a
-table and its targets, writes JSON."""
+table and its targets, writes JSON and a plot of step time and memory against tp (plot.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tp_train.tools.bench.contenders import SIZES
+from tp_train.tools.bench.plot import write_plot
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.bench.report import table, targets, targets_text
 from tp_train.tools.bench.run import benchmark
@@ -27,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timings per contender (the median is reported)")
     parser.add_argument("--seconds", type=float, default=0.5, help="about how long one timing runs (>= 1 step)")
     parser.add_argument("--output", default="bench.json", help="where the JSON results go")
+    parser.add_argument("--plot", default=None, help="where the SVG plot goes (default: --output's name, .svg)")
     parser.add_argument(
         "--no-compiled", dest="compiled", action="store_false", help="leave out the torch.compile contenders"
     )
@@ -36,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
     args.tp = sorted({int(tp) for tp in args.tp.split(",")})
+    args.plot = Path(args.plot) if args.plot else Path(args.output).with_suffix(".svg")
     return args
 
 
@@ -59,12 +62,14 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
     if rank == 0:
         info = {**info, "load_average_at_end": os.getloadavg(), "seconds": time.perf_counter() - start}
         checks = targets(results)
-        Path(args.output).write_text(json.dumps({"machine": info, "results": results, "targets": checks}, indent=1))
+        report = {"machine": info, "results": results, "targets": checks}
+        Path(args.output).write_text(json.dumps(report, indent=1))
+        write_plot(report, args.plot)
         print(f"machine: {info}")
         print(table(results))
         print("targets:")
         print(targets_text(checks))
-        print(f"wrote {args.output}")
+        print(f"wrote {args.output} and {args.plot}")
 
 
 def main(argv: list[str] | None = None) -> None:
