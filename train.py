@@ -151,9 +151,13 @@ def run(cfg: DictConfig) -> float | None:
     try:
         preflight.check(cfg, lambda: instantiate(cfg.model))
         if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
-            estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
-            title = f"predicted memory per rank (tp={cfg.tp}, {cfg.data_parallel}, precision={cfg.precision})"
-            print(estimate.table(title), flush=True)
+            try:
+                estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
+            except ValueError as error:  # a model of your own whose config gives no layer count or width: advisory
+                print(f"note: no memory estimate: {error}", flush=True)
+            else:
+                title = f"predicted memory per rank (tp={cfg.tp}, {cfg.data_parallel}, precision={cfg.precision})"
+                print(estimate.table(title), flush=True)
         if cfg.get("dry_run"):
             return None
         datamodule = instantiate(cfg.data)
