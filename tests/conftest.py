@@ -1,4 +1,5 @@
-"""The order test files start in under `make test` (pytest-xdist, `--dist loadfile`: each worker takes whole files).
+"""The order test files start in under `make test` (pytest-xdist, `--dist loadfile`: each worker takes whole files),
+and the tests `make test-fast` (`-m "not slow"`) leaves out beside those marked `@pytest.mark.slow` in their files.
 
 xdist's default hands out files with the most tests first, which leaves the files of one or a few long tests
 (a `train.py` run, an inductor compile) to the end, where one worker runs them alone while the other sits idle.
@@ -7,6 +8,8 @@ file follows in collection order and fills in around them.
 """
 
 from __future__ import annotations
+
+import pytest
 
 LONGEST_FIRST = [
     "test_finetune.py",
@@ -30,3 +33,34 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     position = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: position.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep theirs
+
+
+# Tests marked slow here rather than in their files (one list, so that files other work is changing stay as they
+# are): each took 10 s or more per test in a timing run of the fast tier on the 2-core machine, at a load average
+# of 16-18 (shared with other jobs; about 1.5 s and up idle), or is a module fixture's first test that pays for the
+# whole fixture (ranks running every family or model of the file). All parameters of a test are marked alike.
+SLOW_HERE = {
+    "test_planner_families.py::test_the_family_shards_and_matches_unsharded",
+    "test_planner_families.py::test_codegens_attention_is_split_by_its_head_groups",
+    "test_planner_families.py::test_inkling2s_full_layer_views_its_convolutions_heads_locally",
+    "test_planner_families.py::test_xlstms_zero_gate_and_per_head_norm_are_planned",
+    "test_planner_families.py::test_falcon_h1s_mup_vector_is_split_with_in_proj_and_its_gated_norm_refused",
+    "test_planner_families.py::test_inklings_short_convolutions_split_with_the_kv_heads_they_convolve",
+    "test_planner_families.py::test_electras_embedding_projection_is_no_column_of_the_first_query",
+    "test_compile.py::test_a_model_with_dropout_keeps_switching_random_streams_when_compiled",
+    "test_finetune.py::test_model_path_brings_its_tokenizer_to_the_data_unless_data_tokenizer_path_says_otherwise",
+    "test_checkpoint_safety.py::test_the_saved_checkpoint_reads_as_data_and_more_than_data_needs_the_opt_in",
+    "test_strategy_checkpoint.py::test_checkpoint_saved_at_tp2_validates_the_same_at_tp1_tp4_and_exports",
+    "test_strategy_checkpoint.py::test_resume_gives_the_same_losses_as_training_straight_through",
+    "test_overlap.py::test_overlap_matches_unsharded",
+    "test_preemption.py::test_a_preempted_fit_resumes_the_train_loader_mid_epoch",
+    "test_parallelize.py::test_sharded_model_matches_unsharded",
+    "test_precision.py::test_precision_at_tp2_within_its_bound_of_plain_lightning",
+    "test_probe.py::test_models_whose_default_cache_cannot_be_built_are_auto_planned_and_match_unsharded",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_itemcollected(item):
+    if f"{item.path.name}::{item.originalname}" in SLOW_HERE:
+        item.add_marker(pytest.mark.slow)

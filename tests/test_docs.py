@@ -192,3 +192,13 @@ def test_documented_zoo_commands_parse():
         if word.startswith("--")
     }
     assert options and all(option in help_text for option in options), (options, help_text)
+
+
+def test_every_test_conftest_marks_slow_exists():
+    """tests/conftest.py's SLOW_HERE names tests by file and function: a renamed test would leave the list, and run
+    in the fast tier again, unnoticed."""
+    from tests.conftest import SLOW_HERE
+
+    for entry in SLOW_HERE:
+        path, name = entry.split("::")
+        assert re.search(rf"^def {name}\(", (ROOT / "tests" / path).read_text(), re.M), entry

@@ -75,7 +75,7 @@ def svg(report: dict) -> str:
     body = []
     for index, (key, title, scale) in enumerate(PANELS):
         body += _panel(index * PANEL_WIDTH, title, series(report, key, scale), tps, sizes)
-    legend_y = PANEL_HEIGHT + 8
+    legend_y = PANEL_HEIGHT + 22  # below the panels' "tp" labels
     for index, kind in enumerate(COLORS):
         x = MARGIN + index * 110
         body.append(f'<line x1="{x}" x2="{x + 24}" y1="{legend_y}" y2="{legend_y}" stroke="{COLORS[kind]}" '
@@ -89,7 +89,7 @@ def svg(report: dict) -> str:
     machine = report.get("machine", {})
     note = f"{machine.get('cuda') or str(machine.get('cpus', '?')) + ' CPU cores'}, torch {machine.get('torch', '?')}"
     body.append(f'<text x="{MARGIN}" y="{legend_y + 26}" font-size="11" fill="#555">{escape(note)}</text>')
-    width, height = 2 * PANEL_WIDTH, PANEL_HEIGHT + 44
+    width, height = 2 * PANEL_WIDTH, PANEL_HEIGHT + 60
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
         'font-family="sans-serif">\n<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n"
