@@ -40,6 +40,8 @@ def pytest_collection_modifyitems(config, items):
 # (shared with other jobs, so about 2 s and more idle), or is a module fixture's first test that pays for the whole
 # fixture (ranks running every family or model of the file). All parameters of a test are marked alike.
 SLOW_HERE = {
+    "test_multi_role_attention.py::test_a_parameter_acting_on_local_heads_gets_an_entry_of_its_own",
+    "test_multi_role_attention.py::test_layers_run_twice_at_two_shapes_are_planned_as_one_split",
     "test_multi_role_attention.py::test_norms_held_in_every_probe_forward_leave_a_later_attention_plannable",
     "test_attention_splits.py::test_funnels_per_head_parameters_are_split_with_the_heads",
     "test_attention_splits.py::test_a_per_head_parameter_of_an_attention_kept_whole_stays_out_of_its_pattern",

@@ -221,7 +221,7 @@ def test_the_readme_example_plan_is_what_the_auto_planner_finds():
 
 
 def _run_readme_script(rank, world_size):
-    """The README block as a script: its `__main__` joins a process group from torchrun's environment variables
+    """The docs' worked example as a script: its `__main__` joins a process group from torchrun's environment variables
     (which the harness sets), so the harness's group makes way for it, on a fresh port."""
     port = [free_port() if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
