@@ -40,6 +40,18 @@ def pytest_collection_modifyitems(config, items):
 # (shared with other jobs, so about 2 s and more idle), or is a module fixture's first test that pays for the whole
 # fixture (ranks running every family or model of the file). All parameters of a test are marked alike.
 SLOW_HERE = {
+    "test_any_transformer.py::test_t5s_relative_position_bias_is_split_with_its_heads",
+    "test_any_transformer.py::test_the_planner_reads_reused_layers_shared_bias_tables_and_per_head_biases",
+    "test_attention_splits.py::test_swiftformers_pointwise_conv_mlps_split_and_its_additive_attention_kept_whole",
+    "test_attention_splits.py::test_the_split_attentions_match_unsharded",
+    "test_attention_splits.py::test_perceivers_one_head_classification_decoder_keeps_its_attention_whole_and_splits_its_mlp",
+    "test_attention_splits.py::test_the_time_major_attention_runs_on_local_heads",
+    "test_checkpoint_safety.py::test_dcp_metadata_reads_with_its_enum_members_pickled_by_value_or_by_name",
+    "test_planner_families.py::test_gpt_oss_holds_at_most_0_6_of_its_parameters_per_rank_at_tp2",
+    "test_async_writer.py::test_a_process_that_exits_right_after_a_save_writes_it_first",
+    "test_fsdp_checkpoint.py::test_fsdp_checkpoint_validates_the_same_at_one_device_tp2_and_dp2_tp2_ddp",
+    "test_fsdp_checkpoint.py::test_fsdp_resume_gives_the_same_losses_as_training_straight_through",
+    "test_hf_families.py::test_preset_sharded_model_matches_unsharded",
     "test_multi_role_attention.py::test_a_parameter_acting_on_local_heads_gets_an_entry_of_its_own",
     "test_multi_role_attention.py::test_layers_run_twice_at_two_shapes_are_planned_as_one_split",
     "test_multi_role_attention.py::test_norms_held_in_every_probe_forward_leave_a_later_attention_plannable",
