@@ -235,12 +235,11 @@ def install(wheelhouse: Path) -> bool:
 
 def imports() -> bool:
     """Imports every third-party module the tree imports, and the tree's own entry points; prints each failure."""
-    modules = sorted({module for module, _ in imported_modules()}) + [
-        "tp_train",
-        "models",
-        "train",
-        "tp_train.app.generate",
-    ]
+    wanted = {canonicalize_name(requirement.name) for requirement in roots()}
+    provided = importlib.metadata.packages_distributions().items()
+    by_requirement = {m for m, names in provided for n in names if canonicalize_name(n) in wanted and m[0] != "_"}
+    modules = sorted({module for module, _ in imported_modules()} | by_requirement)  # wandb: through Lightning
+    modules += ["tp_train", "models", "train", "tp_train.app.generate"]
     sys.path.insert(0, str(ROOT))  # `train` (train.py) is no package
     failed = []
     for module in modules:
