@@ -59,12 +59,12 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 phase install 120 "$PYTHON" scripts/gpu_wheels.py install "$WHEELHOUSE"
 
-phase bench 180 "$PYTHON" -m tp_train.tools.bench.one_device --output "$OUT_DIR/gpu_bench.json"
+phase bench 200 "$PYTHON" -m tp_train.tools.bench.one_device --output "$OUT_DIR/gpu_bench.json"
 
 # pytest-timeout (the image has it) fails a stuck test and lets the rest finish; without it the phase's limit stops all.
 per_test=()
-"$PYTHON" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 240)
-phase tests 270 "$PYTHON" -m pytest -m cuda -n 8 -p no:cacheprovider -q -rA "${per_test[@]}" \
+"$PYTHON" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 220)
+phase tests 240 "$PYTHON" -m pytest -m cuda -n 8 -p no:cacheprovider -q -rA ${per_test[@]+"${per_test[@]}"} \
     --junitxml="$OUT_DIR/cuda_tests.xml" tests/test_cuda_train.py tests/test_cuda_ranks.py
 
 "$PYTHON" scripts/gpu_summary.py "$OUT_DIR"

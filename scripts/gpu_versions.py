@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,10 +21,23 @@ PACKAGES = ["lightning", "pytorch-lightning", "transformers", "peft", "accelerat
 PACKAGES += ["numpy", "hydra-core", "omegaconf", "datasets", "wandb", "pytest", "pytest-xdist", "pytest-timeout"]
 
 
+def _driver() -> str:
+    query = ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
+    return subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
+
+
 def torch_floor() -> str:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     (requirement,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"]
     return str(requirement.specifier)
+
+
+def _asked(question):
+    """The answer, or what went wrong asking (a version line must never stop the check)."""
+    try:
+        return question()
+    except Exception as error:  # noqa: BLE001
+        return f"unknown ({type(error).__name__}: {error})"
 
 
 def versions() -> dict:
@@ -32,11 +47,12 @@ def versions() -> dict:
         "executable": sys.executable,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "gpu": _asked(torch.cuda.get_device_name) if cuda else None,
         "gpu_count": torch.cuda.device_count() if cuda else 0,
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-        "cpus": __import__("os").cpu_count(),
+        "capability": _asked(lambda: ".".join(map(str, torch.cuda.get_device_capability()))) if cuda else None,
+        "nccl": _asked(lambda: str(torch.cuda.nccl.version())) if cuda else None,
+        "driver": _asked(_driver) if cuda else None,
+        "cpus": os.cpu_count(),
     }
     for name in PACKAGES:
         try:
