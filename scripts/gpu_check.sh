@@ -26,7 +26,8 @@ if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 WHEELHOUSE=${WHEELHOUSE:-wheelhouse}
-export PYTHONUNBUFFERED=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+# Nothing outside the machine can be reached there: no library may try (and wait for) the network.
+export PYTHONUNBUFFERED=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
 PHASES="$OUT_DIR/phases.tsv"
 : > "$PHASES"
