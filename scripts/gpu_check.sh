@@ -7,7 +7,7 @@
 #   3. measures GPT-2 small at tp=1 in bf16, plain and ours, eager and compiled (tp_train/tools/bench/one_device.py);
 #   4. runs the tests marked `cuda` (pytest -m cuda, on 8 workers);
 #   5. writes gpu_check.json (versions, phases, tests, measurements) and gpu_check.log into OUT_DIR, and prints a
-#      summary table.
+#      summary table. The phases' limits add up to 545 s (about 6 minutes is usual).
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]      # OUT_DIR: default $OUT, else ./gpu_check_out
 #
@@ -46,7 +46,7 @@ phase() {
     return "$status"
 }
 
-phase versions 60 "$PYTHON" scripts/gpu_versions.py "$OUT_DIR/versions.json"
+phase versions 45 "$PYTHON" scripts/gpu_versions.py "$OUT_DIR/versions.json"
 
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     "$PYTHON" scripts/gpu_wheels.py check "$WHEELHOUSE"
@@ -58,14 +58,14 @@ fi
 
 # The tree's modules import from here in any case (subprocesses too), installed or not.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-phase install 120 "$PYTHON" scripts/gpu_wheels.py install "$WHEELHOUSE"
+phase install 90 "$PYTHON" scripts/gpu_wheels.py install "$WHEELHOUSE"
 
-phase bench 200 "$PYTHON" -m tp_train.tools.bench.one_device --output "$OUT_DIR/gpu_bench.json"
+phase bench 180 "$PYTHON" -m tp_train.tools.bench.one_device --output "$OUT_DIR/gpu_bench.json"
 
 # pytest-timeout (the image has it) fails a stuck test and lets the rest finish; without it the phase's limit stops all.
 per_test=()
-"$PYTHON" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 220)
-phase tests 240 "$PYTHON" -m pytest -m cuda -n 8 -p no:cacheprovider -q -rA ${per_test[@]+"${per_test[@]}"} \
+"$PYTHON" -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 210)
+phase tests 230 "$PYTHON" -m pytest -m cuda -n 8 -p no:cacheprovider -q -rA ${per_test[@]+"${per_test[@]}"} \
     --junitxml="$OUT_DIR/cuda_tests.xml" tests/test_cuda_train.py tests/test_cuda_ranks.py
 
 "$PYTHON" scripts/gpu_summary.py "$OUT_DIR"
