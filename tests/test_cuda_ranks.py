@@ -47,7 +47,17 @@ def test_cuda_dropout_streams_differ_in_sharded_regions_and_agree_in_replicated_
     check_dropout_streams(run_on_ranks(_train_with_dropout, 2, 10, "cuda", timeout=300))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+# Seen on an H100 (torch 2.11.0+cu130, 2026-11-26, scripts/gpu_check.sh): at tp=2 both ranks die with SIGSEGV inside
+# the compiled graph, in our collective op on gloo with CUDA tensors (faulthandler's stack: the inductor module ->
+# torch/_library/autograd.py forward_no_grad -> redispatch); the eager CUDA + gloo parity cases above pass, and so
+# does the compiled tp=1 case. Two ranks on one GPU can only use gloo; NCCL needs two GPUs. Strict: it is reported
+# the day it passes.
+GLOO_CUDA_COMPILE = pytest.mark.xfail(
+    raises=RuntimeError, strict=True, reason="compiled collectives on gloo with CUDA tensors segfault (torch 2.11)"
+)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=GLOO_CUDA_COMPILE)])
 def test_parallelize_compile_with_inductor_on_the_gpu_has_no_graph_break(tp):
     results = run_on_ranks(_compiled_parity, tp, "gpt", None, {"compile": True}, "cuda", timeout=600)
     for rank, (errors, graph_breaks, graphs) in enumerate(results):
