@@ -185,10 +185,12 @@ def test_a_job_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoi
         job.wait(timeout=TIMEOUT)
     finally:
         job.kill()
-    assert (checkpoint.with_name("last.ckpt.tmp") / ".metadata").is_file()  # the interrupted save's shards
-    assert read_extra(checkpoint / "meta.pt")["global_step"] == 10  # the previous checkpoint, whole
+    (interrupted,) = checkpoint.parent.glob("*.ckpt.tmp")
+    assert (interrupted / ".metadata").is_file()  # the interrupted save's shards
+    (previous,) = (path for path in checkpoint.parent.glob("*-step=10.ckpt") if (path / ".metadata").is_file())
+    assert read_extra(previous / "meta.pt")["global_step"] == 10  # the previous checkpoint, whole
 
     result = subprocess.run([sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"], **_io(cache))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resuming from {checkpoint}" in result.stderr
+    assert f"resuming from {previous}" in result.stderr  # last.ckpt named the interrupted save: not taken
     _same_run(_summary(run_dir), uninterrupted)
