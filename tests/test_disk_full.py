@@ -36,7 +36,8 @@ def _bytes(path: Path) -> int:
     return sum(f.lstat().st_size for f in path.rglob("*") if f.is_symlink() or f.is_file())
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> train loss, from every CSV log of the run directory (a resumed run adds a version)."""
     losses = {}
     for metrics in sorted(run_dir.glob("csv/*/metrics.csv")):
         losses |= {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(metrics.open())
@@ -99,7 +100,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_the_same_command_resumes(strai
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         (line,) = (line for line in resumed.stderr.splitlines() if line.startswith("resuming from "))
         assert Path(line.split()[2].rstrip(",")).resolve() == kept.resolve(), line  # it, or last.ckpt linking it
-        before, after = _losses(straight_dir), _losses(run_dir)
+        before, after = losses(straight_dir), losses(run_dir)
         print({step: (before[step], after[step]) for step in (20, 21, 39)})
         assert abs(after[20] - before[20]) <= 1e-5  # the first step after resuming
         assert all(abs(after[step] - before[step]) <= 1e-5 for step in range(40))

@@ -241,6 +241,11 @@ class TensorParallelStrategy(DDPStrategy):
             return decision[0]
         return self._rendezvous().rank_zero_decides(decide)
 
+    @property
+    def launch(self) -> rendezvous.Rendezvous:
+        """This launch's rendezvous: its store, shared by every rank (`tp_train.lightning.hang` beats through it)."""
+        return self._rendezvous()
+
     def _rendezvous(self) -> rendezvous.Rendezvous:
         if self._launch is None:
             self._launch = rendezvous.Rendezvous(self.cluster_environment, self._timeout or default_pg_timeout)
