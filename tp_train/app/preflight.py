@@ -144,6 +144,8 @@ def check_checkpoint(path: str | None, trust_checkpoint: bool = False) -> None:
     is checked by the ranks, on load."""
     if path is None or str(path) in ("auto", "last", "best", "hpc") or str(path).startswith("registry"):
         return  # found later: by tp_train.app.resume (auto, then checked again), or by Lightning
+    if os.path.isfile(os.path.expanduser(str(path))):
+        return  # a consolidated file (save_distributed_checkpoint=false): read as data, and checked, by the ranks
     try:
         check_files(os.path.expanduser(str(path)), trust_checkpoint)
     except UnsafeCheckpointError as error:  # it says what would work
