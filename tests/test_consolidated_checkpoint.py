@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import GLOBAL_BATCH, LitLM, StepRecorder, loader, make_trainer, token_data
 from tests.parity import next_token_loss
+from tp_train import TensorParallelStrategy
 
 EPOCH = 3  # batches per epoch: the save at step 3 ends one
 
@@ -61,3 +62,8 @@ def test_a_consolidated_file_loads_in_one_process_and_resumes_at_tp2(tmp_path):
     print({"straight": straight, "resumed": first + second})
     assert len(first) == len(second) == EPOCH
     assert first + second == pytest.approx(straight, abs=1e-5)
+
+
+def test_fsdp_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="save_distributed_checkpoint=False gathers whole tensor-parallel shards"):
+        TensorParallelStrategy(tensor_parallel_size=2, data_parallel="fsdp", save_distributed_checkpoint=False)

@@ -38,6 +38,15 @@ from tp_train.parallel.sharding import ShardSpec, join_shards, local_part, shard
 PARAMETER_NAMES = "tp_train_parameter_names"  # per optimizer: the name of each parameter index, to check on load
 
 
+def check_data_parallel(save_distributed_checkpoint: bool, data_parallel: str) -> None:
+    """A consolidated checkpoint gathers whole tensor-parallel shards, which sharded data parallelism splits."""
+    if not save_distributed_checkpoint and data_parallel == "fsdp":
+        raise ValueError(
+            "save_distributed_checkpoint=False gathers whole tensor-parallel shards, which data_parallel='fsdp' "
+            "splits further; use data_parallel='ddp', or save_distributed_checkpoint=True"
+        )
+
+
 def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh, extra: dict) -> None:
     """Writes `extra` (Lightning's checkpoint dict) with the full `state_dict` and `optimizer_states` to the file
     `path`, from global rank 0 (see the module docstring); every rank calls it."""

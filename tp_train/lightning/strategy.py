@@ -87,10 +87,9 @@ class TensorParallelStrategy(DDPStrategy):
             one is complete. False writes before the step continues.
         trust_checkpoint: load checkpoints that hold more than data (pickled objects, which could run code) as
             torch would; only for your own checkpoints. By default such a checkpoint is refused in one line.
-        save_distributed_checkpoint: True (default): a checkpoint is a directory of every rank's shards, written in
-            parallel, loadable at any tp. False (Lightning's name and meaning): one file with the full, unsharded
-            state, gathered to and written by rank 0 (`tp_train.checkpoint.consolidated`), which
-            `MyModule.load_from_checkpoint(path)` reads in a plain process; `fit(ckpt_path=...)` loads either.
+        save_distributed_checkpoint: True: a directory of every rank's shards. False (Lightning's meaning): one file
+            of the full state, written by rank 0, that `MyModule.load_from_checkpoint` reads in a plain process
+            (`tp_train.checkpoint.consolidated`); `fit(ckpt_path=...)` loads either, at any tp.
         data_parallel: "ddp" (replicate each tensor-parallel shard over the data-parallel ranks) or "fsdp" (shard
             it, with its gradients and optimizer states, over them: about 1/dp of the model state per rank, for
             one all-gather per block forward and backward and a reduce-scatter in place of DDP's all-reduce).
@@ -147,11 +146,7 @@ class TensorParallelStrategy(DDPStrategy):
         self.overlap = overlap
         self.async_checkpoint = async_checkpoint
         self.trust_checkpoint = trust_checkpoint
-        if not save_distributed_checkpoint and data_parallel == "fsdp":
-            raise ValueError(
-                "save_distributed_checkpoint=False gathers whole tensor-parallel shards, which "
-                "data_parallel='fsdp' splits further; use data_parallel='ddp', or save_distributed_checkpoint=True"
-            )
+        consolidated.check_data_parallel(save_distributed_checkpoint, data_parallel)
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self._checkpoint_writer: AsyncCheckpointWriter | None = None
         self.sequence_parallel = sequence_parallel
@@ -442,11 +437,8 @@ class TensorParallelStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoints()
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_file():  # a consolidated checkpoint (save_distributed_checkpoint=False, or plain Lightning's)
-            return consolidated.load(
-                path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint
-            )
-        return checkpoint_io.load(path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint)
+        load = consolidated.load if path.is_file() else checkpoint_io.load  # a file: save_distributed_checkpoint=False
+        return load(path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint)
 
     def wait_for_checkpoints(self) -> None:
         """Blocks until every checkpoint saved so far is written (with `async_checkpoint`, in the background)."""
