@@ -4,12 +4,15 @@ validation loss, and that `fit(ckpt_path="last")` resumes at tp=2 exactly (and a
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.distributed import run_on_ranks
-from tests.lightning_helpers import GLOBAL_BATCH, LitLM, StepRecorder, loader, make_trainer, token_data
+from tests.lightning_helpers import GLOBAL_BATCH, LitLM, StepRecorder, fit, loader, make_trainer, token_data, validate
 from tests.parity import next_token_loss
 from tp_train import TensorParallelStrategy
 
@@ -62,6 +65,29 @@ def test_a_consolidated_file_loads_in_one_process_and_resumes_at_tp2(tmp_path):
     print({"straight": straight, "resumed": first + second})
     assert len(first) == len(second) == EPOCH
     assert first + second == pytest.approx(straight, abs=1e-5)
+
+
+def _fit_sharded(rank, world_size, path):
+    fit(world_size, EPOCH, save_to=path)  # the default: a directory of shards
+    return validate(world_size, path)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_exported_with_tp_train_export_lightning_loads_in_one_process(tmp_path):
+    sharded, exported = tmp_path / "sharded.ckpt", tmp_path / "exported.ckpt"
+    val_tp2 = run_on_ranks(_fit_sharded, 2, str(sharded), timeout=300)[0]
+    assert sharded.is_dir()
+    result = subprocess.run(
+        [sys.executable, "-m", "tp_train.tools.export", "--lightning", str(sharded), str(exported)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    plain = DocLM.load_from_checkpoint(exported)
+    data = token_data(3, seed=99).tensors[0]
+    with torch.no_grad():
+        plain_val = sum(next_token_loss(plain.model(b), b).item() for b in data.split(GLOBAL_BATCH)) / 3
+    print(f"val loss: tp=2 sharded {val_tp2}, exported file in one process {plain_val}")
+    assert plain_val == pytest.approx(val_tp2, abs=1e-5)
 
 
 def test_fsdp_is_refused_in_one_line():

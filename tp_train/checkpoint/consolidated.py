@@ -112,9 +112,7 @@ def load(
     specs = _specs(model)
     tp_group, _ = _tensor_parallel_group(mesh)
     rank, tp = dist.get_rank(tp_group), dist.get_world_size(tp_group)
-    state = checkpoint.get("state_dict")
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path}: holds no state_dict; it is not a Lightning checkpoint")
+    state = checkpoint["state_dict"]
     live = model.state_dict(keep_vars=True)
     missing = sorted(set(live) - set(state))
     if missing:
@@ -149,15 +147,22 @@ def load(
 
 def read(path: Path, trust_checkpoint: bool = False) -> dict:
     """The checkpoint dict in the file `path`, read as data (memory-mapped: each rank pages in what it copies)."""
-    if not trust_checkpoint:
-        with open(path, "rb") as stream:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(stream)
-        if unsafe:
-            raise refusal(path, f"it names {', '.join(unsafe)}")
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_checkpoint)
+        unsafe = [] if trust_checkpoint else torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as error:  # noqa: BLE001 - not a torch.save file at all
+        raise CheckpointError(
+            f"checkpoint {path}: a file, not a checkpoint directory nor a Lightning checkpoint file "
+            f"({type(error).__name__})"
+        ) from None
+    if unsafe:
+        raise refusal(path, f"it names {', '.join(unsafe)}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=not trust_checkpoint)
     except Exception as error:  # noqa: BLE001 - whatever a damaged file raises
         raise CheckpointError(f"checkpoint {path}: unreadable, {type(error).__name__}") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"checkpoint {path}: a file without a state_dict, not a Lightning checkpoint")
+    return checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

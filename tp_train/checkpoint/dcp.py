@@ -58,6 +58,7 @@ HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint's copy of its Hu
 ADAPTER_CONFIG_KEY = "adapter_config"  # the peft config of a model trained with adapters, as plain data
 TOKENIZER_KEY = "tokenizer"  # where the tokenizer the run used is (a path)
 BASE_WEIGHTS_KEY = "base_weights"  # the pretrained weights a checkpoint of adapters was trained on, not held in it
+LAYOUT_KEY = "tp_train_layout"  # {state name: [dim of its sections, stored transposed]} of each sharded tensor
 
 
 def model_state_dict(model: nn.Module, mesh: DeviceMesh, write_backs: list | None = None) -> dict[str, Any]:
@@ -203,6 +204,8 @@ def save(
     _, base = base_weights(model)
     if base is not None:  # its frozen pretrained parameters are not saved: where they come from is
         extra[BASE_WEIGHTS_KEY] = base
+    # How each sharded tensor is stored, so that one process can rebuild the model's own state (tp-train-export).
+    extra[LAYOUT_KEY] = {name: [spec.dim, spec.transposed] for name, _, spec in named_sharded_parameters(model, True)}
     unsafe = unsafe_globals(extra) if dist.get_rank() == 0 else []
     if unsafe:
         key = next(key for key, value in extra.items() if unsafe_globals({key: value}))
