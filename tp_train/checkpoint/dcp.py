@@ -258,6 +258,7 @@ def load(
     path = Path(path)
     metadata = check_files(path, trust_checkpoint)
     extra = _read_extra(path, trust_checkpoint)  # before any tensor is copied in: a damaged meta.pt changes nothing
+    extra.pop(LAYOUT_KEY, None)  # ours, for tp-train-export; the model at hand knows its layout
     _, base = base_weights(model)
     if extra.get(BASE_WEIGHTS_KEY) != base and (base is not None or BASE_WEIGHTS_KEY in extra):
         saved = extra.get(BASE_WEIGHTS_KEY)
