@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,7 @@ from omegaconf import DictConfig
 
 from tp_train.app.config_values import check_values
 from tp_train.app.resolvers import lightning_precision
+from tp_train.checkpoint import consolidated
 from tp_train.checkpoint.checks import check_files
 from tp_train.checkpoint.pretrained import weight_files
 from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
@@ -144,8 +146,12 @@ def check_checkpoint(path: str | None, trust_checkpoint: bool = False) -> None:
     is checked by the ranks, on load."""
     if path is None or str(path) in ("auto", "last", "best", "hpc") or str(path).startswith("registry"):
         return  # found later: by tp_train.app.resume (auto, then checked again), or by Lightning
+    path = os.path.expanduser(str(path))
     try:
-        check_files(os.path.expanduser(str(path)), trust_checkpoint)
+        if os.path.isfile(path):  # one consolidated file (save_distributed_checkpoint=false), memory-mapped
+            consolidated.read(Path(path), trust_checkpoint)
+        else:
+            check_files(path, trust_checkpoint)
     except UnsafeCheckpointError as error:  # it says what would work
         raise ConfigError(f"ckpt_path: {error}") from None
     except CheckpointError as error:

@@ -16,7 +16,6 @@ group see the same batch. Models built under `trainer.init_module(empty_init=Tru
 from __future__ import annotations
 
 import inspect
-import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from tp_train.checkpoint import consolidated, on_disk
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.lightning import rendezvous
@@ -87,6 +87,9 @@ class TensorParallelStrategy(DDPStrategy):
             one is complete. False writes before the step continues.
         trust_checkpoint: load checkpoints that hold more than data (pickled objects, which could run code) as
             torch would; only for your own checkpoints. By default such a checkpoint is refused in one line.
+        save_distributed_checkpoint: True: a directory of every rank's shards. False (Lightning's meaning): one file
+            of the full state, written by rank 0, that `MyModule.load_from_checkpoint` reads in a plain process
+            (`tp_train.checkpoint.consolidated`); `fit(ckpt_path=...)` loads either, at any tp.
         data_parallel: "ddp" (replicate each tensor-parallel shard over the data-parallel ranks) or "fsdp" (shard
             it, with its gradients and optimizer states, over them: about 1/dp of the model state per rank, for
             one all-gather per block forward and backward and a reduce-scatter in place of DDP's all-reduce).
@@ -111,6 +114,7 @@ class TensorParallelStrategy(DDPStrategy):
         overlap: bool | None = None,
         async_checkpoint: bool = True,
         trust_checkpoint: bool = False,
+        save_distributed_checkpoint: bool = True,
         **kwargs: Any,
     ) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -142,6 +146,8 @@ class TensorParallelStrategy(DDPStrategy):
         self.overlap = overlap
         self.async_checkpoint = async_checkpoint
         self.trust_checkpoint = trust_checkpoint
+        consolidated.check_data_parallel(save_distributed_checkpoint, data_parallel)
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self._checkpoint_writer: AsyncCheckpointWriter | None = None
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
@@ -240,6 +246,11 @@ class TensorParallelStrategy(DDPStrategy):
             torch.distributed.broadcast_object_list(decision, src=0)
             return decision[0]
         return self._rendezvous().rank_zero_decides(decide)
+
+    @property
+    def launch(self) -> rendezvous.Rendezvous:
+        """This launch's rendezvous: its store, shared by every rank (`tp_train.lightning.hang` beats through it)."""
+        return self._rendezvous()
 
     def _rendezvous(self) -> rendezvous.Rendezvous:
         if self._launch is None:
@@ -412,6 +423,9 @@ class TensorParallelStrategy(DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
+        if not self.save_distributed_checkpoint:  # one file, the full state, from rank 0
+            consolidated.save(path, self.lightning_module, self.optimizers, self.device_mesh, extra=checkpoint)
+            return
         if self.async_checkpoint and self._checkpoint_writer is None:
             self._checkpoint_writer = AsyncCheckpointWriter()  # a collective: every rank saves together
         writer = self._checkpoint_writer if self.async_checkpoint else None
@@ -423,7 +437,8 @@ class TensorParallelStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoints()
         path = Path(self.broadcast(str(checkpoint_path)))
-        return checkpoint_io.load(path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint)
+        load = consolidated.load if path.is_file() else checkpoint_io.load  # a file: save_distributed_checkpoint=False
+        return load(path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint)
 
     def wait_for_checkpoints(self) -> None:
         """Blocks until every checkpoint saved so far is written (with `async_checkpoint`, in the background)."""
@@ -448,9 +463,9 @@ class TensorParallelStrategy(DDPStrategy):
         if not self.is_global_zero:
             return
         if self._checkpoint_writer is None:
-            shutil.rmtree(filepath, ignore_errors=True)
+            on_disk.remove(Path(filepath))
         else:  # after the writes submitted before (it may be one of them)
-            self._checkpoint_writer.run_later(lambda: shutil.rmtree(filepath, ignore_errors=True))
+            self._checkpoint_writer.run_later(lambda: on_disk.remove(Path(filepath)))
 
     # -------------------------------------------------------------------------------------------- registration
 
