@@ -108,6 +108,19 @@ def mean_over_group(local_mean: torch.Tensor, local_count: torch.Tensor, group: 
     return for_gradient + (totals[0] / total_count - for_gradient).detach()
 
 
+def context_parallel_cross_entropy(
+    loss_fn, logits: torch.Tensor, target: torch.Tensor, root: nn.Module, ignore_index: int = -100, *args
+) -> torch.Tensor:
+    """The mean of `loss_fn(logits, targets, ignore_index, *args)` (a mean over non-ignored tokens) over every
+    token of the sequence, from this rank's logits (B, T / cp, vocab) and the whole sequence's labels (B, T)."""
+    state = next((m.tp_context_parallel for m in root.modules() if hasattr(m, "tp_context_parallel")), None)
+    if state is None:
+        raise RuntimeError(f"{type(root).__name__}: no context-parallel model inside (parallelize(cp_group=...))")
+    local_targets = shard_targets(target, state)
+    local = loss_fn(logits, local_targets, ignore_index, *args)
+    return mean_over_group(local, (local_targets != ignore_index).sum(), state.group)
+
+
 def _positioned_model(model: nn.Module) -> tuple[nn.Module, str]:
     """The outermost module (model or a submodule) whose forward takes token ids and position ids."""
     for module in model.modules():
@@ -213,10 +226,31 @@ def _register_hf_attention() -> None:
     AttentionMaskInterface.register(HF_ATTENTION, _no_mask)
 
 
-def _refuse_unsplittable_config(model: nn.Module) -> None:
+def check_context_parallel(model: nn.Module, sequence_length: int | None = None) -> None:
+    """Raises a one-line `ValueError` for what `model` (built on meta is enough) shows context parallelism cannot
+    split exactly: run before any rank starts. Our GPT with dropout, a Hugging Face config with a score soft-cap,
+    ALiBi, cross-attention, attention dropout, or a sliding window shorter than `sequence_length`."""
+    for name, module in model.named_modules():
+        if hasattr(module, "sdpa") and getattr(module, "dropout", 0):
+            raise ValueError(f"{name}: attention dropout {module.dropout} cannot be context-parallel; set it to 0")
+        config = getattr(module, "config", None)
+        if hasattr(config, "_attn_implementation") and hasattr(module, "set_attn_implementation"):
+            _refuse_unsplittable_config(module, sequence_length)
+            return
+
+
+def _refuse_unsplittable_config(model: nn.Module, sequence_length: int | None = None) -> None:
     """One line before any step for what the config alone shows the kernel cannot do exactly."""
     config = model.config
     kind = getattr(config, "model_type", type(model).__name__)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and sequence_length is not None and window < sequence_length:
+        raise ValueError(
+            f"{kind}: config.sliding_window={window} < sequence length {sequence_length} is not handled by context "
+            f"parallelism; use cp=1 or sequences of at most {window} tokens"
+        )
+    if getattr(config, "attention_dropout", 0):
+        raise ValueError(f"{kind}: config.attention_dropout={config.attention_dropout} cannot be context-parallel")
     for field, reason in (
         ("attn_logit_softcapping", "a score soft-cap"),
         ("alibi", "ALiBi position biases"),
