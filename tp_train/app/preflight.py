@@ -214,7 +214,8 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
             model = get_peft_model(model, instantiate(cfg.peft))
     strategy = cfg.trainer.get("strategy") or {}
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    dp = devices * nodes // cfg.tp if isinstance(devices, int) else cfg.get("dp", 1)
+    cp = cfg.get("cp", 1)
+    dp = devices * nodes // (cfg.tp * cp) if isinstance(devices, int) else cfg.get("dp", 1)
 
     def flag(name: str) -> bool:
         return bool(cfg.get(name) or (strategy.get(name) if hasattr(strategy, "get") else False))
@@ -225,6 +226,7 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
         seq_len=cfg.data.block_size,
         tp=cfg.tp,
         dp=dp,
+        cp=cp,
         precision=lightning_precision(cfg.precision),
         sequence_parallel=flag("sequence_parallel"),
         activation_checkpointing=flag("activation_checkpointing"),

@@ -338,6 +338,10 @@ class TensorParallelStrategy(DDPStrategy):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)
             examples = example_inputs(self.lightning_module.trainer, root, targets, self.tensor_parallel_group)
+            # A data module masking by document names its separator (TextDataModule(document_mask=True)).
+            separator = getattr(self.lightning_module.trainer.datamodule, "document_separator", None)
+            masked = self.context_parallel_size > 1 or separator is not None
+            cp_group = self.context_parallel_group if masked else None
             for name, module in targets:
                 parallelize(
                     module,
@@ -351,8 +355,8 @@ class TensorParallelStrategy(DDPStrategy):
                     sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.activation_checkpointing,
                     example_input=examples.get(name),
-                    cp_group=self.context_parallel_group if self.context_parallel_size > 1 else None,
-                    cp_options={"rotation": self.context_parallel_rotation},
+                    cp_group=cp_group,
+                    cp_options={"rotation": self.context_parallel_rotation, "document_separator": separator},
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):

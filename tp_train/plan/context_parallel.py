@@ -147,7 +147,8 @@ def _sharding_hook(state: ContextParallelState, position_argument: str):
         name = next((n for n in _INPUT_ARGUMENTS if n in kwargs), None)
         tokens = args[0] if args else kwargs[name]
         batch, length = tokens.shape
-        check_sequence_length(length, state.size)
+        if state.size > 1:
+            check_sequence_length(length, state.size)
         if state.document_separator is not None:
             documents = document_ids_from_separators(tokens, state.document_separator)
             positions = positions_within_documents(documents)

@@ -1,0 +1,49 @@
+"""Context parallelism through `python train.py` (subprocesses, real ranks): Llama and Qwen2 (GQA, RoPE) at cp=2 and
+tp=2 x cp=2 train with the cp=1 losses, and a checkpoint saved at tp=2 x cp=2 resumes at cp=1 with the losses an
+unbroken cp=1 run has. Slow: each run starts real ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_train_app import _csv_losses, run_train
+
+SMALL = (
+    "logger=csv", "data.max_files=20", "data.vocab_size=300", "data.block_size=32", "trainer.log_every_n_steps=1",
+    "trainer.limit_val_batches=1", "scheduler=constant",
+)  # fmt: skip
+
+
+def _losses(tmp_path, name, *overrides, steps=5):
+    run_dir = tmp_path / name
+    run_train(
+        *SMALL, f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", f"hydra.run.dir={run_dir}",
+        *overrides, cache=tmp_path / "cache",
+    )  # fmt: skip
+    return _csv_losses(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hugging_face_at_cp2_and_tp2_cp2_trains_with_the_cp1_losses(tmp_path, family):
+    runs = {
+        (tp, cp): _losses(
+            tmp_path, f"tp{tp}cp{cp}", "model=hf", f"model.type={family}", f"tp={tp}", f"cp={cp}", "ckpt_path=null"
+        )  # fmt: skip
+        for tp, cp in ((1, 1), (1, 2), (2, 2))
+    }
+    for key, losses in runs.items():
+        assert len(losses) == 5, (key, losses)
+        worst = max(abs(a - b) for a, b in zip(losses, runs[1, 1], strict=True))
+        assert worst < 1e-5, f"{family} tp, cp = {key}: {losses} vs cp=1 {runs[1, 1]}"
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_tp2_cp2_resumes_at_cp1_with_the_same_next_losses(tmp_path):
+    unbroken = _losses(tmp_path, "cp1", "ckpt_path=null")
+    _losses(tmp_path, "tp2cp2", "tp=2", "cp=2", "ckpt_path=null", steps=3)
+    checkpoint = next((tmp_path / "tp2cp2").glob("checkpoints/last*.ckpt"))
+    resumed = _losses(tmp_path, "resumed", f"ckpt_path={checkpoint}")
+    assert len(resumed) == 2, resumed  # steps 4 and 5
+    worst = max(abs(a - b) for a, b in zip(resumed, unbroken[3:], strict=True))
+    assert worst < 1e-5, f"resumed at cp=1 {resumed} vs unbroken {unbroken[3:]}"
