@@ -47,3 +47,25 @@ def test_checkpoint_saved_at_tp2_cp2_resumes_at_cp1_with_the_same_next_losses(tm
     assert len(resumed) == 2, resumed  # steps 4 and 5
     worst = max(abs(a - b) for a, b in zip(resumed, unbroken[3:], strict=True))
     assert worst < 1e-5, f"resumed at cp=1 {resumed} vs unbroken {unbroken[3:]}"
+
+
+@pytest.mark.slow
+def test_data_document_mask_trains_alike_at_cp1_and_cp2_and_differs_from_unmasked(tmp_path):
+    """Short JSON records packed into 32-token blocks (several documents per block): with data.document_mask=true,
+    cp=1 and cp=2 give the same losses, and they differ from unmasked packing."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+    corpus = tmp_path / "records.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(3, 12)))}) + "\n" for _ in range(400))
+    )
+    data = ("data=local_text", f"data.source={corpus}", "ckpt_path=null")
+    masked = {
+        cp: _losses(tmp_path, f"masked{cp}", *data, f"cp={cp}", "data.document_mask=true", steps=4) for cp in (1, 2)
+    }
+    unmasked = _losses(tmp_path, "unmasked", *data, "data.document_mask=false", steps=4)
+    assert max(abs(a - b) for a, b in zip(masked[1], masked[2], strict=True)) < 1e-5, masked
+    assert max(abs(a - b) for a, b in zip(masked[1], unmasked, strict=True)) > 1e-3, (masked, unmasked)

@@ -25,6 +25,7 @@ import inspect
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.context_parallel import (
@@ -137,6 +138,9 @@ def _positioned_model(model: nn.Module) -> tuple[nn.Module, str]:
 
 def _sharding_hook(state: ContextParallelState, position_argument: str):
     def hook(module, args, kwargs):
+        if state.size == 1 and any(kwargs.get(name) is not None for name in ("cache", "past_key_values")):
+            state.document_ids = None
+            return None  # one rank generating with a cache: plain attention, the model's own positions
         if kwargs.get("attention_mask") is not None:
             raise ValueError(
                 f"{type(module).__name__}: an attention mask given to the model cannot be context-parallel; "
@@ -188,6 +192,11 @@ def _sdpa_kernel(state: ContextParallelState, where: str):
     """A function with SDPA's signature running the context-parallel kernel, for our GPT's `sdpa` seam."""
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if state.size == 1 and state.document_ids is None:  # one rank, one document (e.g. generating)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )  # fmt: skip
         if attn_mask is not None or dropout_p:
             raise ValueError(f"{where}: an attention mask or attention dropout cannot be context-parallel")
         return state.attention(q, k, v, where=where, scale=scale, causal=is_causal)
