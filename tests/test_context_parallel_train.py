@@ -69,3 +69,12 @@ def test_data_document_mask_trains_alike_at_cp1_and_cp2_and_differs_from_unmaske
     unmasked = _losses(tmp_path, "unmasked", *data, "data.document_mask=false", steps=4)
     assert max(abs(a - b) for a, b in zip(masked[1], masked[2], strict=True)) < 1e-5, masked
     assert max(abs(a - b) for a, b in zip(masked[1], unmasked, strict=True)) > 1e-3, (masked, unmasked)
+
+
+@pytest.mark.slow
+def test_fsdp_over_dp_x_cp_with_gradient_accumulation_trains_with_the_cp1_losses(tmp_path):
+    """FSDP2 shards over the flattened dp x cp ranks; accumulated micro-batches sum before the reduction."""
+    common = ("trainer.accumulate_grad_batches=2", "ckpt_path=null")
+    plain = _losses(tmp_path, "cp1", *common)
+    sharded = _losses(tmp_path, "cp2fsdp", *common, "cp=2", "data_parallel=fsdp")
+    assert max(abs(a - b) for a, b in zip(plain, sharded, strict=True)) < 1e-5, (plain, sharded)
