@@ -154,7 +154,7 @@ class TensorParallelStrategy(DDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
         self._device_mesh: DeviceMesh | None = None
-        self._replicas: DeviceMesh | None = None  # data x context parallel, flattened, once made
+        self._replicas: DeviceMesh | None = None  # 1-D: data x context parallel ranks, flattened (setup_environment)
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
@@ -222,10 +222,9 @@ class TensorParallelStrategy(DDPStrategy):
         model_parallel = self.tensor_parallel_size * self.context_parallel_size
         if self.world_size % model_parallel:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} x context_parallel_size="
-                f"{self.context_parallel_size} does not divide the world size {self.world_size} "
-                f"(devices={self.num_processes} x num_nodes={self.num_nodes}); use devices x num_nodes that is a "
-                f"multiple of {model_parallel}"
+                f"tensor_parallel_size={self.tensor_parallel_size} x context_parallel_size={self.context_parallel_size}"
+                f" does not divide the world size {self.world_size} (devices={self.num_processes} x num_nodes="
+                f"{self.num_nodes}); use devices x num_nodes that is a multiple of {model_parallel}"
             )
         super().setup_environment()
         self._device_mesh = init_device_mesh(
@@ -234,9 +233,10 @@ class TensorParallelStrategy(DDPStrategy):
             mesh_dim_names=(DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL),
             backend_override=self._mesh_timeouts(),
         )
-        # DDP averages gradients over data x context parallel ranks (replicas of the same parameters);
-        # tensor-parallel ranks hold different shards.
-        self._ddp_kwargs["process_group"] = self._replica_mesh().get_group()
+        # DDP (or FSDP2) averages gradients over data x context parallel ranks, which hold the same parameters.
+        cp, dp_cp = self.context_parallel_size > 1, (DATA_PARALLEL, CONTEXT_PARALLEL)
+        self._replicas = self._device_mesh[dp_cp]._flatten(REPLICAS) if cp else self._device_mesh[DATA_PARALLEL]
+        self._ddp_kwargs["process_group"] = self._replicas.get_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -338,10 +338,8 @@ class TensorParallelStrategy(DDPStrategy):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)
             examples = example_inputs(self.lightning_module.trainer, root, targets, self.tensor_parallel_group)
-            # A data module masking by document names its separator (TextDataModule(document_mask=True)).
-            separator = getattr(self.lightning_module.trainer.datamodule, "document_separator", None)
-            masked = self.context_parallel_size > 1 or separator is not None
-            cp_group = self.context_parallel_group if masked else None
+            separator = getattr(self.lightning_module.trainer.datamodule, "document_separator", None)  # document_mask
+            cp_group = self.context_parallel_group if self.context_parallel_size > 1 or separator is not None else None
             for name, module in targets:
                 parallelize(
                     module,
@@ -383,18 +381,10 @@ class TensorParallelStrategy(DDPStrategy):
         fully_shard_data_parallel(
             root,
             models or [root],
-            self._replica_mesh(),
+            self._replicas,
             mp_policy=_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
         )
-
-    def _replica_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of ranks holding the same parameters: data x context parallel, flattened."""
-        if self.context_parallel_size == 1:
-            return self.device_mesh[DATA_PARALLEL]
-        if self._replicas is None:
-            self._replicas = self.device_mesh[DATA_PARALLEL, CONTEXT_PARALLEL]._flatten(REPLICAS)
-        return self._replicas
 
     def _tell_precision_plugin(self, root: torch.nn.Module) -> None:
         """The clipping norm's group and the tensor-parallel shards (by id: FSDP2 replaces the parameters)."""
