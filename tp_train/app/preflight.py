@@ -101,6 +101,11 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"or sequence_parallel=false"
         )
     samples = cfg.get("samples")
+    if cp > 1 and samples and samples.get("prompts"):
+        raise ConfigError(
+            f"samples.prompts={list(samples.prompts)} with cp={cp}: samples are drawn one token at a time, which "
+            f"cannot be split across context-parallel ranks; use samples.prompts=[] or cp=1"
+        )
     if sequence_parallel and tp > 1 and samples and samples.get("prompts"):
         raise ConfigError(
             f"samples.prompts={list(samples.prompts)} with sequence_parallel=true: samples are drawn one token at a "
