@@ -154,7 +154,9 @@ def run(cfg: DictConfig) -> float | None:
         preflight.check(cfg, lambda: instantiate(cfg.model))
         if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
             estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
-            title = f"predicted memory per rank (tp={cfg.tp}, {cfg.data_parallel}, precision={cfg.precision})"
+            cp = f", cp={cfg.cp}" if cfg.get("cp", 1) > 1 else ""
+            sizes = f"tp={cfg.tp}{cp}, {cfg.data_parallel}, precision={cfg.precision}"
+            title = f"predicted memory per rank ({sizes})"
             print(estimate.table(title), flush=True)
         if cfg.get("dry_run"):
             return None

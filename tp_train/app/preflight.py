@@ -24,6 +24,7 @@ from tp_train.checkpoint.pretrained import weight_files
 from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from tp_train.lightning.nonfinite import ACTIONS
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
+from tp_train.plan.context_parallel import check_context_parallel
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
@@ -39,12 +40,21 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp} must be a positive integer (the tensor-parallel size), e.g. tp=2")
     check_values(cfg)
+    cp = cfg.get("cp", 1)
+    if not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"cp={cp} must be a positive integer (the context-parallel size), e.g. cp=2")
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    if isinstance(devices, int) and (devices * nodes) % tp:
-        fits = [n * tp for n in range(1, 5)]
+    if isinstance(devices, int) and (devices * nodes) % (tp * cp):
+        fits = [n * tp * cp for n in range(1, 5)]
         raise ConfigError(
             f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
-            f"tp={tp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp)"
+            f"tp={tp} x cp={cp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp x cp)"
+        )
+    block = cfg.data.get("block_size")
+    if cp > 1 and isinstance(block, int) and block % (2 * cp):
+        raise ConfigError(
+            f"data.block_size={block} is not a multiple of 2 x cp = {2 * cp} (each context-parallel rank holds two "
+            f"equal chunks of every sequence); use data.block_size={block - block % (2 * cp) or 2 * cp}"
         )
     mode = _data_parallel_mode(cfg)
     if mode not in DATA_PARALLEL_MODES:
@@ -65,6 +75,11 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         match_plan(model, resolve_plan(model, tensor_parallel_size=tp)[0], tp)
     except ValueError as error:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
+    if cp > 1:
+        try:
+            check_context_parallel(model, block)
+        except ValueError as error:
+            raise ConfigError(f"cp={cp}: {error}") from None
     vocab, data_vocab = embedding_rows(model), cfg.data.get("vocab_size")
     trained = cfg.data.get("tokenizer_path") is None  # else the tokenizer's own size counts (`check_tokenizer`)
     if trained and isinstance(vocab, int) and isinstance(data_vocab, int) and data_vocab > vocab:
@@ -88,6 +103,11 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"or sequence_parallel=false"
         )
     samples = cfg.get("samples")
+    if cp > 1 and samples and samples.get("prompts"):
+        raise ConfigError(
+            f"samples.prompts={list(samples.prompts)} with cp={cp}: samples are drawn one token at a time, which "
+            f"cannot be split across context-parallel ranks; use samples.prompts=[] or cp=1"
+        )
     if sequence_parallel and tp > 1 and samples and samples.get("prompts"):
         raise ConfigError(
             f"samples.prompts={list(samples.prompts)} with sequence_parallel=true: samples are drawn one token at a "
@@ -205,7 +225,8 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
             model = get_peft_model(model, instantiate(cfg.peft))
     strategy = cfg.trainer.get("strategy") or {}
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    dp = devices * nodes // cfg.tp if isinstance(devices, int) else cfg.get("dp", 1)
+    cp = cfg.get("cp", 1)
+    dp = devices * nodes // (cfg.tp * cp) if isinstance(devices, int) else cfg.get("dp", 1)
 
     def flag(name: str) -> bool:
         return bool(cfg.get(name) or (strategy.get(name) if hasattr(strategy, "get") else False))
@@ -216,6 +237,7 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
         seq_len=cfg.data.block_size,
         tp=cfg.tp,
         dp=dp,
+        cp=cp,
         precision=lightning_precision(cfg.precision),
         sequence_parallel=flag("sequence_parallel"),
         activation_checkpointing=flag("activation_checkpointing"),

@@ -50,8 +50,9 @@ from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.precision import tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
-from tp_train.parallel.mesh import DATA_PARALLEL, DATA_PARALLEL_MODES, TENSOR_PARALLEL
+from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, DATA_PARALLEL_MODES, REPLICAS, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
+from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
@@ -115,10 +116,14 @@ class TensorParallelStrategy(DDPStrategy):
         async_checkpoint: bool = True,
         trust_checkpoint: bool = False,
         save_distributed_checkpoint: bool = True,
+        context_parallel_size: int = 1,
+        context_parallel_rotation: str = "ring",
         **kwargs: Any,
     ) -> None:
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        sizes = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size}
+        for name, size in sizes.items():
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name}={size!r} must be a positive integer")
         if data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(
                 f"data_parallel={data_parallel!r}: use 'ddp' (replicated tensor-parallel shards) or 'fsdp' "
@@ -139,6 +144,8 @@ class TensorParallelStrategy(DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )
         self.tensor_parallel_size = tensor_parallel_size
+        self.context_parallel_size = context_parallel_size
+        self.context_parallel_rotation = context_parallel_rotation
         self._plan = plan
         self._verify_plan = verify_plan
         self.loss_parallel = loss_parallel
@@ -153,6 +160,7 @@ class TensorParallelStrategy(DDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
         self._device_mesh: DeviceMesh | None = None
+        self._replicas: DeviceMesh | None = None  # 1-D: data x context parallel ranks, flattened (setup_environment)
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
@@ -173,8 +181,12 @@ class TensorParallelStrategy(DDPStrategy):
         return self.device_mesh[DATA_PARALLEL].get_group()
 
     @property
+    def context_parallel_group(self) -> ProcessGroup:
+        return self.device_mesh[CONTEXT_PARALLEL].get_group()
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel_size
+        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size)
 
     def cross_entropy(
         self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0
@@ -183,6 +195,13 @@ class TensorParallelStrategy(DDPStrategy):
         was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
         statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
         half precision are reduced in fp32."""
+        if self.context_parallel_size > 1:  # logits of this rank's share of the tokens; the mean over all of them
+            return context_parallel_cross_entropy(
+                self._cross_entropy, logits, target, self.lightning_module, ignore_index, label_smoothing
+            )
+        return self._cross_entropy(logits, target, ignore_index, label_smoothing)
+
+    def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
         if not self.loss_parallel:
             logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             return F.cross_entropy(
@@ -206,21 +225,24 @@ class TensorParallelStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.world_size % self.tensor_parallel_size:
+        model_parallel = self.tensor_parallel_size * self.context_parallel_size
+        if self.world_size % model_parallel:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} does not divide the world size {self.world_size} "
-                f"(devices={self.num_processes} x num_nodes={self.num_nodes}); use devices x num_nodes that is a "
-                f"multiple of {self.tensor_parallel_size}"
+                f"tensor_parallel_size={self.tensor_parallel_size} x context_parallel_size={self.context_parallel_size}"
+                f" does not divide the world size {self.world_size} (devices={self.num_processes} x num_nodes="
+                f"{self.num_nodes}); use devices x num_nodes that is a multiple of {model_parallel}"
             )
         super().setup_environment()
         self._device_mesh = init_device_mesh(
             self.root_device.type,
-            (self.data_parallel_size, self.tensor_parallel_size),
-            mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL),
+            (self.data_parallel_size, self.context_parallel_size, self.tensor_parallel_size),
+            mesh_dim_names=(DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL),
             backend_override=self._mesh_timeouts(),
         )
-        # DDP averages gradients over the data-parallel axis only; tensor-parallel ranks hold different shards.
-        self._ddp_kwargs["process_group"] = self.data_parallel_group
+        # DDP (or FSDP2) averages gradients over data x context parallel ranks, which hold the same parameters.
+        cp, dp_cp = self.context_parallel_size > 1, (DATA_PARALLEL, CONTEXT_PARALLEL)
+        self._replicas = self._device_mesh[dp_cp]._flatten(REPLICAS) if cp else self._device_mesh[DATA_PARALLEL]
+        self._ddp_kwargs["process_group"] = self._replicas.get_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -275,7 +297,7 @@ class TensorParallelStrategy(DDPStrategy):
             options._timeout = self._timeout
         else:
             options = C10dBackend.Options(backend, self._timeout)
-        return {name: (backend, options) for name in (DATA_PARALLEL, TENSOR_PARALLEL)}
+        return {name: (backend, options) for name in (DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL)}
 
     # --------------------------------------------------------------------------------------------------- model
 
@@ -300,7 +322,7 @@ class TensorParallelStrategy(DDPStrategy):
             self._fully_shard(self.lightning_module)
         self._tell_precision_plugin(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.data_parallel_size > 1 and self.data_parallel == "ddp":
+        if fitting and self.data_parallel_size * self.context_parallel_size > 1 and self.data_parallel == "ddp":
             self.configure_ddp()
         if fitting:
             self.setup_optimizers(trainer)
@@ -327,6 +349,8 @@ class TensorParallelStrategy(DDPStrategy):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)
             examples = example_inputs(self.lightning_module.trainer, root, targets, self.tensor_parallel_group)
+            separator = getattr(self.lightning_module.trainer.datamodule, "document_separator", None)  # document_mask
+            cp_group = self.context_parallel_group if self.context_parallel_size > 1 or separator is not None else None
             for name, module in targets:
                 parallelize(
                     module,
@@ -340,6 +364,8 @@ class TensorParallelStrategy(DDPStrategy):
                     sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.activation_checkpointing,
                     example_input=examples.get(name),
+                    cp_group=cp_group,
+                    cp_options={"rotation": self.context_parallel_rotation, "document_separator": separator},
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
@@ -366,7 +392,7 @@ class TensorParallelStrategy(DDPStrategy):
         fully_shard_data_parallel(
             root,
             models or [root],
-            self.device_mesh[DATA_PARALLEL],
+            self._replicas,
             mp_policy=_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
         )
