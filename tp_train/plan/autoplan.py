@@ -49,6 +49,7 @@ import torch.nn as nn
 from tp_train.errors import first_line
 from tp_train.parallel.norm import hold_statistic, is_layer_norm, is_rms_norm
 from tp_train.parallel.reductions import held_reductions
+from tp_train.parallel.sharding import ShardSpec
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.coverage import (
     as_patterns,
@@ -58,6 +59,7 @@ from tp_train.plan.coverage import (
     in_repeated_block,
     kept_whole_notes,
 )
+from tp_train.plan.head_shapes import observed_counts
 from tp_train.plan.local_search import capture_calls, find_local_view
 from tp_train.plan.local_view import parse_attention_style
 from tp_train.plan.probe import (
@@ -237,6 +239,7 @@ class _Planner:
         }
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
         self.unsplit: dict[str, _Pair] = {}  # a Linear of a would-be pair no split makes local -> that pair
+        self._observed: dict | None = None  # head counts the attentions' reshapes show, read when first needed
 
     def _inside_region(self, outputs: dict[int, str], name: str) -> bool:
         """Whether module `name`'s input is computed from Linear outputs alone, through no parameter but per-feature
@@ -584,14 +587,29 @@ class _Planner:
                     and self._local(column, row, sizes, frozen, background=background)
                 ),
                 None,
-            )
+            ) or self._replicated_kv_heads(column, row, frozen, background)
         return self._cache[key]
+
+    def _replicated_kv_heads(self, column: str, row: str, frozen: frozenset, background: frozenset) -> str | None:
+        """`colwise(KxD)` for a kv projection of K heads of width D, fewer than the ranks, as its attention's own
+        reshape shows them (`tp_train.plan.head_shapes`): each head held whole by tp / K ranks, the ranks holding it
+        those whose query heads read it; when perturbing each head moves only those ranks' shares of `row`'s input."""
+        if self._observed is None:
+            self._observed = observed_counts(self.model, self.linears, self.inputs)
+        counts = self._observed.get(column)
+        if counts is None or counts.kv_heads >= self.shares or self.shares % counts.kv_heads:
+            return None
+        if _last_dim(self.calls[column].output) != counts.kv_heads * counts.head_dim:
+            return None
+        spec = ShardSpec(dim=0, sections=(counts.kv_heads * counts.head_dim,), units=(counts.kv_heads,))
+        local = self._local(column, row, spec, frozen, background=background)
+        return f"colwise({counts.kv_heads}x{counts.head_dim})" if local else None
 
     def _local(
         self,
         column: str,
         row: str,
-        sections: tuple[int, ...],
+        sections: tuple[int, ...] | ShardSpec,
         frozen: frozenset = frozenset(),
         row_sections: tuple[int, ...] | None = None,
         background: frozenset = frozenset(),
@@ -602,19 +620,22 @@ class _Planner:
         sharded model) held as they were. A layer run on two inputs (Pegasus-X's q_proj on the tokens and on the
         global tokens, BLIP-2's on queries and on text) is thereby checked as the one split the sharded model runs
         at each of its calls. `background`: modules whose outputs are moved alike in every one of these forwards
-        (`_split`)."""
+        (`_split`). A `ShardSpec` with sections of fewer units than ranks (kv heads) splits as `apply_plan` splits
+        it: the ranks holding one replica are perturbed together and may all move."""
+        spec = sections if isinstance(sections, ShardSpec) else ShardSpec(dim=0, sections=sections)
+        copies = max(spec.replicas(self.shares))
         base = self._row_inputs(row, {}, frozen, background=background) if background else self._row_inputs(row, {})
-        for share in range(self.shares):
-            mask = functools.partial(_share_mask, sections=sections, shares=self.shares, share=share)
+        for share in range(0, self.shares, copies):
+            mask = functools.partial(_rank_mask, spec=spec, shares=self.shares, share=share)
             moved = self._row_inputs(row, {column: mask}, frozen, background=background)
-            if not self._moves_only(share, base, moved, row_sections):
+            if not self._moves_only(range(share, share + copies), base, moved, row_sections):
                 return False
         return True
 
-    def _moves_only(self, share: int, base: list[torch.Tensor], moved: list[torch.Tensor], row_sections=None) -> bool:
+    def _moves_only(self, share, base: list[torch.Tensor], moved: list[torch.Tensor], row_sections=None) -> bool:
         """Whether a row layer's inputs at its calls, `base` before and `moved` after a perturbation, moved inside
-        rank `share`'s share of their features (of each of `row_sections`, default one) only, and somewhere at
-        all."""
+        rank `share`'s share of their features (of each of `row_sections`, default one; `share` may be a range of
+        ranks) only, and somewhere at all."""
         effects = [
             self._share_effect(after - before, share, row_sections) for before, after in zip(base, moved, strict=True)
         ]
@@ -623,7 +644,9 @@ class _Planner:
     def _share_effect(self, delta: torch.Tensor, share: int, sections=None) -> tuple[float, float]:
         """How far a row input moved inside rank `share`'s features (its chunk of each of `sections`), and outside
         them."""
-        inside = _share_mask(delta, sections or (delta.shape[-1],), self.shares, share)
+        shares = share if isinstance(share, range) else (share,)
+        masks = [_share_mask(delta, sections or (delta.shape[-1],), self.shares, each) for each in shares]
+        inside = functools.reduce(torch.logical_or, masks)
         delta = delta.abs()
         outside = delta.masked_fill(inside, 0)
         return delta.masked_fill(~inside, 0).max().item(), outside.max().item()
@@ -1049,6 +1072,15 @@ def _first_mask(output: torch.Tensor, dim: int) -> torch.Tensor:
     if dim < output.dim() - 1 and output.shape[dim] >= 2:
         mask.narrow(dim, 0, 1).fill_(True)
     return mask
+
+
+def _rank_mask(output: torch.Tensor, spec: ShardSpec, shares: int, share: int) -> torch.Tensor:
+    """True on the features of `output`'s last dimension that rank `share` holds under `spec` (`_share_mask`'s chunk
+    of each section, or the whole unit a replicated section gives it)."""
+    mask = torch.zeros(output.shape[-1], dtype=torch.bool)
+    for piece in spec.slices(share, shares):
+        mask[piece.start : piece.start + piece.real] = True
+    return mask.expand_as(output).to(output.device)
 
 
 def _share_mask(output: torch.Tensor, sections: tuple[int, ...], shares: int, share: int) -> torch.Tensor:

@@ -119,7 +119,7 @@ def parallelize(
         print(format_plan(resolved, source), flush=True)
     elif SKIPPED in source and dist.get_rank() == 0:
         print(f"tensor-parallel plan: {source}", flush=True)
-    planned = match_plan(model, resolved, dist.get_world_size(group))
+    planned = match_plan(model, resolved, dist.get_world_size(group), example_input)
     vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
     whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
     skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
