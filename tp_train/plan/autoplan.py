@@ -53,11 +53,11 @@ from tp_train.parallel.sharding import ShardSpec
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.coverage import (
     as_patterns,
-    block_whole_fraction,
     covered_linears,
     generic,
     in_repeated_block,
     kept_whole_notes,
+    whole_beyond_small,
 )
 from tp_train.plan.head_shapes import observed_counts
 from tp_train.plan.local_search import capture_calls, find_local_view
@@ -92,7 +92,6 @@ INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
 SPLITS = (("colwise", 1), ("packed_colwise", 2), ("fused_qkv_colwise", 3))  # style, sections of the output
 LEAK_TOLERANCE = 1e-4  # relative to the perturbation's effect inside the share
-SMALL_WHOLE = 0.1  # an unpaired Linear in a block stays whole up to this fraction of its block's parameters
 # An attention no split makes local is kept whole (noted) up to this fraction of its block's parameters, the rest of
 # the block sharded (SwiftFormer's additive attention beside its 1x1 conv MLPs: 0.16 at the zoo's sizes); above it
 # (an attention with no MLP beside it, heads no split divides) the planner refuses.
@@ -304,15 +303,15 @@ class _Planner:
                 continue
             # Up to `SMALL_WHOLE` of its block (an MoE router beside experts the plan shards) may stay whole.
             unplanned = name not in styles and in_repeated_block(name)
-            whole = block_whole_fraction(self.model, name, {**self.given, **styles}) if unplanned else 0
-            if whole > SMALL_WHOLE and self._stands_alone(name, styles):
+            whole = whole_beyond_small(self.model, name, {**self.given, **styles}) if unplanned else 0
+            if whole and self._stands_alone(name, styles):
                 # A projection on its own (Swin's patch merging between stages): split by its input's features, each
                 # rank multiplying its share, one all-reduce summing them, rather than held whole on every rank.
                 styles[name] = "rowwise_split_input"
-            elif SMALL_WHOLE < whole <= UNSPLIT_WHOLE and (attention := self._unsplit_attention(name, styles)):
+            elif whole and whole <= UNSPLIT_WHOLE and (attention := self._unsplit_attention(name, styles)):
                 self.kept_whole[attention] = failures[name]  # as one no local view makes right: noted, not refused
                 styles[attention] = "replicate"
-            elif whole > SMALL_WHOLE:
+            elif whole:
                 shape = matrix_shape(self.modules[name])
                 reason = failures.get(name, "its output reaches no Linear through position- and head-wise operations")
                 reason += f" (left whole, its block would keep {whole:.0%} of its parameters whole on every rank)"
