@@ -9,7 +9,7 @@ else
 PYTHON ?= .venv/bin/python
 endif
 
-.PHONY: setup train test lint
+.PHONY: setup train test test-system-python lint
 
 setup:
 	PYTHON=$(PYTHON) bash scripts/setup.sh
@@ -24,6 +24,13 @@ train: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The checkpoint round trips again under the machine's system python3 when it is another interpreter than the one
+# above (Debian 12's 3.11.2 pickles differently from CI's python3); .ci/run calls it after `make test`.
+SYSTEM_PYTHON ?= /usr/bin/python3
+test-system-python: setup
+	PYTHON=$(PYTHON) SYSTEM_PYTHON=$(SYSTEM_PYTHON) bash scripts/system_python_tests.sh \
+		tests/test_checkpoint.py tests/test_checkpoint_safety.py
 
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

@@ -32,7 +32,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float):
+def init_gloo(rank: int, world_size: int, port: int, timeout: float) -> None:
+    """Joins this process into the gloo group of `world_size` ranks that rank 0 hosts on `port`."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
+
+
+# What init_process_group raises when the rendezvous itself failed, before `fn` ran, so the ranks can start again on
+# another port: the port was taken, or gloo's full mesh lost a connection while the ranks connected to each other
+# (seen on a loaded machine: "Connection closed by peer" from connectFullMesh).
+_RETRIED_RENDEZVOUS_ERRORS = ("EADDRINUSE", "Connection closed by peer", "Connection reset")
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float, init: Callable
+):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -43,17 +62,11 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     torch.set_num_threads(1)
     try:
         try:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout),
-            )
-        except dist.DistNetworkError as error:
-            if "EADDRINUSE" not in str(error):
+            init(rank, world_size, port, timeout)
+        except Exception as error:  # noqa: BLE001 - only the rendezvous failures above are retried
+            if not any(sign in str(error) for sign in _RETRIED_RENDEZVOUS_ERRORS):
                 raise
-            results.put((rank, "port taken", traceback.format_exc()))  # before fn ran: the parent tries another
+            results.put((rank, "rendezvous failed", traceback.format_exc()))  # before fn ran: the parent retries
             return
         # Plain pickle bytes: torch's queue would pass tensors by shared memory, gone once this process exits.
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
@@ -78,35 +91,39 @@ def _context():
     return ctx
 
 
-def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_on_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, init: Callable = init_gloo
+) -> list[Any]:
     """Runs `fn(rank, world_size, *args)` on `world_size` gloo ranks and returns each rank's result, by rank.
 
-    `fn` must be importable (a module-level function) and its result picklable. Raises `RuntimeError` with the
-    failing rank's traceback, or `TimeoutError` naming the ranks that never reported.
+    `fn` must be importable (a module-level function) and its result picklable. `init(rank, world_size, port,
+    timeout)` joins each rank into the group (a test may wrap `init_gloo` to inject a fault). Raises `RuntimeError`
+    with the failing rank's traceback, or `TimeoutError` naming the ranks that never reported.
     """
     ctx = _context()
-    for attempt in range(_PORT_ATTEMPTS):
+    for attempt in range(_RENDEZVOUS_ATTEMPTS):
         try:
-            return _run_once(ctx, free_port(), fn, world_size, args, timeout)
-        except _PortTaken:
-            if attempt == _PORT_ATTEMPTS - 1:
+            return _run_once(ctx, free_port(), fn, world_size, args, timeout, init)
+        except _RendezvousFailed:
+            if attempt == _RENDEZVOUS_ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
 
 
 # free_port's port can be taken before rank 0 listens on it (by another pytest worker, or by any connection that
-# draws the same ephemeral port); rank 0 then fails to bind before `fn` runs, and the ranks start again elsewhere.
-_PORT_ATTEMPTS = 3
+# draws the same ephemeral port), or a connection of the rendezvous can drop; either way no rank ran `fn`, and the
+# ranks start again elsewhere.
+_RENDEZVOUS_ATTEMPTS = 3
 
 
-class _PortTaken(RuntimeError):
-    """Rank 0 could not listen on the chosen port; nothing of `fn` ran."""
+class _RendezvousFailed(RuntimeError):
+    """A rank could not join the group (see _RETRIED_RENDEZVOUS_ERRORS); nothing of `fn` ran."""
 
 
-def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
+def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeout: float, init) -> list[Any]:
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, timeout), daemon=True)
+        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, timeout, init), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -125,8 +142,8 @@ def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeou
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
                 continue
-            if status == "port taken":
-                raise _PortTaken(payload)
+            if status == "rendezvous failed":
+                raise _RendezvousFailed(payload)
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             outputs[rank] = pickle.loads(payload)

@@ -9,8 +9,9 @@ import pickle
 import shutil
 import subprocess
 import sys
+from enum import Enum
 from fractions import Fraction
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import pytest
 import torch
@@ -186,3 +187,119 @@ def test_pretrained_weights_are_read_from_safetensors_only(tmp_path):
     with pytest.raises(OSError):  # transformers, asked for safetensors only, finds none
         hugging_face_causal_lm(path=str(tmp_path / "model"))
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------------ Enum members pickled by value or by name
+# Python 3.11.0-3.11.4 (Debian 12's python3) pickle an Enum member as `getattr(Enum, "NAME")`, every other Python as
+# `Enum(value)`. Both forms are forged here, so the tests mean the same on whichever interpreter runs them.
+
+
+class _EnumPickler(pickle.Pickler):
+    """Pickles every Enum member in one `form`: "by value" (`Enum(value)`) or "by name" (`getattr(Enum, name)`)."""
+
+    form = "by value"
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, Enum):
+            return NotImplemented
+        return (getattr, (type(obj), obj.name)) if self.form == "by name" else (type(obj), (obj.value,))
+
+
+def _enum_pickle_module(form: str):
+    """A stand-in for the `pickle` module (torch.save's `pickle_module`) whose Pickler writes Enums in `form`."""
+    import types
+
+    return types.SimpleNamespace(Pickler=type("Pickler", (_EnumPickler,), {"form": form}), __name__="pickle")
+
+
+def _pickled(value, form: str) -> bytes:
+    import io
+
+    stream = io.BytesIO()
+    _enum_pickle_module(form).Pickler(stream, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return stream.getvalue()
+
+
+class _Call:
+    """Unpickled, it is `func(*args)` (`func` may itself be a `_Call`): how a forged pickle chains calls."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __call__(self):  # pickle insists that what it reduces with is callable
+        raise AssertionError("only ever unpickled")
+
+    def __reduce__(self):
+        return (self.func, self.args)
+
+
+@pytest.mark.parametrize("form", ["by value", "by name"])
+def test_dcp_metadata_reads_with_its_enum_members_pickled_by_value_or_by_name(form, checkpoint, tmp_path):
+    """A checkpoint written under Python 3.11.2 (members by name) loads everywhere, and one written elsewhere (by
+    value) loads there: the same `.metadata` in each form reads back equal, and `load_checkpoint` takes it."""
+    original = read_metadata(checkpoint)
+    copy = tmp_path / "copy.ckpt"
+    shutil.copytree(checkpoint, copy)
+    data = _pickled(original, form)
+    assert (b"getattr" in data) == (form == "by name")  # the form really is the one named
+    (copy / ".metadata").write_bytes(data)
+
+    again = read_metadata(copy)
+    assert again.state_dict_metadata == original.state_dict_metadata
+    assert again.storage_data == original.storage_data
+    assert run_on_ranks(_load, 2, str(copy), timeout=300) == [None, None]  # loaded: nothing refused
+
+
+def test_getattr_in_dcp_metadata_reaches_only_enum_members(checkpoint, tmp_path):
+    """The way an unguarded getattr would run code: from an admitted function to its module's globals, to `os`, to
+    `os.system`. A file that does so is refused in one line before anything runs; so is a getattr for a name that is
+    no member of an admitted Enum, and one on anything else (`os`, `builtins`, another class)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from torch.serialization import _get_layout
+
+    from tp_train.checkpoint.safe_load import enum_member
+
+    marker = tmp_path / "code-ran"
+    module_globals = _Call(getattr, _get_layout, "__globals__")
+    os_module = _Call(_Call(getattr, module_globals, "get"), "os")
+    payload = _Call(_Call(getattr, os_module, "system"), f"touch {marker}")
+    for name, value in [
+        ("os-system", payload),
+        ("not-a-member", _Call(getattr, _MEM_FORMAT_ENCODING, "__class__")),
+        ("not-an-enum", _Call(getattr, PosixPath, "home")),  # an admitted class, not an Enum
+    ]:
+        planted = tmp_path / f"{name}.ckpt"
+        shutil.copytree(checkpoint, planted)
+        metadata = read_metadata(checkpoint)
+        metadata.planner_data = value
+        (planted / ".metadata").write_bytes(pickle.dumps(metadata))
+        with pytest.raises(UnsafeCheckpointError) as refused:
+            read_metadata(planted)
+        message = str(refused.value)
+        assert "\n" not in message and f"{planted / '.metadata'}: refused, it names builtins.getattr(" in message
+        assert not marker.exists()
+    with open(tmp_path / "os-system.ckpt" / ".metadata", "rb") as stream:  # the plant is real: plain pickle runs it
+        pickle.load(stream)
+    assert marker.exists()
+
+    import builtins
+
+    guarded = enum_member(Path("f"), (_MEM_FORMAT_ENCODING,))
+    assert guarded(_MEM_FORMAT_ENCODING, "TORCH_CHANNELS_LAST") is _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST
+    for owner, name in [(os, "system"), (builtins, "eval"), (_MEM_FORMAT_ENCODING, "mro"), (PosixPath, "home")]:
+        with pytest.raises(UnsafeCheckpointError, match=r"^checkpoint f: refused, it names builtins.getattr\("):
+            guarded(owner, name)
+
+
+class Stage(Enum):
+    TRAIN = 0
+
+
+def test_an_enum_in_meta_pt_is_refused_in_either_form(tmp_path):
+    """meta.pt (read with torch's weights_only reader) admits no Enum class: pickled by value or by name, one line."""
+    for form in ("by value", "by name"):
+        file = tmp_path / f"{form.replace(' ', '-')}.pt"
+        torch.save({"stage": Stage.TRAIN}, file, pickle_module=_enum_pickle_module(form))
+        expected = "builtins.getattr" if form == "by name" else "Stage"
+        with pytest.raises(UnsafeCheckpointError, match=rf"refused, it names .*{expected}"):
+            read_extra(file)

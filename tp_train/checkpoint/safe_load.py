@@ -10,6 +10,12 @@ asks it to. So every pickle a checkpoint holds is read by an unpickler that admi
   tensors, through `torch.load(weights_only=True)` (`SafeLoadPlanner`, `read_extra`, `check_bytes`), with numpy's
   arrays (numpy's random state) admitted as arrays only.
 
+Python 3.11.0-3.11.4 (Debian 12's `python3` is 3.11.2) pickle an Enum member by name, as `getattr(Enum, "NAME")`,
+where every other Python pickles it by value, `Enum(value)`; DCP's `.metadata` holds one (`_MEM_FORMAT_ENCODING`).
+So `.metadata`'s reader admits `builtins.getattr` as `enum_member`: an allow-listed Enum class and the name of one
+of its members, nothing else. The bytes values and `meta.pt` admit no Enum class in either form, so a `getattr` in
+them is refused as any other name is.
+
 Anything else is refused in one line naming the file, before any of it is unpickled. `trust_checkpoint=True`
 reads a checkpoint as torch itself would (plain `pickle`), for one's own checkpoints only.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +33,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
 
 from tp_train.errors import CheckpointError, UnsafeCheckpointError
 
@@ -47,6 +60,9 @@ _METADATA_GLOBALS = {
     ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }  # fmt: skip
+# The Enums `.metadata` may hold: their members are admitted pickled by value (the class, called) or by name
+# (`builtins.getattr`, read as `enum_member`).
+_METADATA_ENUMS = (_MEM_FORMAT_ENCODING,)
 # numpy's random state (Lightning's `_collect_rng_states`) is a uint32 array: rebuilt as an array, nothing else.
 _ARRAY_GLOBALS = [numpy.ndarray, numpy.dtype, numpy.dtypes.UInt32DType]
 
@@ -59,6 +75,22 @@ def refusal(file: Path, reason: str) -> UnsafeCheckpointError:
     )
 
 
+def enum_member(file: Path, enums: tuple[type[Enum], ...]):
+    """What `builtins.getattr` reads as in a pickle from `file`: `(one of enums, a member's name)` gives that member.
+
+    Any other call (a module, `builtins`, another class, a name that is not a member: `__class__`, `mro`) is
+    refused in the one line of `refusal`, before anything is looked up.
+    """
+
+    def getattr_enum_member(owner: Any, name: Any) -> Enum:
+        if any(owner is enum for enum in enums) and isinstance(name, str) and name in owner.__members__:
+            return owner[name]
+        owner_name = getattr(owner, "__qualname__", None) or type(owner).__qualname__
+        raise refusal(file, f"it names builtins.getattr({owner_name}, {name!r}), which is not a member of its Enums")
+
+    return getattr_enum_member
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, stream, file: Path) -> None:
         super().__init__(stream)
@@ -69,6 +101,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):  # an Enum member pickled by name (see the module docstring)
+            return enum_member(self.file, _METADATA_ENUMS)
         raise refusal(self.file, f"it names {module}.{name}, which is not DCP metadata")
 
 
