@@ -77,6 +77,11 @@ def test_the_reshape_shows_query_and_kv_heads():
     assert counts == dict.fromkeys(["blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v"], HeadCounts(4, 2, 16))
     planned = {entry.name: entry for entry in match_plan(GroupedLM(), PLAIN_PLAN, 4)}
     assert planned["blocks.1.attn.k"].counts == HeadCounts(4, 2, 16)
+    with torch.device("meta"):  # read off shapes alone: no materialised copy of a model built on meta
+        on_meta = GroupedLM()
+    planned = {entry.name: entry for entry in match_plan(on_meta, PLAIN_PLAN, 4)}
+    assert planned["blocks.1.attn.v"].counts == HeadCounts(4, 2, 16)
+    assert all(param.is_meta for param in on_meta.parameters())
 
 
 def test_what_cannot_split_is_still_refused():

@@ -13,11 +13,13 @@ narrow layers' widths, nothing is run.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from tp_train.plan.probe import forward_without_cache, probe_copy
+from tp_train.plan.probe import eval_mode, forward_without_cache, probe_copy
 from tp_train.plan.probe_input import probe_input
 from tp_train.plan.styles import HeadCounts, head_counts, linear_shape
 
@@ -50,8 +52,13 @@ def observed_counts(model: nn.Module, columns: list[str], example_input=None) ->
     """The head counts of each of `columns` (plain column layers) whose attention splits their outputs into heads
     of one width with fewer kv heads than query heads, as one probe forward shows them; {} where the probe does not
     run (the planner then reads counts as before, and verification checks the result)."""
+    on_meta = any(param.is_meta for param in model.parameters())  # shapes alone: no materialised copy of a big model
     try:
-        with probe_copy(model) as probe, torch.no_grad():
+        with (
+            contextlib.nullcontext(model) if on_meta else probe_copy(model) as probe,
+            eval_mode(probe),
+            torch.no_grad(),
+        ):
             inputs = probe_input(probe, example_input)
             splits = _head_splits(probe, columns, inputs)
     except Exception:  # noqa: BLE001 - no observation: the counts stay as the module and config state them
