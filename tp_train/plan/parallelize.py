@@ -16,7 +16,6 @@ from tp_train.parallel.layers import Configurable
 from tp_train.parallel.mesh import as_process_group
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.activation_checkpointing import checkpoint_blocks
-from tp_train.plan.adapters import adapted_model
 from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.caches import caches_kept
@@ -26,7 +25,7 @@ from tp_train.plan.match import match_plan
 from tp_train.plan.region_check import RegionCheck
 from tp_train.plan.resolve import SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
-from tp_train.plan.styles import PlannedModule, linear_shape
+from tp_train.plan.styles import PlannedModule, adapted_model, linear_shape
 from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
@@ -127,7 +126,7 @@ def parallelize(
         print(format_plan(resolved, source), flush=True)
     elif SKIPPED in source and dist.get_rank() == 0:
         print(f"tensor-parallel plan: {source}", flush=True)
-    planned = match_plan(model, resolved, dist.get_world_size(group))
+    planned = match_plan(model, resolved, dist.get_world_size(group), example_input)
     vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
     whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
     skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory

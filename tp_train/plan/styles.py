@@ -184,6 +184,17 @@ def pattern_matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names, strict=True))
 
 
+def adapted_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, model) of the model a peft wrapper holds (`PeftModel.get_base_model()`, a tuner's `model`), whose
+    names the model's own plan is written in; None for anything else."""
+    if not type(module).__module__.startswith("peft."):
+        return None
+    inner = module.get_base_model() if hasattr(type(module), "get_base_model") else module._modules.get("model")
+    if not isinstance(inner, nn.Module) or inner is module:
+        return None
+    return next((name, child) for name, child in module.named_modules() if child is inner)
+
+
 def adapted_base(module: nn.Module) -> nn.Module | None:
     """The layer a peft adapter layer wraps (LoRA's `base_layer`, beside its `lora_A` and `lora_B`), else None: a
     plan entry naming the adapter layer shards it as its base layer, adapters included (`tp_train.plan.adapters`)."""

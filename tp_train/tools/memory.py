@@ -35,11 +35,11 @@ import torch.nn as nn
 
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
-from tp_train.plan.adapters import adapted_model, adapter_specs
+from tp_train.plan.adapters import adapter_specs
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
-from tp_train.plan.styles import PlannedModule, adapted_base, parameter_shard_spec, style_shard_spec
+from tp_train.plan.styles import PlannedModule, adapted_base, adapted_model, parameter_shard_spec, style_shard_spec
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
