@@ -30,7 +30,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -48,12 +48,12 @@ from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.lightning import rendezvous
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
-from tp_train.lightning.precision import tensor_parallel_precision
+from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, DATA_PARALLEL_MODES, REPLICAS, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
-from tp_train.plan.data_parallel import fully_shard_data_parallel
+from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
 from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
 
@@ -380,20 +380,13 @@ class TensorParallelStrategy(DDPStrategy):
         step methods gather the parameters as its forward would."""
         if isinstance(root, FSDPModule):
             return
-        for name, _, spec in named_sharded_parameters(root):
-            copies = max(spec.replicas(self.tensor_parallel_size))
-            if copies > 1:
-                raise ValueError(
-                    f"'{name}' holds kv heads replicated over {copies} tensor-parallel ranks, which "
-                    f"data_parallel='fsdp' does not support yet; use data_parallel='ddp', or tp at most the kv-head "
-                    "count"
-                )
+        refuse_replicated_shards(root, self.tensor_parallel_size)
         models = [module for _, module in modules_with_plans(root)] if self._plan is None else [root]
         fully_shard_data_parallel(
             root,
             models or [root],
             self._replicas,
-            mp_policy=_mixed_precision_policy(self.precision_plugin),
+            mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
         )
 
@@ -503,12 +496,3 @@ class TensorParallelStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"{cls.__name__} ({start_method})", start_method=start_method
                 )
-
-
-def _mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy:
-    """FSDP2 gathers parameters in the autocast dtype under mixed precision and reduces gradients in fp32; under
-    `-true` precisions the parameters already have their dtype."""
-    if isinstance(plugin, MixedPrecision):
-        dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
-        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()

@@ -24,14 +24,13 @@ from torch.distributed import ProcessGroup
 from tp_train.parallel.collectives import all_reduce_gradient, copy_to_tensor_parallel_region
 from tp_train.parallel.layers import (
     ColumnParallelLinear,
-    ColumnParallelPointwiseConv,
     ModuleRegion,
     RowParallelLinear,
-    RowParallelPointwiseConv,
     SharedInputRegion,
     VocabParallelEmbedding,
 )
 from tp_train.parallel.norm import ParallelLayerNormRegion, ParallelRMSNormRegion, norm_epsilon, norm_groups
+from tp_train.parallel.pointwise_conv import ColumnParallelPointwiseConv, RowParallelPointwiseConv
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.reductions import FeatureReductionRegion
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
