@@ -9,7 +9,7 @@ else
 PYTHON ?= .venv/bin/python
 endif
 
-.PHONY: setup train test test-fast test-system-python docs lint
+.PHONY: setup train test test-fast test-system-python docs lint gpu-wheels gpu-check
 
 setup:
 	PYTHON=$(PYTHON) bash scripts/setup.sh
@@ -43,3 +43,13 @@ test-system-python: setup
 
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+
+# The GPU check (docs/performance.md): `make gpu-wheels` downloads, here, the wheels a GPU machine without a package
+# index lacks (scripts/gpu_wheels.py; into wheelhouse/, which travels beside the tree); `make gpu-check` runs
+# scripts/gpu_check.sh (without a CUDA device it checks the wheelhouse and says so).
+gpu-wheels:
+	rm -rf wheelhouse
+	$(PYTHON) scripts/gpu_wheels.py download wheelhouse
+
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -46,7 +46,8 @@ from tp_train.app import preflight, resume
 from tp_train.app.module import CausalLMModule
 from tp_train.app.preflight import estimate_for_config
 from tp_train.app.resolvers import lightning_precision, register_resolvers
-from tp_train.errors import CheckpointError
+from tp_train.errors import CheckpointError, DiskFullError
+from tp_train.lightning import watchdog
 from tp_train.lightning.metrics import TrainingMetrics, peak_memory_mib
 from tp_train.lightning.preemption import Preempted
 from tp_train.tools.tokenizer import RUN_TOKENIZER
@@ -129,7 +130,8 @@ def resume_from(cfg: DictConfig) -> str | None:
     if rank_zero_only.rank == 0:
         os.environ[resume.ENVIRONMENT_VARIABLE] = ckpt_path or ""  # Lightning's launcher copies it to the ranks
         if ckpt_path is not None:
-            print(f"resuming from {ckpt_path}", file=sys.stderr)
+            how = ", the newest complete checkpoint of this command's last run" if cfg.ckpt_path == resume.AUTO else ""
+            print(f"resuming from {ckpt_path}{how}", file=sys.stderr)
     return ckpt_path
 
 
@@ -156,8 +158,9 @@ def run(cfg: DictConfig) -> float | None:
             except ValueError as error:  # a model of your own whose config gives no layer count or width: advisory
                 print(f"note: no memory estimate: {error}", flush=True)
             else:
-                title = f"predicted memory per rank (tp={cfg.tp}, {cfg.data_parallel}, precision={cfg.precision})"
-                print(estimate.table(title), flush=True)
+                cp = f", cp={cfg.cp}" if cfg.get("cp", 1) > 1 else ""
+                sizes = f"tp={cfg.tp}{cp}, {cfg.data_parallel}, precision={cfg.precision}"
+                print(estimate.table(f"predicted memory per rank ({sizes})"), flush=True)
         if cfg.get("dry_run"):
             return None
         datamodule = instantiate(cfg.data)
@@ -190,6 +193,10 @@ def run(cfg: DictConfig) -> float | None:
         if trainer.is_global_zero:
             print(stop, file=sys.stderr)
         sys.exit(0)  # the process, a multirun's later jobs included: the machine is being taken away
+    except DiskFullError as error:  # one line, status 1; every complete checkpoint is as it was
+        if trainer.is_global_zero:
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(1 if trainer.is_global_zero else watchdog.USER_ERROR_STATUS)  # rank 0 alone reports it
     except CheckpointError as error:  # a checkpoint of another model or plan: one line, status 2, nothing changed
         if trainer.is_global_zero:
             found = "; ckpt_path=auto found it, ckpt_path=null starts fresh" if cfg.ckpt_path == "auto" else ""

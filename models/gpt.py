@@ -61,6 +61,9 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj.residual_projection = True  # initialised smaller (see GPT._init_weights)
         self.dropout = config.dropout
+        # The attention kernel: any function with SDPA's signature (a seam to swap the kernel, e.g. for one that
+        # also masks across packed documents); the model itself never changes it.
+        self.sdpa = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -75,9 +78,7 @@ class CausalSelfAttention(nn.Module):
             if past and T > 1:  # new tokens see every cached one and the new ones before them
                 mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
         causal = mask is None and past == 0
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
-        )
+        y = self.sdpa(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * head_dim)
         return self.proj(y)
 
@@ -158,14 +159,21 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ):
         """Returns logits (B, T, vocab_size), or (logits, loss) when `targets` (B, T) are given. With `cache`, `idx`
-        continues the tokens it holds (their positions follow them) and their keys and values are added to it."""
+        continues the tokens it holds (their positions follow them) and their keys and values are added to it.
+        `positions` (B, T) or (T,) are the tokens' positions, 0..T-1 (after the cached ones) by default."""
         B, T = idx.shape
         past = 0 if cache is None else len(cache)
         if past + T > self.config.block_size:
             raise ValueError(f"sequence length {past + T} exceeds block_size={self.config.block_size}")
-        pos = torch.arange(past, past + T, device=idx.device)
+        pos = torch.arange(past, past + T, device=idx.device) if positions is None else positions
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, n_embd)
         for block in self.blocks:
             x = block(x) if cache is None else block(x, cache)

@@ -23,7 +23,13 @@ def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def parity_errors(
-    reference, forward, vocab_size: int, steps: int = 3, seq_len: int = 16, parallelize_kwargs: dict | None = None
+    reference,
+    forward,
+    vocab_size: int,
+    steps: int = 3,
+    seq_len: int = 16,
+    parallelize_kwargs: dict | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, float]:
     """Max-abs errors of a sharded copy of `reference` against it, over `steps` SGD-with-momentum steps.
 
@@ -33,10 +39,12 @@ def parity_errors(
     `forward(model, idx)` returns logits. Keys: `logits`, `grad:<param>` (first step, every parameter, sharded ones
     gathered), `loss_step<k>`, `param:<param>` (after the last step); plus `shard_fraction`, the rank's share of the
     sharded parameters' elements (about 1/tp), and `block_fraction`, its share of the block matrices.
-    `parallelize_kwargs` go to `tp_train.parallelize`.
+    `parallelize_kwargs` go to `tp_train.parallelize`. On `device` ("cuda": every rank's current GPU) both models
+    run there, on the same batches as on CPU.
     """
     generator = torch.Generator().manual_seed(1234)
-    batches = [torch.randint(0, vocab_size, (2, seq_len), generator=generator) for _ in range(steps)]
+    batches = [torch.randint(0, vocab_size, (2, seq_len), generator=generator).to(device) for _ in range(steps)]
+    reference = reference.to(device)
     return batch_parity_errors(
         reference, [(idx, forward, lambda logits, idx=idx: next_token_loss(logits, idx)) for idx in batches],
         parallelize_kwargs,

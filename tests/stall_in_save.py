@@ -1,5 +1,5 @@
 """Runs train.py as `python tests/stall_in_save.py MARKER [overrides...]`: in the launching process (global rank 0),
-the background write of the second `last.ckpt` stops once its shards are written to `last.ckpt.tmp`, before the
+the background write of the second checkpoint stops once its shards are written to `<name>.ckpt.tmp`, before the
 renames that complete it, writes MARKER and waits there, so that a test can SIGKILL the job in the middle of a
 save. The overrides, and so the command auto-resume compares, are exactly train.py's."""
 
@@ -21,7 +21,7 @@ def main() -> None:
 
     def save_then_stall(state, *args, checkpoint_id=None, **kwargs):
         result = save(state, *args, checkpoint_id=checkpoint_id, **kwargs)
-        if Path(checkpoint_id).name == "last.ckpt.tmp":
+        if Path(checkpoint_id).name.endswith(".ckpt.tmp"):
             saves.append(checkpoint_id)
             if len(saves) == 2:
                 Path(marker).write_text(str(checkpoint_id))

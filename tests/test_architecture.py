@@ -6,8 +6,9 @@ A module may import from its own subpackage or any layer below (skipping levels 
 `lightning` and `tools` never import each other; no module imports another module's `_private` name; Lightning,
 Hydra, OmegaConf and datasets are imported only in `lightning/` and `app/`; only `tools/` imports the project's
 reference models (`models`), and `models/` imports nothing from tp_train; there are no import cycles; and
-tp_train keeps at most 8 entries at its top level. The checker is also run on a small tree with one broken rule
-of each kind, so each rule is shown to fire.
+tp_train keeps at most 8 entries at its top level. Inside plan/, deciding a plan, applying it and checking it
+(`PLAN_JOBS`) import only their own job's modules and the vocabulary all three share; `parallelize` runs the three.
+The checker is also run on a small tree with one broken rule of each kind, so each rule is shown to fire.
 """
 
 from __future__ import annotations
@@ -21,6 +22,41 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"errors": 0, "parallel": 1, "checkpoint": 2, "plan": 3, "tools": 4, "lightning": 4, "app": 5}
 APP_FRAMEWORKS = ("lightning", "hydra", "omegaconf", "datasets")  # only in lightning/ and app/
 FRAMEWORK_LAYERS = ("lightning", "app")
+
+
+# plan/'s modules by job. Deciding never reaches into applying or checking (the rank simulation splits with the
+# shared `ShardSpec`s and local views that `apply_plan` uses); `shared` imports only `shared`.
+PLAN_JOBS = {
+    "decide": ("autoplan", "coverage", "head_shapes", "local_search", "locality", "match", "mixer_presets", "pairs",
+               "presets", "resolve", "running_statistics", "structure_rules", "views", "zamba_presets"),
+    "apply": ("activation_checkpointing", "adapters", "apply", "context_parallel", "data_parallel",
+              "sequence_parallel"),
+    "check": ("region_check", "verify"),
+    "shared": ("caches", "channels", "compare", "gradient_hooks", "layout", "local_view", "meta_init", "probe",
+               "probe_input", "styles", "ties"),
+}  # fmt: skip
+PLAN_ENTRY = ("__init__", "parallelize")
+
+
+def plan_job_problems(plan_root: Path) -> list[str]:
+    """Every import inside `plan_root` from one job's module into another job's (`PLAN_JOBS`), and every module
+    that belongs to no job, one line each."""
+    job = {module: name for name, modules in PLAN_JOBS.items() for module in modules}
+    package = f"{plan_root.parent.name}.{plan_root.name}"
+    problems = []
+    for path in sorted(plan_root.glob("*.py")):
+        mine = job.get(path.stem)
+        if mine is None:
+            if path.stem not in PLAN_ENTRY:
+                problems.append(f"plan/{path.name} belongs to no job: add it to PLAN_JOBS")
+            continue
+        for imported, _, line in _imports(path, set()):
+            if not imported.startswith(package + "."):
+                continue
+            other = job.get(imported[len(package) + 1 :].split(".")[0])
+            if other is not None and other != mine and other != "shared":
+                problems.append(f"plan/{path.name}:{line}: {mine} imports {imported} ({other})")
+    return problems
 
 
 def _module_name(package_root: Path, path: Path) -> str:
@@ -121,6 +157,24 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_tp_train_imports_point_one_way():
     problems = import_problems(ROOT / "tp_train", ROOT / "models")
     assert not problems, "\n".join(problems)
+
+
+def test_plan_decides_applies_and_checks_apart():
+    problems = plan_job_problems(ROOT / "tp_train" / "plan")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_job_checker_flags_deciding_that_reaches_into_applying(tmp_path):
+    plan = tmp_path / "pkg" / "plan"
+    plan.mkdir(parents=True)
+    (plan / "probe.py").write_text("from pkg.plan.apply import materialize\n")  # shared -> apply
+    (plan / "autoplan.py").write_text("from pkg.plan.verify import first_tensor\n")  # decide -> check
+    (plan / "stray.py").write_text("")
+    assert plan_job_problems(plan) == [
+        "plan/autoplan.py:1: decide imports pkg.plan.verify (check)",
+        "plan/probe.py:1: shared imports pkg.plan.apply (apply)",
+        "plan/stray.py belongs to no job: add it to PLAN_JOBS",
+    ]
 
 
 BROKEN_TREE = {

@@ -139,10 +139,10 @@ REFUSALS = {
         "packed_colwise, fused_qkv_colwise) at tp=2 gives each rank a share of its output that feeds only that rank's "
         "share of 'layers.0.out'",
     ),
-    "kv_heads_fewer_than_tp": (
-        lambda: Unplanned(_hf_llama_kv(2)),
+    "kv_heads_neither_divide_nor_replicate": (  # 2 kv heads at tp=4 are replicated (test_kv_heads_from_reshape)
+        lambda: Unplanned(_hf_llama_kv(3, heads=12, hidden=96)),
         4,
-        "the auto-planner cannot plan 'inner.model.layers.0.self_attn.q_proj' (Linear 64->64): no split of "
+        "the auto-planner cannot plan 'inner.model.layers.0.self_attn.q_proj' (Linear 96->96): no split of "
         "'inner.model.layers.0.self_attn.k_proj' (colwise, packed_colwise, fused_qkv_colwise) at tp=4",
     ),
     "cannot_run": (_NoForward, 2, "the auto-planner could not run _NoForward on its probe input (input (1, 8))"),

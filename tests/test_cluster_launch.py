@@ -100,6 +100,31 @@ def test_torchrun_restarts_after_a_killed_worker_and_finishes_with_the_uninterru
 
 
 @pytest.mark.slow
+def test_torchrun_restarts_after_a_hung_worker_and_finishes_with_the_uninterrupted_losses(
+    cache, uninterrupted, tmp_path
+):
+    """A worker stopped (SIGSTOP) after the first checkpoint: the hang detector (its limit shortened here) ends the
+    round, torchrun restarts it, and `ckpt_path=auto` resumes."""
+    run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "train.py", *COMMAND,
+               "hang_timeout_s=10", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    with open(log, "w") as output:
+        torchrun = subprocess.Popen(command, cwd=ROOT, env=_env(cache), stdout=output, stderr=subprocess.STDOUT)
+        try:
+            _wait_for(run_dir / "checkpoints" / "last.ckpt" / ".metadata", torchrun)
+            stopped = _children(torchrun.pid)[-1]
+            os.kill(stopped, signal.SIGSTOP)  # one worker hangs, after the first checkpoint
+            assert torchrun.wait(timeout=TIMEOUT) == 0, log.read_text()[-4000:]
+        finally:
+            torchrun.kill()
+    text = log.read_text()
+    assert "error: hang: rank 1 stopped responding" in text, text[-4000:]
+    assert (run_dir / "hang" / "rank0-stacks.txt").is_file()
+    assert "resuming from " in text, text[-4000:]  # the restarted round
+    _same_run(_summary(run_dir), uninterrupted)
+
+
+@pytest.mark.slow
 def test_two_torchrun_agents_as_two_nodes_give_one_nodes_losses(cache, uninterrupted, tmp_path):
     run_dir, endpoint = tmp_path / "run", f"127.0.0.1:{_free_port()}"
     rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
@@ -185,10 +210,12 @@ def test_a_job_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoi
         job.wait(timeout=TIMEOUT)
     finally:
         job.kill()
-    assert (checkpoint.with_name("last.ckpt.tmp") / ".metadata").is_file()  # the interrupted save's shards
-    assert read_extra(checkpoint / "meta.pt")["global_step"] == 10  # the previous checkpoint, whole
+    (interrupted,) = checkpoint.parent.glob("*.ckpt.tmp")
+    assert (interrupted / ".metadata").is_file()  # the interrupted save's shards
+    (previous,) = (path for path in checkpoint.parent.glob("*-step=10.ckpt") if (path / ".metadata").is_file())
+    assert read_extra(previous / "meta.pt")["global_step"] == 10  # the previous checkpoint, whole
 
     result = subprocess.run([sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"], **_io(cache))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resuming from {checkpoint}" in result.stderr
+    assert f"resuming from {previous}" in result.stderr  # last.ckpt named the interrupted save: not taken
     _same_run(_summary(run_dir), uninterrupted)

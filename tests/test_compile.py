@@ -32,14 +32,16 @@ def _compiled_in_place(backend):
     return forward
 
 
-def _parity(rank, world_size, name, backend, parallelize_kwargs):
+def _parity(rank, world_size, name, backend, parallelize_kwargs, device="cpu"):
     import torch._dynamo
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     forward = _compiled_in_place(backend) if backend else lambda model, idx: model(idx)
-    errors = parity_errors(_models()[name](), forward, VOCAB_OF_TESTS, parallelize_kwargs=parallelize_kwargs)
+    errors = parity_errors(
+        _models()[name](), forward, VOCAB_OF_TESTS, parallelize_kwargs=parallelize_kwargs, device=device
+    )
     counters = torch._dynamo.utils.counters
     return errors, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 

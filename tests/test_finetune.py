@@ -42,8 +42,8 @@ def code_corpus() -> str:
     return "\n".join(functions)
 
 
-def _train(tmp: Path, run: str, corpus: str, *overrides: str) -> Path:
-    env = {**os.environ, "TP_TRAIN_CACHE": str(tmp / "cache"), "WANDB_MODE": "offline"}
+def _train(tmp: Path, run: str, corpus: str, *overrides: str, env: dict | None = None) -> Path:
+    env = {**os.environ, "TP_TRAIN_CACHE": str(tmp / "cache"), "WANDB_MODE": "offline", **(env or {})}
     env.pop("TP_TRAIN_RESUME_FROM", None)
     command = [sys.executable, "train.py", *RUN, f"data.source={tmp / corpus}", *overrides,
                f"hydra.run.dir={tmp / run}"]  # fmt: skip

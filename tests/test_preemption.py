@@ -218,22 +218,50 @@ def _losses(run_dir: Path) -> dict[int, tuple[int, float]]:
     return {int(row["step"]): (int(row["epoch"]), float(row["train/loss"])) for row in rows}
 
 
-@pytest.mark.slow
-def test_sigterm_mid_epoch_then_the_same_command_resumes_with_the_same_losses(tmp_path):
+def preemption_command(tmp_path: Path, *overrides: str) -> list[str]:
+    """train.py's overrides for 12 steps of a one-layer GPT with dropout on a small corpus, CSV-logged every step,
+    a new run directory per run; `overrides` (tp, precision) come first."""
     corpus = _corpus(tmp_path / "corpus.txt", 40)
-    command = [
-        "tp=2", "precision=32", "data=local_text", f"data.source={corpus}", "data.block_size=32", "data.batch_size=4",
+    return [
+        *overrides, "data=local_text", f"data.source={corpus}", "data.block_size=32", "data.batch_size=4",
         "data.vocab_size=300", "data.val_fraction=0.1", "model.config.n_layer=1", "model.config.n_head=2",
         "model.config.n_embd=32", "model.config.dropout=0.1", "trainer.max_steps=12", "trainer.val_check_interval=100",
         "trainer.limit_val_batches=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
         "~callbacks.progress_bar", "scheduler=constant", "logger=csv",
         f"hydra.run.dir={tmp_path}/runs/${{now:%H-%M-%S-%f}}",  # the default layout's kind: a new dir per run
     ]  # fmt: skip
-    _train(tmp_path, *command)  # uninterrupted; it finishes, so the same command next starts fresh
+
+
+def straight_preempted_resumed(tmp_path: Path, command: list[str]) -> tuple[list, list[Path]]:
+    """Runs `command` uninterrupted, then again with SIGTERM after step 6, then again (which resumes); returns the
+    three processes and their run directories, in that order."""
+    straight = _train(tmp_path, *command)  # uninterrupted; it finishes, so the same command next starts fresh
     preempted = _train(tmp_path, *command, signal_at=(6, "SIGTERM"))  # SIGTERM to the launching process
     resumed = _train(tmp_path, *command)
     by_start = sorted((tmp_path / "runs").iterdir(), key=lambda run: (run / ".hydra" / "config.yaml").stat().st_mtime)
-    straight_dir, preempted_dir, resumed_dir = by_start
+    return [straight, preempted, resumed], by_start
+
+
+def assert_resumed_with_the_same_losses(run_dirs: list[Path], tolerance: float = 1e-5) -> None:
+    """The preempted run logged steps 0-6, the resumed one 7-11 (mid-epoch, past the first), each with the loss the
+    uninterrupted run logged at that step."""
+    straight, first, second = (_losses(d) for d in run_dirs)
+    assert (
+        sorted(straight) == list(range(12)) and sorted(first) == list(range(7)) and sorted(second) == list(range(7, 12))
+    )
+    epoch_of_step_7 = straight[7][0]
+    assert epoch_of_step_7 >= 1 and straight[6][0] == epoch_of_step_7  # resumed mid-epoch, past the first epoch
+    for step in range(12):
+        loss = (first if step < 7 else second)[step][1]
+        assert abs(loss - straight[step][1]) <= tolerance, (step, loss, straight[step][1])
+    print({step: (straight[step][1], (first if step < 7 else second)[step][1]) for step in range(12)})
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_then_the_same_command_resumes_with_the_same_losses(tmp_path):
+    command = preemption_command(tmp_path, "tp=2", "precision=32")
+    (_, preempted, resumed), run_dirs = straight_preempted_resumed(tmp_path, command)
+    straight_dir, preempted_dir, resumed_dir = run_dirs
 
     checkpoint = preempted_dir / "checkpoints" / "last.ckpt"
     lines = [line for line in preempted.stderr.splitlines() if "checkpoint saved" in line]
@@ -243,16 +271,7 @@ def test_sigterm_mid_epoch_then_the_same_command_resumes_with_the_same_losses(tm
     assert not (preempted_dir / "summary.json").exists()
     assert f"resuming from {checkpoint}" in resumed.stderr
 
-    straight, first, second = (_losses(d) for d in (straight_dir, preempted_dir, resumed_dir))
-    assert (
-        sorted(straight) == list(range(12)) and sorted(first) == list(range(7)) and sorted(second) == list(range(7, 12))
-    )
-    epoch_of_step_7 = straight[7][0]
-    assert epoch_of_step_7 >= 1 and straight[6][0] == epoch_of_step_7  # resumed mid-epoch, past the first epoch
-    for step in range(12):
-        loss = (first if step < 7 else second)[step][1]
-        assert abs(loss - straight[step][1]) <= 1e-5, (step, loss, straight[step][1])
-    print({step: (straight[step][1], (first if step < 7 else second)[step][1]) for step in range(12)})
+    assert_resumed_with_the_same_losses(run_dirs)
 
     # The same checkpoint into another model (wider): one line from rank 0 naming it and the mismatch, status 2.
     before = {f.name: f.read_bytes() for f in checkpoint.iterdir()}

@@ -160,11 +160,11 @@ def test_a_network_with_no_linear_in_its_blocks_is_not_counted_as_a_transformer(
     the transformers a task's share of passing families is counted over; ViT's blocks are Linears."""
     import torch
 
-    from tp_train.tools.zoo import _has_block_linears, build_family
+    from tp_train.tools.zoo import build_family, has_block_linears
 
     with torch.device("meta"):
-        assert not _has_block_linears(build_family("image-classification", "resnet"))
-        assert _has_block_linears(build_family("image-classification", "vit"))
+        assert not has_block_linears(build_family("image-classification", "resnet"))
+        assert has_block_linears(build_family("image-classification", "vit"))
     text = summary({"vit": {"class": "pass", "reason": ""}, "resnet": {"class": "no blocks", "reason": "convs"}}, 2)
     assert (
         text.startswith("1 of 1 buildable families pass at tp=2 (100%)") and "1 with no Linear in their blocks" in text
@@ -242,3 +242,12 @@ def test_a_rank_killed_by_a_signal_is_killed_not_a_pass_and_is_checked_again_alo
     assert (tmp_path / "always").read_text() == "xx" and (tmp_path / "once").read_text() == "xx"
     assert "again, one at a time: always, once" in lines
     assert ", killed 1, error 0" in summary(results, tp=2)
+
+
+def test_kv_heads_are_not_set_where_the_config_reads_them_as_the_query_heads():
+    """Whisper's config maps `num_key_value_heads` onto `encoder_attention_heads`, its query heads: the zoo's 2 kv
+    heads would make it a 2-head model that tp=4 cannot split, so the setting skips it; Llama's are set."""
+    from tp_train.tools.zoo.configs import _own_fields
+
+    assert _own_fields("whisper", {"num_key_value_heads": 2}) == {}
+    assert _own_fields("llama", {"num_key_value_heads": 2}) == {"num_key_value_heads": 2}

@@ -11,6 +11,7 @@ from tp_train.checkpoint.dcp import load as load_checkpoint
 from tp_train.checkpoint.dcp import save as save_checkpoint
 from tp_train.checkpoint.pretrained import load_pretrained
 from tp_train.errors import CheckpointError, NonFiniteError
+from tp_train.lightning.hang import HangDetector
 from tp_train.lightning.metrics import TrainingMetrics
 from tp_train.lightning.nonfinite import NonFiniteGuard
 from tp_train.lightning.precision import TensorParallelMixedPrecision
@@ -50,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationCounter",
     "ColumnParallelLinear",
+    "HangDetector",
     "NonFiniteError",
     "NonFiniteGuard",
     "PlanVerificationError",

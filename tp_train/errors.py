@@ -16,6 +16,11 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file holding more than data (a pickle naming code to run), refused before it is unpickled."""
 
 
+class DiskFullError(OSError):
+    """A checkpoint save refused (before it started) or stopped for lack of disk space: one line naming the
+    directory, the bytes needed and free, and the checkpoint that stays valid; no complete checkpoint was touched."""
+
+
 class PlanVerificationError(ValueError):
     """The sharded model computes something other than the unsharded model: the plan is wrong."""
 

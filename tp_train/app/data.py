@@ -73,6 +73,9 @@ class TextDataModule(LightningDataModule):
         cache_dir: where tokenizers and packed blocks are cached.
         seed: orders the documents before the split and the training batches.
         num_workers: DataLoader worker processes.
+        document_mask: packed documents never attend across each other: attention is block-diagonal by document
+            (from the EOS tokens between them) and positions restart at each document, under
+            `TensorParallelStrategy` (`document_separator` tells it the EOS id; docs/long-sequences.md).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class TextDataModule(LightningDataModule):
         cache_dir: str = "~/.cache/tp_train",
         seed: int = 1234,
         num_workers: int = 0,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:  # to skip validation, use Trainer(limit_val_batches=0)
@@ -100,13 +104,18 @@ class TextDataModule(LightningDataModule):
         self.source, self.block_size, self.batch_size = str(source), block_size, batch_size  # str: a Path works too
         self.val_fraction, self.requested_vocab_size, self.tokenizer_path = val_fraction, vocab_size, tokenizer_path
         self.text_field, self.subset, self.max_files, self.max_bytes = text_field, subset, max_files, max_bytes
-        self.seed, self.num_workers = seed, num_workers
+        self.seed, self.num_workers, self.document_mask = seed, num_workers, document_mask
         self.cache_dir = Path(cache_dir).expanduser()
         # Set by prepare_data() and setup(): the tokenizer, where it was read from, and its size (len(tokenizer)).
         self.tokenizer: PreTrainedTokenizerFast | None = None
         self.tokenizer_source: str | None = None
         self.vocab_size: int | None = None
         self.train_dataset = self.val_dataset = None  # set by setup()
+
+    @property
+    def document_separator(self) -> int | None:
+        """The token id closing each packed document when `document_mask` is on (known once the tokenizer is)."""
+        return self.tokenizer.eos_token_id if self.document_mask and self.tokenizer is not None else None
 
     @override
     def prepare_data(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -17,11 +18,13 @@ from omegaconf import DictConfig
 
 from tp_train.app.config_values import check_values
 from tp_train.app.resolvers import lightning_precision
+from tp_train.checkpoint import consolidated
 from tp_train.checkpoint.checks import check_files
 from tp_train.checkpoint.pretrained import weight_files
 from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from tp_train.lightning.nonfinite import ACTIONS
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
+from tp_train.plan.context_parallel import check_context_parallel
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
@@ -37,12 +40,21 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp} must be a positive integer (the tensor-parallel size), e.g. tp=2")
     check_values(cfg)
+    cp = cfg.get("cp", 1)
+    if not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"cp={cp} must be a positive integer (the context-parallel size), e.g. cp=2")
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    if isinstance(devices, int) and (devices * nodes) % tp:
-        fits = [n * tp for n in range(1, 5)]
+    if isinstance(devices, int) and (devices * nodes) % (tp * cp):
+        fits = [n * tp * cp for n in range(1, 5)]
         raise ConfigError(
             f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
-            f"tp={tp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp)"
+            f"tp={tp} x cp={cp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp x cp)"
+        )
+    block = cfg.data.get("block_size")
+    if cp > 1 and isinstance(block, int) and block % (2 * cp):
+        raise ConfigError(
+            f"data.block_size={block} is not a multiple of 2 x cp = {2 * cp} (each context-parallel rank holds two "
+            f"equal chunks of every sequence); use data.block_size={block - block % (2 * cp) or 2 * cp}"
         )
     mode = _data_parallel_mode(cfg)
     if mode not in DATA_PARALLEL_MODES:
@@ -63,6 +75,11 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         match_plan(model, resolve_plan(model, tensor_parallel_size=tp)[0], tp)
     except ValueError as error:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
+    if cp > 1:
+        try:
+            check_context_parallel(model, block)
+        except ValueError as error:
+            raise ConfigError(f"cp={cp}: {error}") from None
     vocab, data_vocab = embedding_rows(model), cfg.data.get("vocab_size")
     trained = cfg.data.get("tokenizer_path") is None  # else the tokenizer's own size counts (`check_tokenizer`)
     if trained and isinstance(vocab, int) and isinstance(data_vocab, int) and data_vocab > vocab:
@@ -86,6 +103,11 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"or sequence_parallel=false"
         )
     samples = cfg.get("samples")
+    if cp > 1 and samples and samples.get("prompts"):
+        raise ConfigError(
+            f"samples.prompts={list(samples.prompts)} with cp={cp}: samples are drawn one token at a time, which "
+            f"cannot be split across context-parallel ranks; use samples.prompts=[] or cp=1"
+        )
     if sequence_parallel and tp > 1 and samples and samples.get("prompts"):
         raise ConfigError(
             f"samples.prompts={list(samples.prompts)} with sequence_parallel=true: samples are drawn one token at a "
@@ -144,8 +166,12 @@ def check_checkpoint(path: str | None, trust_checkpoint: bool = False) -> None:
     is checked by the ranks, on load."""
     if path is None or str(path) in ("auto", "last", "best", "hpc") or str(path).startswith("registry"):
         return  # found later: by tp_train.app.resume (auto, then checked again), or by Lightning
+    path = os.path.expanduser(str(path))
     try:
-        check_files(os.path.expanduser(str(path)), trust_checkpoint)
+        if os.path.isfile(path):  # one consolidated file (save_distributed_checkpoint=false), memory-mapped
+            consolidated.read(Path(path), trust_checkpoint)
+        else:
+            check_files(path, trust_checkpoint)
     except UnsafeCheckpointError as error:  # it says what would work
         raise ConfigError(f"ckpt_path: {error}") from None
     except CheckpointError as error:
@@ -199,7 +225,8 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
             model = get_peft_model(model, instantiate(cfg.peft))
     strategy = cfg.trainer.get("strategy") or {}
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    dp = devices * nodes // cfg.tp if isinstance(devices, int) else cfg.get("dp", 1)
+    cp = cfg.get("cp", 1)
+    dp = devices * nodes // (cfg.tp * cp) if isinstance(devices, int) else cfg.get("dp", 1)
 
     def flag(name: str) -> bool:
         return bool(cfg.get(name) or (strategy.get(name) if hasattr(strategy, "get") else False))
@@ -210,6 +237,7 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
         seq_len=cfg.data.block_size,
         tp=cfg.tp,
         dp=dp,
+        cp=cp,
         precision=lightning_precision(cfg.precision),
         sequence_parallel=flag("sequence_parallel"),
         activation_checkpointing=flag("activation_checkpointing"),

@@ -6,11 +6,13 @@ The rule, applied in the launching process before any rank starts:
   wildcard: `outputs/${now:...}/${now:...}` looks in `outputs/*/*`; an explicit `hydra.run.dir=X` in X only)
   whose `.hydra/overrides.yaml` lists the same overrides, in any order, `ckpt_path` aside; and this run's own
   directory (an explicit `hydra.run.dir` reused).
-- The latest thing that happened in them decides: a complete `checkpoints/last.ckpt` saved after that run last
-  finished (`summary.json`, written when a run completes) is resumed from; a finished run, or no checkpoint,
+- The latest thing that happened in them decides: the newest complete checkpoint in a run's `checkpoints/`,
+  whatever its name (`last.ckpt`, `epoch=0-step=20.ckpt`, a link to one, a consolidated file), saved after that run
+  last finished (`summary.json`, written when a run completes) is resumed from; a finished run, or no checkpoint,
   starts fresh. A run that was killed before saving anything does not count, so its predecessor's checkpoint is
-  still found; nor does a save it was killed in: the checkpoint it was replacing is resumed from (kept whole at
-  `last.ckpt` until the new one is complete, or at `last.ckpt.old` while the two are swapped).
+  still found; nor does a save it was killed in or that ran out of disk: its `*.tmp` is never taken, and the
+  checkpoint it was replacing is (kept whole under its name until the new one is complete, or at `*.old` while
+  the two are swapped). Of checkpoints saved at the same moment, `last.ckpt` is named.
 
 `ckpt_path=<path>` resumes from that path; `ckpt_path=null` always starts fresh. Child ranks started by the
 launching process receive its decision through the environment, since they run in the new run's directory.
@@ -25,12 +27,11 @@ from pathlib import Path
 
 import yaml
 
-from tp_train.checkpoint.dcp import META_FILE
-from tp_train.checkpoint.safe_load import METADATA_FILE
+from tp_train.checkpoint.on_disk import newest_complete, saved_at
 
 AUTO = "auto"
 ENVIRONMENT_VARIABLE = "TP_TRAIN_RESUME_FROM"  # the launching process's decision, inherited by its child ranks
-LAST_CHECKPOINT = Path("checkpoints", "last.ckpt")  # in the run directory, where conf/callbacks saves it
+CHECKPOINTS = "checkpoints"  # in the run directory, where conf/callbacks saves them
 FINISHED = "summary.json"
 _INTERPOLATION = re.compile(r"\$\{[^}]*\}")
 
@@ -61,21 +62,12 @@ def last_checkpoint(run_dir_template: str, run_dir: Path, overrides: list[str]) 
         recorded = run / ".hydra" / "overrides.yaml"
         if run != run_dir.resolve() and not (recorded.is_file() and _command(_read(recorded)) == command):
             continue
-        checkpoint, finished = _complete(run / LAST_CHECKPOINT), run / FINISHED
+        checkpoint, finished = newest_complete(run / CHECKPOINTS), run / FINISHED
         if checkpoint is not None:
-            events.append((_saved_at(checkpoint), checkpoint))
+            events.append((saved_at(checkpoint), checkpoint))
         if finished.is_file():
             events.append((finished.stat().st_mtime, None))
     return max(events, key=lambda event: event[0])[1] if events else None
-
-
-def _complete(checkpoint: Path) -> Path | None:
-    """`checkpoint` if its save completed (DCP writes `.metadata` last), else the one a killed save was swapping it
-    for (`tp_train.checkpoint.dcp.save`), else None."""
-    for candidate in (checkpoint, checkpoint.with_name(checkpoint.name + ".old")):
-        if (candidate / METADATA_FILE).is_file():
-            return candidate
-    return None
 
 
 def _command(overrides: list[str]) -> list[str]:
@@ -87,8 +79,3 @@ def _read(path: Path) -> list[str]:
         return [str(item) for item in yaml.safe_load(path.read_text()) or []]
     except (OSError, yaml.YAMLError):
         return []  # not a run of this app: ignored
-
-
-def _saved_at(checkpoint: Path) -> float:
-    files = [checkpoint / name for name in (META_FILE, METADATA_FILE)]
-    return max(f.stat().st_mtime for f in files if f.is_file())

@@ -45,10 +45,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tp_train.checkpoint import on_disk
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.checks import check_files, check_matches
 from tp_train.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_extra, unsafe_globals
-from tp_train.errors import CheckpointError
+from tp_train.errors import CheckpointError, DiskFullError
 from tp_train.parallel.mesh import TENSOR_PARALLEL  # the mesh dimension a 2-D mesh shards over
 from tp_train.parallel.sharding import ShardSpec, fill_replicas, local_part, named_sharded_parameters
 
@@ -57,6 +58,7 @@ HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint's copy of its Hu
 ADAPTER_CONFIG_KEY = "adapter_config"  # the peft config of a model trained with adapters, as plain data
 TOKENIZER_KEY = "tokenizer"  # where the tokenizer the run used is (a path)
 BASE_WEIGHTS_KEY = "base_weights"  # the pretrained weights a checkpoint of adapters was trained on, not held in it
+LAYOUT_KEY = "tp_train_layout"  # {state name: [dim of its sections, stored transposed]} of each sharded tensor
 
 
 def model_state_dict(model: nn.Module, mesh: DeviceMesh, write_backs: list | None = None) -> dict[str, Any]:
@@ -184,7 +186,9 @@ def save(
     It is written as `path.tmp` and renamed into place by global rank 0 once complete, so a save killed midway
     leaves a previous checkpoint at `path` whole (the next save discards the leftover `path.tmp`). An existing
     `path` is renamed to `path.old` first: killed between the two renames, it survives there. `path` must be on
-    a filesystem every rank sees.
+    a filesystem every rank sees. A checkpoint that does not fit in the free space of its filesystem is refused
+    before anything is written, and a disk that fills up during the write removes `path.tmp`: both raise
+    `DiskFullError` (one line, on every rank) and leave every complete checkpoint as it was.
 
     Args:
         path: the checkpoint directory.
@@ -200,6 +204,8 @@ def save(
     _, base = base_weights(model)
     if base is not None:  # its frozen pretrained parameters are not saved: where they come from is
         extra[BASE_WEIGHTS_KEY] = base
+    # How each sharded tensor is stored, so that one process can rebuild the model's own state (tp-train-export).
+    extra[LAYOUT_KEY] = {name: [spec.dim, spec.transposed] for name, _, spec in named_sharded_parameters(model, True)}
     unsafe = unsafe_globals(extra) if dist.get_rank() == 0 else []
     if unsafe:
         key = next(key for key, value in extra.items() if unsafe_globals({key: value}))
@@ -208,6 +214,7 @@ def save(
             f"plain dicts, lists, numbers, strings and tensors (e.g. a callback's state_dict)"
         )
     state = _checkpoint_state(model, optimizers, mesh)
+    _check_free_space(Path(path), state)
     if writer is None:
         write(state, Path(path), extra)
     else:
@@ -221,16 +228,23 @@ def write(state: dict[str, Any], path: Path, extra: dict, group: dist.ProcessGro
     if is_writer and tmp.exists():
         shutil.rmtree(tmp)  # left by a save that was killed
     dist.barrier(group)
-    dcp.save(state, checkpoint_id=tmp, process_group=group)
-    if is_writer:
-        torch.save(extra, tmp / META_FILE)
+    try:
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
+        if is_writer:
+            torch.save(extra, tmp / META_FILE)
+    except Exception as error:
+        if not on_disk.is_disk_full(error):
+            raise
+        if is_writer:  # DCP gathered the failure on every rank: each raises the same line, rank 0 cleans up
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise on_disk.disk_full_error(path, on_disk.checkpoint_bytes(state), None) from None
     dist.barrier(group)
     if is_writer:
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
+        on_disk.remove(old)
+        if path.exists() or path.is_symlink():  # a link (ModelCheckpoint's last.ckpt) is replaced, not followed
             path.rename(old)
         tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        on_disk.remove(old)
     dist.barrier(group)
 
 
@@ -244,6 +258,7 @@ def load(
     path = Path(path)
     metadata = check_files(path, trust_checkpoint)
     extra = _read_extra(path, trust_checkpoint)  # before any tensor is copied in: a damaged meta.pt changes nothing
+    extra.pop(LAYOUT_KEY, None)  # ours, for tp-train-export; the model at hand knows its layout
     _, base = base_weights(model)
     if extra.get(BASE_WEIGHTS_KEY) != base and (base is not None or BASE_WEIGHTS_KEY in extra):
         saved = extra.get(BASE_WEIGHTS_KEY)
@@ -276,6 +291,21 @@ def load(
     for index, optimizer in enumerate(optimizers):
         load_optimizer_state_dict(model, optimizer, mesh, state[f"optimizer_{index}"])
     return extra
+
+
+def _check_free_space(path: Path, state: dict[str, Any]) -> None:
+    """Refuses the save, on every rank alike and before anything is written, when the checkpoint does not fit on
+    its filesystem as rank 0 sees it (`tp_train.checkpoint.on_disk`)."""
+    refusal = [None]
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)  # now: a link to the checkpoint may be made before it is written
+        try:
+            on_disk.check_free_space(path, on_disk.checkpoint_bytes(state))
+        except DiskFullError as error:
+            refusal = [str(error)]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise DiskFullError(refusal[0])
 
 
 def _read_extra(path: Path, trust_checkpoint: bool) -> dict:

@@ -28,7 +28,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from tp_train.errors import CheckpointError
+from tp_train.errors import CheckpointError, DiskFullError
 from tp_train.lightning import watchdog
 
 
@@ -68,12 +68,13 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
             children = watchdog.ChildRanks(self.procs, list(range(first_rank + 1, first_rank + len(self.procs) + 1)),
                                            own_rank)  # fmt: skip
             children.watch()
+            self.children = children  # the hang detector ends them too (tp_train.lightning.hang)
         elif watchdog.LAUNCHER_PID in os.environ:  # a child of HydraJobLauncher
             watchdog.watch_launcher(own_rank)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
-        except CheckpointError:  # the same on every rank; train.py reports it once, from rank 0
+        except (CheckpointError, DiskFullError):  # the same on every rank; train.py reports it once, from rank 0
             if children is not None:
                 children.on_user_error()
             raise

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
@@ -98,3 +99,12 @@ def tensor_parallel_precision(plugin: Precision) -> Precision:
             enabled=scaler.is_enabled(),
         )
     return converted
+
+
+def fsdp_mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy:
+    """FSDP2 gathers parameters in the autocast dtype under mixed precision and reduces gradients in fp32; under
+    `-true` precisions the parameters already have their dtype."""
+    if isinstance(plugin, MixedPrecision):
+        dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()

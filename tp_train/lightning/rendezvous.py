@@ -49,14 +49,16 @@ def uses_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def job_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Store:
-    """The store this launch's ranks share: under torchrun the agent's, scoped to this round (`join_round`);
-    otherwise one rank 0 hosts at `address:port`, as `init_process_group` would create it."""
+def job_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta) -> tuple[Store, str]:
+    """The store this launch's ranks share, and the scope (a key prefix) of this round in it: under torchrun the
+    agent's, scoped to this round (`join_round`); otherwise one rank 0 hosts at `address:port`, as
+    `init_process_group` would create it (scope "")."""
     if uses_agent_store():
         store = TCPStore(address, port, world_size, is_master=False, timeout=timeout)
         token = join_round(PrefixStore(f"{PREFIX}/join", store), rank, world_size, timeout)
-        return PrefixStore(f"{PREFIX}/round/{token}", store)
-    return TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+        scope = f"{PREFIX}/round/{token}"
+        return PrefixStore(scope, store), scope
+    return TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True), ""
 
 
 def join_round(store: Store, rank: int, world_size: int, timeout: timedelta) -> str:
@@ -109,14 +111,26 @@ class Rendezvous:
     def __init__(self, environment: ClusterEnvironment, timeout: timedelta) -> None:
         self.environment, self.timeout = environment, timeout
         self._store: Store | None = None
+        self._scope = ""
         self._decisions = 0
 
     @property
     def store(self) -> Store:
         if self._store is None:
             env = self.environment
-            self._store = job_store(env.main_address, env.main_port, env.global_rank(), env.world_size(), self.timeout)
+            self._store, self._scope = job_store(
+                env.main_address, env.main_port, env.global_rank(), env.world_size(), self.timeout
+            )
         return self._store
+
+    def connect(self, timeout: timedelta) -> Store:
+        """A connection of its own to this launch's store, in this round's scope, whose calls give up after
+        `timeout`: for a background thread (the hang detector's heartbeat) that must neither queue behind the main
+        thread's calls nor wait the collective timeout on a store whose host stopped."""
+        self.store  # noqa: B018 - joins this round first, which names the scope
+        env = self.environment
+        client = TCPStore(env.main_address, env.main_port, is_master=False, timeout=timeout)
+        return PrefixStore(self._scope, client) if self._scope else client
 
     def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
         """`decide()` run on global rank 0 only, its result (a JSON value) returned on every rank of a job a cluster

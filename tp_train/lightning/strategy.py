@@ -16,7 +16,6 @@ group see the same batch. Models built under `trainer.init_module(empty_init=Tru
 from __future__ import annotations
 
 import inspect
-import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -31,7 +30,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -39,20 +38,22 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from tp_train.checkpoint import consolidated, on_disk
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.lightning import rendezvous
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
-from tp_train.lightning.precision import tensor_parallel_precision
+from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
-from tp_train.parallel.mesh import DATA_PARALLEL, DATA_PARALLEL_MODES, TENSOR_PARALLEL
+from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, DATA_PARALLEL_MODES, REPLICAS, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
-from tp_train.plan.data_parallel import fully_shard_data_parallel
+from tp_train.plan.context_parallel import context_parallel_cross_entropy
+from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
 from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
 
@@ -87,6 +88,9 @@ class TensorParallelStrategy(DDPStrategy):
             one is complete. False writes before the step continues.
         trust_checkpoint: load checkpoints that hold more than data (pickled objects, which could run code) as
             torch would; only for your own checkpoints. By default such a checkpoint is refused in one line.
+        save_distributed_checkpoint: True: a directory of every rank's shards. False (Lightning's meaning): one file
+            of the full state, written by rank 0, that `MyModule.load_from_checkpoint` reads in a plain process
+            (`tp_train.checkpoint.consolidated`); `fit(ckpt_path=...)` loads either, at any tp.
         data_parallel: "ddp" (replicate each tensor-parallel shard over the data-parallel ranks) or "fsdp" (shard
             it, with its gradients and optimizer states, over them: about 1/dp of the model state per rank, for
             one all-gather per block forward and backward and a reduce-scatter in place of DDP's all-reduce).
@@ -111,10 +115,15 @@ class TensorParallelStrategy(DDPStrategy):
         overlap: bool | None = None,
         async_checkpoint: bool = True,
         trust_checkpoint: bool = False,
+        save_distributed_checkpoint: bool = True,
+        context_parallel_size: int = 1,
+        context_parallel_rotation: str = "ring",
         **kwargs: Any,
     ) -> None:
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r} must be a positive integer")
+        sizes = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size}
+        for name, size in sizes.items():
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name}={size!r} must be a positive integer")
         if data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(
                 f"data_parallel={data_parallel!r}: use 'ddp' (replicated tensor-parallel shards) or 'fsdp' "
@@ -135,6 +144,8 @@ class TensorParallelStrategy(DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )
         self.tensor_parallel_size = tensor_parallel_size
+        self.context_parallel_size = context_parallel_size
+        self.context_parallel_rotation = context_parallel_rotation
         self._plan = plan
         self._verify_plan = verify_plan
         self.loss_parallel = loss_parallel
@@ -142,11 +153,14 @@ class TensorParallelStrategy(DDPStrategy):
         self.overlap = overlap
         self.async_checkpoint = async_checkpoint
         self.trust_checkpoint = trust_checkpoint
+        consolidated.check_data_parallel(save_distributed_checkpoint, data_parallel)
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self._checkpoint_writer: AsyncCheckpointWriter | None = None
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
         self._device_mesh: DeviceMesh | None = None
+        self._replicas: DeviceMesh | None = None  # 1-D: data x context parallel ranks, flattened (setup_environment)
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
@@ -167,8 +181,12 @@ class TensorParallelStrategy(DDPStrategy):
         return self.device_mesh[DATA_PARALLEL].get_group()
 
     @property
+    def context_parallel_group(self) -> ProcessGroup:
+        return self.device_mesh[CONTEXT_PARALLEL].get_group()
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel_size
+        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size)
 
     def cross_entropy(
         self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0
@@ -177,6 +195,13 @@ class TensorParallelStrategy(DDPStrategy):
         was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
         statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
         half precision are reduced in fp32."""
+        if self.context_parallel_size > 1:  # logits of this rank's share of the tokens; the mean over all of them
+            return context_parallel_cross_entropy(
+                self._cross_entropy, logits, target, self.lightning_module, ignore_index, label_smoothing
+            )
+        return self._cross_entropy(logits, target, ignore_index, label_smoothing)
+
+    def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
         if not self.loss_parallel:
             logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             return F.cross_entropy(
@@ -200,21 +225,24 @@ class TensorParallelStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.world_size % self.tensor_parallel_size:
+        model_parallel = self.tensor_parallel_size * self.context_parallel_size
+        if self.world_size % model_parallel:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} does not divide the world size {self.world_size} "
-                f"(devices={self.num_processes} x num_nodes={self.num_nodes}); use devices x num_nodes that is a "
-                f"multiple of {self.tensor_parallel_size}"
+                f"tensor_parallel_size={self.tensor_parallel_size} x context_parallel_size={self.context_parallel_size}"
+                f" does not divide the world size {self.world_size} (devices={self.num_processes} x num_nodes="
+                f"{self.num_nodes}); use devices x num_nodes that is a multiple of {model_parallel}"
             )
         super().setup_environment()
         self._device_mesh = init_device_mesh(
             self.root_device.type,
-            (self.data_parallel_size, self.tensor_parallel_size),
-            mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL),
+            (self.data_parallel_size, self.context_parallel_size, self.tensor_parallel_size),
+            mesh_dim_names=(DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL),
             backend_override=self._mesh_timeouts(),
         )
-        # DDP averages gradients over the data-parallel axis only; tensor-parallel ranks hold different shards.
-        self._ddp_kwargs["process_group"] = self.data_parallel_group
+        # DDP (or FSDP2) averages gradients over data x context parallel ranks, which hold the same parameters.
+        cp, dp_cp = self.context_parallel_size > 1, (DATA_PARALLEL, CONTEXT_PARALLEL)
+        self._replicas = self._device_mesh[dp_cp]._flatten(REPLICAS) if cp else self._device_mesh[DATA_PARALLEL]
+        self._ddp_kwargs["process_group"] = self._replicas.get_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -241,6 +269,11 @@ class TensorParallelStrategy(DDPStrategy):
             return decision[0]
         return self._rendezvous().rank_zero_decides(decide)
 
+    @property
+    def launch(self) -> rendezvous.Rendezvous:
+        """This launch's rendezvous: its store, shared by every rank (`tp_train.lightning.hang` beats through it)."""
+        return self._rendezvous()
+
     def _rendezvous(self) -> rendezvous.Rendezvous:
         if self._launch is None:
             self._launch = rendezvous.Rendezvous(self.cluster_environment, self._timeout or default_pg_timeout)
@@ -264,7 +297,7 @@ class TensorParallelStrategy(DDPStrategy):
             options._timeout = self._timeout
         else:
             options = C10dBackend.Options(backend, self._timeout)
-        return {name: (backend, options) for name in (DATA_PARALLEL, TENSOR_PARALLEL)}
+        return {name: (backend, options) for name in (DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL)}
 
     # --------------------------------------------------------------------------------------------------- model
 
@@ -289,7 +322,7 @@ class TensorParallelStrategy(DDPStrategy):
             self._fully_shard(self.lightning_module)
         self._tell_precision_plugin(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.data_parallel_size > 1 and self.data_parallel == "ddp":
+        if fitting and self.data_parallel_size * self.context_parallel_size > 1 and self.data_parallel == "ddp":
             self.configure_ddp()
         if fitting:
             self.setup_optimizers(trainer)
@@ -316,6 +349,8 @@ class TensorParallelStrategy(DDPStrategy):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)
             examples = example_inputs(self.lightning_module.trainer, root, targets, self.tensor_parallel_group)
+            separator = getattr(self.lightning_module.trainer.datamodule, "document_separator", None)  # document_mask
+            cp_group = self.context_parallel_group if self.context_parallel_size > 1 or separator is not None else None
             for name, module in targets:
                 parallelize(
                     module,
@@ -329,6 +364,8 @@ class TensorParallelStrategy(DDPStrategy):
                     sequence_parallel=self.sequence_parallel,
                     activation_checkpointing=self.activation_checkpointing,
                     example_input=examples.get(name),
+                    cp_group=cp_group,
+                    cp_options={"rotation": self.context_parallel_rotation, "document_separator": separator},
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
@@ -343,20 +380,13 @@ class TensorParallelStrategy(DDPStrategy):
         step methods gather the parameters as its forward would."""
         if isinstance(root, FSDPModule):
             return
-        for name, _, spec in named_sharded_parameters(root):
-            copies = max(spec.replicas(self.tensor_parallel_size))
-            if copies > 1:
-                raise ValueError(
-                    f"'{name}' holds kv heads replicated over {copies} tensor-parallel ranks, which "
-                    f"data_parallel='fsdp' does not support yet; use data_parallel='ddp', or tp at most the kv-head "
-                    "count"
-                )
+        refuse_replicated_shards(root, self.tensor_parallel_size)
         models = [module for _, module in modules_with_plans(root)] if self._plan is None else [root]
         fully_shard_data_parallel(
             root,
             models or [root],
-            self.device_mesh[DATA_PARALLEL],
-            mp_policy=_mixed_precision_policy(self.precision_plugin),
+            self._replicas,
+            mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
         )
 
@@ -412,6 +442,9 @@ class TensorParallelStrategy(DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
+        if not self.save_distributed_checkpoint:  # one file, the full state, from rank 0
+            consolidated.save(path, self.lightning_module, self.optimizers, self.device_mesh, extra=checkpoint)
+            return
         if self.async_checkpoint and self._checkpoint_writer is None:
             self._checkpoint_writer = AsyncCheckpointWriter()  # a collective: every rank saves together
         writer = self._checkpoint_writer if self.async_checkpoint else None
@@ -423,7 +456,8 @@ class TensorParallelStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         self.wait_for_checkpoints()
         path = Path(self.broadcast(str(checkpoint_path)))
-        return checkpoint_io.load(path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint)
+        load = consolidated.load if path.is_file() else checkpoint_io.load  # a file: save_distributed_checkpoint=False
+        return load(path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint)
 
     def wait_for_checkpoints(self) -> None:
         """Blocks until every checkpoint saved so far is written (with `async_checkpoint`, in the background)."""
@@ -448,9 +482,9 @@ class TensorParallelStrategy(DDPStrategy):
         if not self.is_global_zero:
             return
         if self._checkpoint_writer is None:
-            shutil.rmtree(filepath, ignore_errors=True)
+            on_disk.remove(Path(filepath))
         else:  # after the writes submitted before (it may be one of them)
-            self._checkpoint_writer.run_later(lambda: shutil.rmtree(filepath, ignore_errors=True))
+            self._checkpoint_writer.run_later(lambda: on_disk.remove(Path(filepath)))
 
     # -------------------------------------------------------------------------------------------- registration
 
@@ -462,12 +496,3 @@ class TensorParallelStrategy(DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"{cls.__name__} ({start_method})", start_method=start_method
                 )
-
-
-def _mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy:
-    """FSDP2 gathers parameters in the autocast dtype under mixed precision and reduces gradients in fp32; under
-    `-true` precisions the parameters already have their dtype."""
-    if isinstance(plugin, MixedPrecision):
-        dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
-        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()

@@ -100,6 +100,11 @@ class ChildRanks:
             if all(proc.returncode == 0 for proc in self.procs):
                 return
 
+    def stop(self) -> None:
+        """Kills the children (SIGKILL, which ends a stopped one too) without reporting them: the caller reported
+        why (the hang detector)."""
+        self._stop(None)
+
     def on_user_error(self) -> None:
         """The launcher's rank hit a user error every rank hits alike (it reports it in one line): end the children
         without reporting them."""

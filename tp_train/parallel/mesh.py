@@ -7,8 +7,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-# The 2-D mesh's axes: data parallelism across replicas, tensor parallelism within one.
+# The mesh's axes: data parallelism across replicas, context parallelism (each rank a share of every sequence) and
+# tensor parallelism within one; parameters are replicated over both data and context parallelism.
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
+CONTEXT_PARALLEL = "context_parallel"
+REPLICAS = "data_context_parallel"  # data x context parallel, flattened: the group gradients are averaged over
 # How the data-parallel axis holds a tensor-parallel shard: whole on every rank (DDP), or split over it (FSDP2).
 DATA_PARALLEL_MODES = ("ddp", "fsdp")
 

@@ -39,17 +39,6 @@ from tp_train.plan.styles import adapted_base
 COLUMN_STYLES = ("colwise", "packed_colwise", "fused_qkv_colwise")
 
 
-def adapted_model(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """(name, model) of the model a peft wrapper holds (`PeftModel.get_base_model()`, a tuner's `model`), whose
-    names the model's own plan is written in; None for anything else."""
-    if not type(module).__module__.startswith("peft."):
-        return None
-    inner = module.get_base_model() if hasattr(type(module), "get_base_model") else module._modules.get("model")
-    if not isinstance(inner, nn.Module) or inner is module:
-        return None
-    return next((name, child) for name, child in module.named_modules() if child is inner)
-
-
 def materialize_adapters(model: nn.Module, device: torch.device) -> None:
     """LoRA adapters peft built on the meta device (around a model built there, `empty_init`) get storage on `device`
     and peft's own initialisation (A as `nn.Linear`'s, B zero), so the adapted model starts as its base does; the

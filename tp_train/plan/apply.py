@@ -24,14 +24,13 @@ from torch.distributed import ProcessGroup
 from tp_train.parallel.collectives import all_reduce_gradient, copy_to_tensor_parallel_region
 from tp_train.parallel.layers import (
     ColumnParallelLinear,
-    ColumnParallelPointwiseConv,
     ModuleRegion,
     RowParallelLinear,
-    RowParallelPointwiseConv,
     SharedInputRegion,
     VocabParallelEmbedding,
 )
 from tp_train.parallel.norm import ParallelLayerNormRegion, ParallelRMSNormRegion, norm_epsilon, norm_groups
+from tp_train.parallel.pointwise_conv import ColumnParallelPointwiseConv, RowParallelPointwiseConv
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.reductions import FeatureReductionRegion
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
@@ -40,6 +39,7 @@ from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import SUM_OVER_RANKS, SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
+from tp_train.plan.meta_init import materialize
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
     FEEDS_PARALLEL_REGION,
@@ -155,34 +155,6 @@ def _share_ties(model: nn.Module, shared: dict) -> None:
                 _, spec, shard = shared[id(param)]
                 module._parameters[key] = shard
                 module.shard_specs = {**getattr(module, "shard_specs", {}), key: spec}
-
-
-def materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
-    """Gives `module`'s own meta-device tensors storage on `device` and initialises them: `init_weights(module)`
-    when given, else `module.reset_parameters()`."""
-    fresh = False
-    for tensors in (module._parameters, module._buffers):
-        for key, tensor in tensors.items():
-            if tensor is None or not tensor.is_meta:
-                continue
-            if id(tensor) not in materialized:
-                real = torch.empty_like(tensor, device=device)
-                if isinstance(tensor, nn.Parameter):
-                    real = nn.Parameter(real, requires_grad=tensor.requires_grad)
-                materialized[id(tensor)] = real
-                fresh = True
-            tensors[key] = materialized[id(tensor)]
-    if not fresh:
-        return
-    if init_weights is not None:
-        init_weights(module)
-        return
-    if not hasattr(module, "reset_parameters"):
-        raise ValueError(
-            f"module '{name}' ({type(module).__name__}) was built on the meta device but has no reset_parameters() "
-            f"to initialise it; define one, or build the model on a real device"
-        )
-    module.reset_parameters()
 
 
 def _calls_super_forward(cls: type) -> bool:

@@ -42,6 +42,17 @@ def covered_linears(model: nn.Module, plan: dict[str, str]) -> set[str]:
     }
 
 
+SMALL_WHOLE = 0.1  # a block Linear no plan entry shards may stay whole up to this fraction of its block's parameters
+
+
+def whole_beyond_small(model: nn.Module, name: str, plan: dict[str, str], sharded: set[int] | None = None) -> float:
+    """The fraction of module `name`'s repeated block that `plan` leaves whole when it is more than `SMALL_WHOLE`
+    (an MoE router beside experts the plan shards may stay whole), else 0: the one test of that threshold, for the
+    auto-planner's refusal and for completing a model's own plan."""
+    fraction = block_whole_fraction(model, name, plan, sharded)
+    return fraction if fraction > SMALL_WHOLE else 0.0
+
+
 def block_whole_fraction(model: nn.Module, name: str, plan: dict[str, str], sharded: set[int] | None = None) -> float:
     """The fraction of the parameters of the repeated block (`layers.3`) holding module `name` that `plan` leaves
     whole on every rank (`sharded`: `sharded_parameters(model, plan)`, when known)."""

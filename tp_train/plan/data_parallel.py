@@ -24,6 +24,18 @@ from tp_train.parallel.sharding import data_parallel_shard_dim, named_sharded_pa
 from tp_train.plan.gradient_hooks import keep_gradient_hooks
 
 
+def refuse_replicated_shards(root: nn.Module, tensor_parallel_size: int) -> None:
+    """FSDP2 cannot shard a parameter that several tensor-parallel ranks hold the same piece of (replicated kv
+    heads, tp > kv heads): one line naming it."""
+    for name, _, spec in named_sharded_parameters(root):
+        copies = max(spec.replicas(tensor_parallel_size))
+        if copies > 1:
+            raise ValueError(
+                f"'{name}' holds kv heads replicated over {copies} tensor-parallel ranks, which "
+                f"data_parallel='fsdp' does not support yet; use data_parallel='ddp', or tp at most the kv-head count"
+            )
+
+
 def fully_shard_data_parallel(
     root: nn.Module,
     models: Iterable[nn.Module],

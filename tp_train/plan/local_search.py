@@ -28,6 +28,7 @@ from tp_train.errors import first_line
 from tp_train.parallel.sharding import ShardSpec, join_shards, shard_tensor
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import local_channels
+from tp_train.plan.compare import first_tensor, relative_difference
 from tp_train.plan.local_view import (
     INPUT_WIDTH,
     LocalView,
@@ -39,7 +40,6 @@ from tp_train.plan.local_view import (
 from tp_train.plan.probe import forward_without_cache
 from tp_train.plan.probe_input import ProbeInput
 from tp_train.plan.styles import head_counts, linear_shape, parameter_shard_spec, split_style, style_shard_spec
-from tp_train.plan.verify import first_tensor, relative_difference
 
 MOST_CHANGES = 4  # largest set of changes tried at once
 MOST_CANDIDATES = 12  # candidates considered, most likely first

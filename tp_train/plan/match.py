@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from tp_train.parallel.norm import EPSILON_ATTRIBUTES, is_layer_norm, norm_epsilon, norm_groups
 from tp_train.parallel.sharding import check_divisible, check_sections, divisors
+from tp_train.plan.head_shapes import grouped_without_counts, observed_counts
 from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style
 from tp_train.plan.styles import (
     ALIASES,
@@ -38,11 +39,14 @@ from tp_train.plan.styles import (
 from tp_train.plan.ties import tie_completions
 
 
-def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedModule]:
+def match_plan(model: nn.Module, plan: dict[str, str], tp: int, example_input=None) -> list[PlannedModule]:
     """Every module the plan names, with its style (and the styles of entries naming its parameters), after checking
-    that the plan applies at this tp."""
+    that the plan applies at this tp. A column layer's head counts come from its attention module or the model's
+    config, or, for grouped-query attention they do not explain, from the attention's own reshape in a probe
+    forward on `example_input` (`tp_train.plan.head_shapes`)."""
     check_config_heads(model, tp)
     config = getattr(model, "config", None)
+    observed = _observed_counts(model, plan, example_input) if tp > 1 else {}
     planned: dict[str, PlannedModule] = {}
     parameter_entries = []
     for pattern, style in plan.items():
@@ -71,7 +75,7 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
             counts = None
             if style in LINEAR_STYLES - ROW_STYLES:
                 parent = name.rpartition(".")[0]
-                counts = head_counts(model.get_submodule(parent) if parent else None, config)
+                counts = observed.get(name) or head_counts(model.get_submodule(parent) if parent else None, config)
             _check_module(name, module, style, pattern, tp, counts, arguments)
             if style == "mla_kv_a_proj":
                 mla_rope_dim(config)
@@ -93,6 +97,21 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int) -> list[PlannedM
         planned[entry.name] = entry
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     return sorted(planned.values(), key=lambda entry: order[entry.name])
+
+
+def _observed_counts(model: nn.Module, plan: dict[str, str], example_input) -> dict[str, HeadCounts]:
+    """Head counts read off the reshapes of the plain `colwise` layers of attentions whose module and config do not
+    explain their narrower (kv) projections; {} where there are none (no probe forward is run)."""
+    columns = [
+        name
+        for pattern, style in plan.items()
+        if ALIASES.get(style, style) == "colwise"
+        for name, _ in model.named_modules()
+        if pattern_matches(pattern, name)
+    ]
+    parents = set(grouped_without_counts(model, columns))
+    inside = [name for name in columns if name.rpartition(".")[0] in parents]
+    return observed_counts(model, inside, example_input) if inside else {}
 
 
 def names_anything(model: nn.Module, pattern: str) -> bool:

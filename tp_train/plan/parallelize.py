@@ -16,16 +16,16 @@ from tp_train.parallel.layers import Configurable
 from tp_train.parallel.mesh import as_process_group
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.activation_checkpointing import checkpoint_blocks
-from tp_train.plan.adapters import adapted_model
 from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.caches import caches_kept
+from tp_train.plan.context_parallel import enable_context_parallel
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
 from tp_train.plan.region_check import RegionCheck
 from tp_train.plan.resolve import SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
-from tp_train.plan.styles import PlannedModule, linear_shape
+from tp_train.plan.styles import PlannedModule, adapted_model, linear_shape
 from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
@@ -53,6 +53,8 @@ def parallelize(
     compile: bool = False,
     overlap: bool | None = None,
     example_input=None,
+    cp_group: ProcessGroup | None = None,
+    cp_options: dict | None = None,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -105,12 +107,17 @@ def parallelize(
             arguments), the same on every rank; a batch or two of real inputs is plenty. Default: a Hugging Face
             model's config-shaped batch (its `main_input_name`; pixel values, audio features, decoder token ids as
             its config says), else random token ids (`tp_train.plan.probe_input`).
+        cp_group: a context-parallel group: each of its ranks then runs the model on its share of every sequence
+            and attention spans the group (`tp_train.plan.context_parallel`, after tensor-parallel sharding and its
+            verification). `cp_options`: `enable_context_parallel`'s keyword arguments (rotation,
+            document_separator).
     """
     wrapped = adapted_model(model)
     if wrapped is not None:  # a peft wrapper: its model is planned in the names its own plan uses
         settings = dict(plan=plan, loss_parallel=loss_parallel, device=device, verify=verify, weights=weights,
                         sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
-                        compile=compile, overlap=overlap, example_input=example_input)  # fmt: skip
+                        compile=compile, overlap=overlap, example_input=example_input, cp_group=cp_group,
+                        cp_options=cp_options)  # fmt: skip
         parallelize(wrapped[1], tp_group, **settings)
         return model
     group = as_process_group(tp_group)
@@ -119,7 +126,7 @@ def parallelize(
         print(format_plan(resolved, source), flush=True)
     elif SKIPPED in source and dist.get_rank() == 0:
         print(f"tensor-parallel plan: {source}", flush=True)
-    planned = match_plan(model, resolved, dist.get_world_size(group))
+    planned = match_plan(model, resolved, dist.get_world_size(group), example_input)
     vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
     whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
     skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
@@ -161,6 +168,8 @@ def parallelize(
     model.tp_comm_counter = _count_communication(model, counter)
     _configure_overlap(model, dist.get_backend(group) == "nccl" if overlap is None else overlap)
     counter.reset()  # verification's traffic is not training's
+    if cp_group is not None:
+        enable_context_parallel(model, cp_group, **(cp_options or {}))
     if compile:
         model.compile()
     return model

@@ -16,8 +16,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tp_train.errors import first_line
-from tp_train.plan.apply import materialize
 from tp_train.plan.caches import caches_kept
+from tp_train.plan.meta_init import materialize
 from tp_train.plan.probe_input import EXAMPLE_INPUT_HINT, ProbeInput, forward_argument
 from tp_train.plan.styles import pointwise_conv_shape
 

@@ -32,10 +32,11 @@ from torch.distributed import ProcessGroup
 
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
+from tp_train.plan.compare import first_tensor, relative_difference
 from tp_train.plan.probe import eval_mode, forward_without_cache
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
 from tp_train.plan.styles import FEATURE_REDUCTION_STYLE, NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
-from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, first_tensor, raise_first, relative_difference
+from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, raise_first
 
 # Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
 # compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design), and

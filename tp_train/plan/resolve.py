@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.plan.adapters import adapted_model
-from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, SMALL_WHOLE, InferredPlan, infer_plan
-from tp_train.plan.coverage import block_whole_fraction, covered_linears, in_repeated_block, sharded_parameters
+from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
+from tp_train.plan.coverage import (
+    covered_linears,
+    in_repeated_block,
+    sharded_parameters,
+    whole_beyond_small,
+)
 from tp_train.plan.match import check_config_heads, names_anything
 from tp_train.plan.presets import check_shardable, override_plan, plan_additions, preset_plan
-from tp_train.plan.styles import ALIASES, LINEAR_STYLES, linear_shape, pattern_matches, split_style
+from tp_train.plan.styles import ALIASES, LINEAR_STYLES, adapted_model, linear_shape, pattern_matches, split_style
 
 # How the source of a plan lists the entries it skipped (printed by `tp_train.parallelize` on rank 0).
 SKIPPED = "skipped, as this config builds nothing they name:"
@@ -98,7 +102,7 @@ def _leaves_linears_whole(model: nn.Module, plan: dict[str, str]) -> bool:
     """Whether a block Linear `plan` names nothing about leaves more than `SMALL_WHOLE` of its block whole."""
     covered, sharded = covered_linears(model, plan), sharded_parameters(model, plan)
     return any(
-        block_whole_fraction(model, name, plan, sharded) > SMALL_WHOLE
+        whole_beyond_small(model, name, plan, sharded)
         for name, module in model.named_modules()
         if linear_shape(module) is not None and in_repeated_block(name) and name not in covered
     )

@@ -184,6 +184,17 @@ def pattern_matches(pattern: str, name: str) -> bool:
     return len(parts) == len(names) and all(p == "*" or p == n for p, n in zip(parts, names, strict=True))
 
 
+def adapted_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, model) of the model a peft wrapper holds (`PeftModel.get_base_model()`, a tuner's `model`), whose
+    names the model's own plan is written in; None for anything else."""
+    if not type(module).__module__.startswith("peft."):
+        return None
+    inner = module.get_base_model() if hasattr(type(module), "get_base_model") else module._modules.get("model")
+    if not isinstance(inner, nn.Module) or inner is module:
+        return None
+    return next((name, child) for name, child in module.named_modules() if child is inner)
+
+
 def adapted_base(module: nn.Module) -> nn.Module | None:
     """The layer a peft adapter layer wraps (LoRA's `base_layer`, beside its `lora_A` and `lora_B`), else None: a
     plan entry naming the adapter layer shards it as its base layer, adapters included (`tp_train.plan.adapters`)."""
@@ -205,7 +216,7 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
 def pointwise_conv_shape(module: nn.Module) -> tuple[int, int] | None:
     """(in_channels, out_channels) of a 1x1 nn.Conv2d that is a matmul over the channels at dim 1 of an (N, C, H, W)
     input (stride 1, no padding or dilation, one group: SwiftFormer's and PoolFormer's MLPs), else None. A plan may
-    give it `colwise` or `rowwise` (`tp_train.parallel.layers.ColumnParallelPointwiseConv`), and the auto-planner
+    give it `colwise` or `rowwise` (`tp_train.parallel.pointwise_conv.ColumnParallelPointwiseConv`), and the auto-planner
     pairs such convs as it pairs Linears, reading their channels last (`tp_train.plan.probe.channels_last`)."""
     if not isinstance(module, nn.Conv2d) or type(module).forward is not nn.Conv2d.forward:
         return None

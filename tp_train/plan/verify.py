@@ -47,6 +47,7 @@ from tp_train.parallel.sharding import (
     split_among_replicas,
     unshard_tensor,
 )
+from tp_train.plan.compare import first_tensor, relative_difference
 from tp_train.plan.probe import eval_mode, forward_without_cache, running_modules
 from tp_train.plan.probe_input import PROBE_TOKENS, ProbeInput, probe_input
 from tp_train.plan.styles import adapted_base
@@ -341,16 +342,6 @@ def _compare_gradients(model, reference, group, tolerance) -> tuple[float, Probl
     )
 
 
-def first_tensor(output) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    return next((value for value in values if isinstance(value, torch.Tensor)), None)
-
-
 class _ForwardFailure(Exception):
     """A forward that raised, and the innermost module whose forward was running when it did."""
 
@@ -407,13 +398,6 @@ def _gradient_errors(gradients: dict[str, torch.Tensor], reference: dict[str, nn
             scale = max(ref_grads[name].abs().max().item(), 1e-3 * largest, 1e-30)
             errors[name] = (grad - ref_grads[name]).abs().max().item() / scale
     return errors
-
-
-def relative_difference(tensor: torch.Tensor, reference: torch.Tensor) -> float:
-    if tensor.shape != reference.shape:
-        return 0.0  # a sharded module's local output: not comparable, and not the first difference
-    scale = max(reference.abs().max().item(), 1e-30)
-    return (tensor.float() - reference.float()).abs().max().item() / scale
 
 
 def _entries_near(name: str | None, planned: Sequence) -> str:

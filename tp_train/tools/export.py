@@ -28,6 +28,7 @@ from tp_train.checkpoint.dcp import (
     ADAPTER_CONFIG_KEY,
     BASE_WEIGHTS_KEY,
     HUGGING_FACE_CONFIG_KEY,
+    LAYOUT_KEY,
     META_FILE,
 )
 from tp_train.checkpoint.safe_load import SafeFileSystemReader, read_extra
@@ -93,6 +94,34 @@ def export_hugging_face(
     if tokenizer is not None:  # so that AutoTokenizer.from_pretrained(out_dir) works too
         load_tokenizer(tokenizer).save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def export_lightning(checkpoint: str | Path, out_file: str | Path, trust_checkpoint: bool = False) -> Path:
+    """Writes the sharded checkpoint directory `checkpoint` as one Lightning checkpoint file at `out_file` (what
+    `save_distributed_checkpoint=False` writes, without the optimizer state): `MyModule.load_from_checkpoint(out_file)`
+    then reads it in a plain process. Read in one process, no ranks needed; the LightningModule's own state names
+    and layouts come from the layout record every checkpoint since this command holds."""
+    checkpoint = Path(checkpoint)
+    stored = _stored_tensors(checkpoint, trust_checkpoint)
+    extra = read_extra(checkpoint / META_FILE, trust_checkpoint) if (checkpoint / META_FILE).exists() else {}
+    layout = extra.pop(LAYOUT_KEY, None)
+    if layout is None:
+        raise ValueError(
+            f"checkpoint {checkpoint} records no layout of its sharded tensors (saved by an older tp_train); resume "
+            f"it once with save_distributed_checkpoint=false (trainer.strategy.save_distributed_checkpoint=false) to "
+            f"write a file"
+        )
+    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in stored.items()}
+    dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint, trust_checkpoint), no_dist=True)
+    dims = {name: dim for name, (dim, _) in layout.items()}
+    state = _assemble(tensors, "model.", dims)
+    for name, (_, transposed) in layout.items():
+        if transposed and name in state:
+            state[name] = state[name].t().contiguous()
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({**extra, "state_dict": state}, out_file)
+    return out_file
 
 
 def _load_state(checkpoint: Path, stored: dict, names: list[str], trust_checkpoint: bool) -> dict[str, torch.Tensor]:
@@ -174,8 +203,11 @@ def _prefix(stored: dict, names: list[str], checkpoint: Path) -> str:
     )
 
 
-def _assemble(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """{model state name: full tensor}, the sections of a packed tensor concatenated along the output dim."""
+def _assemble(
+    tensors: dict[str, torch.Tensor], prefix: str, dims: dict[str, int] | None = None
+) -> dict[str, torch.Tensor]:
+    """{model state name: full tensor}, the sections of a packed tensor concatenated along their dim (`dims`, by
+    name; the output dim, 0, by default)."""
     sections: dict[str, list[tuple[int, torch.Tensor]]] = {}
     state = {}
     for key, tensor in tensors.items():
@@ -186,7 +218,8 @@ def _assemble(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.
         else:
             state[name] = tensor
     for name, pieces in sections.items():
-        state[name] = torch.cat([tensor for _, tensor in sorted(pieces, key=lambda piece: piece[0])], dim=0)
+        ordered = [tensor for _, tensor in sorted(pieces, key=lambda piece: piece[0])]
+        state[name] = torch.cat(ordered, dim=(dims or {}).get(name, 0))
     return state
 
 
@@ -203,7 +236,11 @@ def _transposed_weights(model: nn.Module, plan: dict[str, str] | None) -> list[s
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tp-train-export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint directory (e.g. outputs/<run>/checkpoints/last.ckpt)")
-    parser.add_argument("out_dir", help="the save_pretrained directory to write")
+    parser.add_argument("out_dir", help="the save_pretrained directory to write (with --lightning: the file)")
+    parser.add_argument(
+        "--lightning", action="store_true",
+        help="write one Lightning checkpoint file instead, which MyModule.load_from_checkpoint reads in one process",
+    )  # fmt: skip
     parser.add_argument("--config", help="a directory with the model's config.json (default: from the checkpoint)")
     parser.add_argument(
         "--adapters-only", action="store_true",
@@ -215,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     args = parser.parse_args(argv)
     try:
+        if args.lightning:
+            print(f"exported to {export_lightning(args.checkpoint, args.out_dir, args.trust_checkpoint)}")
+            return
         out = export_hugging_face(
             args.checkpoint, args.out_dir, config=args.config, trust_checkpoint=args.trust_checkpoint,
             adapters_only=args.adapters_only,

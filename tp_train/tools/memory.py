@@ -35,11 +35,11 @@ import torch.nn as nn
 
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
-from tp_train.plan.adapters import adapted_model, adapter_specs
+from tp_train.plan.adapters import adapter_specs
 from tp_train.plan.layout import block_layout
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
-from tp_train.plan.styles import PlannedModule, adapted_base, parameter_shard_spec, style_shard_spec
+from tp_train.plan.styles import PlannedModule, adapted_base, adapted_model, parameter_shard_spec, style_shard_spec
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
@@ -212,8 +212,9 @@ def estimate_memory(
     plan: dict[str, str] | None = None,
     data_parallel: str = "ddp",
     loss_parallel: bool = False,
+    cp: int = 1,
 ) -> MemoryEstimate:
-    """Per-rank memory of training `model` with AdamW at `tp` x `dp` (see the module docstring).
+    """Per-rank memory of training `model` with AdamW at `tp` x `dp` x `cp` (see the module docstring).
 
     Args:
         model: the unsharded model; built on the meta device is enough.
@@ -223,22 +224,25 @@ def estimate_memory(
         data_parallel: "ddp" or "fsdp", as `TensorParallelStrategy(data_parallel=...)`.
         loss_parallel: the LM head's logits stay sharded along the vocabulary (`TensorParallelStrategy`'s
             `loss_parallel`).
+        cp: context-parallel size: each rank holds seq_len / cp tokens of every sequence (its activations), and
+            parameters are replicated over dp x cp (FSDP2 shards them over dp x cp, DDP reduces over it).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
     param_bytes, activation_bytes = PRECISION_BYTES[precision]
     model = _planned_model(model)
-    parameters = parameters_per_rank(model, tp, plan, dp, data_parallel) * param_bytes
-    trained = parameters_per_rank(model, tp, plan, dp, data_parallel, trainable=True) * param_bytes
-    activations = activation_elements(
-        model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing, loss_parallel
+    replicas = dp * cp  # ranks holding the same parameters
+    parameters = parameters_per_rank(model, tp, plan, replicas, data_parallel) * param_bytes
+    trained = parameters_per_rank(model, tp, plan, replicas, data_parallel, trainable=True) * param_bytes
+    activations = activation_elements(  # ring attention keeps no score matrix: activations follow the local tokens
+        model, micro_batch_size, -(-seq_len // cp), tp, sequence_parallel, activation_checkpointing, loss_parallel
     )
     fsdp = data_parallel == "fsdp"
     return MemoryEstimate(
         parameters=parameters,
         gradients=trained,
         optimizer_states=ADAMW_STATES * trained,
-        gradient_buckets=trained if dp > 1 and not fsdp else 0,
+        gradient_buckets=trained if replicas > 1 and not fsdp else 0,
         activations=activations * activation_bytes,
         gathered_parameters=_gathered_elements(model, tp, plan) * activation_bytes if fsdp else 0,
     )

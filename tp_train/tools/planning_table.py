@@ -1,5 +1,7 @@
 """`python -m tp_train.tools.planning_table`: docs/cluster.md's planning table, predicted per-GPU memory of training
-Llama-2 7B, 13B and 70B shapes with AdamW at tp=8 x dp in {1, 8, 64}, DDP against FSDP2, by `estimate_memory`.
+Llama-2 7B, 13B and 70B shapes with AdamW at tp=8 x dp in {1, 8, 64}, DDP against FSDP2, by `estimate_memory`;
+`--cp` sets the context-parallel size, and the last column is the longest sequence that fits one GPU at cp 1, 2, 4
+and 8 (each rank holding 1/cp of its tokens).
 
 The models are Hugging Face's `LlamaForCausalLM` built from Llama-2's published shapes on the meta device (nothing
 is downloaded or allocated) and planned by their own `base_model_tp_plan`, as `train.py model=hf` would.
@@ -38,31 +40,49 @@ def llama(name: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def table(tp: int, dps: list[int], seq_len: int, micro_batch: int, precision: str, gpu_gib: float) -> str:
+CONTEXT_PARALLEL_SIZES = (1, 2, 4, 8)
+
+
+def longest_sequence(estimate, gpu_gib: float, cp: int, step: int = 1024) -> int:
+    """The longest sequence (a multiple of `step`) that fits `gpu_gib` at `cp`: the model states do not depend on
+    the sequence and the activations grow with each rank's tokens (seq / cp), so one estimate gives it."""
+    probe = 8 * step * cp
+    at = estimate(probe, cp)
+    fixed = at.parameters + at.optimizer_states + at.gradient_buckets + at.gathered_parameters
+    room = gpu_gib * GIB - fixed
+    if room < at.gradients:
+        return 0
+    per_local_token = at.activations / (probe // cp)
+    return int(room / per_local_token) * cp // step * step
+
+
+def table(tp: int, dps: list[int], seq_len: int, micro_batch: int, precision: str, gpu_gib: float, cp: int = 1) -> str:
     lines = [
-        "| model | dp | mode | params | grads | AdamW | buckets / gathered | activations | peak | fits |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|---|",
+        "| model | dp | mode | params | grads | AdamW | buckets / gathered | activations | peak | fits "
+        "| longest sequence that fits, cp=1/2/4/8 |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for name in LLAMA_2:
         model = llama(name)
         for dp in dps:
             for mode in ("ddp", "fsdp"):
-                estimate = estimate_memory(  # the app's default loss: vocabulary-parallel, logits never gathered
-                    model,
-                    micro_batch,
-                    seq_len,
-                    tp=tp,
-                    dp=dp,
-                    precision=precision,
-                    data_parallel=mode,
-                    loss_parallel=True,
+
+                def estimate_at(length, context, model=model, dp=dp, mode=mode):
+                    return estimate_memory(  # the app's default loss: vocabulary-parallel, logits never gathered
+                        model, micro_batch, length, tp=tp, dp=dp, cp=context, precision=precision,
+                        data_parallel=mode, loss_parallel=True,
+                    )  # fmt: skip
+
+                estimate = estimate_at(seq_len, cp)
+                longest = " / ".join(
+                    f"{longest_sequence(estimate_at, gpu_gib, size) // 1024}k" for size in CONTEXT_PARALLEL_SIZES
                 )
                 cells = [estimate.parameters, estimate.gradients, estimate.optimizer_states]
                 cells += [estimate.gradient_buckets + estimate.gathered_parameters, estimate.activations]
                 cells.append(estimate.total)
                 fits = "yes" if estimate.total <= gpu_gib * GIB else "no"
                 numbers = " | ".join(f"{value / GIB:.1f}" for value in cells)
-                lines.append(f"| {name} | {dp} | {mode} | {numbers} | {fits} |")
+                lines.append(f"| {name} | {dp} | {mode} | {numbers} | {fits} | {longest} |")
     return "\n".join(lines)
 
 
@@ -74,10 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, GiB")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size of the memory columns")
     args = parser.parse_args(argv)
     dps = [int(dp) for dp in args.dp.split(",")]
-    print(f"GiB per GPU: tp={args.tp}, {args.precision}, micro-batch {args.micro_batch} x {args.seq_len} tokens")
-    print(table(args.tp, dps, args.seq_len, args.micro_batch, args.precision, args.gpu_gib))
+    print(
+        f"GiB per GPU: tp={args.tp}, cp={args.cp}, {args.precision}, micro-batch {args.micro_batch} x {args.seq_len} "
+        f"tokens"
+    )
+    print(table(args.tp, dps, args.seq_len, args.micro_batch, args.precision, args.gpu_gib, args.cp))
 
 
 if __name__ == "__main__":

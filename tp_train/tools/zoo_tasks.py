@@ -249,7 +249,7 @@ def batches(task: str, model, steps: int) -> list[tuple]:
 
 def output_tensor(output):
     """The tensor a task's loss reads: the logits, else the first tensor (a tower's hidden states)."""
-    from tp_train.plan.verify import first_tensor
+    from tp_train.plan.compare import first_tensor
 
     return first_tensor(output)
 

@@ -46,7 +46,6 @@ def machine() -> dict:
     return {
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "load_average_at_start": os.getloadavg(),
@@ -60,6 +59,8 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
     sizes = [SIZES[name] for name in args.sizes.split(",")]
     results = benchmark(rank, sizes, args.tp, args.repeats, args.seconds, device, args.profile, args.compiled)
     if rank == 0:
+        # Named in a rank: CUDA initialised in the launching process would not survive start_ranks' fork.
+        info["cuda"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         info = {**info, "load_average_at_end": os.getloadavg(), "seconds": time.perf_counter() - start}
         checks = targets(results)
         report = {"machine": info, "results": results, "targets": checks}

@@ -10,7 +10,8 @@
   under torch's own `loss_parallel()`.
 
 `compiled` contenders are the same models under `torch.compile` (torch's default inductor backend): ours through
-`parallelize(compile=True)`, native's through `nn.Module.compile` after `parallelize_module`.
+`parallelize(compile=True)`, native's through `nn.Module.compile` after `parallelize_module`, plain's
+through `nn.Module.compile`.
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
         if contender.compiled:
             model.compile()
         return TrainingStep(model, batch, _full_loss, context=loss_parallel)
+    if contender.compiled:
+        model.compile()
     return TrainingStep(model, batch)
 
 

@@ -1,0 +1,120 @@
+"""Head counts read off an attention's own reshape, for grouped-query attention whose counts no config states.
+
+A column layer's output `(..., heads x head_dim)` is split into heads by the attention's forward: a `view`,
+`reshape` or `unflatten` to `(..., heads, head_dim)` (Llama's `k_proj(x).view(*shape, -1, head_dim)`, einops'
+`b t (h d) -> ...`). Watching one probe forward for that split gives each column layer's `(heads, head_dim)` as the
+code uses them, wherever the counts live: a sub-config (a speech model's `text_config`), a hard-coded constant, or
+nowhere (`view(B, T, -1, self.head_dim)`). Among an attention's column layers of one head width, the widest counts
+the query heads and a narrower one its kv heads; `observed_counts` returns those `HeadCounts`, which make a k_proj or
+v_proj one section of `kv_heads` units (`tp_train.plan.styles.column_layout`), replicated when tp exceeds them, as
+a config's `num_key_value_heads` does. The model's config is the cross-check: where its counts already give the
+narrow layers' widths, nothing is run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from tp_train.plan.probe import eval_mode, forward_without_cache, probe_copy
+from tp_train.plan.probe_input import probe_input
+from tp_train.plan.styles import HeadCounts, head_counts, linear_shape
+
+SPLITS = (torch.Tensor.reshape, torch.Tensor.view, torch.reshape, torch.Tensor.unflatten, torch.unflatten)
+
+
+def grouped_without_counts(model: nn.Module, columns: list[str]) -> list[str]:
+    """The parents (attention modules) of plain column layers `columns` that hold layers of unequal widths (query
+    and narrower kv projections) whose head counts, read from the module or the model's config, do not explain the
+    narrower ones (no kv head count, or one that gives other widths)."""
+    config = getattr(model, "config", None)
+    widths: dict[str, dict[str, int]] = {}
+    for name in columns:
+        shape = linear_shape(model.get_submodule(name))
+        if shape is not None:
+            widths.setdefault(name.rpartition(".")[0], {})[name] = shape[1]
+    found = []
+    for parent, layers in widths.items():
+        if len(set(layers.values())) < 2:
+            continue
+        counts = head_counts(model.get_submodule(parent) if parent else model, config)
+        narrow = min(layers.values())
+        explained = counts.kv_heads and counts.head_dim and counts.kv_heads * counts.head_dim == narrow
+        if not explained:
+            found.append(parent)
+    return found
+
+
+def observed_counts(model: nn.Module, columns: list[str], example_input=None) -> dict[str, HeadCounts]:
+    """The head counts of each of `columns` (plain column layers) whose attention splits their outputs into heads
+    of one width with fewer kv heads than query heads, as one probe forward shows them; {} where the probe does not
+    run (the planner then reads counts as before, and verification checks the result)."""
+    on_meta = any(param.is_meta for param in model.parameters())  # shapes alone: no materialised copy of a big model
+    try:
+        with (
+            contextlib.nullcontext(model) if on_meta else probe_copy(model) as probe,
+            eval_mode(probe),
+            torch.no_grad(),
+        ):
+            inputs = probe_input(probe, example_input)
+            splits = _head_splits(probe, columns, inputs)
+    except Exception:  # noqa: BLE001 - no observation: the counts stay as the module and config state them
+        return {}
+    by_parent: dict[str, dict[str, tuple[int, int]]] = {}
+    for name, split in splits.items():
+        by_parent.setdefault(name.rpartition(".")[0], {})[name] = split
+    counts = {}
+    for layers in by_parent.values():
+        for head_dim in {dim for _, dim in layers.values()}:
+            same = {name: heads for name, (heads, dim) in layers.items() if dim == head_dim}
+            most, fewest = max(same.values()), min(same.values())
+            if fewest < most:
+                counts.update(dict.fromkeys(same, HeadCounts(most, fewest, head_dim)))
+    return counts
+
+
+class _Splits(TorchFunctionMode):
+    """Records, per watched tensor, the first reshape that splits its last dim into (heads, head_dim); results of
+    same-shaped operations on a watched tensor (a bias add, `.contiguous()`) are watched too."""
+
+    def __init__(self):
+        super().__init__()
+        self.watched: dict[int, tuple[str, torch.Tensor]] = {}  # id -> (layer, tensor kept alive)
+        self.found: dict[str, tuple[int, int]] = {}
+
+    def watch(self, name: str, tensor) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.dim():
+            self.watched[id(tensor)] = (name, tensor)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        entry = self.watched.get(id(source)) if source is not None else None
+        if entry is None or entry[1] is not source or not isinstance(result, torch.Tensor):
+            return result
+        name, width = entry[0], source.shape[-1]
+        if func in SPLITS and result.dim() > source.dim() and result.numel() == source.numel():
+            heads, head_dim = result.shape[-2], result.shape[-1]
+            if heads * head_dim == width and head_dim != width and name not in self.found:
+                self.found[name] = (heads, head_dim)
+        elif result.shape == source.shape:
+            self.watch(name, result)
+        return result
+
+
+def _head_splits(model: nn.Module, columns: list[str], inputs) -> dict[str, tuple[int, int]]:
+    mode = _Splits()
+    handles = [
+        model.get_submodule(name).register_forward_hook(lambda _, __, output, name=name: mode.watch(name, output))
+        for name in columns
+    ]
+    try:
+        with mode:
+            forward_without_cache(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return mode.found

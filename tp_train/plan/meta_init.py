@@ -1,0 +1,35 @@
+"""Giving a module built on the meta device real storage and initial weights: shared by applying a plan (each
+rank's shards) and by the planner's probe (a CPU copy to run a probe batch through)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
+    """Gives `module`'s own meta-device tensors storage on `device` and initialises them: `init_weights(module)`
+    when given, else `module.reset_parameters()`."""
+    fresh = False
+    for tensors in (module._parameters, module._buffers):
+        for key, tensor in tensors.items():
+            if tensor is None or not tensor.is_meta:
+                continue
+            if id(tensor) not in materialized:
+                real = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, nn.Parameter):
+                    real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+                materialized[id(tensor)] = real
+                fresh = True
+            tensors[key] = materialized[id(tensor)]
+    if not fresh:
+        return
+    if init_weights is not None:
+        init_weights(module)
+        return
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(
+            f"module '{name}' ({type(module).__name__}) was built on the meta device but has no reset_parameters() "
+            f"to initialise it; define one, or build the model on a real device"
+        )
+    module.reset_parameters()

@@ -1,0 +1,325 @@
+"""The auto-planner's structure rules: what it does with a pair's parameters and leftovers that a plain column/row
+split does not cover, each found in a family and kept as a named method with its docstring naming that family
+(DeBERTa's per-channel biases, Swin's and LeViT's per-head tables, VideoPrism's pooling query, MiniMax's norm beside
+head counts, Inkling 2's short-convolution taps, CodeGen's grouped layout, SwiftFormer's unsplit attention,
+Switch's uncalled experts, Swin's patch merging, Perceiver's embedding read directly). Mixed into
+`tp_train.plan.autoplan`'s planner."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tp_train.plan.coverage import in_repeated_block
+from tp_train.plan.pairs import (
+    TABLE_STYLE,
+    WHOLE_SUMMED,
+    Pair,
+    block_of,
+    conv_per_head,
+    enclosing_module,
+    last_dim,
+    numbered_away,
+    per_head,
+)
+from tp_train.plan.probe import foreign_readers
+from tp_train.plan.styles import (
+    FEATURE_REDUCTION_STYLE,
+    HEAD_ATTRIBUTES,
+    KV_HEAD_ATTRIBUTES,
+    NORM_STYLES,
+    WIDTH_ATTRIBUTES,
+    column_layout,
+    head_counts,
+    matrix_shape,
+    split_style,
+)
+
+
+class StructureRules:
+    """Rules for structures beside the column/row pairs (see the module docstring)."""
+
+    def _unsplit_attention(self, name: str, styles: dict[str, str]) -> str | None:
+        """The attention module enclosing Linear `name`'s would-be pair that no split made local, when that pair mixes
+        tokens (SwiftFormer's additive attention: its query normalised over the features, then summed over the
+        tokens) and nothing inside it is planned: it is kept whole on every rank, as an attention no local view makes
+        right is, and the rest of the model is still sharded. Else None (an MLP no split fits is refused)."""
+        pair = self.unsplit.get(name)
+        if pair is None or not pair.columns:
+            return None
+        enclosing = enclosing_module(pair)
+        planned = any(other.startswith(enclosing + ".") for other in styles)
+        return enclosing if enclosing and not planned and self._mixes_tokens(pair) else None
+
+    def _uncalled_siblings(self, styles: dict[str, str]) -> dict[str, str]:
+        """Styles for the Linears the probe never ran that have a sibling it did, one name part apart by its number
+        (the experts routing sent no probe token to: Switch Transformers' `experts.expert_6.wi`, as `expert_0.wi`):
+        a layer of the same kind, split alike."""
+        planned = {name: style for name, style in styles.items() if style in ("colwise", "rowwise")}
+        found = {}
+        for name, module in self.modules.items():
+            if name in self.calls or matrix_shape(module) is None or not in_repeated_block(name):
+                continue
+            key = numbered_away(name)
+            style = next((style for other, style in planned.items() if numbered_away(other) == key), None)
+            if style is not None and key != name:
+                found[name] = style
+        return found
+
+    def _stands_alone(self, name: str, styles: dict[str, str]) -> bool:
+        """Whether `name` is a projection on its own: the Linears of its own block that read its output take it
+        whole, as column layers the plan splits or as projections that also read a row layer's (all-reduced)
+        output (Swin's patch merging feeds the next stage; MobileBERT's bottlenecks feed query and key, the MLP and
+        the block's output bottleneck through the residual; a fused qkv whose heads no split finds feeds only its
+        block's output projection: refused), and its input is whole on every rank in the sharded model (traced, the
+        same shape at every call, computed from no layer the plan splits by columns, not inside an attention running
+        on local heads)."""
+        call = self.calls[name]
+        if name in self.untraced or len(call.shapes) > 1 or call.input is None:
+            return False
+        split = {other for other, style in styles.items() if style.startswith(("colwise", "packed_", "fused_"))}
+        rows = {other for other, style in styles.items() if style.startswith("rowwise")}
+        if any(reader not in split and not self.producers[reader][0] & rows for reader in self._readers_in_block(name)):
+            return False
+        local = [other for other, style in styles.items() if style.startswith("attention")]
+        inside = any(name.startswith(attention + ".") for attention in local)
+        return not inside and not self.producers[name][0] & split
+
+    def _readers_in_block(self, name: str) -> list[str]:
+        """The Linears of `name`'s repeated block whose input is computed from its output."""
+        block = block_of(name)
+        return [other for other in self.linears if name in self.producers[other][0] and block_of(other) == block]
+
+    def _own_channels(self, pair: Pair) -> None:
+        """Per-channel biases held by the attention module or a module inside it (DeBERTa's q_bias and v_bias, added
+        to each head's queries and values) keep the attention's style: they become entries of their own (`pair.own`,
+        full parameter names), split with the channels. Only when they are all the pair has between its layers: a
+        mixer's convolution, decays and state sizes (Mamba's) stay `channelwise`."""
+        enclosing = enclosing_module(pair)
+        inside = all(owner == enclosing or owner.startswith(enclosing + ".") for owner in pair.channels)
+        if not pair.attention or not pair.channels or not inside:
+            return
+        used = {id(param) for param in self.producers[pair.row][1]}
+        own, styles = {}, {}
+        for owner, style in pair.channels.items():
+            module, arguments = self.modules[owner], split_style(style)[1]
+            params = [(name, param) for name, param in module.named_parameters(recurse=False) if id(param) in used]
+            width = params[0][1].shape[0] if params and params[0][1].dim() else None
+            # its running statistics too (a BatchNorm's running_mean and running_var), split as its parameters are
+            buffers = [(name, buffer) for name, buffer in module.named_buffers(recurse=False) if buffer.dim()]
+            for name, tensor in params + buffers:
+                if tensor.dim() and tensor.shape[0] == width and tensor.is_floating_point():
+                    own[f"{owner}.{name}"] = tensor
+                    styles[f"{owner}.{name}"] = f"colwise({arguments})" if arguments else "colwise"
+        if all(split_style(style)[0] == "channelwise" for style in pair.channels.values()) and all(
+            p.dim() == 1 for p in own.values()
+        ):
+            pair.channels, pair.own = {}, styles
+
+    def _per_head_tables(self, pair: Pair) -> None:
+        """2-D parameters inside the attention whose last dim holds one column per head (Swin's and BEiT's
+        relative_position_bias_table, indexed into a (heads, tokens, tokens) bias), or whose first holds one row per
+        head (LeViT's attention_biases): split with the heads along that dim, as T5's embedding table is, instead of
+        kept whole with summed gradients."""
+        enclosing = enclosing_module(pair)
+        if not pair.attention or not enclosing:
+            return
+        # the head count the attention (or a module inside it: Swin's self-attention) keeps
+        counts = (
+            getattr(module, name, None) for module in self.modules[enclosing].modules() for name in HEAD_ATTRIBUTES
+        )
+        heads = next((count for count in counts if isinstance(count, int)), None)
+        used = {id(param) for param in self.producers[pair.row][1]}
+        for owner in sorted(pair.between):
+            if heads is None or heads % self.shares or owner != enclosing and not owner.startswith(enclosing + "."):
+                continue
+            # (entries, heads): Swin's table, split along its last dim (`rowwise`); (heads, entries): LeViT's
+            # attention_biases, indexed into a (heads, tokens, tokens) bias, along its first (`colwise`); whichever
+            # the probe finds local (both of `heads` entries: LeViT's stage of 4 offsets and 4 heads)
+            tables = {
+                f"{owner}.{name}": style
+                for name, param in self.modules[owner].named_parameters(recurse=False)
+                if id(param) in used and param.dim() == 2
+                for style, dim in (("rowwise", -1), ("colwise", 0))
+                if param.shape[dim] == heads and self._parameter_local(pair.row, owner, param, dim)
+            }
+            if tables and len(tables) == sum(1 for p in self.modules[owner].parameters(recurse=False) if id(p) in used):
+                pair.between.discard(owner)
+                pair.own.update(tables)
+
+    def _own_whole(self, pair: Pair) -> None:
+        """Parameters of the module holding the pair acting between its layers get entries of their own (`pair.own`),
+        so that the module's other parameters are left as they are (VideoPrism's pooling query, read by the column
+        layers, whose entry into the parallel region sums its gradient already: summed again it counted tp times) and
+        an attention module keeps its `attention` style. One (heads, head width) per head, as many entries as the
+        split features (a Conformer's relative-position biases pos_bias_u and pos_bias_v, added to each head's
+        queries), is split with the heads along dim 0 (`colwise`); others act on every local head alike
+        (VideoPrism's `per_dim_scale`, scaling each head's queries): whole, their gradients summed."""
+        enclosing = enclosing_module(pair)
+        if not enclosing or enclosing not in pair.between:
+            return
+        used = {id(param) for param in self.producers[pair.row][1]}
+        channels = last_dim(self.calls[pair.row].input)
+        pair.between.discard(enclosing)
+        for name, param in self.modules[enclosing].named_parameters(recurse=False):
+            if id(param) in used:
+                per_head = param.dim() == 2 and param.numel() == channels and param.shape[0] % self.shares == 0
+                pair.own[f"{enclosing}.{name}"] = "colwise" if per_head else WHOLE_SUMMED
+
+    def _counts_heads_beside_a_norm(self, pair: Pair) -> bool:
+        """Whether `pair` is attention with a norm over split features between its layers whose enclosing module keeps
+        head counts or widths: the local-view search (`tp_train.plan.local_search`), which simulates ranks without
+        the norm's all-reduce, skips pairs with channels, so those counts would stay whole (MiniMax's lightning
+        attention). An attention that views heads with -1 (BitNet's) needs no view."""
+        if not pair.attention or not set(NORM_STYLES) & set(pair.channels.values()):
+            return False
+        module = self.modules.get(enclosing_module(pair))
+        names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
+        return module is None or any(isinstance(getattr(module, name, None), int) for name in names)
+
+    def _between(self, pair: Pair) -> tuple[set[str], list[tuple[str, str]]]:
+        """Modules whose parameters act between the columns and the row layer (summed gradients), and of those, the
+        ones whose parameters span the split features, with the refusal due unless they prove per-head tables (no
+        other existing style can shard them)."""
+        split_widths = {last_dim(self.calls[name].output) for name in pair.columns} | {
+            last_dim(self.calls[pair.row].input)
+        }
+        owners, spanning = set(), []
+        channels = last_dim(self.calls[pair.row].input)
+        heads = self._attention_heads(pair)
+        for param in self.producers[pair.row][1]:
+            owner = self.owner.get(id(param), "?")
+            if owner in self.reducers and param.shape[-1] == channels:
+                pair.channels[owner] = FEATURE_REDUCTION_STYLE
+                continue
+            if heads and conv_per_head(self.modules.get(owner), heads) and self._inside_attention(pair, owner):
+                # A convolution with one group per head inside the attention (Nystromformer's depthwise conv over
+                # each head's values): its weight and bias split with the heads along dim 0, its groups and
+                # channels set to the local heads (`channelwise`).
+                pair.own[owner] = "channelwise"
+                continue
+            if heads and per_head(param, heads, channels) and self._inside_attention(pair, owner):
+                # One slice per head inside the attention (Funnel's r_w_bias (heads, head_dim) and r_kernel
+                # (d_model, heads, head_dim); NeoMME's exclusive-attention alpha (heads,)): split with the heads along
+                # that dimension, as a parameter entry (`colwise` splits the second-to-last, a vector's only).
+                pair.own[self.parameter_names[id(param)]] = "colwise"
+                continue
+            if param.dim() and param.shape[0] == channels and owner in self.modules:
+                # One entry per channel of the row's input (an SSM's conv1d, A_log, D, dt_proj; a gated norm): split
+                # with the channels (`channelwise`), or a Linear whose outputs are those channels (`colwise`), or an
+                # norm over them, normalising over every rank's (`rmsnorm_parallel`, `layernorm_parallel`).
+                shape = matrix_shape(self.modules[owner])
+                pair.channels[owner] = "colwise" if shape is not None and shape[1] == channels else "channelwise"
+                pair.channels[owner] = self.norms.get(owner, pair.channels[owner])
+                continue
+            if self._columns_along_last_dim(pair, owner, param):
+                # One column per channel of a column's output, inside the attention (Inkling 2's dynamic short
+                # convolutions: static taps (kernel, kv width) over k_proj's output), found local: split along it.
+                pair.own[self.parameter_names[id(param)]] = TABLE_STYLE
+                continue
+            column = self._column_of_channels(pair, owner)
+            if column is not None:
+                # One entry per channel of a column's output, the column's split already found local (a norm with
+                # per-channel statistics, LeViT's BatchNorm over q/k/v): split as the column splits its output.
+                pair.channels[owner] = self._channels_like(column, pair.columns[column])
+                continue
+            if param.dim() and param.shape[-1] in split_widths:
+                spanning.append((
+                    owner,
+                    f"the auto-planner cannot plan '{pair.row}': parameter of '{owner}' (shape {tuple(param.shape)}) "
+                    f"acts on the features split between {sorted(pair.columns)} and it; give the model a `tp_plan`",
+                ))  # fmt: skip
+            owners.add(owner)
+        mixed = sorted(owners & set(pair.channels))  # per-channel parameters beside others (Kimi's per-head A_log)
+        if mixed:
+            raise ValueError(
+                f"the auto-planner cannot plan '{pair.row}': '{mixed[0]}' holds per-channel parameters beside others "
+                f"no style splits with the channels; give the model a `tp_plan`"
+            )
+        return owners, spanning
+
+    def _columns_along_last_dim(self, pair: Pair, owner: str, param: torch.Tensor) -> bool:
+        """Whether `param`, a 2-D parameter of a module inside the attention, holds one column per channel of one of
+        its column layers' outputs (split in one section), and perturbing rank r's share of those columns moves only
+        rank r's share of the row input."""
+        if (
+            not pair.attention
+            or param.dim() != 2
+            or not self._inside_attention(pair, owner)
+            or owner not in self.modules
+        ):
+            return False
+        widths = {last_dim(self.calls[column].output) for column, style in pair.columns.items() if style == "colwise"}
+        local = param.shape[-1] in widths and param.shape[-1] % self.shares == 0
+        return local and self._parameter_local(pair.row, owner, param, -1)
+
+    def _column_of_channels(self, pair: Pair, owner: str) -> str | None:
+        """The column whose output `owner` acts on channel by channel: all its parameters one entry per channel of
+        that output (1-D, as wide, or a depthwise convolution's (channels, 1, kernel) weight: Inkling's short
+        convolutions over the keys and values, as wide as the kv heads), and no RMS norm (whose statistic the probes
+        held, so locality did not check it)."""
+        module = self.modules.get(owner)
+        if module is None or owner in self.norms or matrix_shape(module) is not None:
+            return None
+        params = list(module.parameters(recurse=False))
+        depthwise = isinstance(module, nn.modules.conv._ConvNd) and module.groups == module.in_channels
+        for column in pair.columns:
+            width = last_dim(self.calls[column].output)
+            per_channel = (param.dim() == 1 or depthwise and module.groups == width for param in params)
+            if params and all(param.shape[0] == width for param in params) and all(per_channel):
+                return column
+        return None
+
+    def _channels_like(self, column: str, style: str) -> str:
+        """The `channelwise` style splitting a per-channel module as `column`'s `style` splits its output: by the
+        same sections (a fused [q; k; v] column's thirds), of the same heads (a k_proj's kv heads, `2x8`: held whole
+        by the ranks sharing one when they are fewer than the ranks)."""
+        base, arguments = split_style(style)
+        parent = self.modules.get(column.rpartition(".")[0])
+        counts = head_counts(parent, getattr(self.model, "config", None))
+        sections, heads = column_layout(base, last_dim(self.calls[column].output), counts, arguments)
+        if heads and all(heads):
+            sizes = [f"{units}x{size // units}" for units, size in zip(heads, sections, strict=True)]
+            return f"channelwise({','.join(sizes)})"
+        return "channelwise" if len(sections) == 1 else f"channelwise({','.join(map(str, sections))})"
+
+    def _grouped_layout(self, name: str, pair: Pair, call, search) -> tuple[str, dict, tuple] | None:
+        """For an attention no view makes right under its columns' first local split: its heads in G groups, as
+        CodeGen keeps them (its forward reshapes qkv_proj's output into a hard-coded four groups of [q; v; k]), each
+        rank holding its share of every group's heads: its row layer split by G sections of its input, each column
+        by G, 2G or 3G sections (a group's q, v and k), each evenly. G from 2 up, as long as tp divides each group's
+        heads; the first whose splits are local and under which a view holds. Its style, the columns' styles (by
+        name relative to `name`) and the row's sections, or None."""
+        heads, row_width = self._attention_heads(pair), last_dim(self.calls[pair.row].input)
+        frozen = frozenset(pair.replicated)
+        for groups in range(2, (heads or 0) // self.shares + 1):
+            if heads % (groups * self.shares) or row_width % (groups * self.shares):
+                continue
+            row_sections = (row_width // groups,) * groups
+            columns = {}
+            for column in pair.columns:
+                width = last_dim(self.calls[column].output)
+                layouts = [(width // (k * groups),) * (k * groups) for k in (1, 2, 3) if width % (k * groups) == 0]
+                sections = next(
+                    (
+                        layout
+                        for layout in layouts
+                        if layout[0] % self.shares == 0 and self._local(column, pair.row, layout, frozen, row_sections)
+                    ),
+                    None,
+                )
+                if sections is None:
+                    break
+                columns[column[len(name) + 1 :]] = f"colwise({','.join(map(str, sections))})"
+            else:
+                style, _ = search(columns=columns, row_sections=row_sections)
+                if style is not None:
+                    return style, columns, row_sections
+        return None
+
+    def _weight_read_directly(self, embedding: nn.Embedding) -> bool:
+        """Whether a module's forward reads `embedding`'s weight without calling it or a Linear tied to it
+        (Perceiver's embedding decoder multiplies by `embedding_layer.weight.t()`, MobileBERT's head by
+        `cat([decoder.weight.t(), dense.weight])`): split with the vocabulary, it would hand that forward the
+        rank's rows only, so the embedding stays whole."""
+        return bool(foreign_readers(self.model, self.inputs, embedding.weight))

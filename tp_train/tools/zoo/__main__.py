@@ -1,0 +1,43 @@
+"""`python -m tp_train.tools.zoo`: the command line (see `tp_train.tools.zoo`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import tp_train.tools.zoo as zoo
+from tp_train.tools.zoo.configs import SIZES, families
+from tp_train.tools.zoo.runner import run_zoo, summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tp_train.tools.zoo_tasks import TASKS
+
+    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.zoo", description=zoo.__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="causal-lm", choices=[*TASKS, "all"], help="which families (default: LMs)")
+    parser.add_argument("--families", help="comma-separated model types (default: every family of the task)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="families checked at once")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds per family")
+    parser.add_argument("--output", help="write the results as JSON here ({task: results} with --task all)")
+    parser.add_argument(
+        "--kv-heads", type=int, help=f"kv heads of every family that has them (default: as many as the "
+        f"{SIZES['num_attention_heads']} query heads; 2 is grouped-query attention)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    fields = {"num_key_value_heads": args.kv_heads} if args.kv_heads else None
+    tasks = list(TASKS) if args.task == "all" else [args.task]
+    everything = {}
+    for task in tasks:
+        chosen = args.families.split(",") if args.families else families(task)
+        started = time.monotonic()
+        everything[task] = run_zoo(chosen, args.tp, args.jobs, args.timeout, task=task, fields=fields)
+        print(f"\n{task}: {summary(everything[task], args.tp)}\n({time.monotonic() - started:.0f} s)", flush=True)
+    if args.output:
+        with open(args.output, "w") as file:
+            json.dump(everything if args.task == "all" else everything[args.task], file, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Running the zoo: each family's ranks in their own processes, forked from a server that imported torch and
+transformers once, `jobs` families at a time, each with a time limit; and the summary table."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+
+from tp_train.tools.zoo.check import CLASSES, NOT_COUNTED, check_family
+
+
+def _rank_main(model_type: str, case: dict, rank: int, world_size: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            result = check_family(model_type, **case)
+    except BaseException as error:  # noqa: BLE001 - reported as the family's error
+        result = {"class": "error", "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        results.send(result)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Family:
+    """One family's ranks, each a process forked from a server that imported torch and transformers once."""
+
+    def __init__(self, context, model_type: str, case: dict, tp: int, timeout: float, target=None):
+        self.model_type, self.deadline, port = model_type, time.monotonic() + timeout, _free_port()
+        self.receiver, sender = context.Pipe(duplex=False)
+        self.ranks = [
+            context.Process(target=target or _rank_main, args=(model_type, case, rank, tp, port, sender), daemon=True)
+            for rank in range(tp)
+        ]
+        for rank in self.ranks:
+            rank.start()
+        sender.close()
+
+    def result(self) -> dict | None:
+        """The family's result once rank 0 sends it (or its ranks die, or the deadline passes), else None. A rank
+        killed by a signal the zoo did not send makes it `killed`, whatever rank 0 sent (its collectives failed)."""
+        if self.receiver.poll():
+            try:
+                result = self.receiver.recv()
+            except EOFError:
+                result = None
+            if result is not None:
+                return self._killed(self._stop(timeout=10)) or result
+        if all(not rank.is_alive() for rank in self.ranks):
+            codes = [rank.exitcode for rank in self.ranks]
+            return self._killed(codes) or {"class": "error", "reason": f"ranks exited with codes {codes} and no result"}
+        if time.monotonic() > self.deadline:
+            self._stop(timeout=0)
+            return {"class": "error", "reason": "no result within the time limit"}
+        return None
+
+    @staticmethod
+    def _killed(codes: list) -> dict | None:
+        """`killed` when a rank's exit code (None: still running when the zoo stopped it) is a signal's."""
+        killed = {rank: -code for rank, code in enumerate(codes) if code is not None and code < 0}
+        if not killed:
+            return None
+        ranks = ", ".join(f"rank {rank} by {signal.Signals(number).name}" for rank, number in killed.items())
+        return {"class": "killed", "reason": f"killed: {ranks} (out of memory, if SIGKILL)"}
+
+    def _stop(self, timeout: float) -> list:
+        """Each rank's exit code before the zoo stopped it (None for one it had to kill)."""
+        codes = []
+        for rank in self.ranks:
+            rank.join(timeout)
+            codes.append(rank.exitcode)
+            if rank.is_alive():
+                rank.kill()
+                rank.join()
+        return codes
+
+
+def run_zoo(
+    model_types: list[str],
+    tp: int = 2,
+    jobs: int = 2,
+    timeout: float = 180,
+    echo=None,
+    task: str = "causal-lm",
+    fields: dict | None = None,
+    target=None,
+) -> dict[str, dict]:
+    """{family: result} for each family of `task`, `jobs` families at a time, then each one `killed` again alone;
+    `fields` set in every family's tiny config (a setting of the run: its kv heads). `target` runs a rank (tests)."""
+    import multiprocessing
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks' warnings would bury the table
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "transformers", "tp_train", "models.hf", "tp_train.tools.zoo_tasks"])
+    echo = echo or (lambda line: print(line, flush=True))
+    case = dict(task=task, fields=fields)
+    results = _run_families(model_types, jobs, lambda name: _Family(context, name, case, tp, timeout, target), echo)
+    killed = [name for name in model_types if results[name]["class"] == "killed"]
+    if killed and jobs > 1:
+        echo(f"again, one at a time: {', '.join(killed)}")
+        results |= _run_families(killed, 1, lambda name: _Family(context, name, case, tp, timeout, target), echo)
+    return results
+
+
+def _run_families(model_types: list[str], jobs: int, start, echo) -> dict[str, dict]:
+    """{family: result}, `jobs` families at a time, each started by `start(family)` (a `_Family`)."""
+    pending, running, results = list(model_types), [], {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            running.append(start(pending.pop(0)))
+        for family in list(running):
+            result = family.result()
+            if result is not None:
+                running.remove(family)
+                results[family.model_type] = result
+                echo(f"{family.model_type:<28} {result['class']:<11} {result['reason']}")
+        time.sleep(0.2)
+    return results
+
+
+def summary(results: dict[str, dict], tp: int) -> str:
+    """The README's table: counts per class, then every family not passing, with its reason."""
+    counts = {name: sum(r["class"] == name for r in results.values()) for name in CLASSES}
+    buildable = len(results) - sum(counts[name] for name in NOT_COUNTED)
+    partial = sorted(name for name, r in results.items() if r["class"] == "pass" and r.get("kept_whole"))
+    share = counts["pass"] / max(buildable, 1)
+    lines = [
+        f"{counts['pass']} of {buildable} buildable families pass at tp={tp} ({share:.0%}); "
+        f"round-off {counts['round-off']}, refused {counts['refused']}, WRONG {counts['WRONG']}, "
+        f"killed {counts['killed']}, error {counts['error']}, unsharded {counts['unsharded']}; "
+        f"{counts['unbuildable']} not buildable from a tiny config"
+        + (f", {counts['no blocks']} with no Linear in their blocks" if counts["no blocks"] else ""),
+    ]
+    if partial:
+        lines.append(f"pass with attention kept whole ({len(partial)}): {', '.join(partial)}")
+    for name in ("WRONG", "round-off", "unsharded", "refused", "killed", "error", "unbuildable", "no blocks"):
+        for family, result in sorted(results.items()):
+            if result["class"] == name:
+                lines.append(f"{name:<8} {family:<26} {result['reason']}")
+    return "\n".join(lines)
