@@ -40,6 +40,15 @@ def pytest_collection_modifyitems(config, items):
 # (shared with other jobs, so about 2 s and more idle), or is a module fixture's first test that pays for the whole
 # fixture (ranks running every family or model of the file). All parameters of a test are marked alike.
 SLOW_HERE = {
+    "test_fsdp.py::test_fsdp_with_activation_checkpointing_and_a_model_built_on_meta",
+    "test_fsdp.py::test_accumulating_two_micro_batches_is_one_big_batch",
+    "test_fsdp.py::test_fsdp_precisions_train_and_skip_a_non_finite_step_on_every_rank",
+    "test_fsdp.py::test_fsdp_dp2_tp2_trains_like_plain_lightning_with_a_quarter_of_the_state",
+    "test_fsdp_checkpoint.py::test_an_fsdp_checkpoint_exports_to_hugging_face",
+    "test_fsdp_checkpoint.py::test_fsdp_and_ddp_checkpoints_share_one_layout_biases_included",
+    "test_comm.py::test_collectives_match_their_docstrings",
+    "test_checkpoint_safety.py::test_getattr_in_dcp_metadata_reaches_only_enum_members",
+    "test_distributed.py::test_a_dropped_rendezvous_connection_starts_the_ranks_again",
     "test_any_transformer.py::test_t5s_relative_position_bias_is_split_with_its_heads",
     "test_any_transformer.py::test_the_planner_reads_reused_layers_shared_bias_tables_and_per_head_biases",
     "test_attention_splits.py::test_swiftformers_pointwise_conv_mlps_split_and_its_additive_attention_kept_whole",

@@ -30,6 +30,11 @@ SAMPLED = ["logger=wandb", "trainer.limit_val_batches=1", "trainer.val_check_int
 PROMPT, NEW_TOKENS = "def ", 16
 
 
+def readme_snippet() -> str:
+    """The documented set-up, scripts/tiny_llama.py, as source (tests/test_cuda_train.py runs it with `-c`)."""
+    return (ROOT / "scripts" / "tiny_llama.py").read_text()
+
+
 def code_corpus() -> str:
     """Short functions a tiny model learns in 30 steps, so that its greedy text is code rather than blanks (a model
     whose every continuation is spaces would print the same text at any tp, right or wrong)."""
