@@ -159,8 +159,9 @@ def test_the_fsdp_snippet_without_lightning_shards_over_dp_and_tp_and_computes_t
 def test_make_targets_run_the_documented_commands():
     """`make -n`: train is train.py tp=2, test the whole suite, test-fast the tests not marked slow, docs the
     strict build; each after set-up."""
-    result = subprocess.run(["make", "-n", "PYTHON=python", "train", "test", "test-fast", "docs"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    command = ["make", "-n", "--no-print-directory", "PYTHON=python", "train", "test", "test-fast", "docs"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True)
     lines = result.stdout.splitlines()
     assert any(line.endswith("python train.py tp=2") for line in lines), lines
     assert "python -m pytest -q -n 2 --dist loadfile" in lines, lines
