@@ -217,7 +217,8 @@ def pointwise_conv_shape(module: nn.Module) -> tuple[int, int] | None:
     """(in_channels, out_channels) of a 1x1 nn.Conv2d that is a matmul over the channels at dim 1 of an (N, C, H, W)
     input (stride 1, no padding or dilation, one group: SwiftFormer's and PoolFormer's MLPs), else None. A plan may
     give it `colwise` or `rowwise` (`tp_train.parallel.pointwise_conv.ColumnParallelPointwiseConv`), and the
-    auto-planner pairs such convs as it pairs Linears, reading their channels last (`tp_train.plan.probe.channels_last`)."""
+    auto-planner pairs such convs as it pairs Linears, reading their channels last
+    (`tp_train.plan.probe.channels_last`)."""
     if not isinstance(module, nn.Conv2d) or type(module).forward is not nn.Conv2d.forward:
         return None
     plain = module.stride == (1, 1) and module.dilation == (1, 1) and module.padding in ((0, 0), "valid")
