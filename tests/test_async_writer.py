@@ -14,6 +14,7 @@ import torch
 import tp_train
 from tests.distributed import run_on_ranks
 from tests.test_parallelize import SwiGLUModel
+from tp_train.checkpoint.dcp import LAYOUT_KEY
 from tp_train.checkpoint.safe_load import read_extra
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,8 @@ def test_a_background_write_holds_the_state_of_its_save_and_jobs_run_in_order(tm
     errors, seen_after_both = run_on_ranks(_save_then_train_on, 2, str(tmp_path), timeout=300)[0]
     assert max(errors.values()) == 0.0, errors  # not the +1 the parameters had when the write ran
     assert seen_after_both == ["a.ckpt", "b.ckpt"]  # a job queued after two saves sees both complete
-    assert read_extra(tmp_path / "b.ckpt" / "meta.pt") == {"step": 2}
+    extra = read_extra(tmp_path / "b.ckpt" / "meta.pt")
+    assert extra.pop(LAYOUT_KEY) and extra == {"step": 2}  # the second save's metadata, with our layout record
 
 
 EXIT_RIGHT_AFTER_A_SAVE = """
