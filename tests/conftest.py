@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FIRST = [
+    "test_hang.py",  # train.py runs that wait out a hang limit (added with issue 30; not yet timed in CI)
+    "test_context_parallel_train.py",  # train.py at cp 2 against cp 1 (issue 29)
     "test_finetune.py",
     "test_compile.py",
     "test_cluster_launch.py",
