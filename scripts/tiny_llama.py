@@ -5,6 +5,7 @@ network needed). docs/fine-tuning.md and the README use it; tests/test_finetune.
 import sysconfig
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -28,6 +29,7 @@ config = LlamaConfig(
     bos_token_id=tokenizer.eos_token_id,
     eos_token_id=tokenizer.eos_token_id,
 )
+torch.manual_seed(0)  # the same "pretrained" weights on every run: what a model learns from them is reproducible
 LlamaForCausalLM(config).save_pretrained(DIR)
 tokenizer.save_pretrained(DIR)
 stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[40:70]  # other files than the tokenizer's
