@@ -11,10 +11,12 @@ progress has not moved:
 
 - the job hangs when every rank is stuck past its limit: `setup_timeout_s` before the first optimizer step has
   ended (set-up, compile, the first step), `train_timeout_s` inside a training step after that, and
-  `setup_timeout_s` between steps (a slow data batch, validation, a checkpoint save); a rank whose heartbeat
-  stopped too (its process is not running: SIGSTOP, a debugger, a frozen host) gets `train_timeout_s` once
-  training runs. A rank waiting in a collective for a peer that is loading a slow batch is stuck, but the peer is
-  not, so a slow batch, a validation or a save never ends the job; a hang inside one is caught at the longer limit.
+  `setup_timeout_s` between steps (a slow data batch, validation, a checkpoint save); once training runs, a rank
+  whose heartbeat stopped too (its process is not running: SIGSTOP, a debugger, a frozen host) gets
+  `train_timeout_s`, and so does every rank while one such rank exists: a rank waiting between steps (in a save's
+  barrier, say) for a stopped one waits for a rank that cannot arrive. A rank waiting in a collective for a peer
+  that is loading a slow batch is stuck, but the peer is not (its heartbeat goes on), so a slow batch, a
+  validation or a save never ends the job; a hang inside one is caught at the longer limit.
 - the first rank to see it publishes the verdict (naming the rank or ranks that stopped arriving: those whose
   heartbeat stopped, else those at the lowest step); every rank that still runs writes `hang/rank<r>-stacks.txt`
   (each thread's Python stack) and `hang/rank<r>-collectives.json` (torch's flight recorder: its last
@@ -149,11 +151,13 @@ class HangDetector(L.Callback):
     def record(self) -> dict:
         return {"progress": self._progress, "phase": self._phase, "step": self._step, "trained": self._first_step_done}
 
-    def limit(self, record: dict, frozen: bool) -> float | None:
-        """Seconds `record`'s rank may go without progress (None: no limit, it has finished)."""
+    def limit(self, record: dict, frozen: bool, peer_stopped: bool = False) -> float | None:
+        """Seconds `record`'s rank may go without progress (None: no limit, it has finished); `frozen`: its own
+        heartbeat stopped; `peer_stopped`: some rank's heartbeat stopped once training ran, so a rank waiting between
+        steps (in a save's barrier, validation's first collective) waits for a rank that cannot arrive."""
         if record.get("phase") == DONE:
             return None
-        if record.get("trained") and (record.get("phase") == TRAIN or frozen):
+        if record.get("trained") and (record.get("phase") == TRAIN or frozen or peer_stopped):
             return self.train_timeout_s
         return self.setup_timeout_s
 
@@ -208,12 +212,12 @@ class _Monitor:
             if (record.get("progress"), record.get("phase")) != (seen.record.get("progress"), seen.record.get("phase")):
                 seen.progress_at = now
             seen.record = record
+        frozen = [rank for rank, seen in enumerate(self.seen) if now - seen.beat_at > self._frozen_after]
+        stopped = any(self.seen[rank].record.get("trained") for rank in frozen)  # a peer that cannot arrive
         for rank, seen in enumerate(self.seen):
-            is_frozen = now - seen.beat_at > self._frozen_after
-            limit = self.detector.limit(seen.record, is_frozen)
+            limit = self.detector.limit(seen.record, rank in frozen, stopped)
             if limit is None or now - seen.progress_at <= limit:
                 return None  # this rank is making progress (or has finished): no hang
-            frozen += [rank] if is_frozen else []
         return self._verdict(frozen, now)
 
     def _verdict(self, frozen: list[int], now: float) -> dict:
