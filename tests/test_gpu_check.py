@@ -136,3 +136,23 @@ def test_the_one_device_measurement_and_the_summary(tmp_path):
     assert "phase tests      TIMED OUT" in summary.stdout and "ours/plain tokens_per_s" in summary.stdout
     written = json.loads((tmp_path / "gpu_check.json").read_text())
     assert written["passed"] is False and written["bench"]["contenders"] and written["tests"] is None
+
+
+def test_the_summary_counts_an_expected_failure_apart_from_a_skip(tmp_path):
+    (tmp_path / "cuda_tests.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_cuda_ranks" name="a" time="1.0"/>'
+        '<testcase classname="tests.test_cuda_ranks" name="b" time="1.0"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.test_cuda_ranks" name="c" time="1.0">'
+        '<skipped type="pytest.xfail" message="known segfault"/></testcase>'
+        '<testcase classname="tests.test_cuda_ranks" name="d" time="0.0">'
+        '<skipped type="pytest.skip" message="no CUDA device"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_summary
+    finally:
+        sys.path.pop(0)
+    counts = gpu_summary.tests(tmp_path)["counts"]
+    assert counts == {"passed": 1, "failed": 1, "xfailed": 1, "skipped": 1}, counts
