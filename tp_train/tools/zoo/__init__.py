@@ -10,7 +10,7 @@ Each family lands in one class:
 - `refused`: `parallelize` refused it in one line (a plan it cannot apply, or verification found a difference);
 - `round-off`: beyond 1e-5 in float32 but within 1e-9 in float64 (the same function, summed in another order);
 - `WRONG`: sharded without complaint, but it computes something else (the worst outcome: none should be here);
-- `unsharded`: it matches, but a rank holds more than 1.15/tp of the block matrices that train (some attention or MLP
+- `unsharded`: it matches, but more than 15% of the block matrices that train are left unsplit (some attention or MLP
   left whole on every rank without the planner saying so), or, with an attention the planner keeps whole, less than
   1/tp + 0.15 of them are sharded;
 - `killed`: a rank was killed by a signal it did not get from the zoo (the kernel's out-of-memory killer): checked
