@@ -62,6 +62,33 @@ def test_the_unsharded_bar_is_the_fraction_left_unsplit_at_every_tp():
     assert "only 0.30 of the trained" in too_much_held(held(0.7, 4), 4, kept_whole=True)
 
 
+def test_block_share_reads_the_blocks_on_the_unsharded_model():
+    """A block whose Linears were all swapped for parallel layers (GPT-2's Conv1D, a rank's half of it) still counts:
+    its blocks are found on the unsharded model, so a rank holding half of them holds 0.5, not 0 (nothing counted,
+    which let any whole non-Linear weight of such a block pass unseen)."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+    from transformers.pytorch_utils import Conv1D
+
+    from tp_train.tools.zoo.check import _block_share
+
+    class Half(nn.Module):  # a parallel layer as the sharded model holds it: no Linear, half the weight
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = nn.Parameter(weight[:, : weight.shape[1] // 2].clone())
+
+    reference = nn.Module()
+    reference.blocks = nn.ModuleList([nn.Module()])
+    reference.blocks[0].fc = Conv1D(8, 4)
+    model = copy.deepcopy(reference)
+    model.blocks[0].fc = Half(reference.blocks[0].fc.weight)
+    for param in reference.parameters():
+        param.grad = torch.zeros_like(param)
+    assert _block_share(model, reference) == (0.5, "")
+
+
 def _rank_with_a_stricter_bar(*args):
     """A zoo rank whose `unsharded` bar is 10% left unsplit (RWKV's whole receptance leaves 12% at tp 4)."""
     from tp_train.tools.zoo import check, runner
