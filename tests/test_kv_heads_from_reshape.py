@@ -5,6 +5,7 @@
   attribute) matches the unsharded model at tp=4, with a plain column/row plan and with no plan at all.
 - A Hugging Face speech LLM whose counts live in a nested text config (Granite Speech's `text_config`) matches at
   tp=4 with 2 kv heads.
+- Projections each in a wrapper of their own (Moshi's `k_proj.linear`) are counted among their attention's layers.
 - What truly cannot split is still refused: 3 kv heads at tp=4.
 """
 
@@ -82,6 +83,29 @@ def test_the_reshape_shows_query_and_kv_heads():
     planned = {entry.name: entry for entry in match_plan(on_meta, PLAIN_PLAN, 4)}
     assert planned["blocks.1.attn.v"].counts == HeadCounts(4, 2, 16)
     assert all(param.is_meta for param in on_meta.parameters())
+
+
+class Wrapper(nn.Module):
+    """A projection's own wrapper around its Linear, as Moshi's `MoshiLinear` holds `.linear`."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_the_reshape_shows_the_heads_of_projections_each_in_a_wrapper():
+    """Moshi's q, k and v are each `MoshiLinear(...).linear`: their parents differ, so the heads are counted among
+    the layers of the module holding them all (the attention), not of each parent alone (which saw one layer each
+    and found no kv heads: Moshi at tp=4 with 2 kv heads was refused)."""
+    model = GroupedLM()
+    for block in model.blocks:
+        for name in ("q", "k", "v"):
+            setattr(block.attn, name, Wrapper(getattr(block.attn, name)))
+    columns = ["blocks.0.attn.q.linear", "blocks.0.attn.k.linear", "blocks.0.attn.v.linear"]
+    assert observed_counts(model, columns) == dict.fromkeys(columns, HeadCounts(4, 2, 16))
 
 
 def test_what_cannot_split_is_still_refused():

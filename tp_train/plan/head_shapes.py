@@ -4,11 +4,11 @@ A column layer's output `(..., heads x head_dim)` is split into heads by the att
 `reshape` or `unflatten` to `(..., heads, head_dim)` (Llama's `k_proj(x).view(*shape, -1, head_dim)`, einops'
 `b t (h d) -> ...`). Watching one probe forward for that split gives each column layer's `(heads, head_dim)` as the
 code uses them, wherever the counts live: a sub-config (a speech model's `text_config`), a hard-coded constant, or
-nowhere (`view(B, T, -1, self.head_dim)`). Among an attention's column layers of one head width, the widest counts
-the query heads and a narrower one its kv heads; `observed_counts` returns those `HeadCounts`, which make a k_proj or
-v_proj one section of `kv_heads` units (`tp_train.plan.styles.column_layout`), replicated when tp exceeds them, as
-a config's `num_key_value_heads` does. The model's config is the cross-check: where its counts already give the
-narrow layers' widths, nothing is run.
+nowhere (`view(B, T, -1, self.head_dim)`). Among an attention's column layers (`attention_of`: the module holding
+them, above a wrapper each may have) of one head width, the widest counts the query heads and a narrower one its kv
+heads; `observed_counts` returns those `HeadCounts`, which make a k_proj or v_proj one section of `kv_heads` units
+(`tp_train.plan.styles.column_layout`), replicated when tp exceeds them, as a config's `num_key_value_heads` does.
+The model's config is the cross-check: where its counts already give the narrow layers' widths, nothing is run.
 """
 
 from __future__ import annotations
@@ -27,17 +27,13 @@ SPLITS = (torch.Tensor.reshape, torch.Tensor.view, torch.reshape, torch.Tensor.u
 
 
 def grouped_without_counts(model: nn.Module, columns: list[str]) -> list[str]:
-    """The parents (attention modules) of plain column layers `columns` that hold layers of unequal widths (query
+    """The attention modules (`attention_of`) of plain column layers `columns` that hold layers of unequal widths (query
     and narrower kv projections) whose head counts, read from the module or the model's config, do not explain the
     narrower ones (no kv head count, or one that gives other widths)."""
     config = getattr(model, "config", None)
-    widths: dict[str, dict[str, int]] = {}
-    for name in columns:
-        shape = linear_shape(model.get_submodule(name))
-        if shape is not None:
-            widths.setdefault(name.rpartition(".")[0], {})[name] = shape[1]
+    shapes = {name: linear_shape(model.get_submodule(name)) for name in columns}
     found = []
-    for parent, layers in widths.items():
+    for parent, layers in _by_attention({name: shape[1] for name, shape in shapes.items() if shape}).items():
         if len(set(layers.values())) < 2:
             continue
         counts = head_counts(model.get_submodule(parent) if parent else model, config)
@@ -63,17 +59,32 @@ def observed_counts(model: nn.Module, columns: list[str], example_input=None) ->
             splits = _head_splits(probe, columns, inputs)
     except Exception:  # noqa: BLE001 - no observation: the counts stay as the module and config state them
         return {}
-    by_parent: dict[str, dict[str, tuple[int, int]]] = {}
-    for name, split in splits.items():
-        by_parent.setdefault(name.rpartition(".")[0], {})[name] = split
     counts = {}
-    for layers in by_parent.values():
+    for layers in _by_attention(splits).values():
         for head_dim in {dim for _, dim in layers.values()}:
             same = {name: heads for name, (heads, dim) in layers.items() if dim == head_dim}
             most, fewest = max(same.values()), min(same.values())
             if fewest < most:
                 counts.update(dict.fromkeys(same, HeadCounts(most, fewest, head_dim)))
     return counts
+
+
+def attention_of(name: str, names) -> str:
+    """The module holding layer `name` and another of `names` (its attention), the innermost such: its parent, or
+    further up where each projection has a wrapper of its own (Moshi's `k_proj.linear`); its parent where none."""
+    parent = name.rpartition(".")[0]
+    while parent:
+        if any(other != name and other.startswith(parent + ".") for other in names):
+            return parent
+        parent = parent.rpartition(".")[0]
+    return name.rpartition(".")[0]
+
+
+def _by_attention(values: dict) -> dict[str, dict]:
+    grouped: dict[str, dict] = {}
+    for name, value in values.items():
+        grouped.setdefault(attention_of(name, values), {})[name] = value
+    return grouped
 
 
 class _Splits(TorchFunctionMode):

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from tp_train.parallel.norm import EPSILON_ATTRIBUTES, is_layer_norm, norm_epsilon, norm_groups
 from tp_train.parallel.sharding import check_divisible, check_sections, divisors
-from tp_train.plan.head_shapes import grouped_without_counts, observed_counts
+from tp_train.plan.head_shapes import attention_of, grouped_without_counts, observed_counts
 from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style
 from tp_train.plan.styles import (
     ALIASES,
@@ -110,7 +110,7 @@ def _observed_counts(model: nn.Module, plan: dict[str, str], example_input) -> d
         if pattern_matches(pattern, name)
     ]
     parents = set(grouped_without_counts(model, columns))
-    inside = [name for name in columns if name.rpartition(".")[0] in parents]
+    inside = [name for name in columns if attention_of(name, columns) in parents]
     return observed_counts(model, inside, example_input) if inside else {}
 
 
