@@ -18,13 +18,13 @@ from tp_train.plan.styles import (
     LINEAR_STYLES,
     NORM_STYLES,
     PACKED_SECTIONS,
-    PARAMETER_STYLES,
     ROW_STYLES,
     SECTIONED_STYLES,
     STYLES,
     WIDTH_ATTRIBUTES,
     HeadCounts,
     PlannedModule,
+    check_style,
     column_layout,
     head_counts,
     linear_shape,
@@ -34,7 +34,6 @@ from tp_train.plan.styles import (
     pattern_matches,
     section_sizes,
     section_units,
-    split_style,
 )
 from tp_train.plan.ties import tie_completions
 
@@ -50,10 +49,7 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int, example_input=No
     planned: dict[str, PlannedModule] = {}
     parameter_entries = []
     for pattern, style in plan.items():
-        style, arguments = split_style(ALIASES.get(style, style))
-        if style not in STYLES | PARAMETER_STYLES:
-            known = ", ".join(sorted(STYLES | PARAMETER_STYLES))
-            raise ValueError(f"plan entry '{pattern}': unknown style '{style}'; known styles: {known}")
+        style, arguments = check_style(pattern, style)
         matches = [(name, module) for name, module in model.named_modules() if pattern_matches(pattern, name)]
         if not matches:
             parameters = _matching_parameters(model, pattern)
