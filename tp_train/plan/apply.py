@@ -33,7 +33,13 @@ from tp_train.parallel.norm import ParallelLayerNormRegion, ParallelRMSNormRegio
 from tp_train.parallel.pointwise_conv import ColumnParallelPointwiseConv, RowParallelPointwiseConv
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.reductions import FeatureReductionRegion
-from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
+from tp_train.parallel.sharding import (
+    ShardSpec,
+    replicated_rows,
+    shard_parameter,
+    shard_tensor,
+    sum_replicated_gradient,
+)
 from tp_train.plan.adapters import materialize_adapters, shard_adapters
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
@@ -218,9 +224,9 @@ def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpe
         if replace(previous_spec, transposed=spec.transposed) != spec or previous.shape != target.shape:
             raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
         return previous
-    full = source.detach().t() if spec.transposed else source.detach()
     shard = nn.Parameter(
-        shard_tensor(full, spec, dist.get_rank(group), dist.get_world_size(group)), requires_grad=source.requires_grad
+        shard_parameter(source, spec, dist.get_rank(group), dist.get_world_size(group)),
+        requires_grad=source.requires_grad,
     )
     shared[id(origin)] = (origin, spec, shard)
     return shard

@@ -11,7 +11,6 @@ from tp_train.plan.head_shapes import grouped_without_counts, observed_counts
 from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style
 from tp_train.plan.styles import (
     ALIASES,
-    CONFIG_HEAD_FIELDS,
     FEATURE_REDUCTION_STYLE,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
@@ -40,10 +39,9 @@ from tp_train.plan.ties import tie_completions
 
 def match_plan(model: nn.Module, plan: dict[str, str], tp: int, example_input=None) -> list[PlannedModule]:
     """Every module the plan names, with its style (and the styles of entries naming its parameters), after checking
-    that the plan applies at this tp. A column layer's head counts come from its attention module or the model's
-    config, or, for grouped-query attention they do not explain, from the attention's own reshape in a probe
-    forward on `example_input` (`tp_train.plan.head_shapes`)."""
-    check_config_heads(model, tp)
+    that the plan applies at this tp (the config's head counts are checked once, by `resolve_plan`). A column layer's
+    head counts come from its attention module or the model's config, or, for grouped-query attention they do not
+    explain, from the attention's own reshape in a probe forward on `example_input` (`tp_train.plan.head_shapes`)."""
     config = getattr(model, "config", None)
     observed = _observed_counts(model, plan, example_input) if tp > 1 else {}
     planned: dict[str, PlannedModule] = {}
@@ -148,26 +146,6 @@ def _shards_inside(entry: PlannedModule, planned: dict[str, PlannedModule]) -> b
     """Whether the plan shards any parameter of `entry`'s module or of a module inside it."""
     inside = [other for name, other in planned.items() if name == entry.name or name.startswith(entry.name + ".")]
     return any(other.parameters or other.style in LINEAR_STYLES for other in inside)
-
-
-def check_config_heads(model: nn.Module, tp: int) -> None:
-    config = getattr(model, "config", None)
-    for field in CONFIG_HEAD_FIELDS:
-        value = getattr(config, field, None)
-        if not isinstance(value, int) or not value % tp:
-            continue
-        if field in KV_HEAD_ATTRIBUTES:  # fewer kv heads than ranks: replicated, if each rank's heads use one
-            if value and not tp % value:
-                continue
-            raise ValueError(
-                f"config.{field}={value} neither divides nor is divisible by tensor_parallel_size={tp}: each rank "
-                f"must hold whole kv heads, or replicas of one; use a tensor_parallel_size in {divisors(value)} or "
-                f"a multiple of {value}"
-            )
-        raise ValueError(
-            f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
-            f"heads; use a tensor_parallel_size in {divisors(value)}"
-        )
 
 
 def _check_module(
