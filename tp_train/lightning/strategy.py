@@ -49,6 +49,7 @@ from tp_train.lightning import rendezvous
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
+from tp_train.parallel.context_parallel import ROTATIONS
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, DATA_PARALLEL_MODES, REPLICAS, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
@@ -145,6 +146,11 @@ class TensorParallelStrategy(DDPStrategy):
         )
         self.tensor_parallel_size = tensor_parallel_size
         self.context_parallel_size = context_parallel_size
+        if context_parallel_rotation not in ROTATIONS:
+            raise ValueError(
+                f"TensorParallelStrategy(context_parallel_rotation={context_parallel_rotation!r}): use one of "
+                f"{', '.join(map(repr, ROTATIONS))} (docs/long-sequences.md)"
+            )
         self.context_parallel_rotation = context_parallel_rotation
         self._plan = plan
         self._verify_plan = verify_plan
