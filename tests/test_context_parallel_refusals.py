@@ -44,15 +44,3 @@ def test_our_gpt_with_attention_dropout_is_refused():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=8, dropout=0.1))
     with pytest.raises(ValueError, match=r"blocks.0.attn: attention dropout 0.1 cannot be context-parallel"):
         check_context_parallel(model)
-
-
-def test_an_unknown_rotation_is_refused_in_one_line_naming_the_key():
-    from tp_train import TensorParallelStrategy
-
-    with pytest.raises(ValueError) as refused:
-        TensorParallelStrategy(tensor_parallel_size=1, context_parallel_size=2, context_parallel_rotation="allgathr")
-    assert str(refused.value) == (
-        "TensorParallelStrategy(context_parallel_rotation='allgathr'): use one of 'ring', 'allgather' "
-        "(docs/long-sequences.md)"
-    )
-    assert TensorParallelStrategy(context_parallel_size=2, context_parallel_rotation="allgather")
