@@ -298,7 +298,7 @@ CASES = {
     # HF's plan shards only the MLP and experts; V2's latent-attention entries are added (q_a, kv_a's norm whole).
     "deepseek_v3_latent_attention": (lambda: _family("deepseek_v3"), _hf_logits, (2,), 0.15),
     "inkling_style_embedding_and_shared_experts": (InklingStyleLM, _logits, (2,), 0.0),
-    # Gated delta-net linear attention split by heads (`tp_train.plan.mixer_presets.DELTA_NET`): OLMo-Hybrid with twice
+    # Gated delta-net linear attention split by heads (`families.recurrent.DELTA_NET`): OLMo-Hybrid with twice
     # as many value heads as key heads (a conv1d over [q; k; v] of sections 32, 32, 64) beside its full attention
     # (Hugging Face's gathering plan); Kimi-Linear and Ling with a linear and a latent-attention layer (whose
     # latent projections stay whole), Kimi's low-rank gate projections whole.

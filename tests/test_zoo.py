@@ -166,7 +166,7 @@ def test_tiny_config_is_consistent_for_latent_attention_and_doubled_kv_heads(mod
         "gemma3n_text",  # more kv-sharing layers than the tiny model has
         "gemma4_text",  # head_dim kept per layer: read as one value it raises
         "zamba",  # its shared attention is tied across hybrid layers: two of them
-        # defaults that build no model that runs (FAMILY_FIELDS carries what a checkpoint sets)
+        # defaults that build no model that runs (the record's zoo_fields carry what a checkpoint sets)
         "dbrx",
         "lfm2_moe",
         "cohere_compass_text",
@@ -256,7 +256,7 @@ def test_every_attention_of_a_tiny_vision_family_has_tokens_to_mix(model_type):
 @pytest.mark.parametrize("task,model_type", [("speech-seq2seq", "vibevoice"), ("seq2seq-lm", "vibevoice_asr")])
 def test_tiny_config_shrinks_the_sub_configs_of_sub_configs(task, model_type):
     """VibeVoice's audio tokenizers kept their 6 stages doubling 32 filters to 2048 (1.0 and 0.7 billion parameters,
-    8.4 GB a rank at tp 2): run beside another family, the ranks were killed for memory. The `FAMILY_FIELDS` of the
+    8.4 GB a rank at tp 2): run beside another family, the ranks were killed for memory. The `zoo_fields` of the
     sub-config's own model type make them small."""
     import torch
 

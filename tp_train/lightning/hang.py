@@ -14,7 +14,10 @@ progress has not moved:
   `setup_timeout_s` between steps (a slow data batch, validation, a checkpoint save); once training runs, a rank
   whose heartbeat stopped too (its process is not running: SIGSTOP, a debugger, a frozen host) gets
   `train_timeout_s`, and so does every rank while one such rank exists: a rank waiting between steps (in a save's
-  barrier, say) for a stopped one waits for a rank that cannot arrive. A rank waiting in a collective for a peer
+  barrier, say) for a stopped one waits for a rank that cannot arrive. "Training runs" is a fact of the job, not of
+  one rank's record: no rank ends a step without every rank's collectives, so one rank's record saying so is
+  enough. A rank stopped before its own record said so (before its first heartbeat, or within one of its first
+  step) is then timed at `train_timeout_s` too, not at the set-up limit. A rank waiting in a collective for a peer
   that is loading a slow batch is stuck, but the peer is not (its heartbeat goes on), so a slow batch, a
   validation or a save never ends the job; a hang inside one is caught at the longer limit.
 - the first rank to see it publishes the verdict (naming the rank or ranks that stopped arriving: those whose
@@ -151,13 +154,14 @@ class HangDetector(L.Callback):
     def record(self) -> dict:
         return {"progress": self._progress, "phase": self._phase, "step": self._step, "trained": self._first_step_done}
 
-    def limit(self, record: dict, frozen: bool, peer_stopped: bool = False) -> float | None:
+    def limit(self, record: dict, frozen: bool, trained: bool, peer_stopped: bool = False) -> float | None:
         """Seconds `record`'s rank may go without progress (None: no limit, it has finished); `frozen`: its own
-        heartbeat stopped; `peer_stopped`: some rank's heartbeat stopped once training ran, so a rank waiting between
-        steps (in a save's barrier, validation's first collective) waits for a rank that cannot arrive."""
+        heartbeat stopped; `trained`: some rank has ended a training step (so every rank is past set-up);
+        `peer_stopped`: some rank's heartbeat stopped once training ran, so a rank waiting between steps (in a save's
+        barrier, validation's first collective) waits for a rank that cannot arrive."""
         if record.get("phase") == DONE:
             return None
-        if record.get("trained") and (record.get("phase") == TRAIN or frozen or peer_stopped):
+        if trained and (record.get("phase") == TRAIN or frozen or peer_stopped):
             return self.train_timeout_s
         return self.setup_timeout_s
 
@@ -177,8 +181,7 @@ class _Monitor:
         self._frozen_after = max(3 * detector.heartbeat_s, min(10.0, detector.train_timeout_s / 2))
 
     def run(self) -> None:
-        while True:
-            time.sleep(self.detector.heartbeat_s)
+        while True:  # the first beat at once: a rank's record is in the store from its set-up on
             try:
                 self._beat()
                 if self.store.check([VERDICT]):
@@ -195,6 +198,7 @@ class _Monitor:
                                     f"{self.detector.train_timeout_s:.0f} s", "frozen": [0], "by": self.rank},
                         reachable=False,
                     )  # fmt: skip
+            time.sleep(self.detector.heartbeat_s)
 
     def _beat(self) -> None:
         self.beat += 1
@@ -213,9 +217,9 @@ class _Monitor:
                 seen.progress_at = now
             seen.record = record
         frozen = [rank for rank, seen in enumerate(self.seen) if now - seen.beat_at > self._frozen_after]
-        stopped = any(self.seen[rank].record.get("trained") for rank in frozen)  # a peer that cannot arrive
+        trained = any(seen.record.get("trained") for seen in self.seen)  # every rank is past set-up
         for rank, seen in enumerate(self.seen):
-            limit = self.detector.limit(seen.record, rank in frozen, stopped)
+            limit = self.detector.limit(seen.record, rank in frozen, trained, trained and bool(frozen))
             if limit is None or now - seen.progress_at <= limit:
                 return None  # this rank is making progress (or has finished): no hang
         return self._verdict(frozen, now)
@@ -233,6 +237,8 @@ class _Monitor:
         where = "; ".join(
             f"rank {rank} (pid {records[rank].get('pid')} on {records[rank].get('host')}) last seen at step "
             f"{records[rank].get('step')} ({records[rank].get('phase')})"
+            if records[rank]
+            else f"rank {rank} (no heartbeat ever arrived from it)"
             for rank in named
         )
         ranks = ", ".join(map(str, named))

@@ -15,7 +15,6 @@ group see the same batch. Models built under `trainer.init_module(empty_init=Tru
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,18 +38,18 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from tp_train.checkpoint import consolidated, on_disk
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.lightning import rendezvous
+from tp_train.lightning.arguments import check_arguments
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
-from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, DATA_PARALLEL_MODES, REPLICAS, TENSOR_PARALLEL
+from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, REPLICAS, TENSOR_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
@@ -120,26 +119,7 @@ class TensorParallelStrategy(DDPStrategy):
         context_parallel_rotation: str = "ring",
         **kwargs: Any,
     ) -> None:
-        sizes = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size}
-        for name, size in sizes.items():
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name}={size!r} must be a positive integer")
-        if data_parallel not in DATA_PARALLEL_MODES:
-            raise ValueError(
-                f"data_parallel={data_parallel!r}: use 'ddp' (replicated tensor-parallel shards) or 'fsdp' "
-                f"(shards, gradients and optimizer states sharded over the data-parallel ranks)"
-            )
-        if data_parallel == "fsdp" and kwargs:
-            raise TypeError(
-                f"TensorParallelStrategy(data_parallel='fsdp') got DistributedDataParallel arguments {sorted(kwargs)}; "
-                f"they apply with data_parallel='ddp' only"
-            )
-        unknown = sorted(set(kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
-        if unknown:  # checked here: at dp=1 there is no DDP to reject them
-            raise TypeError(
-                f"TensorParallelStrategy got unknown arguments {unknown}; other keyword arguments go to torch's "
-                f"DistributedDataParallel (e.g. bucket_cap_mb, gradient_as_bucket_view)"
-            )
+        check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )

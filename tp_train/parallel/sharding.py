@@ -141,6 +141,12 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, world_size: int
     return torch.cat(pieces, dim=spec.dim).contiguous()
 
 
+def shard_parameter(source: torch.Tensor, spec: ShardSpec, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's shard of a parameter as its module stores it (transposed first where `spec` says the module stores
+    it the other way, as Conv1D does): what `apply_plan` gives each rank, and the rank simulation too."""
+    return shard_tensor(source.detach().t() if spec.transposed else source.detach(), spec, rank, world_size)
+
+
 def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) -> torch.Tensor:
     """Gathers every rank's shard and returns the full tensor in the source module's layout."""
     world_size = dist.get_world_size(group)

@@ -33,7 +33,7 @@ from tp_train.parallel.norm import ParallelLayerNormRegion, ParallelRMSNormRegio
 from tp_train.parallel.pointwise_conv import ColumnParallelPointwiseConv, RowParallelPointwiseConv
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.reductions import FeatureReductionRegion
-from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_tensor, sum_replicated_gradient
+from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_parameter, sum_replicated_gradient
 from tp_train.plan.adapters import materialize_adapters, shard_adapters
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
@@ -218,9 +218,9 @@ def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpe
         if replace(previous_spec, transposed=spec.transposed) != spec or previous.shape != target.shape:
             raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
         return previous
-    full = source.detach().t() if spec.transposed else source.detach()
     shard = nn.Parameter(
-        shard_tensor(full, spec, dist.get_rank(group), dist.get_world_size(group)), requires_grad=source.requires_grad
+        shard_parameter(source, spec, dist.get_rank(group), dist.get_world_size(group)),
+        requires_grad=source.requires_grad,
     )
     shared[id(origin)] = (origin, spec, shard)
     return shard
@@ -361,7 +361,7 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
         if spec is None:
             continue
         if param_name in module._buffers:  # not trained, never tied: its slice, persistent or not as it was
-            module._buffers[param_name] = shard_tensor(module._buffers[param_name], spec, rank, world_size)
+            module._buffers[param_name] = shard_parameter(module._buffers[param_name], spec, rank, world_size)
             specs[param_name] = spec
             continue
         original = module._parameters[param_name]
@@ -370,7 +370,7 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
             if previous_spec != spec:
                 raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
         else:
-            local = shard_tensor(original.detach(), spec, rank, world_size)
+            local = shard_parameter(original, spec, rank, world_size)
             shard = nn.Parameter(local, requires_grad=original.requires_grad)
             shared[id(original)] = (original, spec, shard)
         module._parameters[param_name] = shard

@@ -181,7 +181,8 @@ def _swap_attention_kernels(model: nn.Module, state: ContextParallelState) -> in
         if hasattr(config, "_attn_implementation") and hasattr(module, "set_attn_implementation"):
             _refuse_unsplittable_config(module)
             _register_hf_attention()
-            _HF_STATES[id(config)] = state
+            for part in module.modules():  # the kernel is handed only the attention module: each carries the group
+                part.__dict__[_HF_STATE] = state
             module.set_attn_implementation(HF_ATTENTION)
             found += 1
             break
@@ -204,13 +205,13 @@ def _sdpa_kernel(state: ContextParallelState, where: str):
     return sdpa
 
 
-_HF_STATES: dict[int, ContextParallelState] = {}  # config id -> state: the kernel sees only the module
+_HF_STATE = "_tp_train_context_parallel"  # the attribute (outside nn.Module's registries) holding a module's state
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Transformers' attention-function signature: (B, H, T, D) in, ((B, T, H, D), None) out."""
     where = type(module).__name__
-    state = _HF_STATES.get(id(module.config))
+    state = module.__dict__.get(_HF_STATE)
     if state is None:
         raise RuntimeError(f"{where}: no context-parallel group recorded for this model")
     for key_name, reason in (("softcap", "score soft-cap"), ("s_aux", "attention sinks"), ("position_bias", "ALiBi")):

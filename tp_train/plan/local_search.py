@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import combinations
 
 import torch
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tp_train.errors import first_line
-from tp_train.parallel.sharding import ShardSpec, join_shards, shard_tensor
+from tp_train.parallel.sharding import ShardSpec, join_shards, shard_parameter
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import local_channels
 from tp_train.plan.compare import first_tensor, relative_difference
@@ -182,7 +182,7 @@ class _Ranks:
 
     def __init__(self, module: nn.Module, columns: dict[str, str], row: str, tp: int, config, reference: _Recorded):
         self.module, self.row, self.tp, self.reference = module, row, tp, reference
-        self.specs, self.replicated, self.channels = {}, {}, {}
+        self.specs, self.bias_specs, self.replicated, self.channels = {}, {}, {}, {}
         for name, style in columns.items():
             holder, attribute = _holder(module, name)
             if attribute in holder._parameters or attribute in holder._buffers:
@@ -203,6 +203,7 @@ class _Ranks:
             counts = head_counts(module.get_submodule(parent) if parent else module, config)
             spec = style_shard_spec(base, child, "weight", counts, arguments)
             self.specs[name] = spec
+            self.bias_specs[name] = style_shard_spec(base, child, "bias", counts, arguments)
             copies = max(spec.replicas(tp))
             if copies > 1:
                 self.replicated[parent] = copies
@@ -213,17 +214,15 @@ class _Ranks:
         for name, spec in self.specs.items():
             holder, attribute = _holder(self.module, name)
             if attribute in holder._parameters or attribute in holder._buffers:
-                own[name] = shard_tensor(getattr(holder, attribute).detach(), spec, rank, self.tp)
+                own[name] = shard_parameter(getattr(holder, attribute), spec, rank, self.tp)
                 continue
             child = self.module.get_submodule(name)
             if isinstance(child, nn.Embedding):
-                memo[id(child)] = _LocalEmbedding(shard_tensor(child.weight.detach(), spec, rank, self.tp))
+                memo[id(child)] = _LocalEmbedding(shard_parameter(child.weight, spec, rank, self.tp))
                 continue
-            weight = child.weight.detach().t() if spec.transposed else child.weight.detach()
-            bias = child.bias.detach() if getattr(child, "bias", None) is not None else None
-            bias_spec = replace(spec, transposed=False, padded=False)
-            local_bias = None if bias is None else shard_tensor(bias, bias_spec, rank, self.tp)
-            memo[id(child)] = _LocalLinear(shard_tensor(weight, spec, rank, self.tp), local_bias)
+            bias = getattr(child, "bias", None)
+            local_bias = None if bias is None else shard_parameter(bias, self.bias_specs[name], rank, self.tp)
+            memo[id(child)] = _LocalLinear(shard_parameter(child.weight, spec, rank, self.tp), local_bias)
         stand_in = _RowStandIn(self.reference.row_outputs)
         memo[id(self.module.get_submodule(self.row))] = stand_in
         local = copy.deepcopy(self.module, memo)

@@ -102,10 +102,6 @@ def parse_attention_style(style: str) -> LocalView | None:
     return LocalView(tuple(fields), width, tuple(per_head), reshapes)
 
 
-def is_attention_style(style: str) -> bool:
-    return style == "attention" or (style.startswith("attention(") and style.endswith(")"))
-
-
 def usual_fields(module: nn.Module) -> tuple[str, ...]:
     """The module's own integer attributes with the usual head-count and width names (what plain `attention`
     divides)."""

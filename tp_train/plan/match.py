@@ -11,20 +11,19 @@ from tp_train.plan.head_shapes import attention_of, grouped_without_counts, obse
 from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style
 from tp_train.plan.styles import (
     ALIASES,
-    CONFIG_HEAD_FIELDS,
     FEATURE_REDUCTION_STYLE,
     HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
     NORM_STYLES,
     PACKED_SECTIONS,
-    PARAMETER_STYLES,
     ROW_STYLES,
     SECTIONED_STYLES,
     STYLES,
     WIDTH_ATTRIBUTES,
     HeadCounts,
     PlannedModule,
+    check_style,
     column_layout,
     head_counts,
     linear_shape,
@@ -34,26 +33,21 @@ from tp_train.plan.styles import (
     pattern_matches,
     section_sizes,
     section_units,
-    split_style,
 )
 from tp_train.plan.ties import tie_completions
 
 
 def match_plan(model: nn.Module, plan: dict[str, str], tp: int, example_input=None) -> list[PlannedModule]:
     """Every module the plan names, with its style (and the styles of entries naming its parameters), after checking
-    that the plan applies at this tp. A column layer's head counts come from its attention module or the model's
-    config, or, for grouped-query attention they do not explain, from the attention's own reshape in a probe
-    forward on `example_input` (`tp_train.plan.head_shapes`)."""
-    check_config_heads(model, tp)
+    that the plan applies at this tp (the config's head counts are checked once, by `resolve_plan`). A column layer's
+    head counts come from its attention module or the model's config, or, for grouped-query attention they do not
+    explain, from the attention's own reshape in a probe forward on `example_input` (`tp_train.plan.head_shapes`)."""
     config = getattr(model, "config", None)
     observed = _observed_counts(model, plan, example_input) if tp > 1 else {}
     planned: dict[str, PlannedModule] = {}
     parameter_entries = []
     for pattern, style in plan.items():
-        style, arguments = split_style(ALIASES.get(style, style))
-        if style not in STYLES | PARAMETER_STYLES:
-            known = ", ".join(sorted(STYLES | PARAMETER_STYLES))
-            raise ValueError(f"plan entry '{pattern}': unknown style '{style}'; known styles: {known}")
+        style, arguments = check_style(pattern, style)
         matches = [(name, module) for name, module in model.named_modules() if pattern_matches(pattern, name)]
         if not matches:
             parameters = _matching_parameters(model, pattern)
@@ -152,26 +146,6 @@ def _shards_inside(entry: PlannedModule, planned: dict[str, PlannedModule]) -> b
     """Whether the plan shards any parameter of `entry`'s module or of a module inside it."""
     inside = [other for name, other in planned.items() if name == entry.name or name.startswith(entry.name + ".")]
     return any(other.parameters or other.style in LINEAR_STYLES for other in inside)
-
-
-def check_config_heads(model: nn.Module, tp: int) -> None:
-    config = getattr(model, "config", None)
-    for field in CONFIG_HEAD_FIELDS:
-        value = getattr(config, field, None)
-        if not isinstance(value, int) or not value % tp:
-            continue
-        if field in KV_HEAD_ATTRIBUTES:  # fewer kv heads than ranks: replicated, if each rank's heads use one
-            if value and not tp % value:
-                continue
-            raise ValueError(
-                f"config.{field}={value} neither divides nor is divisible by tensor_parallel_size={tp}: each rank "
-                f"must hold whole kv heads, or replicas of one; use a tensor_parallel_size in {divisors(value)} or "
-                f"a multiple of {value}"
-            )
-        raise ValueError(
-            f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
-            f"heads; use a tensor_parallel_size in {divisors(value)}"
-        )
 
 
 def _check_module(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from tp_train.parallel.sharding import divisors
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
 from tp_train.plan.coverage import (
     covered_linears,
@@ -12,9 +13,18 @@ from tp_train.plan.coverage import (
     sharded_parameters,
     whole_beyond_small,
 )
-from tp_train.plan.match import check_config_heads, names_anything
+from tp_train.plan.match import names_anything
 from tp_train.plan.presets import check_shardable, override_plan, plan_additions, preset_plan
-from tp_train.plan.styles import ALIASES, LINEAR_STYLES, adapted_model, linear_shape, pattern_matches, split_style
+from tp_train.plan.styles import (
+    ALIASES,
+    CONFIG_HEAD_FIELDS,
+    KV_HEAD_ATTRIBUTES,
+    LINEAR_STYLES,
+    adapted_model,
+    linear_shape,
+    pattern_matches,
+    split_style,
+)
 
 # How the source of a plan lists the entries it skipped (printed by `tp_train.parallelize` on rank 0).
 SKIPPED = "skipped, as this config builds nothing they name:"
@@ -48,7 +58,10 @@ def resolve_plan(
     model: nn.Module, plan: dict[str, str] | None = None, tensor_parallel_size: int | None = None, example_input=None
 ) -> tuple[dict[str, str], str]:
     """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`), else the
-    auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.autoplan`)."""
+    auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.autoplan`). The config's head
+    counts are checked against `tensor_parallel_size` here, whichever plan it is."""
+    if tensor_parallel_size:
+        check_config_heads(model, tensor_parallel_size)
     if plan:
         return dict(plan), "the plan argument"
     check_shardable(model)
@@ -59,8 +72,6 @@ def resolve_plan(
         if _leaves_linears_whole(model, found[0]):
             return _completed(model, *found, tensor_parallel_size, example_input)
         return found
-    if tensor_parallel_size:
-        check_config_heads(model, tensor_parallel_size)
     try:
         inferred = infer_plan(model, tensor_parallel_size, example_input, given=found[0] if found else None)
     except ValueError as error:
@@ -79,6 +90,28 @@ def resolve_plan(
     completed = InferredPlan({**inferred, **found[0]})
     completed.notes = inferred.notes  # an attention kept whole is said, whichever plan it completes
     return completed, f"{found[1]}, {COMPLETED_SOURCE}"
+
+
+def check_config_heads(model: nn.Module, tp: int) -> None:
+    """A one-line `ValueError` where a head count in `model.config` does not split over `tp` ranks (kv heads fewer
+    than ranks are replicated where tp is a multiple of them)."""
+    config = getattr(model, "config", None)
+    for field in CONFIG_HEAD_FIELDS:
+        value = getattr(config, field, None)
+        if not isinstance(value, int) or not value % tp:
+            continue
+        if field in KV_HEAD_ATTRIBUTES:  # fewer kv heads than ranks: replicated, if each rank's heads use one
+            if value and not tp % value:
+                continue
+            raise ValueError(
+                f"config.{field}={value} neither divides nor is divisible by tensor_parallel_size={tp}: each rank "
+                f"must hold whole kv heads, or replicas of one; use a tensor_parallel_size in {divisors(value)} or "
+                f"a multiple of {value}"
+            )
+        raise ValueError(
+            f"config.{field}={value} is not divisible by tensor_parallel_size={tp}: each rank must hold whole "
+            f"heads; use a tensor_parallel_size in {divisors(value)}"
+        )
 
 
 def _completed(

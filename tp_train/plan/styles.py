@@ -390,6 +390,16 @@ def split_style(style: str) -> tuple[str, str]:
     return name, rest[:-1]
 
 
+def check_style(pattern: str, style: str) -> tuple[str, str]:
+    """The name (aliases resolved) and arguments of plan entry `pattern`'s `style`; a one-line `ValueError` for a
+    style tp_train does not know."""
+    name, arguments = split_style(ALIASES.get(style, style))
+    if name not in STYLES | PARAMETER_STYLES:
+        known = ", ".join(sorted(STYLES | PARAMETER_STYLES))
+        raise ValueError(f"plan entry '{pattern}': unknown style '{name}'; known styles: {known}")
+    return name, arguments
+
+
 def section_sizes(arguments: str) -> tuple[int, ...] | None:
     """The section sizes `fused_qkv_colwise(64,32,32)` or `channelwise(64,16,16)` names, or None (the style's own
     layout: equal thirds, one section). A section written `2x8` is 2 indivisible units of 8 (16 rows)."""

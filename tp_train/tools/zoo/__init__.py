@@ -29,18 +29,18 @@ family of a run) is `run_zoo(..., fields={...})`.
 
 from tp_train.tools.zoo.check import CLASSES, check_family, has_block_linears
 from tp_train.tools.zoo.configs import (
-    FAMILY_FIELDS,
     SIZES,
     TOLERANCE,
     VOCAB,
     WIDTHS,
     build_family,
     families,
+    family_fields,
     tiny_config,
 )
 from tp_train.tools.zoo.runner import run_zoo, summary
 
 __all__ = [
-    "CLASSES", "FAMILY_FIELDS", "SIZES", "TOLERANCE", "VOCAB", "WIDTHS", "build_family", "check_family", "families",
+    "CLASSES", "family_fields", "SIZES", "TOLERANCE", "VOCAB", "WIDTHS", "build_family", "check_family", "families",
     "has_block_linears", "run_zoo", "summary", "tiny_config",
 ]  # fmt: skip

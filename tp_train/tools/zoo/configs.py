@@ -1,80 +1,17 @@
-"""The zoo's tiny configs: the generic sizes every family gets, the fields each family's own layout needs, and
-building a family's model from them (`tp_train.tools.zoo_tasks` for the task's class)."""
+"""The zoo's tiny configs: the generic sizes every family gets, the fields each family's own layout needs (its
+record's `zoo_fields`, `tp_train.plan.families`), and building a family's model from them (`tp_train.tools.zoo_tasks`
+for the task's class)."""
 
 from __future__ import annotations
 
 import copy
 
+from tp_train.plan.families import family
+
 TOLERANCE = 1e-5
 VOCAB = 128
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
-# Families whose own layout ties two generic sizes: MiMo-V2-Flash's sliding-window layers have twice the kv heads,
-# which must not exceed the query heads.
-FAMILY_FIELDS = {
-    "mimo_v2_flash": dict(num_key_value_heads=2),
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # one (global, local) pair: the 2 tiny layers
-    # Mamba2: heads x head width = expand x hidden; n_groups stays at its default (8, one group per head), which
-    # tp 2 and 4 divide (tp must, as in Megatron); a 16-wide state keeps B and C (n_groups x state_size) small.
-    "mamba2": dict(num_heads=8, state_size=16),
-    # Nemotron-H's Mamba2 layers the same way (8 heads of 8, its default 8 groups, a 16-wide state).
-    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16),
-    # Bamba and GraniteMoeHybrid (8 Mamba heads of 8 by `WIDTHS`): a 16-wide state; their default of one group (as
-    # real checkpoints have) is kept: every rank holds its B and C (replicated, like kv heads) and the gated norm
-    # normalises the group across the ranks (`gated_rmsnorm_parallel`).
-    "bamba": dict(mamba_d_state=16),
-    # Falcon-H1 the same (its mixer 64 wide by `WIDTHS`' mamba_d_ssm), with μP multipliers other than 1 (so its
-    # `mup_vector` differs section by section and a wrong split of it shows) and scaled keys and MLP.
-    "falcon_h1": dict(
-        mamba_d_state=16, ssm_multipliers=[0.5, 2.0, 0.25, 4.0, 1.5], key_multiplier=0.5, mlp_multipliers=[2.0, 0.5]
-    ),  # fmt: skip
-    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=8),  # 32 heads of 128 by default
-    # Reformer's causal LM asserts is_decoder (the default config is an encoder's); its axial position embeddings
-    # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
-    "reformer": dict(is_decoder=True, axial_pos_embds_dim=(16, 16), axial_pos_shape=(8, 8)),
-    # Zamba: its shared attention tied across two hybrid layers; 4 Mamba heads of 16 (2 by default), so tp 2 and 4
-    # divide them (each rank holds whole heads).
-    "zamba": dict(layers_block_type=["hybrid", "hybrid"], n_mamba_heads=4),
-    # Zamba2 (a Mamba2 layer, then a hybrid one): 8 Mamba2 heads of 8 in one group (its default, as real checkpoints
-    # have), an 8-wide state, and adapters of rank 8 on its shared MLP (128 by default, 4 times the tiny width).
-    "zamba2": dict(mamba_d_state=8, adapter_rank=8),
-    # CodeGen reshapes qkv_proj's output into a hard-coded 4 groups of [q; v; k] (`mp_num`), on local heads too: each
-    # rank holds its share of every group, so tp x 4 must divide the heads (16 of 2, a rotary width that fits).
-    "codegen": dict(num_attention_heads=16, rotary_dim=2),
-    # Inkling's sliding-window layers keep head counts and widths of their own (64 heads of 128 by default, kept at
-    # the tiny sizes by no generic field), and a relative-position bank (d_rel x rel_extent, 16 x 1024) shared by the
-    # heads: a tiny sliding and a tiny full layer, a bank shorter than the input so its distance cut-off shows.
-    "inkling_text": dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=5, rel_extent=6)
-    | dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=8),
-    # BLT's random patcher gives every byte an entropy (about 4.4) above the default threshold (1.34): every byte its
-    # own patch, and a patch querying its one byte shows nothing of its queries; above ln(vocab) only the first byte
-    # is a patch of its own, the others one long patch.
-    "blt": dict(patching_threshold=5.0),
-}
-# VibeVoice's audio tokenizers (the sub-configs of vibevoice and vibevoice_asr): by default 6 downsampling stages
-# that double 32 filters up to 2048 channels (1.0 and 0.7 billion parameters, 8.4 GB a rank at tp 2 with the
-# unsharded copy: two such families at once were killed for memory); 2 stages of 4 to 16 filters, one block each.
-FAMILY_FIELDS |= {
-    name: dict(num_filters=4, downsampling_ratios=[2, 2], depths=[1, 1, 1])
-    for name in ("vibevoice_acoustic_tokenizer", "vibevoice_acoustic_tokenizer_encoder")
-}
-FAMILY_FIELDS["inkling2_text"] = FAMILY_FIELDS["inkling_text"]  # the same layout (its sliding layers: 48 heads of 128)
-# Families whose default config builds no model that runs (transformers 5's defaults lack what every checkpoint of the
-# family sets): the fields a checkpoint would carry, at the tiny sizes.
-FAMILY_FIELDS |= {
-    # attention reads attn_config.rope_theta and clamps q/k/v by clip_qkv, which the defaults leave out; the experts'
-    # width follows `d_model` only when it is set by that name
-    "dbrx": dict(
-        d_model=32,
-        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
-    ),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default layer kinds
-    # with Mamba2 layers only its forward cannot build its cache: the second layer is attention; a 16-wide state
-    "granitemoehybrid": dict(mamba_d_state=16, layer_types=["linear_attention", "full_attention"]),
-    # rotary parameters are looked up per layer kind, and the default has none
-    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-}
 # Widths beyond the generic sizes, set wherever a (sub-)config has them as an int: mixture-of-experts widths (tp
 # must divide them), DeepSeek-style latent attention (a rotary and a plain part of each query/key head, values 8
 # wide, compressed ranks), the widths a vision or audio tower hands to the text model, and an encoder-decoder's
@@ -99,8 +36,8 @@ def tiny_config(model_type: str) -> dict:
     them: a head width (8) where the config has one, a rotary width that fits a head, special token ids inside the
     tiny vocabulary, the `WIDTHS` the config has, expert counts its default leaves None, per-layer lists it would keep
     at the default layer count (shortened, one layer of each kind first), fewer kv-sharing layers than the tiny
-    model has, `FAMILY_FIELDS`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
-    `audio_config`, ...) made tiny the same way (with the `FAMILY_FIELDS` of its own model type), so no part of the
+    model has, the family's `zoo_fields`, and each sub-config (a multimodal model's `text_config`, `vision_config`,
+    `audio_config`, ...) made tiny the same way (with the `zoo_fields` of its own model type), so no part of the
     model keeps its full size."""
     from transformers import CONFIG_MAPPING
 
@@ -109,7 +46,13 @@ def tiny_config(model_type: str) -> dict:
     except Exception:  # noqa: BLE001 - the build reports it
         return dict(SIZES)
     sizes = {field: value for field, value in SIZES.items() if _accepts(defaults, field, value)}
-    return {**sizes, **_tiny_fields(defaults), **FAMILY_FIELDS.get(model_type, {})}
+    return {**sizes, **_tiny_fields(defaults), **family_fields(model_type)}
+
+
+def family_fields(model_type: str) -> dict:
+    """The fields `model_type`'s record gives its tiny config (`FamilySpec.zoo_fields`); {} without any."""
+    spec = family(model_type)
+    return dict(spec.zoo_fields) if spec and spec.zoo_fields else {}
 
 
 def _tiny_fields(defaults) -> dict:
@@ -147,7 +90,7 @@ def _tiny_fields(defaults) -> dict:
         if isinstance(sub, PretrainedConfig) and sub.model_type:  # not DBRX's attn_config: part of its parent
             sizes = {key: value for key, value in SIZES.items() if isinstance(_value(sub, key), int)}
             config[field] = {
-                "model_type": sub.model_type, **sizes, **_tiny_fields(sub), **FAMILY_FIELDS.get(sub.model_type, {})
+                "model_type": sub.model_type, **sizes, **_tiny_fields(sub), **family_fields(sub.model_type)
             }  # fmt: skip
             if "num_hidden_layers" in sizes and isinstance(_value(sub, "mlp_layer_types"), list):
                 # per-layer MLP kinds (dots3's vision tower) are not re-derived from the layer count: keep the first

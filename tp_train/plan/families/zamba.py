@@ -1,6 +1,6 @@
-"""Plan entries for Zamba and Zamba2: Mamba layers, and hybrid layers in which a transformer block shared by several
-layers (tied, Zamba2's with per-layer low-rank adapters) feeds its output, through the layer's own `linear`, into
-the input of a Mamba layer. Sized per config; `tp_train.plan.presets` places them in each family's preset.
+"""Records of Zamba and Zamba2: Mamba layers, and hybrid layers in which a transformer block shared by several layers
+(tied, Zamba2's with per-layer low-rank adapters) feeds its output, through the layer's own `linear`, into the input
+of a Mamba layer. Every entry but the embedding is sized or placed by the config (each record's `variant`).
 
 The shared block splits as Llama's, its attention by heads (kv heads replicated when fewer than ranks), its MLP by
 its hidden features. Its output feeds only `linear` (hidden x hidden), so rather than summing it on every rank and
@@ -11,7 +11,8 @@ per hybrid layer, and no hidden x hidden matrix whole on every rank.
 
 from __future__ import annotations
 
-from tp_train.plan.mixer_presets import mamba2_mixer, under
+from tp_train.plan.families.recurrent import mamba2_mixer, under
+from tp_train.plan.families.spec import FamilySpec
 
 # Zamba's Mamba mixer: Mamba (v1) run as `n_mamba_heads` independent heads, each with its own x_proj, dt_proj, A_log
 # and D, stored as (heads, ...) parameters of the mixer itself. Split by those heads: in_proj's output holds each
@@ -89,3 +90,24 @@ def zamba2_layers(config) -> dict[str, str]:
     if config.use_shared_attention_adapter:
         block |= ATTENTION_ADAPTERS
     return entries | _hybrid(config, "shared_transformer", block)
+
+
+RECORDS = (
+    # The zoo's Zamba: its shared attention tied across two hybrid layers; 4 Mamba heads of 16 (2 by default), so
+    # tp 2 and 4 divide them (each rank holds whole heads).
+    FamilySpec(
+        model_type="zamba",
+        preset={"embed_tokens": "embedding_rowwise"},
+        variant=zamba_layers,
+        zoo_fields=dict(layers_block_type=["hybrid", "hybrid"], n_mamba_heads=4),
+    ),
+    # The zoo's Zamba2 (a Mamba2 layer, then a hybrid one): 8 Mamba2 heads of 8 in one group (its default, as real
+    # checkpoints have), an 8-wide state, and adapters of rank 8 on its shared MLP (128 by default, 4 times the tiny
+    # width).
+    FamilySpec(
+        model_type="zamba2",
+        preset={"embed_tokens": "embedding_rowwise"},
+        variant=zamba2_layers,
+        zoo_fields=dict(mamba_d_state=8, adapter_rank=8),
+    ),
+)

@@ -1,19 +1,20 @@
-"""Plan entries for the mixers that hybrid and linear-attention families run in place of (or beside) attention:
-gated delta-net linear attention, Mamba2 (Megatron's split), and the per-layer views of Griffin's recurrent blocks.
-Each is data, sized per config where its sections depend on it; `tp_train.plan.presets` places them in a family's
-preset or in its additions to Hugging Face's plan.
-"""
+"""Records of the families that run a recurrent mixer in place of (or beside) attention: gated delta-net linear
+attention, Mamba2 (Megatron's split), Griffin's recurrent blocks and RWKV. Each mixer's entries are data, sized per
+config where its sections depend on it (a record's `variant`)."""
 
 from __future__ import annotations
 
 import torch.nn as nn
+
+from tp_train.plan.families.attention import LATENT_ATTENTION
+from tp_train.plan.families.spec import FamilySpec
 
 # Gated delta-net linear attention (OLMo-Hybrid's `linear_attn`; Kimi-Linear's and Ling's (BailingHybrid)
 # `self_attn` in their linear layers), which Hugging Face's plans leave whole: q, k and v (separate Linears) feed a
 # depthwise conv1d over their concatenated channels, then a per-head recurrence gated by per-head decays (A_log,
 # dt_bias, a forget gate) and betas (b_proj), then a norm gated by g_proj over each head and o_proj. Split by heads:
 # q/k/v and the per-head projections by columns, the conv1d by channels in the three sections [q; k; v]
-# (`channelwise(q,k,v)`, sized per config in `CONFIG_VARIANTS`), A_log and dt_bias with the heads, the gated norm
+# (`channelwise(q,k,v)`, sized per config by `delta_net_conv`), A_log and dt_bias with the heads, the gated norm
 # (one weight over a head's width, shared by all heads) whole with its gradient summed over the ranks' heads, o_proj by
 # rows. Low-rank projections (Kimi's f_a_proj, g_a_proj) stay whole; what follows them is split by columns. The
 # module's own widths across heads (`key_dim`, `qkv_dim`) become local through its `attention(...)` view.
@@ -159,3 +160,100 @@ def recurrent_gemma_variant(config) -> dict[str, str]:
     if len(set(views)) == 1:
         return {"layers.*.temporal_block": views[0]}
     return {f"layers.{index}.temporal_block": view for index, view in enumerate(views)}
+
+
+# RecurrentGemma (Griffin): each layer's temporal block is local attention or a recurrent block; the entries of both
+# are given, and the config's layer kinds decide which match (`recurrent_gemma_variant` names each block's own view).
+# The recurrent block splits by the RG-LRU's heads: linear_x and linear_y by columns, the depthwise conv_1d by
+# channels, the RG-LRU's per-channel recurrent_param and its block-diagonal gates ((heads, block_width, block_width)
+# weights, (heads, block_width) biases) along dim 0 (`channelwise`: each rank's heads are its contiguous channels),
+# linear_out by rows. The attention (one kv head in the released configs, replicated when tp exceeds it) and the MLP
+# as Llama's.
+RECURRENT_GEMMA = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.temporal_block.linear_x": "colwise",
+    "layers.*.temporal_block.linear_y": "colwise",
+    "layers.*.temporal_block.conv_1d": "channelwise",
+    "layers.*.temporal_block.rg_lru": "channelwise",
+    "layers.*.temporal_block.linear_out": "rowwise",
+    "layers.*.temporal_block.q_proj": "colwise",
+    "layers.*.temporal_block.k_proj": "colwise",
+    "layers.*.temporal_block.v_proj": "colwise",
+    "layers.*.temporal_block.o_proj": "rowwise",
+    "layers.*.mlp_block.gate_proj": "colwise",
+    "layers.*.mlp_block.up_proj": "colwise",
+    "layers.*.mlp_block.down_proj": "rowwise",
+}
+# RWKV (v4): the time-mix (attention) splits by channels: key, value and receptance by columns, the per-channel decay
+# and bonus (`time_decay`, `time_first`) with them (the wkv recurrence acts on each channel on its own), output by
+# rows. The channel-mix (feed-forward) splits key by columns and value by rows; its receptance (hidden -> hidden,
+# whose sigmoid gates the value layer's all-reduced output) stays whole, as do the time_mix_* interpolations of the
+# replicated input. Its LM head is `head` (split over the vocabulary, as `lm_head` is).
+RWKV = {
+    "embeddings": "embedding_rowwise",
+    "blocks.*.attention.key": "colwise",
+    "blocks.*.attention.value": "colwise",
+    "blocks.*.attention.receptance": "colwise",
+    "blocks.*.attention.time_decay": "colwise",
+    "blocks.*.attention.time_first": "colwise",
+    "blocks.*.attention.output": "rowwise",
+    "blocks.*.feed_forward.key": "colwise",
+    "blocks.*.feed_forward.receptance": "replicate",
+    "blocks.*.feed_forward.value": "rowwise",
+}
+# Bamba's, GraniteMoeHybrid's and Nemotron-H's plans shard only the head or the experts, and Falcon-H1 ships none:
+# their Mamba2 mixers are added, and the auto-planner completes attention and the MLPs. The zoo's tiny configs give
+# the Mamba2 mixers 8 heads of 8 and a 16-wide state; n_groups stays at each family's default: Mamba2's and
+# Nemotron-H's 8 (one group per head, which tp 2 and 4 divide, as Megatron requires), Bamba's, GraniteMoeHybrid's
+# and Falcon-H1's one (as real checkpoints have: every rank holds its B and C, replicated like kv heads, and the
+# gated norm normalises the group across the ranks, `gated_rmsnorm_parallel`).
+RECORDS = (
+    # Mamba2, as Megatron shards it: its mixer's entries are `mamba2_mixer`'s, their sections sized by the config.
+    FamilySpec(
+        model_type="mamba2",
+        preset={"embeddings": "embedding_rowwise"},
+        variant=mamba2_variant,
+        zoo_fields=dict(num_heads=8, state_size=16),
+    ),
+    FamilySpec(
+        model_type="nemotron_h",
+        variant=nemotron_h_variant,
+        zoo_fields=dict(mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16),
+    ),
+    FamilySpec(model_type="bamba", variant=mamba_layers, zoo_fields=dict(mamba_d_state=16)),
+    # the zoo's: with Mamba2 layers only its forward cannot build its cache, so the second layer is attention
+    FamilySpec(
+        model_type="granitemoehybrid",
+        variant=mamba_layers,
+        zoo_fields=dict(mamba_d_state=16, layer_types=["linear_attention", "full_attention"]),
+    ),
+    # the zoo's: μP multipliers other than 1 (so its `mup_vector` differs section by section and a wrong split of it
+    # shows), scaled keys and MLP
+    FamilySpec(
+        model_type="falcon_h1",
+        variant=falcon_h1_layers,
+        unsupported=falcon_h1_unsupported,
+        zoo_fields=dict(
+            mamba_d_state=16, ssm_multipliers=[0.5, 2.0, 0.25, 4.0, 1.5], key_multiplier=0.5, mlp_multipliers=[2.0, 0.5]
+        ),  # fmt: skip
+    ),
+    FamilySpec(
+        model_type="olmo_hybrid",
+        additions=under("layers.*.linear_attn", OLMO_HYBRID_DELTA_NET),
+        variant=olmo_hybrid_variant,
+    ),
+    # Kimi-Linear's and Ling's full-attention layers are DeepSeek's latent attention, under the same name.
+    FamilySpec(
+        model_type="kimi_linear",
+        additions={**LATENT_ATTENTION, **under("layers.*.self_attn", KIMI_DELTA_NET)},
+        variant=latent_and_delta_variant,
+        zoo_fields=dict(linear_num_heads=4, linear_head_dim=8),  # 32 heads of 128 by default
+    ),
+    FamilySpec(
+        model_type="bailing_hybrid",
+        additions={**LATENT_ATTENTION, **under("layers.*.self_attn", BAILING_DELTA_NET)},
+        variant=latent_and_delta_variant,
+    ),
+    FamilySpec(model_type="recurrent_gemma", preset=RECURRENT_GEMMA, variant=recurrent_gemma_variant),
+    FamilySpec(model_type="rwkv", preset=RWKV),
+)

@@ -1,0 +1,32 @@
+"""TensorParallelStrategy refuses a wrong argument at construction, in one line naming it and what would work."""
+
+from __future__ import annotations
+
+import pytest
+
+from tp_train import TensorParallelStrategy
+
+
+@pytest.mark.parametrize(
+    "arguments, error, message",
+    [
+        ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size=0 must be a positive integer"),
+        ({"context_parallel_size": 1.5}, ValueError, "context_parallel_size=1.5 must be a positive integer"),
+        ({"data_parallel": "zero3"}, ValueError, "data_parallel='zero3': use 'ddp' (replicated tensor-parallel"),
+        ({"data_parallel": "fsdp", "bucket_cap_mb": 5}, TypeError, "got DistributedDataParallel arguments"),
+        ({"bucket_cap": 5}, TypeError, "TensorParallelStrategy got unknown arguments ['bucket_cap']; other keyword"),
+        ({"context_parallel_rotation": "allgathr"}, ValueError, "context_parallel_rotation='allgathr'): use one of"),
+    ],
+    ids=["tp", "cp", "data_parallel", "fsdp_with_ddp_arguments", "unknown", "rotation"],
+)
+def test_a_wrong_argument_is_refused_in_one_line(arguments, error, message):
+    with pytest.raises(error) as refused:
+        TensorParallelStrategy(**arguments)
+    assert message in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def test_the_arguments_users_pass_are_accepted():
+    strategy = TensorParallelStrategy(
+        tensor_parallel_size=2, context_parallel_size=2, context_parallel_rotation="allgather", bucket_cap_mb=5
+    )
+    assert (strategy.tensor_parallel_size, strategy.context_parallel_rotation) == (2, "allgather")

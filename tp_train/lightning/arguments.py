@@ -1,0 +1,44 @@
+"""`TensorParallelStrategy`'s arguments checked before anything starts: each wrong one refused in one line naming it,
+its value and what would work."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from tp_train.parallel.context_parallel import ROTATIONS
+from tp_train.parallel.mesh import DATA_PARALLEL_MODES
+
+
+def check_arguments(
+    tensor_parallel_size: int, context_parallel_size: int, rotation: str, data_parallel: str, kwargs: dict[str, Any]
+) -> None:
+    """Raises ValueError / TypeError for sizes that are not positive integers, an unknown rotation or data-parallel
+    mode, and keyword arguments that are not DistributedDataParallel's (or any with FSDP)."""
+    sizes = {"tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r} must be a positive integer")
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(
+            f"data_parallel={data_parallel!r}: use 'ddp' (replicated tensor-parallel shards) or 'fsdp' "
+            f"(shards, gradients and optimizer states sharded over the data-parallel ranks)"
+        )
+    if data_parallel == "fsdp" and kwargs:
+        raise TypeError(
+            f"TensorParallelStrategy(data_parallel='fsdp') got DistributedDataParallel arguments {sorted(kwargs)}; "
+            f"they apply with data_parallel='ddp' only"
+        )
+    unknown = sorted(set(kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
+    if unknown:  # checked here: at dp=1 there is no DDP to reject them
+        raise TypeError(
+            f"TensorParallelStrategy got unknown arguments {unknown}; other keyword arguments go to torch's "
+            f"DistributedDataParallel (e.g. bucket_cap_mb, gradient_as_bucket_view)"
+        )
+    if rotation not in ROTATIONS:
+        raise ValueError(
+            f"TensorParallelStrategy(context_parallel_rotation={rotation!r}): use one of "
+            f"{', '.join(map(repr, ROTATIONS))} (docs/long-sequences.md)"
+        )

@@ -1,0 +1,37 @@
+"""Records of families tp_train plans with no built-in entries, but whose tiny zoo config needs fields of its own:
+a layout that ties two generic sizes, or a default config that builds no model that runs."""
+
+from __future__ import annotations
+
+from tp_train.plan.families.spec import FamilySpec
+
+# VibeVoice's audio tokenizers (the sub-configs of vibevoice and vibevoice_asr): by default 6 downsampling stages
+# that double 32 filters up to 2048 channels (1.0 and 0.7 billion parameters, 8.4 GB a rank at tp 2 with the
+# unsharded copy: two such families at once were killed for memory); 2 stages of 4 to 16 filters, one block each.
+VIBEVOICE_TOKENIZER = dict(num_filters=4, downsampling_ratios=[2, 2], depths=[1, 1, 1])
+
+RECORDS = (
+    # MiMo-V2-Flash's sliding-window layers have twice the kv heads, which must not exceed the query heads.
+    FamilySpec(model_type="mimo_v2_flash", zoo_fields=dict(num_key_value_heads=2)),
+    # Reformer's causal LM asserts is_decoder (the default config is an encoder's); its axial position embeddings
+    # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
+    FamilySpec(
+        model_type="reformer", zoo_fields=dict(is_decoder=True, axial_pos_embds_dim=(16, 16), axial_pos_shape=(8, 8))
+    ),
+    # CodeGen reshapes qkv_proj's output into a hard-coded 4 groups of [q; v; k] (`mp_num`), on local heads too: each
+    # rank holds its share of every group, so tp x 4 must divide the heads (16 of 2, a rotary width that fits).
+    FamilySpec(model_type="codegen", zoo_fields=dict(num_attention_heads=16, rotary_dim=2)),
+    # BLT's random patcher gives every byte an entropy (about 4.4) above the default threshold (1.34): every byte its
+    # own patch, and a patch querying its one byte shows nothing of its queries; above ln(vocab) only the first byte
+    # is a patch of its own, the others one long patch.
+    FamilySpec(model_type="blt", zoo_fields=dict(patching_threshold=5.0)),
+    FamilySpec(model_type="vibevoice_acoustic_tokenizer", zoo_fields=VIBEVOICE_TOKENIZER),
+    FamilySpec(model_type="vibevoice_acoustic_tokenizer_encoder", zoo_fields=VIBEVOICE_TOKENIZER),
+    # Defaults that build no model that runs (transformers 5's defaults lack what every checkpoint sets):
+    FamilySpec(model_type="lfm2_moe", zoo_fields=dict(layer_types=["conv", "full_attention"])),  # no layer kinds
+    # rotary parameters are looked up per layer kind, and the default has none
+    FamilySpec(
+        model_type="cohere_compass_text",
+        zoo_fields=dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ),
+)
