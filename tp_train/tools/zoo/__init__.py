@@ -10,9 +10,10 @@ Each family lands in one class:
 - `refused`: `parallelize` refused it in one line (a plan it cannot apply, or verification found a difference);
 - `round-off`: beyond 1e-5 in float32 but within 1e-9 in float64 (the same function, summed in another order);
 - `WRONG`: sharded without complaint, but it computes something else (the worst outcome: none should be here);
-- `unsharded`: it matches, but more than 15% of the block matrices that train are left unsplit (some attention or MLP
-  left whole on every rank without the planner saying so), or, with an attention the planner keeps whole, less than
-  1/tp + 0.15 of them are sharded;
+- `unsharded`: it matches, but more than 15% of the block matrices that train are whole on every rank, at any tp
+  (some attention or MLP left whole without the planner saying so; k and v of kv heads fewer than the ranks, held as
+  far split as their heads allow, count as split), or, with an attention the planner keeps whole, less than 1/tp +
+  0.15 of them are split;
 - `killed`: a rank was killed by a signal it did not get from the zoo (the kernel's out-of-memory killer): checked
   again alone once the other families are done, and `killed` only if it is killed again;
 - `error`: anything else (a crash, or no result within `--timeout` seconds);
