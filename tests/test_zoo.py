@@ -60,7 +60,8 @@ def test_the_unsharded_bar_is_the_fraction_held_whole_at_every_tp():
 def test_block_share_reads_the_blocks_on_the_unsharded_model():
     """A block whose Linears were all swapped for parallel layers (GPT-2's Conv1D, a rank's half of it) still counts:
     its blocks are found on the unsharded model, so a block beside it holding a whole weight shows half of them
-    whole, not none (nothing counted let any whole weight of such a block pass unseen)."""
+    whole, not none (nothing counted let any whole weight of such a block pass unseen). A convolution wider than 1 x 1
+    (PVT's sequence reduction), which no column or row style splits, is not counted."""
     import copy
 
     import torch
@@ -77,6 +78,7 @@ def test_block_share_reads_the_blocks_on_the_unsharded_model():
     reference = nn.Module()
     reference.blocks = nn.ModuleList([nn.Module()])
     reference.blocks[0].fc, reference.blocks[0].router = Conv1D(8, 4), nn.Conv1d(4, 8, 1, bias=False)  # 32 each
+    reference.blocks[0].reduce = nn.Conv1d(4, 4, 3)  # a convolution wider than 1x1: not counted
     model = copy.deepcopy(reference)
     model.blocks[0].fc = Half(reference.blocks[0].fc.weight)
     for param in reference.parameters():

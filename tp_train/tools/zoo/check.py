@@ -155,7 +155,8 @@ def has_block_linears(model) -> bool:
 def _block_share(model, reference) -> tuple[float, str]:
     """The fraction of the elements of the block matrices that train that this rank holds whole (parameters of two
     or more dims inside a repeated block, `in_block`, that holds a Linear, and that got a gradient: a vision tower a
-    text batch never reaches does not count, nor a convolutional stem's numbered layers), and the first such one. The
+    text batch never reaches does not count, nor a convolutional stem's numbered layers, nor a convolution wider than
+    1 x 1, which no column or row style splits: PVT's sequence reduction), and the first such one. The
     blocks are read on the unsharded `reference`: its Linears, not the sharded model's swapped layers (GPT-2's Conv1D
     layers become parallel ones no block test knows, which left nothing counted)."""
     from tp_train.plan.coverage import in_block
@@ -165,12 +166,20 @@ def _block_share(model, reference) -> tuple[float, str]:
     first = ""
     for name, param in model.named_parameters():
         expected = reference_params[name]
-        counted = in_block(reference, name) and _in_linear_block(reference, name)
+        counted = in_block(reference, name) and _in_linear_block(reference, name) and not _spatial(reference, name)
         if param.dim() >= 2 and expected.grad is not None and counted:
             full += expected.numel()
             if param.numel() == expected.numel():
                 whole, first = whole + param.numel(), first or name
     return whole / max(full, 1), first
+
+
+def _spatial(model, name: str) -> bool:
+    """Whether parameter `name` belongs to a convolution whose kernel is wider than 1 (a spatial mixer)."""
+    from torch.nn.modules.conv import _ConvNd
+
+    owner = model.get_submodule(name.rpartition(".")[0])
+    return isinstance(owner, _ConvNd) and any(size > 1 for size in owner.kernel_size)
 
 
 def _in_linear_block(model, name: str) -> bool:
