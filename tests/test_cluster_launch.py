@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -94,7 +95,11 @@ def test_torchrun_restarts_after_a_killed_worker_and_finishes_with_the_uninterru
         finally:
             torchrun.kill()
     text = log.read_text()
-    assert "exitcode  : -9" in text or "exitcode: -9" in text, text[-4000:]  # torchrun saw the SIGKILL
+    # torchrun reports the SIGKILL, or, when rank 0's collective failed and it exited before torchrun's next look,
+    # rank 0's failure naming the lost peer (seen in 1 of 4 full runs): either way the kill ended the round.
+    killed = "exitcode  : -9" in text or "exitcode: -9" in text
+    lost_peer = re.search(r"error: rank 0 \(pid \d+\) failed: RuntimeError: .*Connection (reset|closed) by peer", text)
+    assert killed or lost_peer, text[-4000:]
     assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in text, text[-4000:]  # and restarted
     _same_run(_summary(run_dir), uninterrupted)
 
