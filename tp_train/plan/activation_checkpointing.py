@@ -1,6 +1,5 @@
 """Activation checkpointing per transformer block (torch.utils.checkpoint, non-reentrant); each checkpointed forward
-records `TensorParallelRNG`'s whole state and the recomputation replays it, so dropout draws the same masks.
-"""
+records `TensorParallelRNG`'s whole state and the recomputation replays it, so dropout draws the same masks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Adapters under tensor parallelism: peft's LoRA beside a sharded Linear, split so the layer computes what it did
-(docs/fine-tuning.md, "Adapters: LoRA under tensor parallelism").
-"""
+(docs/fine-tuning.md, "Adapters: LoRA under tensor parallelism")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Applying a resolved plan (`match.match_plan` validates it first): each planned module swapped for its
-tensor-parallel counterpart, keeping what the module did (docs/planner.md, "What a plan cannot get wrong silently").
-"""
+tensor-parallel counterpart, keeping what the module did (docs/planner.md, "What a plan cannot get wrong silently")."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def apply_plan(
 ) -> None:
     """Swaps each planned module for its tensor-parallel counterpart holding this rank's slice of its weights, in
     `named_modules` order, materialising meta tensors on `device` one module at a time (the same initial weights at
-    every tp); `check(name, module, layer)` runs right after each swap (`verify.SwapCheck`).
-    """
+    every tp); `check(name, module, layer)` runs right after each swap (`verify.SwapCheck`)."""
     init_weights = getattr(model, "_init_weights", None)
     materialize_adapters(model, device)  # peft's own initialisation, not the model's
     by_name = {entry.name: entry for entry in planned}
@@ -164,8 +162,7 @@ _KEPT_FORWARDS: dict[tuple[type, type], type] = {}
 def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> nn.Module:
     """`layer`, made to run `module`'s forward when `module` is a subclass of `base` that overrides it (Gemma's scaled
     embedding): its class becomes `(type(module), type(layer), base)`, and the subclass's buffers, own parameters,
-    attributes and children move to it.
-    """
+    attributes and children move to it."""
     cls = type(module)
     if not isinstance(module, base) or cls.forward is base.forward or not _calls_super_forward(cls):
         return layer

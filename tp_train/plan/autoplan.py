@@ -1,6 +1,5 @@
 """The auto-planner: infers a column/row tensor-parallel plan from one probe forward of the model, as data for
-the plan readers (`match`, `apply`). Its phases are described in docs/planner.md ("The auto-planner's phases").
-"""
+the plan readers (`match`, `apply`). Its phases are described in docs/planner.md ("The auto-planner's phases")."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def infer_plan(
 ) -> dict[str, str]:
     """A plan {module-name pattern: style} for `model`, right at `tensor_parallel_size`, inferred from one probe forward
     on `example_input` (default: the model's own, `probe_input`); `given`: the model's own plan being completed.
-    Raises a one-line `ValueError` naming the module when the structure is not one the planner can be sure of.
-    """
+    Raises a one-line `ValueError` naming the module when the structure is not one the planner can be sure of."""
     shares = max(tensor_parallel_size or 2, 2)
     with probe_copy(model) as probe:
         inputs = probe_input(probe, example_input)

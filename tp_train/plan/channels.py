@@ -1,6 +1,5 @@
 """The `channelwise` style: a module whose own parameters hold one entry per channel between a column and a row layer
-(an SSM's conv1d, A_log and D; a gated norm's weight) keeps each rank's channels' entries, by sections if named.
-"""
+(an SSM's conv1d, A_log and D; a gated norm's weight) keeps each rank's channels' entries, by sections if named."""
 
 from __future__ import annotations
 

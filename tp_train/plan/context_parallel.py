@@ -1,7 +1,6 @@
 """Context parallelism plugged into models: each rank of a context-parallel group runs the model on its share of every
 sequence and attention spans the group (docs/long-sequences.md); attentions the kernel cannot split exactly are
-refused in one line naming the module.
-"""
+refused in one line naming the module."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def enable_context_parallel(
 ) -> nn.Module:
     """Makes `model` (token ids -> logits) run context-parallel over `cp_group`, in place: keys and values reach each
     rank by `rotation` ("ring" or "allgather"); `document_separator`, the end-of-text id between packed documents,
-    makes attention block-diagonal by document.
-    """
+    makes attention block-diagonal by document."""
     state = ContextParallelState(cp_group, rotation, document_separator)
     target, position_argument = _positioned_model(model)
     kernels = _swap_attention_kernels(model, state)

@@ -1,6 +1,5 @@
 """Sharded data parallelism over a tensor-parallel model: torch's FSDP2 (`fully_shard`) on the data-parallel axis,
-one group per block, one per model for the rest, and the root (docs/cluster.md).
-"""
+one group per block, one per model for the rest, and the root (docs/cluster.md)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def fully_shard_data_parallel(
 ) -> list[FSDPModule]:
     """Shards the parameters of `root` over the 1-D data-parallel `mesh` with FSDP2, bottom-up (each of `models`'
     blocks, then each model, then `root`; `extra_methods` gather the parameters too); returns every FSDP module, root
-    last.
-    """
+    last."""
     if mesh.ndim != 1:
         raise ValueError(f"fully_shard_data_parallel needs a 1-D data-parallel mesh, got {mesh.mesh_dim_names}")
     models = list(models)

@@ -1,6 +1,5 @@
 """Gradient hooks on parameters, recorded on the module (`tp_gradient_hooks`) so that `keep_gradient_hooks` can put
-them back on the parameters a wrapper such as FSDP2 replaces them with.
-"""
+them back on the parameters a wrapper such as FSDP2 replaces them with."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Head counts read off an attention's own reshape (`view(..., heads, head_dim)`), for grouped-query attention whose
-counts no config states; the config is the cross-check (docs/planner.md, "Kv heads fewer than ranks").
-"""
+counts no config states; the config is the cross-check (docs/planner.md, "Kv heads fewer than ranks")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Where a planned model's transformer blocks (the elements of the `nn.ModuleList` holding the plan's parallel layers)
-and output head (its `colwise_gather_output` layer) are, read off its matched plan.
-"""
+and output head (its `colwise_gather_output` layer) are, read off its matched plan."""
 
 from __future__ import annotations
 

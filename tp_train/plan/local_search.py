@@ -1,6 +1,5 @@
 """Finding the local view an attention module needs (`local_view`) by simulating the ranks on the one module, in one
-process: the first candidate under which the ranks' row inputs and outputs match the unsharded module's is taken.
-"""
+process: the first candidate under which the ranks' row inputs and outputs match the unsharded module's is taken."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def find_local_view(
     row_sections: tuple[int, ...] | None = None,
 ) -> tuple[str | None, str]:
     """The attention style (`attention` or `attention(...)`) under which `module` runs right on local heads at `tp`, or
-    None and why not; `call` is its probe call, `columns` its column layers and styles, `row` its row layer.
-    """
+    None and why not; `call` is its probe call, `columns` its column layers and styles, `row` its row layer."""
     reference = _Recorded.run(module, row, call)
     if reference.error is not None:
         return None, f"it does not run on the probe call ({reference.error})"

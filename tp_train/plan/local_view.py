@@ -1,6 +1,5 @@
 """Local views: how an attention module is made to run on one rank's heads when its head counts live where the
-`attention` style's attribute list does not reach (docs/own-models.md, "Running on local heads").
-"""
+`attention` style's attribute list does not reach (docs/own-models.md, "Running on local heads")."""
 
 from __future__ import annotations
 

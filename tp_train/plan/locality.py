@@ -1,6 +1,5 @@
 """The auto-planner's locality oracle: rank r's share of a column layer's output must move only rank r's share of its
-row layer's input; `LocalityProbes._split` finds the first split for which that holds. Mixed into the planner.
-"""
+row layer's input; `LocalityProbes._split` finds the first split for which that holds. Mixed into the planner."""
 
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ class LocalityProbes:
     ) -> bool:
         """Whether perturbing rank r's share of `column`'s output (split as `sections`) at every call moves only rank
         r's share of `row`'s input (of each of `row_sections`) at every call, `frozen` outputs held, replicas (kv heads)
-        perturbed together; a layer run on two inputs (Pegasus-X's q_proj) is checked at each of its calls.
-        """
+        perturbed together; a layer run on two inputs (Pegasus-X's q_proj) is checked at each of its calls."""
         spec = sections if isinstance(sections, ShardSpec) else ShardSpec(dim=0, sections=sections)
         copies = max(spec.replicas(self.shares))
         base = self._row_inputs(row, {}, frozen, background=background) if background else self._row_inputs(row, {})
@@ -190,8 +188,7 @@ class LocalityProbes:
     ) -> list[torch.Tensor]:
         """`row`'s input at each call in a probe forward perturbing what `masks` marks, `frozen` outputs held and
         `background` (and `row`'s own, ALBERT's shared layer) moved alike; `fresh` runs again after a parameter was
-        perturbed.
-        """
+        perturbed."""
         if not masks and not fresh and not background and row in self._bases:
             return self._bases[row]
         frozen = frozen | {row} if masks or background else frozen

@@ -58,8 +58,7 @@ def parallelize(
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
-    The arguments are described in docs/own-models.md ("Without Lightning").
-    """
+    The arguments are described in docs/own-models.md ("Without Lightning")."""
     wrapped = adapted_model(model)
     if wrapped is not None:  # a peft wrapper: its model is planned in the names its own plan uses
         settings = dict(plan=plan, loss_parallel=loss_parallel, device=device, verify=verify, weights=weights,

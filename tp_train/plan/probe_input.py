@@ -1,6 +1,5 @@
 """The probe's input: what the auto-planner, verification and the region check run a model on, given or made up from
-what the model is (docs/planner.md, "The probe input").
-"""
+what the model is (docs/planner.md, "The probe input")."""
 
 from __future__ import annotations
 

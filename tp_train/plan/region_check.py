@@ -1,7 +1,6 @@
 """Per-module verification of the plan entries that swap no module: region styles (`moe_tp_experts`, `all_reduce`,
 the parallel norms) and the parameters they shard in place, each run on its probe arguments before and after
-sharding (docs/planner.md, "What a plan cannot get wrong silently").
-"""
+sharding (docs/planner.md, "What a plan cannot get wrong silently")."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ FEATURE_SPLIT_STYLES = (*NORM_STYLES, FEATURE_REDUCTION_STYLE)
 
 class RegionCheck:
     """Checks each module planned in `CHECKED_STYLES` against itself before sharding: `record` before `apply_plan`,
-    `check` after; `errors` per module, `skipped` says why nothing was checked, or None.
-    """
+    `check` after; `errors` per module, `skipped` says why nothing was checked, or None."""
 
     def __init__(self, group: ProcessGroup, planned: list[PlannedModule], tolerance: float | None = None):
         self.group = group

@@ -1,6 +1,5 @@
 """Sequence parallelism (Korthikanti et al., arXiv 2205.05198) on a model already sharded by its plan: the residual
-stream between the blocks is split along the sequence, each all-reduce becomes an all-gather plus a reduce-scatter.
-"""
+stream between the blocks is split along the sequence, each all-reduce becomes an all-gather plus a reduce-scatter."""
 
 from __future__ import annotations
 

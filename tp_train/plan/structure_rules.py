@@ -1,6 +1,5 @@
 """The auto-planner's structure rules, each a method whose docstring names the family that needed it; mixed into the
-planner. docs/planner.md ("Rules and their tests") lists each with the test that fails without it.
-"""
+planner. docs/planner.md ("Rules and their tests") lists each with the test that fails without it."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class StructureRules:
 
     def _stands_alone(self, name: str, styles: dict[str, str]) -> bool:
         """Whether `name` is a projection on its own: its block's Linears reading its output take it whole, and its
-        input is whole on every rank (Swin's patch merging, MobileBERT's bottlenecks).
-        """
+        input is whole on every rank (Swin's patch merging, MobileBERT's bottlenecks)."""
         call = self.calls[name]
         if name in self.untraced or len(call.shapes) > 1 or call.input is None:
             return False
@@ -143,8 +141,7 @@ class StructureRules:
     def _own_whole(self, pair: Pair) -> None:
         """Entries of their own (`pair.own`) for the pair module's parameters acting between its layers: per-head ones
         split with the heads (Conformer's pos_bias_u/v), the rest whole with summed gradients (VideoPrism's
-        per_dim_scale).
-        """
+        per_dim_scale)."""
         enclosing = enclosing_module(pair)
         if not enclosing or enclosing not in pair.between:
             return
@@ -273,10 +270,9 @@ class StructureRules:
             return f"channelwise({','.join(sizes)})"
         return "channelwise" if len(sections) == 1 else f"channelwise({','.join(map(str, sections))})"
 
-    def _grouped_layout(self, name: str, pair: Pair, call, search) -> tuple[str, dict, tuple] | None:
+    def _grouped_layout(self, name: str, pair: Pair, search) -> tuple[str, dict, tuple] | None:
         """For an attention keeping its heads in G hard-coded groups (CodeGen's four [q; v; k] groups): each rank takes
-        its share of every group; the attention style, the columns' styles and the row's sections, or None.
-        """
+        its share of every group; the attention style, the columns' styles and the row's sections, or None."""
         heads, row_width = self._attention_heads(pair), last_dim(self.calls[pair.row].input)
         frozen = frozenset(pair.replicated)
         for groups in range(2, (heads or 0) // self.shares + 1):

@@ -1,7 +1,6 @@
 """The plan vocabulary: what each style does, and the facts about modules every reader of a plan shares.
 
-The styles, their arguments and parameter entries are described in docs/own-models.md ("Style reference").
-"""
+The styles, their arguments and parameter entries are described in docs/own-models.md ("Style reference")."""
 
 from __future__ import annotations
 
@@ -180,8 +179,7 @@ def column_layout(
 ) -> tuple[tuple[int, ...], tuple | None]:
     """The sections a column style splits a layer's output into (each split evenly) and the heads in each (None where
     they do not matter): named sections, one, two halves or [q; k; v] (k and v as wide as fewer kv heads); a `colwise`
-    layer as wide as the kv heads is one section of `kv_heads` units, replicated when tp exceeds them.
-    """
+    layer as wide as the kv heads is one section of `kv_heads` units, replicated when tp exceeds them."""
     named = section_sizes(arguments)
     sections = PACKED_SECTIONS.get(style, 1)
     heads, kv_heads, head_dim = (counts.heads, counts.kv_heads, counts.head_dim) if counts else (None, None, None)

@@ -1,8 +1,7 @@
 """Plan verification: before training, the sharded model must compute what the unsharded model computes.
 
 Per swapped module (`SwapCheck`), per region (`region_check`) and the whole model (`verify_parallelized`);
-docs/planner.md ("Verification") says what each catches and costs.
-"""
+docs/planner.md ("Verification") says what each catches and costs."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class SwapCheck:
     """Checks each module `apply_plan` swaps against the module it replaced (pass it as `apply_plan`'s `check`).
 
     `errors`: the largest relative difference per module; `skipped`: modules whose full tensors were already gone
-    (tied to one swapped before), checked through the module they are tied to. Each call is a collective.
-    """
+    (tied to one swapped before), checked through the module they are tied to. Each call is a collective."""
 
     def __init__(self, group: ProcessGroup, tolerance: float | None = None):
         self.group = group
@@ -208,8 +206,7 @@ def verify_parallelized(
 ) -> dict[str, float]:
     """Checks the sharded `model` against the unsharded `reference` on one probe batch (a collective): outputs, then
     every parameter's gradient; returns {"output": ..., "gradient": ...} relative differences, or raises
-    `PlanVerificationError` on every rank when any rank sees one beyond `tolerance` (default 1e-4 fp32, 3e-2 half).
-    """
+    `PlanVerificationError` on every rank when any rank sees one beyond `tolerance` (default 1e-4 fp32, 3e-2 half)."""
     # A length every tp divides, for sequence parallelism's split: 8 tokens at tp 1, 2, 4 and 8.
     length = math.lcm(PROBE_TOKENS, dist.get_world_size(group))
     inputs = probe_input(reference, example_input, length, batch=2)

@@ -93,7 +93,7 @@ class AttentionViews:
             if style is None and not (pair.tables or pair.own or pair.replicated):
                 grouped_key = ("grouped",) + called
                 if grouped_key not in self._cache:
-                    self._cache[grouped_key] = self._grouped_layout(name, pair, calls[name], search)
+                    self._cache[grouped_key] = self._grouped_layout(name, pair, search)
                 style, columns, row_sections = self._cache[grouped_key] or (None, None, None)
                 if style is not None:
                     pair.columns = {f"{name}.{column}": split for column, split in columns.items()}

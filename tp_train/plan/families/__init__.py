@@ -1,6 +1,5 @@
 """Everything tp_train knows about Hugging Face families, one `FamilySpec` record per `model_type`, read with
-`family(model_type)`; how to add one: docs/planner.md ("Family records").
-"""
+`family(model_type)`; how to add one: docs/planner.md ("Family records")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Records of Zamba and Zamba2: the shared transformer block splits as Llama's, and its down_proj reduce-scatters its
-output (`rowwise_scatter_output`) into its hybrid layer's `linear`, split by rows (docs/own-models.md).
-"""
+output (`rowwise_scatter_output`) into its hybrid layer's `linear`, split by rows (docs/own-models.md)."""
 
 from __future__ import annotations
 
