@@ -228,7 +228,7 @@ class StructureRules:
     def _columns_along_last_dim(self, pair: Pair, owner: str, param: torch.Tensor) -> bool:
         """Whether `param`, a 2-D parameter of a module inside the attention, holds one column per channel of one of
         its column layers' outputs (split in one section), and perturbing rank r's share of those columns moves only
-        rank r's share of the row input."""
+        rank r's share of the row input (Inkling 2's static short-convolution taps over k_proj's output)."""
         if (
             not pair.attention
             or param.dim() != 2
