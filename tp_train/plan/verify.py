@@ -1,7 +1,5 @@
-"""Plan verification: before training, the sharded model must compute what the unsharded model computes.
-
-Per swapped module (`SwapCheck`), per region (`region_check`) and the whole model (`verify_parallelized`);
-docs/planner.md ("Verification") says what each catches and costs."""
+"""Plan verification: the sharded model must compute what the unsharded one does, checked per swapped module
+(`SwapCheck`), per region (`region_check`) and whole (`verify_parallelized`); docs/planner.md ("Verification")."""
 
 from __future__ import annotations
 

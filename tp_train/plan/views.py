@@ -1,7 +1,5 @@
-"""The auto-planner's views phase: for each attention pair, the local view under which its module runs right on
-local heads (`tp_train.plan.local_search`, found once per block shape), or the reason it is kept whole; and the
-styles of the attention module and the dropout after its row layer. Mixed into `tp_train.plan.autoplan`'s
-planner."""
+"""The auto-planner's views phase: for each attention pair, the local view under which its module runs on local heads
+(`local_search`), or why it is kept whole; and the styles of the attention and its dropout. Mixed into the planner."""
 
 from __future__ import annotations
 
