@@ -11,7 +11,7 @@ import torch.nn as nn
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from tp_train.plan.families import FamilySpec, family, register, registered, unregister
-from tp_train.plan.presets import PRESETS, preset_plan
+from tp_train.plan.presets import preset_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.styles import check_style
 from tp_train.tools.zoo import tiny_config
@@ -75,7 +75,6 @@ def made_up_family():
 def test_a_family_added_through_one_record_reaches_the_presets_the_planner_and_the_zoo(made_up_family):
     model = MadeUpLM(MadeUpConfig())
     expected = {f"model.{key}": style for key, style in RECORD.preset.items()} | {"lm_head": "colwise_gather_output"}
-    assert PRESETS[MADE_UP] == RECORD.preset
     assert preset_plan(model) == expected
     plan, source = resolve_plan(model, tensor_parallel_size=2)
     assert (dict(plan), source) == (expected, f"the built-in preset for model_type '{MADE_UP}'")
@@ -86,7 +85,7 @@ def test_a_family_added_through_one_record_reaches_the_presets_the_planner_and_t
 
 
 def test_the_made_up_family_is_gone_after_its_test():
-    assert family(MADE_UP) is None and MADE_UP not in PRESETS and MADE_UP not in CONFIG_MAPPING
+    assert family(MADE_UP) is None and MADE_UP not in CONFIG_MAPPING
 
 
 @pytest.mark.parametrize(

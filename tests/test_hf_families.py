@@ -3,6 +3,8 @@ GPT-Neo, OPT, Falcon): tiny randomly initialised models, sharded at tp 1, 2 and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -108,9 +110,10 @@ def test_preset_sharded_model_matches_unsharded(parity_results, family):
 
 def _wrong_falcon_split(rank, world_size):
     """The negative control: Falcon's per-head [q_h; k_h; v_h] projection split as if it were [q; k; v]."""
-    from tp_train.plan import presets
+    from tp_train.plan.families import family, register
 
-    presets.PRESETS["falcon"] = {**presets.PRESETS["falcon"], "h.*.self_attention.query_key_value": "fused_qkv_colwise"}
+    wrong = {**family("falcon").preset, "h.*.self_attention.query_key_value": "fused_qkv_colwise"}
+    register(replace(family("falcon"), preset=wrong), replace=True)  # in this rank's process only
     torch.manual_seed(0)
     # verify=False: parity alone must catch the wrong split (verification would refuse it first).
     errors = parity_errors(_hf_falcon(), _hf_logits, VOCAB, steps=1, parallelize_kwargs=dict(verify=False))
@@ -136,6 +139,6 @@ def test_families_with_unsplittable_layouts_have_no_preset(model_type):
     """Bloom's ALiBi tensor covers all heads (built outside the attention module); CodeGen's qkv_proj is split
     with a hard-coded mp_num=4, which the auto-planner finds (each rank its share of every group's heads, the row
     layer split by the groups): neither gets a preset."""
-    from tp_train.plan.presets import PRESETS
+    from tp_train.plan.families import family
 
-    assert model_type not in PRESETS
+    assert family(model_type) is None or family(model_type).preset is None

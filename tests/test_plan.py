@@ -15,7 +15,7 @@ from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
 from tests.parity import parity_errors
 from tests.test_parallelize import VOCAB, _hf_gpt2, _hf_llama, _hf_logits
-from tp_train.plan.presets import PRESETS
+from tp_train.plan.families import family
 from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.styles import pattern_matches
 
@@ -57,7 +57,7 @@ def test_plan_sources_in_order():
     assert "base_model_tp_plan" in source and llama_plan["model.layers.*.self_attn.q_proj"] == "colwise"
     gpt2_plan, source = resolve_plan(_hf_gpt2())
     assert "preset" in source
-    assert gpt2_plan["transformer.h.*.attn.c_attn"] == PRESETS["gpt2"]["h.*.attn.c_attn"] == "fused_qkv_colwise"
+    assert gpt2_plan["transformer.h.*.attn.c_attn"] == family("gpt2").preset["h.*.attn.c_attn"] == "fused_qkv_colwise"
     assert gpt2_plan["lm_head"] == "colwise_gather_output"
     with pytest.raises(ValueError, match="no tensor-parallel plan for _NoPlan"):
         resolve_plan(_NoPlan())

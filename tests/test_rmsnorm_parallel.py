@@ -178,10 +178,10 @@ def test_the_auto_planner_puts_an_rms_norm_between_column_and_row_in_the_new_sty
     """Its statistic held in the planner's perturbed probes, the norm spreads no share to the others; BitNet, given no
     plan, is planned as its preset plans it."""
     from tests.test_planner_families import _family
-    from tp_train.plan.presets import PRESETS
+    from tp_train.plan.families import family
 
     plan = tp_train.infer_plan(_auto_planned(), tensor_parallel_size=2)
     assert {key: plan[key] for key in PLAN} == PLAN
     bitnet = tp_train.infer_plan(_family("bitnet"), tensor_parallel_size=2)
-    preset = {f"model.{key}": style for key, style in PRESETS["bitnet"].items()}
+    preset = {f"model.{key}": style for key, style in family("bitnet").preset.items()}
     assert dict(bitnet) == preset | {"lm_head": "colwise_gather_output"}

@@ -97,7 +97,9 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         self._bases: dict[str, list[torch.Tensor]] = {}  # each row layer's unperturbed input, at each of its calls
         # RMS norms and LayerNorms called once, by style: their statistic is held in perturbed probes (their style
         # normalises over every rank's features), so one between a column and a row layer does not spread a share
-        # to the others.
+        # to the others. LayerNorms only where their input is computed from Linear outputs alone (ESM C's q_norm):
+        # one in the residual stream reads embeddings too, and held, it would make a Linear patch embedding (SigLIP
+        # 2's, plus its position embedding) look like a column of the first block's projections.
         self.norms = {
             name: style
             for name, call in self.calls.items()
@@ -105,16 +107,7 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
             and isinstance(call.input, torch.Tensor)
             and over_last_dim(self.modules[name], call.input)
             for style, recognised in SPLIT_NORMS
-            if recognised(self.modules[name])
-        }
-        # Only LayerNorms whose input is computed from Linear outputs alone (ESM C's q_norm): one in the residual stream
-        # reads embeddings too, and held, it would make a Linear patch embedding (SigLIP 2's, plus its position
-        # embedding) look like a column of the first block's projections. RMS norms are held wherever they are, as
-        # before.
-        self.norms = {
-            name: style
-            for name, style in self.norms.items()
-            if style != "layernorm_parallel" or self._inside_region(outputs, name)
+            if recognised(self.modules[name]) and (style != "layernorm_parallel" or self._inside_region(outputs, name))
         }
         # Leaf modules called once, reading Linear outputs alone, whose parameters hold one entry per feature along
         # their last dim (GRN's (1, 1, 1, C) weight and bias): their reductions over the features are held in

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from tp_train.plan.probe import eval_mode, forward_without_cache, probe_copy
+from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed, probe_copy
 from tp_train.plan.probe_input import probe_input
 from tp_train.plan.styles import HeadCounts, head_counts, linear_shape
 
@@ -112,10 +112,6 @@ def _head_splits(model: nn.Module, columns: list[str], inputs) -> dict[str, tupl
         model.get_submodule(name).register_forward_hook(lambda _, __, output, name=name: mode.watch(name, output))
         for name in columns
     ]
-    try:
-        with mode:
-            forward_without_cache(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooks_removed(handles), mode:
+        forward_without_cache(model, inputs)
     return mode.found

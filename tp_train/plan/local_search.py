@@ -25,7 +25,7 @@ from tp_train.plan.local_view import (
     share_replicated_kv_heads,
     usual_fields,
 )
-from tp_train.plan.probe import forward_without_cache
+from tp_train.plan.probe import forward_without_cache, hooks_removed
 from tp_train.plan.probe_input import ProbeInput
 from tp_train.plan.styles import head_counts, linear_shape, parameter_shard_spec, split_style, style_shard_spec
 
@@ -57,12 +57,8 @@ def capture_calls(model: nn.Module, inputs: ProbeInput, names: set[str]) -> dict
         return record
 
     handles = [modules[name].register_forward_pre_hook(hook(name), with_kwargs=True) for name in names]
-    try:
-        with torch.no_grad():
-            forward_without_cache(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooks_removed(handles), torch.no_grad():
+        forward_without_cache(model, inputs)
     return calls
 
 
@@ -130,15 +126,12 @@ class _Recorded:
             recorded.row_inputs.append(args[0].detach())
             recorded.row_outputs.append(output.detach())
 
-        handle = module.get_submodule(row).register_forward_hook(hook)
         try:
-            with torch.no_grad():
+            with module.get_submodule(row).register_forward_hook(hook), torch.no_grad():
                 args, kwargs = call.fresh()
                 recorded.output = first_tensor(module(*args, **kwargs))
         except Exception as error:  # noqa: BLE001 - reported as the reason
             recorded.error = first_line(error)
-        finally:
-            handle.remove()
         return recorded
 
 

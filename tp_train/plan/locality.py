@@ -3,6 +3,7 @@ row layer's input; `LocalityProbes._split` finds the first split for which that 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -11,11 +12,11 @@ import torch
 from tp_train.parallel.norm import hold_statistic
 from tp_train.parallel.reductions import held_reductions
 from tp_train.parallel.sharding import ShardSpec
-from tp_train.plan.caches import tensor_caches
+from tp_train.plan.caches import caches_kept, tensor_caches
 from tp_train.plan.coverage import generic
 from tp_train.plan.head_shapes import observed_counts
 from tp_train.plan.pairs import LEAK_TOLERANCE, SPLITS, Pair, first_mask, last_dim, rank_mask, share_mask
-from tp_train.plan.probe import channels_first, channels_last, forward_without_cache, split_sizes
+from tp_train.plan.probe import channels_first, channels_last, forward_without_cache, hooks_removed, split_sizes
 from tp_train.plan.styles import column_layout, head_counts
 
 
@@ -126,25 +127,22 @@ class LocalityProbes:
         base = self._row_inputs(row, {})
         generator = torch.Generator(device=param.device).manual_seed(0)
         caches = tensor_caches(self.modules[owner])
-        saved = [(cache, dict(cache)) for cache in caches]
         original = param.detach().clone()
         try:
-            for share in range(self.shares):
-                noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
-                mask = share_mask(param.movedim(dim, -1), (param.shape[dim],), self.shares, share).movedim(-1, dim)
-                with torch.no_grad():
-                    param.copy_(original + noise * (original.abs().mean() + 1e-3) * mask)
-                for cache in caches:
-                    cache.clear()
-                if not self._moves_only(share, base, self._row_inputs(row, {}, fresh=True)):
-                    return False
+            with caches_kept(self.modules[owner]):
+                for share in range(self.shares):
+                    noise = torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
+                    mask = share_mask(param.movedim(dim, -1), (param.shape[dim],), self.shares, share)
+                    with torch.no_grad():
+                        param.copy_(original + noise * (original.abs().mean() + 1e-3) * mask.movedim(-1, dim))
+                    for cache in caches:
+                        cache.clear()
+                    if not self._moves_only(share, base, self._row_inputs(row, {}, fresh=True)):
+                        return False
             return True
         finally:
             with torch.no_grad():
                 param.copy_(original)
-            for cache, contents in saved:
-                cache.clear()
-                cache.update(contents)
 
     def _table_local(self, table: str, row: str, columns: frozenset) -> bool:
         """Whether embedding `table`'s columns split evenly across ranks (its heads, one column each in T5's
@@ -234,14 +232,8 @@ class LocalityProbes:
             )
             for name in self.norms
         ]
-        try:
-            with torch.no_grad():
-                forward_without_cache(self.model, self.inputs)
-        except _Stop:
-            pass
-        finally:
-            for handle in handles:
-                handle.remove()
+        with contextlib.suppress(_Stop), hooks_removed(handles), torch.no_grad():
+            forward_without_cache(self.model, self.inputs)
         if not masks and not fresh and not background:
             self._bases[row] = captured
         return captured

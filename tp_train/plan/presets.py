@@ -3,12 +3,9 @@ plan, keyed as the model's modules (prefixed with the base model's name, the LM 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
-from dataclasses import replace
-
 import torch.nn as nn
 
-from tp_train.plan.families import FamilySpec, family, family_of, register, registered
+from tp_train.plan.families import FamilySpec, family_of
 
 HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered
 
@@ -80,30 +77,3 @@ def _head_name(model: nn.Module) -> str | None:
     if not isinstance(head, nn.Linear):
         return None
     return next((name for name, module in model.named_modules() if module is head), None)
-
-
-class _Presets(MutableMapping):
-    """The records' presets by model_type, as a dict; setting one replaces that record's preset (a test's wrong
-    split)."""
-
-    def __getitem__(self, model_type: str) -> dict[str, str]:
-        spec = family(model_type)
-        if spec is None or spec.preset is None:
-            raise KeyError(model_type)
-        return spec.preset
-
-    def __setitem__(self, model_type: str, preset: dict[str, str]) -> None:
-        spec = family(model_type)
-        register(replace(spec, preset=preset) if spec else FamilySpec(model_type=model_type, preset=preset), True)
-
-    def __delitem__(self, model_type: str) -> None:
-        raise TypeError(f"remove the preset of '{model_type}' from its FamilySpec in tp_train.plan.families")
-
-    def __iter__(self) -> Iterator[str]:
-        return (spec.model_type for spec in registered() if spec.preset is not None)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-PRESETS = _Presets()

@@ -80,7 +80,7 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
         if name:
             handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave(name))]
     try:
-        with torch.enable_grad(), running_modules(model) as running:
+        with hooks_removed(handles), torch.enable_grad(), running_modules(model) as running:
             forward_without_cache(model, inputs)
     except Exception as error:  # noqa: BLE001 - any failure of the probe is reported as one line
         where = f" in the forward of '{running[-1]}'" if running else ""
@@ -88,9 +88,6 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
             f"the auto-planner could not run {type(model).__name__} on its probe input ({inputs.describe(model)})"
             f"{where}: {first_line(error)}; for {forward_argument(model)}, {EXAMPLE_INPUT_HINT}"
         ) from error
-    finally:
-        for handle in handles:
-            handle.remove()
     return calls
 
 
@@ -144,8 +141,15 @@ def running_modules(model: nn.Module) -> Iterator[list[str]]:
     named = [(name, module) for name, module in model.named_modules() if name]
     handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
     handles += [module.register_forward_hook(leave(name)) for name, module in named]
-    try:
+    with hooks_removed(handles):
         yield running
+
+
+@contextmanager
+def hooks_removed(handles: list) -> Iterator[None]:
+    """Removes the hook `handles` when the block ends, however it ends."""
+    try:
+        yield
     finally:
         for handle in handles:
             handle.remove()

@@ -15,7 +15,7 @@ from torch.distributed import ProcessGroup
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.compare import first_tensor, relative_difference
-from tp_train.plan.probe import eval_mode, forward_without_cache
+from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
 from tp_train.plan.styles import FEATURE_REDUCTION_STYLE, NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
 from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, raise_first
@@ -63,14 +63,11 @@ class RegionCheck:
         ]
         length = math.lcm(PROBE_TOKENS, dist.get_world_size(self.group))
         try:
-            with eval_mode(model), torch.no_grad():
+            with hooks_removed(handles), eval_mode(model), torch.no_grad():
                 forward_without_cache(model, probe_input(model, example_input, length, batch=2))
         except Exception as error:  # noqa: BLE001 - not the plan's fault; the whole-model check reports it if on
             self.skipped = f"the unsharded model cannot run a probe batch ({first_line(error)})"
             return
-        finally:
-            for handle in handles:
-                handle.remove()
         for name, (args, kwargs) in arguments.items():
             with eval_mode(modules[name]):
                 self._references[name] = _run(modules[name], args, kwargs, _whole(modules[name], self.entries[name]))

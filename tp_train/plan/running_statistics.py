@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from tp_train.plan.caches import tensor_caches
+from tp_train.plan.probe import hooks_removed
 from tp_train.plan.probe_input import ProbeInput
 
 
@@ -35,20 +36,16 @@ def probe_statistics(model: nn.Module, inputs: ProbeInput) -> Iterator[None]:
             norm.momentum = 1.0
         try:
             if norms:
-                with torch.no_grad():
+                with hooks_removed(handles), torch.no_grad():
                     inputs(model)
         except Exception:  # noqa: BLE001 - a model that cannot run its probe input is refused where the planner runs it
             _restore(saved)
         for cache in tensor_caches(model):  # filled by this forward, outside the probe's dataflow
             cache.clear()
-        for handle in handles:
-            handle.remove()
         for norm in norms:
             norm.eval()
         yield
     finally:
-        for handle in handles:
-            handle.remove()
         _restore(saved)
 
 

@@ -25,7 +25,7 @@ from tp_train.parallel.sharding import (
     unshard_tensor,
 )
 from tp_train.plan.compare import first_tensor, relative_difference
-from tp_train.plan.probe import eval_mode, forward_without_cache, running_modules
+from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed, running_modules
 from tp_train.plan.probe_input import PROBE_TOKENS, ProbeInput, probe_input
 from tp_train.plan.styles import adapted_base
 
@@ -313,13 +313,10 @@ def _forward(model: nn.Module, inputs: ProbeInput) -> tuple[torch.Tensor, dict[s
 
     handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
     try:
-        with running_modules(model) as running:
+        with hooks_removed(handles), running_modules(model) as running:
             output = first_tensor(forward_without_cache(model, inputs))
     except Exception as error:  # noqa: BLE001 - re-raised with where it happened
         raise _ForwardFailure(running[-1] if running else None, error) from error
-    finally:
-        for handle in handles:
-            handle.remove()
     return output, outputs
 
 
