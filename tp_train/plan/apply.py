@@ -215,29 +215,13 @@ def _parallel_linear(
     # Built on meta, with no initialisation of its own: its parameters are the slices of the module's.
     kwargs = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
     if style in ROW_STYLES:
-        split_input, scatter_output = style == "rowwise_split_input", style == "rowwise_scatter_output"
-        sections = row_layout(in_features, arguments)
-        layer = row_class(
-            in_features,
-            out_features,
-            group,
-            split_input=split_input,
-            scatter_output=scatter_output,
-            sections=sections,
-            **kwargs,
-        )
+        kwargs |= dict(split_input=style == "rowwise_split_input", scatter_output=style == "rowwise_scatter_output")
+        layer = row_class(in_features, out_features, group, sections=row_layout(in_features, arguments), **kwargs)
     else:
         sections, units = column_layout(style, out_features, counts, arguments)
-        layer = column_class(
-            in_features,
-            out_features,
-            group,
-            gather_output=style == "colwise_gather_output" and not loss_parallel,
-            sections=sections,
-            units=units,
-            pad_output=style == "colwise_gather_output",
-            **kwargs,
-        )
+        gather = style == "colwise_gather_output"
+        kwargs |= dict(gather_output=gather and not loss_parallel, pad_output=gather, units=units)
+        layer = column_class(in_features, out_features, group, sections=sections, **kwargs)
     for name in list(layer.shard_specs):
         layer.shard_specs[name] = replace(layer.shard_specs[name], transposed=transposed and name == "weight")
     layer.weight = _shard_of(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)

@@ -46,21 +46,16 @@ SMALL_WHOLE = 0.1  # a block Linear no plan entry shards may stay whole up to th
 
 
 def whole_beyond_small(model: nn.Module, name: str, plan: dict[str, str], sharded: set[int] | None = None) -> float:
-    """The fraction of module `name`'s repeated block that `plan` leaves whole when it is more than `SMALL_WHOLE`
+    """The fraction of the parameters of the repeated block (`layers.3`) holding module `name` that `plan` leaves
+    whole on every rank (`sharded`: `sharded_parameters(model, plan)`, when known) when it is more than `SMALL_WHOLE`
     (an MoE router beside experts the plan shards may stay whole), else 0: the one test of that threshold, for the
     auto-planner's refusal and for completing a model's own plan."""
-    fraction = block_whole_fraction(model, name, plan, sharded)
-    return fraction if fraction > SMALL_WHOLE else 0.0
-
-
-def block_whole_fraction(model: nn.Module, name: str, plan: dict[str, str], sharded: set[int] | None = None) -> float:
-    """The fraction of the parameters of the repeated block (`layers.3`) holding module `name` that `plan` leaves
-    whole on every rank (`sharded`: `sharded_parameters(model, plan)`, when known)."""
     parts = name.split(".")
     block = model.get_submodule(".".join(parts[: next(i for i, part in enumerate(parts) if part.isdigit()) + 1]))
     sharded = sharded_parameters(model, plan) if sharded is None else sharded
     params = list(block.parameters())
-    return sum(param.numel() for param in params if id(param) not in sharded) / max(sum(p.numel() for p in params), 1)
+    fraction = sum(p.numel() for p in params if id(p) not in sharded) / max(sum(p.numel() for p in params), 1)
+    return fraction if fraction > SMALL_WHOLE else 0.0
 
 
 def kept_whole_notes(model: nn.Module, styles: dict[str, str], kept_whole: dict[str, str]) -> list[str]:

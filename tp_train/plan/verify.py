@@ -54,10 +54,7 @@ class SwapCheck:
         try:
             errors = self._differences(module, layer)
         except Exception as error:  # noqa: BLE001 - a layer that cannot run is reported like a wrong one
-            errors, failure = (
-                {"output": math.inf},
-                f"fails on a probe input ({first_line(error)})",
-            )
+            errors, failure = {"output": math.inf}, f"fails on a probe input ({first_line(error)})"
         else:
             failure = None
         finally:
