@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -106,11 +105,6 @@ class ShardSpec:
             result.append(section_slice(full, local, rank // copies, offset))
             offset += full
         return result
-
-    def local_numel(self, full_shape: tuple[int, ...], world_size: int) -> int:
-        """Elements of one rank's shard of a tensor of `full_shape` (in the local layout), padding included."""
-        full_rows = full_shape[self.dim]
-        return sum(self.local_sections(world_size)) * (math.prod(full_shape) // full_rows if full_rows else 0)
 
 
 def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, world_size: int) -> torch.Tensor:
