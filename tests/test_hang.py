@@ -173,8 +173,8 @@ def test_a_stopped_rank_ends_the_job_at_the_defaults_and_the_same_command_resume
 def test_a_slow_batch_validation_and_save_longer_than_the_limit_do_not_end_the_job(straight, tmp_path):
     _, cache = straight
     stall = ["+callbacks.stall._target_=tests.faults.StallAtStep", "+callbacks.stall.rank=1",
-             "+callbacks.stall.step=18", "+callbacks.stall.seconds=15"]  # fmt: skip
-    limits = ["hang_timeout_s=5", "setup_timeout_s=120", "+callbacks.hang.heartbeat_s=1"]
+             "+callbacks.stall.step=18", "+callbacks.stall.seconds=9"]  # fmt: skip
+    limits = ["hang_timeout_s=4", "setup_timeout_s=120", "+callbacks.hang.heartbeat_s=1"]
     result, _ = _train(tmp_path / "run", cache, *stall, *limits, "trainer.max_steps=22", timeout=400)
     stalls = [line for line in result.stdout.splitlines() if line.startswith("stalling rank 1")]
     print(stalls)

@@ -1,11 +1,5 @@
-"""Activation checkpointing per transformer block: a block keeps only its input for backward and recomputes the
-rest (torch.utils.checkpoint, non-reentrant), trading one extra forward of each block for its activations.
-
-Dropout must draw the same masks when a block is recomputed as when it first ran, in both of `TensorParallelRNG`'s
-streams (replicated and sharded) however the block switches between them. So each checkpointed forward records
-the RNG's whole state (both streams and the region stack) and the recomputation replays it, leaving the live
-streams untouched.
-"""
+"""Activation checkpointing per transformer block (torch.utils.checkpoint, non-reentrant); each checkpointed forward
+records `TensorParallelRNG`'s whole state and the recomputation replays it, so dropout draws the same masks."""
 
 from __future__ import annotations
 

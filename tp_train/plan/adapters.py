@@ -1,23 +1,5 @@
-"""Adapters under tensor parallelism: peft's LoRA beside a sharded Linear, split so the layer computes what it did.
-
-A LoRA layer computes `base(x) + B(A(dropout(x))) * scaling` with A: in -> r and B: r -> out. A plan entry naming
-it (Hugging Face's `q_proj: colwise`, through the wrapper: `adapted_model`) shards its base Linear as usual
-(`tp_train.plan.apply`), and its adapters with it (`shard_adapters`):
-
-- Column-parallel base (output split): B is split like the base's output rows (sections and kv heads alike), A is
-  whole on every rank and reads the replicated input, as the base does before it enters the parallel region. B is
-  a `ColumnParallelLinear`: its input A(x) enters the region (`f`), so backward all-reduces the small r-wide
-  gradient, which makes A's gradient whole and its input gradient complete on every rank (added outside the
-  base's own `f`). Dropout on x draws from the replicated stream, as x is the same on every rank.
-- Row-parallel base (input split): A is split along its input like the base (`RowParallelLinear` with
-  `partial_output`), B is whole. Each rank's B(A_r x_r) is a partial sum, added to the base's own partial sum
-  before the layer's one all-reduce (a `ModuleRegion` on the LoRA layer, which adds the base's bias after it). B's
-  gradient (g times a partial A x) is all-reduced. Dropout on this rank's features draws from the per-rank stream.
-
-`requires_grad` stays as it was (the frozen base, the trainable adapters), so the optimizer, clipping and
-checkpoints see what trains. Refused in one line: DoRA and other LoRA variants, merged adapters, a bias on B
-beside a row layer, and adapters beside other styles.
-"""
+"""Adapters under tensor parallelism: peft's LoRA beside a sharded Linear, split so the layer computes what it did
+(docs/fine-tuning.md, "Adapters: LoRA under tensor parallelism")."""
 
 from __future__ import annotations
 

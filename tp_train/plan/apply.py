@@ -1,14 +1,5 @@
-"""Applying a resolved plan: each planned module swapped for its tensor-parallel counterpart.
-
-A swap keeps what the module did: a subclass of `nn.Embedding` or `nn.Linear` that overrides `forward` (Gemma's
-embedding, which scales its output) keeps that forward, its `super().forward` now reaching the sharded
-computation. A subclass whose forward never calls `super().forward` (Falcon's Linear computes `x @ W.T + b` itself)
-gets the plain parallel layer, and verification's per-module check (`tp_train.plan.verify.SwapCheck`, on by default)
-refuses it in one line unless the two compute the same.
-
-Reading a plan is two passes: `tp_train.plan.match.match_plan` resolves and validates everything (raising
-`ValueError` before any weight changes), then `apply_plan` swaps the layers.
-"""
+"""Applying a resolved plan (`match.match_plan` validates it first): each planned module swapped for its
+tensor-parallel counterpart, keeping what the module did (docs/planner.md, "What a plan cannot get wrong silently")."""
 
 from __future__ import annotations
 
@@ -68,16 +59,9 @@ def apply_plan(
     loss_parallel: bool = False,
     check=None,
 ) -> None:
-    """Swaps each planned module for its tensor-parallel counterpart, holding this rank's slice of its weights.
-
-    Modules are visited in `named_modules` order. Tensors still on the meta device are materialised on `device`
-    on the way, one module at a time, and initialised by the model's per-module `_init_weights(module)` where it
-    has one (Hugging Face's convention), else by the module's own `reset_parameters()`. A planned module is
-    materialised whole, sliced, and dropped, so peak memory is the shards plus one full layer, and the random
-    numbers drawn (hence the initial weights) are the same at every tp. `check(name, module, layer)`, when given,
-    runs right after each swap while the replaced module still holds its full tensors (`tp_train.plan.verify`'s
-    `SwapCheck`, a collective).
-    """
+    """Swaps each planned module for its tensor-parallel counterpart holding this rank's slice of its weights, in
+    `named_modules` order, materialising meta tensors on `device` one module at a time (the same initial weights at
+    every tp); `check(name, module, layer)` runs right after each swap (`verify.SwapCheck`)."""
     init_weights = getattr(model, "_init_weights", None)
     materialize_adapters(model, device)  # peft's own initialisation, not the model's
     by_name = {entry.name: entry for entry in planned}
@@ -176,15 +160,9 @@ _KEPT_FORWARDS: dict[tuple[type, type], type] = {}
 
 
 def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> nn.Module:
-    """`layer`, made to run `module`'s forward when `module` is a subclass of `base` that overrides it.
-
-    The layer's class becomes `(type(module), type(layer), base)`: in that order the subclass's `super().forward`
-    reaches the parallel layer's forward, so Gemma's `super().forward(ids) * embed_scale` scales the sharded
-    lookup. What the subclass keeps besides the swapped parameters (its buffers, such as `embed_scale`, parameters
-    of its own, as T5Gemma 2's `eoi_embedding`, and attributes) moves to the layer, and so do its child modules
-    (Inkling's `embed_norm`). A subclass whose forward never calls
-    `super().forward` keeps the plain layer (see the module docstring).
-    """
+    """`layer`, made to run `module`'s forward when `module` is a subclass of `base` that overrides it (Gemma's scaled
+    embedding): its class becomes `(type(module), type(layer), base)`, and the subclass's buffers, own parameters,
+    attributes and children move to it."""
     cls = type(module)
     if not isinstance(module, base) or cls.forward is base.forward or not _calls_super_forward(cls):
         return layer

@@ -1,40 +1,5 @@
-"""The auto-planner: infers a column/row tensor-parallel plan from a model's structure, as data for the plan
-readers (`tp_train.plan.match`, `tp_train.plan.apply`).
-
-It runs one probe batch through the model (a real copy when the model is on the meta device) and reads the
-structure off what happened, not off class names:
-
-1. **Dataflow.** The autograd graph of the probe forward tells, for every Linear-like module (nn.Linear, Hugging
-   Face's Conv1D), which Linear or Embedding outputs its input was computed from, through any number of
-   non-Linear operations. A module whose input comes from Linear outputs only (no embedding, no residual stream)
-   is a candidate row layer; those producers are its column layers (q/k/v, gate/up, a fused qkv, an MLP's fc).
-2. **Locality, at the tensor-parallel size.** Megatron's split is right exactly when rank r's share of the column
-   layers' output feeds only rank r's share of the row layer's input. The planner checks that by perturbing each
-   share in turn and watching which share of the row input moves, for the contiguous split (`colwise`), the split
-   of two halves (`packed_colwise`, [gate; up]) and of three thirds (`fused_qkv_colwise`, [q; k; v]), and takes
-   the first that holds. Heads are thereby respected: a split through a head, or a [q; k; v] split as one matrix,
-   moves other shares and fails. An RMS norm or a LayerNorm between them (BitNet's sub-norms, ESM C's q_norm and
-   k_norm) has its statistic held in these probes: it gets `rmsnorm_parallel` (`layernorm_parallel`), which
-   normalises over every rank's features. So do the reductions over the features of a module with per-feature
-   parameters along their last dim (ConvNeXt V2's GRN, a mean over the channels): it gets
-   `feature_reduction_parallel`, which completes them by an all-reduce.
-3. **Attention.** A pair whose perturbation at the first token moves later tokens mixes positions: it is
-   attention, and the module enclosing the pair gets the `attention` style (local head counts, sharded dropout
-   stream). Dropout modules inside it that run after the row layer get `replicated_rng`; modules whose
-   parameters act between the column and row layers (a norm over each head, QK-norm) get
-   `replicated_with_grad_allreduce`.
-4. **Embedding and head.** The embedding that reads the token ids is `embedding_rowwise`; the last Linear, when it
-   maps to that vocabulary, is `colwise_gather_output`.
-
-Every Linear inside a repeated block (a numbered child, `layers.0`) must end up column or row; otherwise the
-planner refuses with a one-line `ValueError` naming the module (give the model a `tp_plan`). Names are returned as
-patterns (`layers.*.mlp.up`).
-
-Limits: perturbations are run once per distinct block shape (by generic name and widths), and a model on the meta
-device is probed on a full copy on the CPU; the structure between a column and a row layer is checked, the code
-that runs it on local shapes is not (a hard-coded head count): that is what verification (`tp_train.plan.verify`),
-on by default, is for.
-"""
+"""The auto-planner: infers a column/row tensor-parallel plan from one probe forward of the model, as data for
+the plan readers (`match`, `apply`). Its phases are described in docs/planner.md ("The auto-planner's phases")."""
 
 from __future__ import annotations
 
@@ -77,19 +42,9 @@ def infer_plan(
     example_input=None,
     given: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """A plan {module-name pattern: style} for `model`, inferred from its structure (see the module docstring).
-
-    Args:
-        model: the unsharded model; a model on the meta device is probed on a materialised copy.
-        tensor_parallel_size: the tp the plan must be right for (default 2); shares are checked at this size.
-        example_input: the probe input: a tensor, a tuple of positional or a dict of keyword arguments of the model's
-            forward; default the model's own (`tp_train.plan.probe_input`): a Hugging Face model's config-shaped
-            batch, else (1, 8) random token ids below every embedding's size.
-        given: the model's own plan being completed (its entries win), counted as sharding what it names.
-
-    Raises:
-        ValueError: (one line, naming the module) when the structure is not one the planner can be sure of.
-    """
+    """A plan {module-name pattern: style} for `model`, right at `tensor_parallel_size`, inferred from one probe forward
+    on `example_input` (default: the model's own, `probe_input`); `given`: the model's own plan being completed.
+    Raises a one-line `ValueError` naming the module when the structure is not one the planner can be sure of."""
     shares = max(tensor_parallel_size or 2, 2)
     with probe_copy(model) as probe:
         inputs = probe_input(probe, example_input)

@@ -1,8 +1,5 @@
-"""Caches a module keeps of what its parameters compute: dict attributes holding only tensors (LeViT's
-`attention_bias_cache`, its per-head attention biases gathered once per device from `attention_biases` in eval mode).
-They hold values of the whole parameters, computed outside the probe's dataflow: a probe empties them and leaves
-them as it found them, the local-view search copies a module
-without them, and a module whose own parameters a plan splits has them emptied, to compute them from its shards."""
+"""Caches a module keeps of what its parameters compute (LeViT's `attention_bias_cache`): a probe empties them and
+restores them, and a module whose parameters a plan splits has them emptied, to compute them from its shards."""
 
 from __future__ import annotations
 

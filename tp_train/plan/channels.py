@@ -1,10 +1,5 @@
-"""The `channelwise` style: a module whose own parameters hold one entry per channel of the activation between a
-column and a row layer (a state-space block's depthwise conv1d, A_log and D; a gated norm's weight) keeps, on each
-rank, the entries of that rank's channels, so it runs on the column layer's local output. Nothing is communicated:
-the gradients of those entries are whole on the rank that holds them. `channelwise(32,32,64)` names sections of the
-channels (a conv1d over [q; k; v] fed by three column layers): each rank keeps its share of every section. A section
-of fewer units than ranks (`channelwise(64,1x16,1x16)`: a Mamba2 conv1d's B and C channels of one group) is held
-whole by the ranks sharing it, its replicas, and their partial gradients are summed over them."""
+"""The `channelwise` style: a module whose own parameters hold one entry per channel between a column and a row layer
+(an SSM's conv1d, A_log and D; a gated norm's weight) keeps each rank's channels' entries, by sections if named."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Context parallelism plugged into models: each rank of a context-parallel (CP) group runs the model on its
-load-balanced share of every sequence (`tp_train.parallel.context_parallel`), and attention spans the group.
-
-`enable_context_parallel(model, cp_group)` does three things, none of which changes a parameter (checkpoints do not
-depend on cp):
-- swaps the attention kernel: our GPT's `sdpa` seam, or a Hugging Face model's attention implementation (an
-  `AttentionInterface` entry, with an `AttentionMaskInterface` entry that builds no mask: the kernel masks itself);
-- registers a forward pre-hook on the model that takes the whole (B, T) token ids, keeps this rank's share and
-  passes the tokens' global positions (restarting per document with a document mask) as the model's position ids;
-- with `document_separator`, derives document ids from the end-of-text tokens, so no token attends across a
-  packed document boundary, on one rank or many.
-
-The loss is then computed on each rank's share: `shard_targets` gives the labels of this rank's tokens (labels are
-shifted before the split) and `mean_over_group` the mean over every token of the sequence.
-
-Attentions the kernel cannot split exactly are refused in one line naming the module: a sliding window shorter than
-the sequence, a score soft-cap, ALiBi or other position biases, attention sinks, cross-attention (non-causal), an
-attention mask given by the caller, dropout on attention probabilities.
-"""
+"""Context parallelism plugged into models: each rank of a context-parallel group runs the model on its share of every
+sequence and attention spans the group (docs/long-sequences.md); attentions the kernel cannot split exactly are
+refused in one line naming the module."""
 
 from __future__ import annotations
 
@@ -67,15 +51,9 @@ class ContextParallelState:
 def enable_context_parallel(
     model: nn.Module, cp_group: ProcessGroup, rotation: str = "ring", document_separator: int | None = None
 ) -> nn.Module:
-    """Makes `model` (token ids -> logits) run context-parallel over `cp_group`, in place; see the module docstring.
-
-    Args:
-        model: our GPT or a Hugging Face causal LM (or a module holding one), already tensor-parallel if it is.
-        cp_group: the context-parallel group; every rank of it passes the same whole sequences.
-        rotation: how keys and values reach each rank, "ring" or "allgather".
-        document_separator: the end-of-text token id between packed documents: attention is then block-diagonal
-            by document and positions restart at each document. None: one document per sequence.
-    """
+    """Makes `model` (token ids -> logits) run context-parallel over `cp_group`, in place: keys and values reach each
+    rank by `rotation` ("ring" or "allgather"); `document_separator`, the end-of-text id between packed documents,
+    makes attention block-diagonal by document."""
     state = ContextParallelState(cp_group, rotation, document_separator)
     target, position_argument = _positioned_model(model)
     kernels = _swap_attention_kernels(model, state)

@@ -1,15 +1,5 @@
-"""Sharded data parallelism over a tensor-parallel model: torch's FSDP2 (`fully_shard`) on the data-parallel axis.
-
-After `parallelize` every parameter is a plain local tensor (Megatron-style: this rank's tensor-parallel shard, or
-a whole replicated tensor), so FSDP2 sees ordinary parameters and shards each of them once more, over the
-data-parallel ranks: each rank keeps 1/dp of its tensor-parallel shard, with its gradient and optimizer states, as
-a DTensor on the 1-D data-parallel mesh. FSDP2 all-gathers a group's parameters before its forward (and again
-before its backward) and reduce-scatters its gradients after the backward.
-
-One group per transformer block (the blocks `parallelize` found from the plan, as sequence parallelism and
-activation checkpointing do), one per planned model for what lies outside the blocks (embeddings, final norm,
-head), and the root: the module whose methods (`extra_methods`) run the step.
-"""
+"""Sharded data parallelism over a tensor-parallel model: torch's FSDP2 (`fully_shard`) on the data-parallel axis,
+one group per block, one per model for the rest, and the root (docs/cluster.md)."""
 
 from __future__ import annotations
 
@@ -43,19 +33,9 @@ def fully_shard_data_parallel(
     mp_policy: MixedPrecisionPolicy | None = None,
     extra_methods: Iterable[str] = (),
 ) -> list[FSDPModule]:
-    """Shards the parameters of `root` over the 1-D data-parallel `mesh` with FSDP2, bottom-up; returns every
-    FSDP module, root last.
-
-    Args:
-        root: the outermost module (e.g. the LightningModule); its own and all remaining parameters form the last
-            group.
-        models: the models inside `root` that `parallelize` sharded (`root` itself allowed); their blocks
-            (`tp_blocks`) get a group each, then each model one for the rest of its parameters.
-        mesh: the data-parallel mesh.
-        mp_policy: FSDP2's mixed-precision policy (dtype of the gathered parameters and of the gradient reduction).
-        extra_methods: methods of `root` besides `forward` that run the model (Lightning's `training_step`, ...),
-            so that they, too, gather the parameters first.
-    """
+    """Shards the parameters of `root` over the 1-D data-parallel `mesh` with FSDP2, bottom-up (each of `models`'
+    blocks, then each model, then `root`; `extra_methods` gather the parameters too); returns every FSDP module, root
+    last."""
     if mesh.ndim != 1:
         raise ValueError(f"fully_shard_data_parallel needs a 1-D data-parallel mesh, got {mesh.mesh_dim_names}")
     models = list(models)

@@ -1,12 +1,5 @@
-"""Gradient hooks on parameters, kept where a wrapper that replaces the parameters can find them again.
-
-Tensor parallelism sums some replicated parameters' gradients over the tensor-parallel group with a hook on the
-parameter (`replicated_with_grad_allreduce`; norms and row-parallel biases under sequence parallelism). FSDP2
-replaces every parameter by a sharded DTensor and runs forward and backward on unsharded parameters it creates
-itself, which carry no hooks: a hook on the original parameter would silently stop running. So hooks are added
-through `register_gradient_hook`, which also records them on the module (`tp_gradient_hooks`, by parameter name),
-and `keep_gradient_hooks` puts them on whatever parameter the module holds when its forward runs.
-"""
+"""Gradient hooks on parameters, recorded on the module (`tp_gradient_hooks`) so that `keep_gradient_hooks` can put
+them back on the parameters a wrapper such as FSDP2 replaces them with."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Head counts read off an attention's own reshape, for grouped-query attention whose counts no config states.
-
-A column layer's output `(..., heads x head_dim)` is split into heads by the attention's forward: a `view`,
-`reshape` or `unflatten` to `(..., heads, head_dim)` (Llama's `k_proj(x).view(*shape, -1, head_dim)`, einops'
-`b t (h d) -> ...`). Watching one probe forward for that split gives each column layer's `(heads, head_dim)` as the
-code uses them, wherever the counts live: a sub-config (a speech model's `text_config`), a hard-coded constant, or
-nowhere (`view(B, T, -1, self.head_dim)`). Among an attention's column layers (`attention_of`: the module holding
-them, above a wrapper each may have) of one head width, the widest counts the query heads and a narrower one its kv
-heads; `observed_counts` returns those `HeadCounts`, which make a k_proj or v_proj one section of `kv_heads` units
-(`tp_train.plan.styles.column_layout`), replicated when tp exceeds them, as a config's `num_key_value_heads` does.
-The model's config is the cross-check: where its counts already give the narrow layers' widths, nothing is run.
-"""
+"""Head counts read off an attention's own reshape (`view(..., heads, head_dim)`), for grouped-query attention whose
+counts no config states; the config is the cross-check (docs/planner.md, "Kv heads fewer than ranks")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Where a planned model's transformer blocks and output head are, read off its matched plan.
-
-Sequence parallelism and activation checkpointing work block by block, yet model code declares nothing: the blocks
-are the elements of the one `nn.ModuleList` holding the plan's parallel linear layers (`blocks.*`, `layers.*`,
-`h.*`), and the head is the plan's `colwise_gather_output` layer outside them. Between the first block's input
-and the head's input the residual stream is what sequence parallelism shards.
-"""
+"""Where a planned model's transformer blocks (the elements of the `nn.ModuleList` holding the plan's parallel layers)
+and output head (its `colwise_gather_output` layer) are, read off its matched plan."""
 
 from __future__ import annotations
 

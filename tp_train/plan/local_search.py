@@ -1,17 +1,5 @@
-"""Finding the local view an attention module needs (`tp_train.plan.local_view`), by simulating the ranks on
-the one module, in one process.
-
-For each rank r, a copy of the attention module gets rank r's shard of its column layers (as their styles split
-them) and a stand-in for its row layer that records its input and returns the unsharded row layer's output; a
-candidate view is applied to the copy and it runs on the module's own probe call (arguments and keyword arguments
-as the model passed them). The view is right when the ranks' row inputs, side by side, are the unsharded module's
-row input, and every rank's output is the unsharded module's output.
-
-Candidates, smallest first: plain `attention` (the usual attribute names), then sets of up to `MOST_CHANGES` of
-the integers the module can reach (its own attributes, those of configs it holds, of its parameterless submodules
-and their dicts), the input's width, and per-head tensor arguments. The first that holds is taken; none holding is
-a reason to keep the attention whole (`tp_train.plan.autoplan`).
-"""
+"""Finding the local view an attention module needs (`local_view`) by simulating the ranks on the one module, in one
+process: the first candidate under which the ranks' row inputs and outputs match the unsharded module's is taken."""
 
 from __future__ import annotations
 
@@ -87,19 +75,8 @@ def find_local_view(
     config=None,
     row_sections: tuple[int, ...] | None = None,
 ) -> tuple[str | None, str]:
-    """The attention style (`attention` or `attention(...)`) under which `module` runs right on local heads, or
-    None and why not.
-
-    Args:
-        module: the unsharded attention module.
-        call: its probe call (`capture_calls`).
-        columns: its column layers, by name relative to `module`, and their styles.
-        row: its row layer's name relative to `module`.
-        tp: the tensor-parallel size to simulate.
-        config: the model's config, where the column layers' head counts are read as `match_plan` reads them.
-        row_sections: the sections of the row layer's input its style splits, each evenly (`rowwise(8,8,8,8)`);
-            default one.
-    """
+    """The attention style (`attention` or `attention(...)`) under which `module` runs right on local heads at `tp`, or
+    None and why not; `call` is its probe call, `columns` its column layers and styles, `row` its row layer."""
     reference = _Recorded.run(module, row, call)
     if reference.error is not None:
         return None, f"it does not run on the probe call ({reference.error})"

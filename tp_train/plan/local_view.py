@@ -1,35 +1,5 @@
-"""Local views: how an attention module is made to run on one rank's heads when its head counts live somewhere
-the `attention` style's attribute list does not reach.
-
-After a column split each rank's q/k/v hold `heads / tp` heads, so every shape the attention's forward computes
-from a head count, a width across heads or the input's width must come out for the local heads. A `LocalView`
-lists where those numbers are, and `apply_local_view` gives the module a view in which they are local, leaving
-everything the module shares with the rest of the model untouched:
-
-- **fields** (`n_head`, `config.n_query_groups`, `split_heads.axes_lengths.h`): integers divided by tp (a kv-head
-  count by its usual name with fewer heads than ranks becomes one replicated head, as under plain `attention`). A
-  field reached through an object the module does not own (a config shared by the whole model, as litgpt's) is set
-  on the module's own shallow copy of that object; a field inside a dict (einops' `axes_lengths`) on a copy of the
-  dict; a parameterless layer built from a pattern and lengths (einops' `Rearrange(pattern, h=heads)`) is rebuilt
-  from its local lengths, since it parses them once when built.
-- **fields with sections** (`conv_dim(64,1x16,1x16)`, `n_groups(1x1)`): a count made of sections, some of
-  indivisible units (`GxN`, as the column styles name them), set to this rank's share of them
-  (`ShardSpec.local_sections`): a Mamba2 mixer's conv width [x; B; C] when its one group's B and C are held whole by
-  every rank, and its group count, which is then 1 on each rank.
-- **input_width**: the module's first input reports `1/tp` of its last dimension through `size()` and `.shape`
-  (nanoGPT's `B, T, C = x.size()` then `C // n_head`); every operation on it still sees the whole tensor.
-- **local_reshapes**: a reshape (or view) inside the forward to a shape naming the first input's whole width,
-  which cannot hold its tensor (a rank's heads, `1/tp` of the elements), takes `1/tp` of that width instead: PVT
-  v2's `context.reshape(batch, seq_len, num_channels)`, where `num_channels` is read off the input, which its
-  spatial reduction also reshapes whole. A reshape that holds its tensor is left as it is.
-- **per-head arguments** (`alibi[0,batch]`): a tensor argument holding one slice per head (Bloom's ALiBi
-  `(batch * heads, 1, keys)`, MPT's `(heads, 1, keys)`) is cut to this rank's heads along that dimension;
-  `batch` when the dimension folds the batch in front of the heads.
-
-A view is written as the style `attention(<item>, ...)`, e.g. `attention(n_head, n_embd, input_width)`; plain
-`attention` divides the usual attribute names (`tp_train.plan.styles.HEAD_ATTRIBUTES`, ...). The auto-planner
-finds the view by simulating the ranks on one module (`tp_train.plan.local_search`); verification checks it.
-"""
+"""Local views: how an attention module is made to run on one rank's heads when its head counts live where the
+`attention` style's attribute list does not reach (docs/own-models.md, "Running on local heads")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The auto-planner's locality oracle: probe forwards of the model in which a column layer's output (or a parameter)
-is perturbed share by share, and what moved in its row layer's input. Megatron's split is right exactly when rank
-r's share of the columns' output feeds only rank r's share of the row's input; `LocalityProbes._split` finds the
-first split (`SPLITS`, named [q; k; v] sections, or kv heads replicated over the ranks that read them, split by the
-same `ShardSpec` `apply_plan` uses) for which that holds. Mixed into `tp_train.plan.autoplan`'s planner, whose
-traced calls (`self.calls`), modules and probe input it reads."""
+"""The auto-planner's locality oracle: rank r's share of a column layer's output must move only rank r's share of its
+row layer's input; `LocalityProbes._split` finds the first split for which that holds. Mixed into the planner."""
 
 from __future__ import annotations
 
@@ -91,14 +87,9 @@ class LocalityProbes:
         row_sections: tuple[int, ...] | None = None,
         background: frozenset = frozenset(),
     ) -> bool:
-        """Whether perturbing rank r's share of `column`'s output (split in `sections`, each divided among the
-        ranks) at every call moves only rank r's share of `row`'s input (of each of its `row_sections`, default
-        one) at every call, for every r; the outputs of `frozen` modules (earlier row layers, all-reduced in the
-        sharded model) held as they were. A layer run on two inputs (Pegasus-X's q_proj on the tokens and on the
-        global tokens, BLIP-2's on queries and on text) is thereby checked as the one split the sharded model runs
-        at each of its calls. `background`: modules whose outputs are moved alike in every one of these forwards
-        (`_split`). A `ShardSpec` with sections of fewer units than ranks (kv heads) splits as `apply_plan` splits
-        it: the ranks holding one replica are perturbed together and may all move."""
+        """Whether perturbing rank r's share of `column`'s output (split as `sections`) at every call moves only rank
+        r's share of `row`'s input (of each of `row_sections`) at every call, `frozen` outputs held, replicas (kv heads)
+        perturbed together; a layer run on two inputs (Pegasus-X's q_proj) is checked at each of its calls."""
         spec = sections if isinstance(sections, ShardSpec) else ShardSpec(dim=0, sections=sections)
         copies = max(spec.replicas(self.shares))
         base = self._row_inputs(row, {}, frozen, background=background) if background else self._row_inputs(row, {})
@@ -195,13 +186,9 @@ class LocalityProbes:
         fresh: bool = False,
         background: frozenset = frozenset(),
     ) -> list[torch.Tensor]:
-        """`row`'s input at each of its calls in a probe forward in which `masks[name](output)` marks entries of
-        `name`'s output (at each of its calls) to perturb, and the outputs of `frozen` modules are held at their
-        unperturbed values, and the outputs of `background` modules are moved by the same noise in every forward
-        given them (`_split`); so is `row`'s own output (all-reduced, whole on every rank in the sharded model): a
-        perturbation reaches a later call of it (ALBERT's one layer, run at every depth) only as its columns carry
-        it there, not through the residual stream its earlier calls wrote. `fresh`: run again (a parameter was
-        perturbed), not the unperturbed inputs kept."""
+        """`row`'s input at each call in a probe forward perturbing what `masks` marks, `frozen` outputs held and
+        `background` (and `row`'s own, ALBERT's shared layer) moved alike; `fresh` runs again after a parameter was
+        perturbed."""
         if not masks and not fresh and not background and row in self._bases:
             return self._bases[row]
         frozen = frozen | {row} if masks or background else frozen

@@ -58,60 +58,7 @@ def parallelize(
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
-    Every rank must call this with the same model (same weights) and plan. Each planned module is replaced by
-    its tensor-parallel counterpart holding this rank's slice of the existing weights (see `tp_train.plan.apply` for
-    the styles). The plan is, in order: `plan`, `model.tp_plan`, the Hugging Face model's `base_model_tp_plan`,
-    a built-in preset, else the auto-planner's (`tp_train.plan.autoplan`; printed on rank 0). A pattern that matches
-    nothing, or a dimension tp does not divide, raises `ValueError` before any weight changes.
-    `model.tp_comm_counter` (a `CommunicationCounter`) then counts the bytes its tensor-parallel collectives move.
-
-    Args:
-        model: the unsharded model, on the device it will run on.
-        tp_group: a ProcessGroup, a 1-D DeviceMesh, or None for the whole world.
-        plan: {module-name pattern: style}; `*` matches one name component.
-        loss_parallel: keep the `colwise_gather_output` head sharded along the vocabulary, for
-            `vocab_parallel_cross_entropy`: no rank then holds full logits. `model.tp_vocab_size` records the
-            head's real vocabulary size, which that loss needs. By default the head gathers, and the model returns
-            full logits.
-        device: where to materialise a model built on the meta device (each rank allocates only its shards, and
-            the initial weights are the same at every tp for the same seed). Default: the current CUDA device,
-            else CPU.
-        verify: check the sharding and raise `PlanVerificationError` on a difference (`tp_train.plan.verify`): each
-            swapped module against the module it replaced (one module's tensors at a time), each module a region
-            style wraps (MoE experts, `all_reduce`) against itself before sharding on its probe arguments, then the
-            whole sharded model against the unsharded one on a probe batch, outputs and gradients (a full copy per
-            rank while it runs). Default None: both for every plan, the whole-model check only for models of at most
-            `WHOLE_MODEL_CHECK_BYTES` of parameters; True: both always; False: neither. Rank 0 prints one line
-            saying what was checked and the largest difference.
-        weights: pretrained safetensors weights (a file, or a `save_pretrained` directory) to fill the sharded
-            model from, each rank reading only its slices (`tp_train.load_pretrained`). Default: submodules that
-            record a `pretrained_weights` path (a `model=hf model.path=...` built on meta) are filled from it.
-        sequence_parallel: shard the residual stream between the blocks along the sequence (norms, dropout and
-            residual adds on 1/tp of the tokens; each sub-block's all-reduce becomes all-gather + reduce-scatter).
-            Needs the blocks in one nn.ModuleList and a `colwise_gather_output` head; the sequence length must be
-            a multiple of tp. See `tp_train.plan.sequence_parallel`.
-        activation_checkpointing: recompute each block's forward in backward instead of keeping its activations
-            (dropout replays the same masks). See `tp_train.plan.activation_checkpointing`.
-        compile: compile the sharded model in place (`nn.Module.compile`, torch's default inductor backend) once
-            it is sharded and verified. Its collectives trace as torch's functional collectives, so a model without
-            dropout compiles with no graph break; with dropout, each switch of random stream breaks the graph
-            (`tp_train.parallel.random`). The tensor-parallel traffic of compiled steps is not counted.
-        overlap: in backward, start each column-parallel entry's collective (the all-reduce of `f`, or sequence
-            parallelism's reduce-scatter) asynchronously and compute the weight gradients while it runs
-            (`tp_train.parallel.overlap`): the same collectives, the same results. Eager only (compiled models
-            use functional collectives). False: the plain path, e.g. to measure what overlap saves. Default None:
-            on with NCCL, which runs collectives beside the compute, off with gloo, whose collectives take the CPU
-            cores the compute needs (slower in the benchmark's CPU runs).
-        example_input: what the model's forward takes, for the auto-planner's probe, verification and the region
-            check: a tensor (its one positional argument), a tuple (positional arguments) or a dict (keyword
-            arguments), the same on every rank; a batch or two of real inputs is plenty. Default: a Hugging Face
-            model's config-shaped batch (its `main_input_name`; pixel values, audio features, decoder token ids as
-            its config says), else random token ids (`tp_train.plan.probe_input`).
-        cp_group: a context-parallel group: each of its ranks then runs the model on its share of every sequence
-            and attention spans the group (`tp_train.plan.context_parallel`, after tensor-parallel sharding and its
-            verification). `cp_options`: `enable_context_parallel`'s keyword arguments (rotation,
-            document_separator).
-    """
+    The arguments are described in docs/own-models.md ("Without Lightning")."""
     wrapped = adapted_model(model)
     if wrapped is not None:  # a peft wrapper: its model is planned in the names its own plan uses
         settings = dict(plan=plan, loss_parallel=loss_parallel, device=device, verify=verify, weights=weights,

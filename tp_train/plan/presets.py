@@ -1,7 +1,5 @@
-"""A family's built-in plan, read from its record (`tp_train.plan.families`): the preset for a config that ships no
-`base_model_tp_plan`, the head-aware plan replacing a wasteful one, and the entries added to Hugging Face's plan,
-each keyed as the model's modules (prefixed with the base model's name, the LM head added). `tp_train.plan.apply` is
-what reads them."""
+"""A family's built-in plan, read from its record (`families`): its preset, override or additions to Hugging Face's
+plan, keyed as the model's modules (prefixed with the base model's name, the LM head added)."""
 
 from __future__ import annotations
 

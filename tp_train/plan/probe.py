@@ -1,7 +1,6 @@
 """One probe forward of a model, for the auto-planner: which modules ran, in what order, on which input and with
 which output, and the autograd dataflow between them; run on the model itself, or on a materialised copy of a model
-on the meta device.
-"""
+on the meta device."""
 
 from __future__ import annotations
 

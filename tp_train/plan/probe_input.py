@@ -1,17 +1,5 @@
-"""The probe's input: what the auto-planner, verification and the region check run a model on.
-
-It is the model's real input where one is given (`parallelize(example_input=...)`: a tensor, a tuple of positional
-arguments or a dict of keyword arguments; under Lightning, the LightningModule's `example_input_array` or the first
-training batch), else one made up from what the model is:
-
-- a Hugging Face model: its `main_input_name` and a batch its config shapes (`dummy_batch`): token ids,
-  `pixel_values` of the config's image size and channels, `input_features` of Whisper's mel bins x the length its
-  encoder expects (or Speech2Text's frames), raw `input_values`; `decoder_input_ids` for an encoder-decoder; a
-  contrastive dual encoder (CLIP, SigLIP) gets its pair, token ids and pixel values;
-- any other model with an `nn.Embedding`: random token ids below every embedding's size.
-
-A model neither fits is refused in one line naming it and the forward argument it needs.
-"""
+"""The probe's input: what the auto-planner, verification and the region check run a model on, given or made up from
+what the model is (docs/planner.md, "The probe input")."""
 
 from __future__ import annotations
 

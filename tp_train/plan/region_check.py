@@ -1,24 +1,6 @@
-"""Per-module verification of the plan entries that swap no module: region styles and parameters sharded in place.
-
-`SwapCheck` (`tp_train.plan.verify`) compares each swapped Linear or Embedding with its parallel layer. A module
-planned `moe_tp_experts` or `all_reduce` is not swapped: its own parameters are sharded in place (fused 3-D expert
-weights split by entries such as `mlp.experts.gate_up_proj: packed_colwise`) and collectives are hooked around its
-forward. A wrong split there (a fused [gate; up] weight split as one block while the forward chunks it in two
-halves) or a missing collective still runs; `RegionCheck` turns it into an error without a copy of the model.
-
-`record(model)`, before `apply_plan`, runs one probe forward of the unsharded model (no gradients kept) and captures
-the arguments each such module is first called with (hidden states, top-k indices and weights, ...); it then runs
-each module alone on them, backpropagates a random projection of its output, and keeps the output, the floating
-arguments' gradients and the gradients of its own whole (replicated) parameters: activations of the probe, no
-weights. `check(model)`, after `apply_plan`, runs each sharded module, with its collectives, on the same arguments
-on every rank and compares; both modules' outputs are whole (the region all-reduces the partial sums). A norm over
-features split across ranks (`rmsnorm_parallel`, `gated_rmsnorm_parallel`) is run on this rank's share of the captured
-input's (and gate's) features and compared with that share of the unsharded output and gradients (its weight's
-gradient with its shard's): a norm that does not normalise as `w * x * rsqrt(mean(x^2) + eps)` (over each group of
-`x * silu(gate)`, gated), whose correction is then wrong, is refused. A model on
-the meta device has no weights to compute with before `apply_plan`: there the check is skipped, as `SwapCheck`
-skips modules whose full tensors are gone, and so is a model the probe batch cannot run.
-"""
+"""Per-module verification of the plan entries that swap no module: region styles (`moe_tp_experts`, `all_reduce`,
+the parallel norms) and the parameters they shard in place, each run on its probe arguments before and after
+sharding (docs/planner.md, "What a plan cannot get wrong silently")."""
 
 from __future__ import annotations
 
@@ -47,12 +29,8 @@ FEATURE_SPLIT_STYLES = (*NORM_STYLES, FEATURE_REDUCTION_STYLE)
 
 
 class RegionCheck:
-    """Checks each module planned in `CHECKED_STYLES` against itself before sharding (see the module docstring).
-
-    Attributes:
-        errors: the largest relative difference per checked module.
-        skipped: why nothing was checked (a model on the meta device, a probe batch the model cannot run), or None.
-    """
+    """Checks each module planned in `CHECKED_STYLES` against itself before sharding: `record` before `apply_plan`,
+    `check` after; `errors` per module, `skipped` says why nothing was checked, or None."""
 
     def __init__(self, group: ProcessGroup, planned: list[PlannedModule], tolerance: float | None = None):
         self.group = group

@@ -1,8 +1,5 @@
-"""Norms that keep running statistics (BatchNorm's running_mean and running_var) normalise, in eval mode, by what
-they hold: at initialisation zeros and ones, which do not fit a model's activations (LeViT's BatchNorm after each
-projection, at the tiny sizes, leaves activations near 1e-5 and attention uniform, so no perturbation shows a query
-acting). For the probe they hold the probe batch's own statistics, as a training step would have them: one forward
-with those norms in training mode and a momentum of 1; their statistics and momentum are restored after."""
+"""For the probe, norms that keep running statistics (LeViT's BatchNorms) hold the probe batch's own statistics, as a
+training step would have them (their initial zeros and ones hide what a query does); restored after."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
-arXiv 2205.05198), on top of a model already sharded by its plan.
-
-From the first block's input to the head's input the residual stream is split along the sequence (dim 1) across
-the TP group, so norms, dropout and the residual adds each run on 1/tp of the tokens. Each column-parallel layer
-all-gathers its input along the sequence (reduce-scatter in backward) instead of Megatron's `f`, and each
-row-parallel layer reduce-scatters its output (all-gather in backward) instead of `g`: each sub-block's all-reduce
-becomes an all-gather plus a reduce-scatter, the same bytes. Where the region starts and ends comes from the plan
-(`tp_train.plan.layout`): the first block's input is split (no communication; all-gather in backward) and the head, a
-column-parallel layer, gathers it back.
-
-A replicated parameter applied to sequence shards (a norm, a row-parallel bias) gets only its rank's tokens'
-share of the gradient, so its gradient is all-reduced over the group. Dropout on sequence shards draws from the
-sharded stream: the tokens differ per rank, so must the masks.
-"""
+"""Sequence parallelism (Korthikanti et al., arXiv 2205.05198) on a model already sharded by its plan: the residual
+stream between the blocks is split along the sequence, each all-reduce becomes an all-gather plus a reduce-scatter."""
 
 from __future__ import annotations
 

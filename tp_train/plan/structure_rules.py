@@ -1,9 +1,5 @@
-"""The auto-planner's structure rules: what it does with a pair's parameters and leftovers that a plain column/row
-split does not cover, each found in a family and kept as a named method with its docstring naming that family
-(DeBERTa's per-channel biases, Swin's and LeViT's per-head tables, VideoPrism's pooling query, MiniMax's norm beside
-head counts, Inkling 2's short-convolution taps, CodeGen's grouped layout, SwiftFormer's unsplit attention,
-Switch's uncalled experts, Swin's patch merging, Perceiver's embedding read directly). Mixed into
-`tp_train.plan.autoplan`'s planner."""
+"""The auto-planner's structure rules, each a method whose docstring names the family that needed it; mixed into the
+planner. docs/planner.md ("Rules and their tests") lists each with the test that fails without it."""
 
 from __future__ import annotations
 
@@ -67,13 +63,8 @@ class StructureRules:
         return found
 
     def _stands_alone(self, name: str, styles: dict[str, str]) -> bool:
-        """Whether `name` is a projection on its own: the Linears of its own block that read its output take it
-        whole, as column layers the plan splits or as projections that also read a row layer's (all-reduced)
-        output (Swin's patch merging feeds the next stage; MobileBERT's bottlenecks feed query and key, the MLP and
-        the block's output bottleneck through the residual; a fused qkv whose heads no split finds feeds only its
-        block's output projection: refused), and its input is whole on every rank in the sharded model (traced, the
-        same shape at every call, computed from no layer the plan splits by columns, not inside an attention running
-        on local heads)."""
+        """Whether `name` is a projection on its own: its block's Linears reading its output take it whole, and its
+        input is whole on every rank (Swin's patch merging, MobileBERT's bottlenecks)."""
         call = self.calls[name]
         if name in self.untraced or len(call.shapes) > 1 or call.input is None:
             return False
@@ -148,13 +139,9 @@ class StructureRules:
                 pair.own.update(tables)
 
     def _own_whole(self, pair: Pair) -> None:
-        """Parameters of the module holding the pair acting between its layers get entries of their own (`pair.own`),
-        so that the module's other parameters are left as they are (VideoPrism's pooling query, read by the column
-        layers, whose entry into the parallel region sums its gradient already: summed again it counted tp times) and
-        an attention module keeps its `attention` style. One (heads, head width) per head, as many entries as the
-        split features (a Conformer's relative-position biases pos_bias_u and pos_bias_v, added to each head's
-        queries), is split with the heads along dim 0 (`colwise`); others act on every local head alike
-        (VideoPrism's `per_dim_scale`, scaling each head's queries): whole, their gradients summed."""
+        """Entries of their own (`pair.own`) for the pair module's parameters acting between its layers: per-head ones
+        split with the heads (Conformer's pos_bias_u/v), the rest whole with summed gradients (VideoPrism's
+        per_dim_scale)."""
         enclosing = enclosing_module(pair)
         if not enclosing or enclosing not in pair.between:
             return
@@ -241,7 +228,7 @@ class StructureRules:
     def _columns_along_last_dim(self, pair: Pair, owner: str, param: torch.Tensor) -> bool:
         """Whether `param`, a 2-D parameter of a module inside the attention, holds one column per channel of one of
         its column layers' outputs (split in one section), and perturbing rank r's share of those columns moves only
-        rank r's share of the row input."""
+        rank r's share of the row input (Inkling 2's static short-convolution taps over k_proj's output)."""
         if (
             not pair.attention
             or param.dim() != 2
@@ -283,13 +270,9 @@ class StructureRules:
             return f"channelwise({','.join(sizes)})"
         return "channelwise" if len(sections) == 1 else f"channelwise({','.join(map(str, sections))})"
 
-    def _grouped_layout(self, name: str, pair: Pair, call, search) -> tuple[str, dict, tuple] | None:
-        """For an attention no view makes right under its columns' first local split: its heads in G groups, as
-        CodeGen keeps them (its forward reshapes qkv_proj's output into a hard-coded four groups of [q; v; k]), each
-        rank holding its share of every group's heads: its row layer split by G sections of its input, each column
-        by G, 2G or 3G sections (a group's q, v and k), each evenly. G from 2 up, as long as tp divides each group's
-        heads; the first whose splits are local and under which a view holds. Its style, the columns' styles (by
-        name relative to `name`) and the row's sections, or None."""
+    def _grouped_layout(self, name: str, pair: Pair, search) -> tuple[str, dict, tuple] | None:
+        """For an attention keeping its heads in G hard-coded groups (CodeGen's four [q; v; k] groups): each rank takes
+        its share of every group; the attention style, the columns' styles and the row's sections, or None."""
         heads, row_width = self._attention_heads(pair), last_dim(self.calls[pair.row].input)
         frozen = frozenset(pair.replicated)
         for groups in range(2, (heads or 0) // self.shares + 1):

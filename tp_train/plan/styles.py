@@ -1,96 +1,6 @@
 """The plan vocabulary: what each style does, and the facts about modules every reader of a plan shares.
 
-A plan maps module-name patterns to style names. Patterns are dotted module names in which `*` stands for any
-one name component (`"blocks.*.attn.q"`). Style names follow Hugging Face's vocabulary where it has one:
-
-| style                   | module              | what happens                                                     |
-|-------------------------|---------------------|------------------------------------------------------------------|
-| `colwise`               | Linear / HF Conv1D  | `ColumnParallelLinear`, output sharded (heads, MLP hidden)       |
-|                         | / 1x1 Conv2d        | (`ColumnParallelPointwiseConv`: channels at dim 1)               |
-| `colwise_gather_output` | Linear / HF Conv1D  | `ColumnParallelLinear`, output gathered (an LM head); vocab padded |
-| `rowwise`               | Linear / HF Conv1D  | `RowParallelLinear`, input sharded, output all-reduced           |
-|                         | / 1x1 Conv2d        | (`RowParallelPointwiseConv`: channels at dim 1)                  |
-| `rowwise_split_input`   | Linear / HF Conv1D  | `RowParallelLinear` taking a replicated input: it keeps its own  |
-|                         |                     | share of the features (an input gathered by `colwise_gather_output`) |
-| `rowwise_scatter_output`| Linear / HF Conv1D  | `RowParallelLinear` whose summed output each rank keeps only its |
-|                         |                     | share of (reduce-scatter; bias split with it): Doge's dt_proj,   |
-|                         |                     | one output per kv head computed from every head's values         |
-| `packed_colwise`        | Linear / HF Conv1D  | column split of a packed `[gate; up]` projection, half by half   |
-| `fused_qkv_colwise`     | Linear / HF Conv1D  | column split of a fused `[q; k; v]` projection, head-aware       |
-| `embedding_rowwise`     | Embedding           | `VocabParallelEmbedding`, vocab rows sharded and padded          |
-| `attention`             | attention module    | head-count attributes set to the local heads; its dropout draws  |
-|                         |                     | from the per-rank (sharded) random stream                        |
-| `replicated_rng`        | any module          | dropout inside draws from the replicated stream again            |
-| `replicated_with_grad_allreduce` | any module | its parameters stay whole; their gradients are summed over the TP |
-|                         |                     | group (a norm applied to each rank's local heads, e.g. QK-norm)  |
-| `replicate`             | any module          | left as it is (every rank holds it whole)                        |
-| `channelwise`           | any module          | its own parameters split along dim 0 with the channels of the    |
-|                         |                     | column layer before it (an SSM's conv1d, A_log, D; a gated norm; |
-|                         |                     | the RG-LRU's per-head gates, whose dim 0 holds its heads)        |
-|                         |                     | or layers: `channelwise(32,32,64)` splits each of those sections |
-|                         |                     | (a conv1d over [q; k; v] of separate column layers)              |
-| `rmsnorm_parallel`      | an RMS norm         | over features split across ranks (BitNet's sub-norms before o_proj |
-|                         |                     | and down_proj): its weight split like `channelwise`, its output    |
-|                         |                     | corrected to the mean of squares over the whole width, all-reduced |
-|                         |                     | (`tp_train.parallel.norm`)                                       |
-| `gated_rmsnorm_parallel` | a gated, grouped   | Mamba2's `...RMSNormGated` (`w * norm(x * silu(gate))` over each |
-|                         | RMS norm            | group of `group_size` features): its weight split like           |
-|                         |                     | `channelwise`; groups whole on each rank stay local, a group     |
-|                         |                     | spanning ranks (fewer groups than ranks) is normalised over all  |
-|                         |                     | of them, its sum of squares all-reduced (`tp_train.parallel.norm`) |
-| `layernorm_parallel`    | an `nn.LayerNorm`   | over features split across ranks (ESM C's q_norm and k_norm over  |
-|                         |                     | q's and k's whole width): its weight and bias split like           |
-|                         |                     | `channelwise`, its output recomputed from the mean and variance  |
-|                         |                     | over the whole width, all-reduced (`tp_train.parallel.norm`)     |
-| `feature_reduction_parallel` | any module     | between a column and a row layer, reducing over the features they |
-|                         |                     | split (ConvNeXt V2's GRN, a mean over the channels): its own     |
-|                         |                     | parameters split along their last dim with the features; each    |
-|                         |                     | mean, sum or L2 normalize over the last dim in its forward       |
-|                         |                     | completed by an all-reduce (`tp_train.parallel.reductions`)      |
-| `moe_tp_experts`        | MoE experts module  | its floating-point inputs (tokens, routing weights) enter the    |
-|                         |                     | parallel region (`f`), its output (each rank's partial sum over  |
-|                         |                     | its share of every expert) is all-reduced (`g`): one all-reduce  |
-| `moe_identity_expert`   | an identity expert  | its input divided by tp, so the experts' all-reduce sums it once |
-| `all_reduce`            | any module          | its output (a partial sum) is all-reduced                        |
-| `local_params`          | any module          | nothing: its sharded parameters are already local tensors        |
-| `mla_kv_a_proj`         | DeepSeek's latent   | whole; the rotary key at the end of its output (`config.         |
-|                         | kv projection       | qk_rope_head_dim` features) enters the parallel region (`f`)     |
-
-Entries may also name a parameter (`layers.*.mlp.experts.gate_up_proj`, `layers.*.self_attn.sinks`), as Hugging Face's
-plans for fused 3-D MoE expert weights and attention sinks do. A parameter is split along one dimension
-(`parameter_shard_spec`): `colwise` the second-to-last (a (experts, out, in) weight's out, a 1-D vector's only),
-`rowwise` the last (in), `channelwise` the first (as a `channelwise` module splits its own: Zamba's per-head SSM
-weights, (heads, ...) whatever their other dims hold), `packed_colwise` / `packed_rowwise` the same dimensions as
-two halves ([gate; up]), or plainly where the module stores gate and up interleaved (`is_concatenated = False`),
-`colwise(32,32,32,32)` by sections (DBRX's 2-D weights holding every expert's rows in turn); `replicate` keeps it whole,
-and so does `replicate_once`, for a parameter added into a partial sum its module's region all-reduces (gpt-oss's
-experts' `down_proj_bias`): only rank 0's copy enters the forward (the others add zeros), so the sum counts it once, and
-its gradient is summed over the ranks; and so does `replicated_with_grad_allreduce`, for one parameter of a module whose
-other parameters must not be summed (VideoPrism's pooling head scales each local head's queries by `per_dim_scale`; its
-pooling query, read by q_proj, has its gradient summed where it enters the parallel region). A buffer that acts on a
-split activation is named the same way (Falcon-H1's `mamba.mup_vector`, (1, 1, width) μP multipliers of in_proj's
-output, takes in_proj's sections along the last dimension, the one they add up to); its split is recorded in its
-module's `shard_specs` like a parameter's.
-Its module runs its own forward on the shards; the module's entry (`moe_tp_experts`, `local_params`) says what
-surrounds it.
-
-Some styles take arguments in parentheses: `fused_qkv_colwise(64,32,32)` names unequal [q; k; v] sections
-(grouped-query attention's fused projection, litgpt's, whose head counts no attribute states); `colwise(64,64,16,16,8)`
-and `channelwise(64,16,16)` name any sections, each split evenly across ranks (Mamba2's in_proj [z; x; B; C; dt] and
-its conv1d over [x; B; C], so each rank holds its heads' z, x and dt and its groups' B and C; a linear
-attention's depthwise conv1d over the concatenated q, k and v); a section written `GxN` holds G indivisible units of
-N (`colwise(64,64,1x16,1x16,8)`: Mamba2's B and C of one group), each held whole by tp / G ranks when tp exceeds G,
-as replicated kv heads are (`tp_train.parallel.sharding.ShardSpec.units`); `attention(n_head,
-config.n_query_groups, input_width, ...)` names where the module keeps its head counts (`tp_train.plan.local_view`),
-`rowwise(feeds_parallel_region)` marks a row layer whose all-reduced output enters a sharded region again,
-`rowwise(8,8,8,8)` names sections of a row layer's input, each split evenly (CodeGen's out_proj: its qkv_proj,
-`colwise` by the twelve sections [q; v; k] of each of four groups, gives each rank its share of every group's heads,
-which is what its hard-coded four-way reshape needs on local heads), and
-`moe_tp_experts(ffn_hidden_size)` names counts the experts' forward views its weights with, made local as an
-`attention(...)` view's are (DBRX's `view(-1, ffn_hidden_size, hidden_size)`).
-
-`colwise_rep` is accepted as Hugging Face's older name for `colwise_gather_output`.
-"""
+The styles, their arguments and parameter entries are described in docs/own-models.md ("Style reference")."""
 
 from __future__ import annotations
 
@@ -267,13 +177,9 @@ def head_counts(attention: nn.Module | None, config) -> HeadCounts:
 def column_layout(
     style: str, out_features: int, counts: HeadCounts | None = None, arguments: str = ""
 ) -> tuple[tuple[int, ...], tuple | None]:
-    """The sections a column style splits a layer's output into (each split evenly across ranks), and the heads in
-    each (None where they do not matter): the sections the style's arguments name (`fused_qkv_colwise(64,32,32)`),
-    else one section, two halves (`packed_colwise`), or [q; k; v] (`fused_qkv_colwise`), k and v as wide as the kv
-    heads when there are fewer of them than query heads (phi3's qkv_proj, Falcon's multi-query [q_1..q_H; k; v]).
-    A `colwise` projection exactly as wide as the kv heads (a k_proj or v_proj with fewer kv heads than query heads)
-    is one section of `kv_heads` units: replicated when tp exceeds them (see `tp_train.parallel.sharding.ShardSpec`).
-    Named sections keep the heads `counts` give when they are the same sections, else have none."""
+    """The sections a column style splits a layer's output into (each split evenly) and the heads in each (None where
+    they do not matter): named sections, one, two halves or [q; k; v] (k and v as wide as fewer kv heads); a `colwise`
+    layer as wide as the kv heads is one section of `kv_heads` units, replicated when tp exceeds them."""
     named = section_sizes(arguments)
     sections = PACKED_SECTIONS.get(style, 1)
     heads, kv_heads, head_dim = (counts.heads, counts.kv_heads, counts.head_dim) if counts else (None, None, None)

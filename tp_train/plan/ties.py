@@ -32,12 +32,8 @@ def _vocabulary_style(module: nn.Module) -> str | None:
 
 
 def tie_completions(model: nn.Module, planned: dict[str, PlannedModule]) -> list[PlannedModule]:
-    """Entries that make every shared parameter split alike on each module holding it: the unplanned embedding of
-    a tied pair whose head is sharded (or the head of a sharded embedding). A module that only holds a tied
-    parameter of a vocabulary split (not a Linear or an Embedding: RoBERTa's `lm_head.bias`, the same parameter as
-    `lm_head.decoder.bias`) is given the shard by `tp_train.plan.apply` (`_share_ties`). Any other tie split on
-    one side only, or two ways, is refused in one line naming both modules (sharding one side would silently untie
-    them)."""
+    """Entries that make every shared parameter split alike on each module holding it (the unplanned embedding of a tied
+    sharded head, or the other way round); any other tie split on one side only, or two ways, is refused in one line."""
     holders: dict[int, dict[tuple[int, str], tuple[str, str, nn.Module]]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for param_name, param in module._parameters.items():

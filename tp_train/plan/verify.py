@@ -1,28 +1,5 @@
-"""Plan verification: before training, the sharded model must compute what the unsharded model computes.
-
-A wrong split usually still runs and trains, just as a different function. Three checks turn that into an error,
-on by default for every plan (`tp_train.parallelize`):
-
-- `SwapCheck`, per swapped module: right after `apply_plan` replaces a module, while the module still holds its
-  full tensors, one probe input goes through both and their outputs and gradients are compared. It catches a
-  swap that loses what the module did (a subclass's scale, a transposed weight, a bias, a fused layout the layer
-  reassembles wrongly) and costs one module's tensors at a time, never a copy of the model.
-- `RegionCheck` (`tp_train.plan.region_check`), per module a region style wraps (`moe_tp_experts`, `all_reduce`,
-  `rmsnorm_parallel`), with the parameters sharded in place under it (fused 3-D expert weights, a norm's weight):
-  its output and gradients on the arguments it took in a probe forward of the unsharded model, before and after
-  sharding.
-- `verify_parallelized`, the whole model, where a full copy is affordable: it catches a wrong plan (the wrong
-  layers paired, heads not localised).
-
-`verify_parallelized` rebuilds the unsharded model from the gathered shards (`full_state_dict`) in a meta-device
-copy taken before sharding (`unsharded_skeleton`, which costs no memory), runs one probe batch through both,
-backpropagates the same scalar through both, and raises `PlanVerificationError` (one line: the difference, the
-first module whose output or the first parameter whose gradient differs, and the plan entries around it) when they
-disagree.
-
-The reference is a whole unsharded model on every rank for the duration of the check; for a model that does not
-fit, turn verification off (`parallelize(..., verify=False)`, `TensorParallelStrategy(verify_plan=False)`).
-"""
+"""Plan verification: the sharded model must compute what the unsharded one does, checked per swapped module
+(`SwapCheck`), per region (`region_check`) and whole (`verify_parallelized`); docs/planner.md ("Verification")."""
 
 from __future__ import annotations
 
@@ -59,21 +36,8 @@ HALF_PRECISION_TOLERANCE = 3e-2
 class SwapCheck:
     """Checks each module `apply_plan` swaps against the module it replaced (pass it as `apply_plan`'s `check`).
 
-    Per module: a probe input (random token ids, or random activations, fixed seed) goes through the replaced
-    module and through its parallel layer (a row layer gets its rank's share of the features); the outputs are
-    compared (sharded ones gathered), then one random projection of the output is backpropagated through both
-    and the input gradients compared. Where the replaced module's class overrides forward (a subclass, whose
-    forward now runs around the parallel layer), the gradients of the layer's parameters are compared too (this
-    rank's shard of the replaced module's), except for vocabulary-sized tables; elsewhere they follow from the
-    input and output gradients of the same matmul and none is allocated. Extra memory: the probe's activations,
-    plus one subclassed module's gradients. Each call is a collective; every rank swaps the same modules in the
-    same order.
-
-    Attributes:
-        errors: the largest relative difference per checked module.
-        skipped: modules whose full tensors were already gone (tied to a module swapped before, in a model built
-            on the meta device): they are checked through the module they are tied to.
-    """
+    `errors`: the largest relative difference per module; `skipped`: modules whose full tensors were already gone
+    (tied to one swapped before), checked through the module they are tied to. Each call is a collective."""
 
     def __init__(self, group: ProcessGroup, tolerance: float | None = None):
         self.group = group
@@ -238,27 +202,9 @@ def verify_parallelized(
     example_input=None,
     tolerance: float | None = None,
 ) -> dict[str, float]:
-    """Checks the sharded `model` against the unsharded `reference` on one probe batch (a collective).
-
-    Compares the outputs, then the gradients of every parameter (sharded ones gathered) after backpropagating the
-    same random projection of the output through both. Leaves `model`'s gradients cleared and its mode unchanged.
-
-    Args:
-        model: the model after `apply_plan`.
-        reference: the unsharded model with the same weights (`unsharded_reference`).
-        group: the tensor-parallel group.
-        planned: the plan's `PlannedModule`s, to name the entries near a difference.
-        example_input: the probe input (`tp_train.plan.probe_input`: a tensor, a tuple or a dict of keyword
-            arguments); default the model's own: a Hugging Face model's config-shaped batch, else random token ids,
-            two sequences of 8 tokens (a multiple of tp long), so that code mixing the batch into the sequence shows.
-        tolerance: largest relative difference accepted; default 1e-4 in fp32, 3e-2 in half precision.
-
-    Returns:
-        {"output": relative output difference, "gradient": largest relative gradient difference}.
-
-    Raises:
-        PlanVerificationError: on every rank, when any rank sees a difference beyond `tolerance`.
-    """
+    """Checks the sharded `model` against the unsharded `reference` on one probe batch (a collective): outputs, then
+    every parameter's gradient; returns {"output": ..., "gradient": ...} relative differences, or raises
+    `PlanVerificationError` on every rank when any rank sees one beyond `tolerance` (default 1e-4 fp32, 3e-2 half)."""
     # A length every tp divides, for sequence parallelism's split: 8 tokens at tp 1, 2, 4 and 8.
     length = math.lcm(PROBE_TOKENS, dist.get_world_size(group))
     inputs = probe_input(reference, example_input, length, batch=2)

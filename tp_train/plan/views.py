@@ -1,7 +1,5 @@
-"""The auto-planner's views phase: for each attention pair, the local view under which its module runs right on
-local heads (`tp_train.plan.local_search`, found once per block shape), or the reason it is kept whole; and the
-styles of the attention module and the dropout after its row layer. Mixed into `tp_train.plan.autoplan`'s
-planner."""
+"""The auto-planner's views phase: for each attention pair, the local view under which its module runs on local heads
+(`local_search`), or why it is kept whole; and the styles of the attention and its dropout. Mixed into the planner."""
 
 from __future__ import annotations
 
@@ -93,7 +91,7 @@ class AttentionViews:
             if style is None and not (pair.tables or pair.own or pair.replicated):
                 grouped_key = ("grouped",) + called
                 if grouped_key not in self._cache:
-                    self._cache[grouped_key] = self._grouped_layout(name, pair, calls[name], search)
+                    self._cache[grouped_key] = self._grouped_layout(name, pair, search)
                 style, columns, row_sections = self._cache[grouped_key] or (None, None, None)
                 if style is not None:
                     pair.columns = {f"{name}.{column}": split for column, split in columns.items()}

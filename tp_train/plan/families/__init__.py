@@ -1,9 +1,5 @@
-"""Everything tp_train knows about Hugging Face families, one `FamilySpec` record per `model_type`, grouped by the
-kind of family (`attention`, `recurrent`, `zamba`, `zoo_layouts`). The presets (`tp_train.plan.presets`), the
-planner (through them) and the zoo read a family's record with `family(model_type)`.
-
-To add a family, append one `FamilySpec` to the `RECORDS` of the module of its kind (or to a new module listed
-below), with a comment saying what in the family's code each entry answers."""
+"""Everything tp_train knows about Hugging Face families, one `FamilySpec` record per `model_type`, read with
+`family(model_type)`; how to add one: docs/planner.md ("Family records")."""
 
 from __future__ import annotations
 

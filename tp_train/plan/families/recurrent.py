@@ -54,7 +54,7 @@ def under(prefix: str, entries: dict[str, str]) -> dict[str, str]:
     return {f"{prefix}.{name}": style for name, style in entries.items()}
 
 
-def delta_net_conv(config, attention: str, q: int, k: int, v: int) -> dict[str, str]:
+def delta_net_conv(attention: str, q: int, k: int, v: int) -> dict[str, str]:
     return {f"layers.*.{attention}.conv1d": f"channelwise({q},{k},{v})"}
 
 
@@ -62,7 +62,7 @@ def olmo_hybrid_variant(config) -> dict[str, str]:
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
     value_dim = config.linear_num_value_heads * config.linear_value_head_dim
     view = "attention(num_k_heads, num_v_heads, key_dim, value_dim)"
-    return {"layers.*.linear_attn": view, **delta_net_conv(config, "linear_attn", key_dim, key_dim, value_dim)}
+    return {"layers.*.linear_attn": view, **delta_net_conv("linear_attn", key_dim, key_dim, value_dim)}
 
 
 def latent_and_delta_variant(config) -> dict[str, str]:
@@ -75,19 +75,13 @@ def latent_and_delta_variant(config) -> dict[str, str]:
         attention = {"layers.*.self_attn": views[0]}
     else:
         attention = {f"layers.{index}.self_attn": view for index, view in enumerate(views)}
-    return {**attention, **delta_net_conv(config, "self_attn", width, width, width)}
+    return {**attention, **delta_net_conv("self_attn", width, width, width)}
 
 
 def mamba2_mixer(mixer: str, heads: int, inner: int, groups: int, state: int) -> dict[str, str]:
-    """The entries that shard a Mamba2 mixer (named by the pattern `mixer`) as Megatron does. Its in_proj's output is
-    [z; x; B; C; dt] (z and x `inner` wide, by heads; B and C `groups` x `state` wide, by groups; dt one per head),
-    each section split evenly, so each rank holds its heads' z, x and dt and the groups' B and C those heads read:
-    its share of the groups where tp divides them, else the one group its heads belong to, held whole by the
-    tp / groups ranks sharing it (written `GxN`: replicated like kv heads, their gradients summed over the replicas;
-    real Bamba, Granite-4-H and Falcon-H1 checkpoints have one group). The depthwise conv1d over [x; B; C] takes the
-    same channels; A_log, D and dt_bias those of its heads; the gated norm (`gated_rmsnorm_parallel`) the weights of
-    its channels, normalising each group over every rank holding part of it; out_proj by rows. The mixer's counts
-    become local, its conv width and group count as this rank's share of their sections."""
+    """The entries that shard a Mamba2 mixer (the pattern `mixer`) as Megatron does: in_proj's [z; x; B; C; dt] by
+    sections (one group's B and C held whole by the ranks sharing it), the conv1d, A_log, D, dt_bias and gated norm with
+    their channels, out_proj by rows (docs/own-models.md, "The whole style vocabulary")."""
     b_or_c = f"{groups}x{state}"
     return {
         mixer: f"attention(num_heads, intermediate_size, n_groups({groups}x1), conv_dim({inner},{b_or_c},{b_or_c}))",

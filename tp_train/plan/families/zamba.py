@@ -1,13 +1,5 @@
-"""Records of Zamba and Zamba2: Mamba layers, and hybrid layers in which a transformer block shared by several layers
-(tied, Zamba2's with per-layer low-rank adapters) feeds its output, through the layer's own `linear`, into the input
-of a Mamba layer. Every entry but the embedding is sized or placed by the config (each record's `variant`).
-
-The shared block splits as Llama's, its attention by heads (kv heads replicated when fewer than ranks), its MLP by
-its hidden features. Its output feeds only `linear` (hidden x hidden), so rather than summing it on every rank and
-holding `linear` whole, the MLP's down_proj keeps each rank's share of its summed output (`rowwise_scatter_output`,
-a reduce-scatter) and `linear` takes that share as a row layer (`rowwise`, one all-reduce): half an all-reduce more
-per hybrid layer, and no hidden x hidden matrix whole on every rank.
-"""
+"""Records of Zamba and Zamba2: the shared transformer block splits as Llama's, and its down_proj reduce-scatters its
+output (`rowwise_scatter_output`) into its hybrid layer's `linear`, split by rows (docs/own-models.md)."""
 
 from __future__ import annotations
 
