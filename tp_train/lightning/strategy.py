@@ -1,17 +1,4 @@
-"""`TensorParallelStrategy`: Megatron-style tensor parallelism (x data parallelism) for Lightning.
-
-    Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), devices=4)   # dp=2 x tp=2
-
-    Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2, data_parallel="fsdp"), devices=8)
-
-The world is a 2-D DeviceMesh ("data_parallel", "tensor_parallel"). Every module of the LightningModule that
-carries a plan (`tp_plan`, Hugging Face's plan, a preset) is sharded over the "tensor_parallel" axis by
-`tp_train.parallelize`. Over the "data_parallel" axis, `data_parallel="ddp"` (default) keeps a whole tensor-parallel
-shard per rank and averages gradients with torch DDP on the DP group (bucketed, overlapped with backward);
-`data_parallel="fsdp"` shards each tensor-parallel shard, its gradients and optimizer states over the DP group with
-torch's FSDP2 (`tp_train.plan.data_parallel`). The sampler splits data over the DP axis only, so all ranks of a TP
-group see the same batch. Models built under `trainer.init_module(empty_init=True)` are materialised shard by shard.
-"""
+"""`TensorParallelStrategy`: Megatron-style tensor parallelism (x data parallelism) for Lightning."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """`python -m tp_train.tools.bench.data_parallel`: data parallelism over tensor parallelism at dp2 x tp2 (4 ranks),
 DDP against sharded data parallelism (FSDP2), in one run: step time and model state per rank.
-
-Both contenders are `models.GPT` sharded by `tp_train.parallelize` over the "tensor_parallel" axis of a (2, 2)
-mesh; `ddp` wraps it in torch DDP over the "data_parallel" axis, `fsdp` in FSDP2 per block and whole model
-(`tp_train.plan.data_parallel`). Each data-parallel rank trains on its own batch of the size's shape. Repeats
-alternate the two (each repeat starting with the other) and the table shows medians; `state MiB` is the largest
-rank's parameters, gradients and AdamW states, `predicted` is `tp_train.estimate_memory`'s for the same layout.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """One device, one model at full size: tokens/s, MFU and peak memory of GPT-2 small (`conf/model/gpt_small.yaml`'s
 shape) trained at tp=1 in bf16 autocast, the plain model against ours (`tp_train.parallelize`), eager and under
 `torch.compile`, in one run (scripts/gpu_check.sh runs it on a GPU).
-
-    python -m tp_train.tools.bench.one_device --output gpu_bench.json
-
-MFU (PaLM's appendix B, as nanoGPT's `estimate_mfu`): model FLOPs per token = 6 N + 12 L H Q T, with N the
-parameters less the position embedding (the tied embedding counts once: it is the LM head's matmul), L layers, H
-heads of Q dims, T the sequence length; MFU = tokens/s x FLOPs per token / the device's peak dense bf16 FLOP/s.
-Peak memory is CUDA's allocator's `max_memory_allocated` over one step (on CPU, the profiler's; see
-`measure.peak_bytes`), beside `tp_train.estimate_memory`'s prediction for the same batch and precision.
 """
 
 from __future__ import annotations
