@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tp_train.tools.activation_memory import saved_activation_bytes
 from tp_train.tools.bench.ranks import start_ranks
+from tp_train.tools.memory import MIB
 
 # (name, cp, tp, rotation, document mask)
 SETUPS = [
@@ -29,7 +30,6 @@ SETUPS = [
     ("tp=2 x cp=2 ring", 2, 2, "ring", False),
 ]
 DOCUMENT = 128  # tokens per packed document when masked
-MIB = 2**20
 
 
 def _measure(rank, world_size, device, setup, lengths, args, out):

@@ -22,9 +22,8 @@ from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.contenders import SIZES, Size, TrainingStep
 from tp_train.tools.bench.measure import group_max, seconds_per_step
 from tp_train.tools.bench.ranks import start_ranks
-from tp_train.tools.memory import estimate_memory
+from tp_train.tools.memory import MIB, estimate_memory
 
-MIB = 2**20
 DP, TP = 2, 2
 MODES = ("ddp", "fsdp")
 

@@ -23,9 +23,7 @@ from tp_train.tools.bench.measure import (
     profile_table,
     seconds_per_step,
 )
-from tp_train.tools.memory import estimate_memory, tensor_parallel_bytes_per_step
-
-MIB = 2**20
+from tp_train.tools.memory import MIB, estimate_memory, tensor_parallel_bytes_per_step
 
 
 def contenders_for(size: Size, tps: list[int], largest: bool, compiled: bool = True) -> list[Contender]:
