@@ -223,7 +223,7 @@ class TensorParallelStrategy(DDPStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
-            store=self._rendezvous().store,
+            store=self.launch.store,
         )  # fmt: skip
 
     def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
@@ -234,14 +234,11 @@ class TensorParallelStrategy(DDPStrategy):
             decision = [decide() if self.global_rank == 0 else None]
             torch.distributed.broadcast_object_list(decision, src=0)
             return decision[0]
-        return self._rendezvous().rank_zero_decides(decide)
+        return self.launch.rank_zero_decides(decide)
 
     @property
     def launch(self) -> rendezvous.Rendezvous:
         """This launch's rendezvous: its store, shared by every rank (`tp_train.lightning.hang` beats through it)."""
-        return self._rendezvous()
-
-    def _rendezvous(self) -> rendezvous.Rendezvous:
         if self._launch is None:
             self._launch = rendezvous.Rendezvous(self.cluster_environment, self._timeout or default_pg_timeout)
         return self._launch
