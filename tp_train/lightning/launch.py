@@ -63,7 +63,7 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
             return function(*args, **kwargs)
         except (CheckpointError, DiskFullError):  # the same on every rank; train.py reports it once, from rank 0
             if children is not None:
-                children.on_user_error()
+                children.stop()
             raise
         except Exception as error:
             if children is not None:

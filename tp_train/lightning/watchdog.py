@@ -90,12 +90,7 @@ class ChildRanks:
 
     def stop(self) -> None:
         """Kills the children (SIGKILL, which ends a stopped one too) without reporting them: the caller reported
-        why (the hang detector)."""
-        self._stop(None)
-
-    def on_user_error(self) -> None:
-        """The launcher's rank hit a user error every rank hits alike (it reports it in one line): end the children
-        without reporting them."""
+        why (the hang detector, or the launcher's rank on a user error every rank hits alike)."""
         self._stop(None)
 
     def _stop(self, reason: str | None) -> bool:
