@@ -1,9 +1,4 @@
-"""The numeric `data.*` and `trainer.*` values Lightning or the data module would reject, refused up front.
-
-Lightning checks many of these only inside the ranks (some only when the first epoch starts), so a bad value there
-ends in a traceback from every rank. Here each is one `ConfigError` in the launching process, naming the key, its
-value and what would work. A table: (key, accepts, what works).
-"""
+"""The numeric `data.*` and `trainer.*` values Lightning or the data module would reject, refused up front."""
 
 from __future__ import annotations
 

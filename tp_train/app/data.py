@@ -1,16 +1,4 @@
-"""Causal-LM data: a LightningDataModule that tokenizes a text corpus and packs it into fixed-length blocks.
-
-The default corpus is the Python standard library's own source, which exists wherever Python does, so training and
-CI smoke runs need no download. Local text/JSON files and Hugging Face hub datasets work too. Without a
-`tokenizer_path`, a byte-level BPE tokenizer is trained on the corpus. The expensive work is cached on disk:
-
-    <cache_dir>/<corpus key>/tokenizer-bpe<vocab_size>/                   trained tokenizer (save_pretrained layout)
-    <cache_dir>/<corpus key>/blocks-b<block>-val<fraction>-seed<seed>-tok<hash>/   DatasetDict "train", "val"
-    <cache_dir>/hf/                                                        datasets' own cache (raw text as Arrow)
-
-The corpus key hashes the source and its files' paths, sizes and mtimes after the caps, so an edited file rebuilds;
-`tok<hash>` hashes the tokenizer (its tokenizer.json and the id that ends documents, which the blocks hold).
-"""
+"""Causal-LM data: a LightningDataModule that tokenizes a text corpus and packs it into fixed-length blocks."""
 
 from __future__ import annotations
 
@@ -51,10 +39,6 @@ _MAP_BATCH = 1000  # documents per tokenize-and-pack call; each call drops its l
 
 class TextDataModule(LightningDataModule):
     """Blocks of `block_size + 1` token ids (LongTensor) for next-token prediction: x = item[:-1], y = item[1:].
-
-    Documents are shuffled with `seed`, tokenized with EOS appended to each, concatenated and cut into blocks. The
-    split is by blocks: the last `val_fraction` of the blocks (at least one) are validation, so they come from whole
-    documents apart from the single block on the boundary, and even a one-file corpus has a validation set.
 
     Args:
         source: "python_stdlib"; a local file, directory or glob (.json/.jsonl files give `text_field` per record,

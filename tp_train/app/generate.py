@@ -1,18 +1,4 @@
-"""`tp-train-generate CHECKPOINT --tp N --prompt TEXT`: text from a training run's checkpoint, on N ranks.
-
-    tp-train-generate outputs/<run>/checkpoints/last.ckpt --tp 2 --prompt "def " --max-new-tokens 32
-    tp-train-generate CKPT --tp 4 --prompt "import" --temperature 0.8 --top-k 50 --seed 1
-
-The model is rebuilt from the run's own config (`<run>/.hydra/config.yaml`: the model, and its adapters with
-`peft`), sharded at `--tp` (any tp: the checkpoint reshards as it loads; gloo CPU ranks, or NCCL with one GPU per rank)
-and loaded with `tp_train.load_checkpoint`. The tokenizer is the one the run used (`<run>/tokenizer/`, or the one
-the checkpoint names), or `--tokenizer`. Tokens are drawn one at a time with a KV cache: each rank caches only its
-own heads' keys and values (`tp_train.tools.generation`). Greedy decoding by default (`--temperature 0`), otherwise
-sampling with temperature and top-k from a generator seeded alike on every rank; drawing stops at the tokenizer's
-end-of-document token. stdout holds the continuation alone (not the prompt), followed by one newline; everything
-else (the speed, notes from sharding) goes to stderr. `--no-cache` recomputes the whole prefix at every token
-instead, to measure what the cache saves.
-"""
+"""`tp-train-generate CHECKPOINT --tp N --prompt TEXT`: text from a training run's checkpoint, on N ranks."""
 
 from __future__ import annotations
 

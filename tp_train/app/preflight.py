@@ -1,8 +1,4 @@
-"""Checks a training config in the launching process, before any rank starts or any weight loads.
-
-Each problem is one `ConfigError` naming the config key, its value and what would work; `train.py` prints it as
-one line and exits with status 2, with no traceback.
-"""
+"""Checks a training config in the launching process, before any rank starts or any weight loads."""
 
 from __future__ import annotations
 

@@ -1,22 +1,4 @@
-"""Auto-resume: with `ckpt_path=auto`, rerunning a command continues its previous run from that run's last checkpoint.
-
-The rule, applied in the launching process before any rank starts:
-
-- The runs of this command are the run directories the Hydra run-dir template can name (each `${...}` in it a
-  wildcard: `outputs/${now:...}/${now:...}` looks in `outputs/*/*`; an explicit `hydra.run.dir=X` in X only)
-  whose `.hydra/overrides.yaml` lists the same overrides, in any order, `ckpt_path` aside; and this run's own
-  directory (an explicit `hydra.run.dir` reused).
-- The latest thing that happened in them decides: the newest complete checkpoint in a run's `checkpoints/`,
-  whatever its name (`last.ckpt`, `epoch=0-step=20.ckpt`, a link to one, a consolidated file), saved after that run
-  last finished (`summary.json`, written when a run completes) is resumed from; a finished run, or no checkpoint,
-  starts fresh. A run that was killed before saving anything does not count, so its predecessor's checkpoint is
-  still found; nor does a save it was killed in or that ran out of disk: its `*.tmp` is never taken, and the
-  checkpoint it was replacing is (kept whole under its name until the new one is complete, or at `*.old` while
-  the two are swapped). Of checkpoints saved at the same moment, `last.ckpt` is named.
-
-`ckpt_path=<path>` resumes from that path; `ckpt_path=null` always starts fresh. Child ranks started by the
-launching process receive its decision through the environment, since they run in the new run's directory.
-"""
+"""Auto-resume: with `ckpt_path=auto`, a rerun continues its previous run from that run's last checkpoint."""
 
 from __future__ import annotations
 

@@ -18,11 +18,6 @@ class ValidationSamples(L.Callback):
     """After each validation (not the sanity check), continues each prompt with the model as it is now and logs the
     text: a W&B table `samples` (step, prompt, text) with a W&B logger, else one line per prompt on stdout.
 
-    Every rank draws, in step with its tensor-parallel group, from its shard of the model (a KV cache of its own
-    heads, the vocabulary-sharded logits of the last position gathered: `tp_train.tools.generation`); global rank 0
-    logs. Prompts are tokenized by the data module's tokenizer; drawing stops at its end-of-document token or at the
-    model's context.
-
     Args:
         prompts: the texts to continue; none: nothing is drawn.
         max_new_tokens: tokens to draw per prompt, at most.

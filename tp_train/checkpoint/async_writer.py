@@ -1,21 +1,4 @@
-"""Checkpoints written while training goes on (`torch.distributed.checkpoint` staged, then saved in the background).
-
-`AsyncCheckpointWriter.submit` stages a copy of the state (`stage`: each tensor copied off the live parameters and
-optimizer states into host memory, a DTensor kept a DTensor of the same layout) and returns: the training step that
-asked for the checkpoint continues at once, and the next optimizer step cannot change what is being written. One
-background thread per process then writes the staged copies, in the order they were submitted, with `dcp.save` over
-a gloo process group of its own (the training's collectives run on their groups meanwhile), and finishes each the
-way a synchronous save does (`tp_train.checkpoint.dcp.write`: written beside the checkpoint and renamed into place
-by rank 0 once every rank's shards are there). So the previous checkpoint stays whole and loadable until the new
-one is complete, and a process killed mid-write loses only the checkpoint being written.
-
-DCP's own `DefaultStager` is not used: it reuses one host copy per tensor from one save to the next, which is right
-with one save in flight only, and Lightning's ModelCheckpoint saves twice at a step (`last.ckpt` and a numbered one).
-
-Other file operations on checkpoints (deleting one Lightning no longer keeps) go through the same queue, after
-the writes submitted before them. `wait` blocks until everything submitted is done and re-raises a failed write;
-the process waits so at its exit too (a `trainer.save_checkpoint` after `fit` is written whole).
-"""
+"""Checkpoints written while training goes on (`torch.distributed.checkpoint` staged, then saved in the background)."""
 
 from __future__ import annotations
 

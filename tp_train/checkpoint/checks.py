@@ -1,12 +1,4 @@
-"""Checks that a checkpoint directory can be loaded, before anything is loaded from it.
-
-DCP reports a damaged or mismatched checkpoint from deep inside its load, as a multi-line report gathered from
-every rank, possibly after some tensors were already copied in. These checks read only DCP's `.metadata` and the
-sizes of the files it lists, and compare the full (unsharded) shapes recorded there with the full shapes this
-model expects, so that each problem is one `CheckpointError` line naming the file and the mismatch, e.g.
-
-    checkpoint runs/a/last.ckpt: model.blocks.0.attn.q.weight has shape [256, 128] there but [128, 128] here
-"""
+"""Checks that a checkpoint directory can be loaded, before anything is loaded from it."""
 
 from __future__ import annotations
 

@@ -1,22 +1,4 @@
-"""A consolidated checkpoint: one file holding the full, unsharded state, in Lightning's own checkpoint layout.
-
-    TensorParallelStrategy(tensor_parallel_size=2, save_distributed_checkpoint=False)
-    MyModule.load_from_checkpoint("best.ckpt")     # one plain process, no ranks, no tp_train needed to read it
-
-The file is what plain Lightning writes (`torch.save` of a dict): `state_dict` is the unsharded LightningModule's
-state (the names and layouts of the model before `parallelize`, so `load_state_dict` takes it), `optimizer_states`
-holds each optimizer's `state_dict()` in torch's layout (state by parameter index, tensors at full size), beside
-Lightning's loops, callbacks and hyperparameters. It holds data only, so `torch.load(weights_only=True)` (what
-Lightning's `load_from_checkpoint` does) reads it.
-
-Saving is a collective. Global rank 0 writes the file; the model and optimizer state are gathered to it one tensor
-at a time (`dist.gather` over the tensor-parallel group of the first data-parallel replica) and moved to host memory
-at once, so no rank ever holds more than the full model (and its optimizer state) once, and the device one full
-tensor at a time. Like a sharded save it is written to `<path>.tmp` and renamed into place once complete.
-
-Loading (`fit(ckpt_path=...)`, at any tp) memory-maps the file and copies into each rank's shards the slice of each
-full tensor that rank holds (`tp_train.parallel.sharding.shard_tensor`), optimizer state included.
-"""
+"""A consolidated checkpoint: one file holding the full, unsharded state, in Lightning's own checkpoint layout."""
 
 from __future__ import annotations
 

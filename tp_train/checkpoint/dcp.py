@@ -1,35 +1,4 @@
-"""Sharded checkpoints of a tensor-parallel model and its optimizers, with torch.distributed.checkpoint (DCP).
-
-Every rank saves and loads only its own shards, and a checkpoint saved at one tensor-parallel size loads at any
-other, under any data-parallel size. DCP tells shards apart by (key, global offset) and keeps one copy of a plain
-tensor per key, so each shard is handed to DCP as a `DTensor.from_local` around a view of the live parameter: DCP
-writes each rank's piece once and loads straight into the parameter.
-
-What the checkpoint holds, keyed the same at every tp:
-
-- A sharded tensor in the layout of the parallelized layer (`nn.Linear`'s (out, in) even for a Hugging Face
-  Conv1D), at full size, placed `Shard(spec.dim)` over the tensor-parallel mesh dimension and `Replicate()` over
-  the others. A tensor packing several sections along `spec.dim` ([q; k; v], [gate; up]) is stored as one DTensor
-  per section, under `f"{key}/section{i}"`, each an ordinary evenly split tensor. A padded vocabulary is stored
-  with its real rows only (global size V, rank r holding `torch.chunk`'s chunk r), so padding never reaches the
-  checkpoint.
-- A kv head that several ranks replicate (fewer kv heads than ranks) is stored once, like a section split evenly
-  over all ranks: each replica writes and reads its 1/replicas of the head, and after loading the replicas
-  exchange their pieces (`fill_replicas`), so a checkpoint loads at any tp whatever either replicates.
-- Every other tensor as a plain tensor (replicated: DCP stores one copy).
-- Under sharded data parallelism (FSDP2), a parameter and its optimizer states are DTensors over the data-parallel
-  mesh: a tensor-parallel shard FSDP2 split along another dimension (`data_parallel_shard_dim`) is handed to DCP as
-  `Shard` on both mesh dimensions, a view of this rank's piece; one it split along the same dimension (a bias) is
-  gathered over the data-parallel ranks for the save or load (a copy, written back after loading); a replicated
-  tensor goes as FSDP2's own DTensor. The stored layout is the same as without FSDP2, so checkpoints move between
-  `ddp` and `fsdp` and any (dp, tp).
-- Optimizer state keyed by parameter name, in `torch.optim`'s `{"state", "param_groups"}` shape; a state tensor
-  shaped like its sharded parameter (Adam's `exp_avg`, `exp_avg_sq`) is split exactly like the parameter.
-
-It loads into a parallelized model only (any tp, 1 included); `tp_train.full_state_dict` is for unsharded models.
-Before loading anything, `load` checks the checkpoint against the model (`tp_train.checkpoint.checks`): a missing,
-truncated, corrupt or incompatible checkpoint raises a one-line `CheckpointError` and changes nothing.
-"""
+"""Sharded checkpoints of a tensor-parallel model and its optimizers, with torch.distributed.checkpoint (DCP)."""
 
 from __future__ import annotations
 
@@ -113,12 +82,6 @@ def optimizer_state_dict(
 ) -> dict[str, Any]:
     """The optimizer's state for DCP: `{"state": {param name: {key: value}}, "param_groups": [...]}`.
 
-    A parameter is named by its first name in `model.named_parameters()` (a tied parameter appears once); each
-    group's `params` lists names. A state tensor shaped like its sharded parameter is split like the parameter
-    (see `model_state_dict`); other state (`step`) and the hyperparameters stay plain. All tensors are the
-    optimizer's own, so `dcp.load` fills it in place; missing state is first created equal to a fresh
-    optimizer's (see `_create_missing_state`), so that there is something to load into.
-
     Args:
         model: the parallelized model whose parameters `optimizer` updates.
         optimizer: a `torch.optim.Optimizer` (not Lightning's `LightningOptimizer` wrapper).
@@ -183,13 +146,6 @@ def save(
 ) -> None:
     """Saves a sharded checkpoint directory at `path`; a collective, every rank writes its own shards.
 
-    It is written as `path.tmp` and renamed into place by global rank 0 once complete, so a save killed midway
-    leaves a previous checkpoint at `path` whole (the next save discards the leftover `path.tmp`). An existing
-    `path` is renamed to `path.old` first: killed between the two renames, it survives there. `path` must be on
-    a filesystem every rank sees. A checkpoint that does not fit in the free space of its filesystem is refused
-    before anything is written, and a disk that fills up during the write removes `path.tmp`: both raise
-    `DiskFullError` (one line, on every rank) and leave every complete checkpoint as it was.
-
     Args:
         path: the checkpoint directory.
         model: the parallelized model.
@@ -251,10 +207,7 @@ def write(state: dict[str, Any], path: Path, extra: dict, group: dist.ProcessGro
 def load(
     path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh, trust_checkpoint: bool = False
 ) -> dict:
-    """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`.
-
-    Every file is read as data (`tp_train.checkpoint.safe_load`): a checkpoint holding anything else is refused in
-    one line before any of it is unpickled, unless `trust_checkpoint` (for one's own older checkpoints)."""
+    """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`."""
     path = Path(path)
     metadata = check_files(path, trust_checkpoint)
     extra = _read_extra(path, trust_checkpoint)  # before any tensor is copied in: a damaged meta.pt changes nothing

@@ -1,16 +1,4 @@
-"""What a checkpoint directory holds on disk: which checkpoints are complete, and whether the next one fits.
-
-A save (`tp_train.checkpoint.dcp.write`) writes `<name>.tmp` and renames it into place once every rank's shards and
-DCP's `.metadata` (written last) are there, so a checkpoint is complete when its name does not end in `.tmp` and
-its `.metadata` is there; a consolidated checkpoint (one `.ckpt` file, `tp_train.checkpoint.consolidated`) is
-written under a temporary name too, so any `.ckpt` file is complete. Links are followed (`last.ckpt` may be a link
-to the numbered checkpoint of the same save point).
-
-Before a save, `check_free_space` compares the bytes the checkpoint will take (every tensor once, at its full
-size: `checkpoint_bytes`) with the free space of its filesystem and refuses in one line, before anything is
-written, when it does not fit; `disk_full_error` words the same line for a write the disk filled up during
-(another process took the space, or a filesystem that does not report it).
-"""
+"""What a checkpoint directory holds on disk: which checkpoints are complete, and whether the next one fits."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""Pretrained weights from local safetensors files into a sharded model, each rank reading only its own slices.
-
-The weights are a `.safetensors` file, or a directory holding `model.safetensors` or Hugging Face's sharded
-`model.safetensors.index.json` (whose `weight_map` names the file of each tensor). Every tensor is read with
-`safe_open(...).get_slice(key)[...]`, which reads just the requested rows or columns from the file: a parameter
-sharded with a `ShardSpec` reads this rank's chunk of each of its sections (q, k and v of its heads from a fused
-projection; its rows of a vocabulary, the padding rows past the real vocabulary left zero), transposed back from
-a Conv1D's (in, out) layout; a replicated tensor is read whole. A tied parameter is read once, under whichever of
-its names the file has. So a model too large for one device loads across the tensor-parallel ranks.
-
-File keys are matched to the model's `state_dict` names through Hugging Face's own key renamings for the family
-(GPT-NeoX's `embed_out` is `lm_head`) and its `base_model_prefix` (a base model's `layers.0...` is
-`model.layers.0...` in a model with a head). A model wrapped with peft adapters reads its base layers' weights (a
-LoRA layer's `q_proj.base_layer.weight` is the file's `q_proj.weight`); the adapters' own tensors are in no
-pretrained file and keep their initialisation.
-"""
+"""Pretrained weights from local safetensors files into a sharded model, each rank reading only its own slices."""
 
 from __future__ import annotations
 

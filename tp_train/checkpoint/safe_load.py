@@ -1,24 +1,4 @@
-"""Reading a checkpoint as data, never as code.
-
-A checkpoint is a file people share and download, like any model file, and Python's `pickle` runs whatever a file
-asks it to. So every pickle a checkpoint holds is read by an unpickler that admits only what that file may hold:
-
-- DCP's index, `.metadata`: DCP's own metadata classes, torch's sizes, dtypes and layouts, and paths
-  (`read_metadata`, and `SafeFileSystemReader` for `dcp.load`);
-- the values DCP stores as bytes (optimizer hyperparameters and other non-tensor state) and our own `meta.pt`
-  (Lightning's loop and callback state, every rank's random generators): plain containers, numbers, strings and
-  tensors, through `torch.load(weights_only=True)` (`SafeLoadPlanner`, `read_extra`, `check_bytes`), with numpy's
-  arrays (numpy's random state) admitted as arrays only.
-
-Python 3.11.0-3.11.4 (Debian 12's `python3` is 3.11.2) pickle an Enum member by name, as `getattr(Enum, "NAME")`,
-where every other Python pickles it by value, `Enum(value)`; DCP's `.metadata` holds one (`_MEM_FORMAT_ENCODING`).
-So `.metadata`'s reader admits `builtins.getattr` as `enum_member`: an allow-listed Enum class and the name of one
-of its members, nothing else. The bytes values and `meta.pt` admit no Enum class in either form, so a `getattr` in
-them is refused as any other name is.
-
-Anything else is refused in one line naming the file, before any of it is unpickled. `trust_checkpoint=True`
-reads a checkpoint as torch itself would (plain `pickle`), for one's own checkpoints only.
-"""
+"""Reading a checkpoint as data, never as code."""
 
 from __future__ import annotations
 
@@ -76,11 +56,7 @@ def refusal(file: Path, reason: str) -> UnsafeCheckpointError:
 
 
 def enum_member(file: Path, enums: tuple[type[Enum], ...]):
-    """What `builtins.getattr` reads as in a pickle from `file`: `(one of enums, a member's name)` gives that member.
-
-    Any other call (a module, `builtins`, another class, a name that is not a member: `__class__`, `mro`) is
-    refused in the one line of `refusal`, before anything is looked up.
-    """
+    """What `builtins.getattr` reads as in a pickle from `file`: `(one of enums, a member's name)` gives that member."""
 
     def getattr_enum_member(owner: Any, name: Any) -> Enum:
         if any(owner is enum for enum in enums) and isinstance(name, str) and name in owner.__members__:

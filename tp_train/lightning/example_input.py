@@ -1,20 +1,5 @@
 """What each module `TensorParallelStrategy` shards is probed on: the arguments it takes when the LightningModule runs
 on its own inputs.
-
-The LightningModule's `example_input_array` (Lightning's convention) is what its `forward` takes: a tensor is its one
-argument, a tuple its positional arguments, a dict its keyword arguments. The first batch of the training loader is
-what its `training_step` takes (`validation_step` and the validation loader under `trainer.validate`, and so on).
-Neither is, in general, what the sharded module's own forward takes: a `training_step` splits `(inputs, targets)`,
-or cuts the last token off a block, before it calls `self.model(...)`. So the rule is: run the LightningModule as
-Lightning would (`self(example_input_array)`, else `training_step(first_batch, 0)`), without gradients, and record
-the arguments each module to shard is called with, stopping as soon as every one has been called once (so no loss,
-logging or optimizer code runs). A module sharded as the LightningModule itself (no plan anywhere, or
-`TensorParallelStrategy(plan=...)`) gets what its `forward` is called with. A module never reached that way is
-probed on its own default (`tp_train.plan.probe_input`).
-
-Each tensor whose first dimension is the batch's (that of the first tensor recorded) is cut to its first
-`EXAMPLES` examples: the auto-planner runs its probe many times. Rank 0 of the tensor-parallel group records, the
-others receive its record, so every rank of a group probes the same input.
 """
 
 from __future__ import annotations

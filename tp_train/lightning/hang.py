@@ -1,40 +1,5 @@
 """Ending the job when a rank hangs: no progress for a bounded time names the rank, writes every reachable rank's
 Python stacks and last collectives to the run directory, and exits non-zero.
-
-A rank that dies is seen at once (`tp_train.lightning.watchdog`). A rank that hangs (a stuck kernel, a dead link, a
-deadlock, a SIGSTOP) only leaves its peers waiting in their next collective until the collective timeout (30
-minutes), every device of the job idle meanwhile. So each rank runs a thread that beats through the launch's store
-(`tp_train.lightning.rendezvous`, a connection of its own with a short timeout) every `heartbeat_s` seconds,
-publishing a record {beat, progress, phase, step}. The main thread only bumps `progress` in the training hooks
-(no store call there). Every rank's thread reads every record and, on its own clock, times how long each rank's
-progress has not moved:
-
-- the job hangs when every rank is stuck past its limit: `setup_timeout_s` before the first optimizer step has
-  ended (set-up, compile, the first step), `train_timeout_s` inside a training step after that, and
-  `setup_timeout_s` between steps (a slow data batch, validation, a checkpoint save); once training runs, a rank
-  whose heartbeat stopped too (its process is not running: SIGSTOP, a debugger, a frozen host) gets
-  `train_timeout_s`, and so does every rank while one such rank exists: a rank waiting between steps (in a save's
-  barrier, say) for a stopped one waits for a rank that cannot arrive. "Training runs" is a fact of the job, not of
-  one rank's record: no rank ends a step without every rank's collectives, so one rank's record saying so is
-  enough. A rank stopped before its own record said so (before its first heartbeat, or within one of its first
-  step) is then timed at `train_timeout_s` too, not at the set-up limit. A rank waiting in a collective for a peer
-  that is loading a slow batch is stuck, but the peer is not (its heartbeat goes on), so a slow batch, a
-  validation or a save never ends the job; a hang inside one is caught at the longer limit.
-- the first rank to see it publishes the verdict (naming the rank or ranks that stopped arriving: those whose
-  heartbeat stopped, else those at the lowest step); every rank that still runs writes `hang/rank<r>-stacks.txt`
-  (each thread's Python stack) and `hang/rank<r>-collectives.json` (torch's flight recorder: its last
-  collectives, recorded from the start because the detector sets `TORCH_FR_BUFFER_SIZE`) in the run directory.
-- then the job ends, status 1: under `python train.py` (popen launcher) rank 0 prints the verdict and kills its
-  child ranks (SIGKILL ends a stopped one too); if rank 0 itself stopped, a child kills it. Under torchrun or
-  SLURM every rank exits 1, and torchrun's `--max-restarts` restarts the round, which `ckpt_path=auto` resumes
-  from the newest complete checkpoint (a checkpoint is renamed into place only once complete: a hang never
-  damages the previous one).
-
-Why these defaults: a training step of the models this project trains takes well under a second to a few seconds
-(the slowest measured here, a 1.3B model at tp=2 on CPU, about 20 s), so a minute without a step is a hang, and a
-stopped rank ends the job within `train_timeout_s` + a few heartbeats (about 70 s) at the defaults; set-up and
-the first step may compile and load weights for minutes, hence 10 minutes before it (torchtitan uses 300 s for
-set-up and 100 s for its train-time collective timeout).
 """
 
 from __future__ import annotations

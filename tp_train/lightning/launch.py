@@ -1,17 +1,4 @@
-"""Launching ranks from a Hydra app.
-
-Lightning's subprocess launcher re-runs `sys.argv` for ranks 1..n-1. Under `python train.py -m tp=1,2` that is the
-whole sweep, so every rank would start every job, and Lightning points the children at `hydra.run.dir` rather than
-the job's own output directory. `HydraJobLauncher` builds each child's command from the job's own overrides and
-output directory instead, so a child runs exactly its parent's job and writes where its parent does.
-
-It also replaces Lightning's child-process observer (which looks every 5 s, names no rank when the launcher itself
-fails, and leaves children running when the launcher dies) with `tp_train.lightning.watchdog`: whichever rank
-dies, the job ends within seconds, non-zero, and stderr names the rank.
-
-Under the spawn and fork start methods (a notebook, pytest), `ShardedMultiProcessingLauncher` is Lightning's, without
-sending rank 0's weights back to the main process, whose unsharded model they do not fit.
-"""
+"""Launching ranks from a Hydra app."""
 
 from __future__ import annotations
 
@@ -76,7 +63,7 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
             return function(*args, **kwargs)
         except (CheckpointError, DiskFullError):  # the same on every rank; train.py reports it once, from rank 0
             if children is not None:
-                children.on_user_error()
+                children.stop()
             raise
         except Exception as error:
             if children is not None:

@@ -1,9 +1,4 @@
-"""`TrainingMetrics`: throughput and memory, logged the way a tensor-parallel run needs them counted.
-
-Lightning's `ThroughputMonitor` multiplies a device's rate by the world size, which counts every token tp times
-under tensor parallelism (a TP group shares one batch). This callback uses the same `Throughput` and
-`measure_flops` utilities, with FLOPs summed over all devices and tokens/samples over the data-parallel ranks only.
-"""
+"""`TrainingMetrics`: throughput and memory, logged the way a tensor-parallel run needs them counted."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""Non-finite losses and gradients, handled the same way on every rank.
-
-A NaN or inf may show up on one rank only: in the shard of a gradient only that rank holds, or in a loss only its
-data produced. A rank acting alone on what it sees would skip a step its peers take (the replicas drift apart) or
-stop while they wait for it in a collective. `NonFiniteGuard` makes the ranks decide together: once per optimizer
-step, when the gradients are complete and before clipping and the update, every rank contributes what it found
-(its loss over the step's micro-batches, its gradients) to one all-reduce of world-size numbers over the whole
-world, and then every rank acts on the same result:
-
-- `action="stop"` (default): every rank raises `NonFiniteError` naming the step and the ranks that found it;
-- `action="skip"`: every rank drops its gradients (`param.grad = None`), so the optimizer leaves every parameter
-  and its state as they were, and training goes on with the next batch.
-
-Under fp16 loss scaling, overflowing gradients are expected: the sharded grad scaler already skips those steps on
-every rank and lowers the scale, so the guard then watches the loss only.
-"""
+"""Non-finite losses and gradients, handled the same way on every rank."""
 
 from __future__ import annotations
 

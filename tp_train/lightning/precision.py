@@ -1,12 +1,4 @@
-"""Lightning precision plugins made tensor-parallel aware.
-
-Two things change under tensor parallelism:
-- norm clipping must use the global norm (`tp_train.parallel.clipping`), not each rank's norm of its own shards;
-- fp16 loss scaling must skip a step on every rank when any rank finds an inf/NaN, or the ranks diverge. torch's
-  `ShardedGradScaler` all-reduces `found_inf` across the world, which is exactly that.
-
-`tensor_parallel_precision` turns Lightning's own plugins into these subclasses, keeping their state.
-"""
+"""Lightning precision plugins made tensor-parallel aware."""
 
 from __future__ import annotations
 
@@ -55,11 +47,7 @@ class TensorParallelHalfPrecision(_TensorParallelClipping, HalfPrecision):
 
 
 class TensorParallelMixedPrecision(_TensorParallelClipping, MixedPrecision):
-    """`16-mixed` / `bf16-mixed` under tensor parallelism; fp16 scales the loss with a `ShardedGradScaler`.
-
-    On CPU, Lightning turns `precision="16-mixed"` into `bf16-mixed`; pass
-    `plugins=[TensorParallelMixedPrecision("16-mixed", "cpu")]` to train in fp16 there.
-    """
+    """`16-mixed` / `bf16-mixed` under tensor parallelism; fp16 scales the loss with a `ShardedGradScaler`."""
 
     def __init__(self, precision: str, device: str, scaler: torch.amp.GradScaler | None = None) -> None:
         if scaler is None and precision == "16-mixed":

@@ -1,15 +1,4 @@
-"""Preemption: on SIGTERM or SIGUSR1, save a checkpoint at the end of the current training step and stop.
-
-A cluster signals either the launching process only (rank 0 under Lightning's popen launcher) or every rank (SLURM),
-and ranks may see it steps apart, so each rank's "signal seen" flag is all-reduced (max) at the end of every step:
-all ranks stop after the same step, save one checkpoint together and raise `Preempted` (at the next hook, once
-Lightning has logged the step).
-
-Lightning 2.6's own SIGTERM handler forwards the signal to the child ranks and broadcasts from inside the signal
-handler, which can interleave with a collective in flight (a tensor-parallel all-reduce), and it saves nothing.
-While training runs, this callback's handler replaces it (and SLURM auto-requeue's SIGUSR1 handler) and only sets
-the flag; Lightning restores its handlers when the run ends.
-"""
+"""Preemption: on SIGTERM or SIGUSR1, save a checkpoint at the end of the current training step and stop."""
 
 from __future__ import annotations
 
@@ -24,12 +13,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class Preempted(SIGTERMException):
-    """Raised on every rank after the preemption checkpoint is saved; uncaught, the process exits with status 0.
-
-    Attributes:
-        step: the optimizer step the run stopped after (the checkpoint's global step).
-        checkpoint: the checkpoint directory written.
-    """
+    """Raised on every rank after the preemption checkpoint is saved; uncaught, the process exits with status 0."""
 
     def __init__(self, step: int, checkpoint: Path, signal_name: str):
         self.step, self.checkpoint = step, checkpoint

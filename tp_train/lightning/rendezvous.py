@@ -1,25 +1,4 @@
-"""The key-value store all ranks of one launch share, before and under their process group.
-
-torch's `init_process_group` meets its peers through a store at MASTER_ADDR:MASTER_PORT: rank 0 hosts one, or under
-torchrun the agent does (`TORCHELASTIC_USE_AGENT_STORE`). torchrun's agent keeps one store for the whole job, across
-restarts, and torch (2.13) no longer prefixes the workers' keys by restart: a restarted round reads the addresses
-its predecessors published there (gloo's and the device mesh's), connects to dead ranks, and fails or waits until
-the collective timeout. A prefix per restart count would not do either: under `--nnodes MIN:MAX` an agent whose own
-workers did not fail restarts them without counting a restart, so counts differ between nodes.
-
-So every rank of a round first agrees on a fresh name with rank 0 (`join_round`), each step under keys no earlier
-round can have written:
-
-1. each rank r != 0 draws a random nonce and sets `hello/r` to it (overwriting a dead round's);
-2. rank 0 draws the round's token and answers each `hello/r` value it reads under `reply/r/<nonce>` (a stale
-   nonce gets an answer nobody reads);
-3. rank r waits for `reply/r/<its nonce>`, which only this round's rank 0 writes, and acknowledges `ack/<token>/r`;
-4. rank 0 returns once every rank acknowledged its token.
-
-The process group, the device mesh and anything shared before them (`Rendezvous.rank_zero_decides`) then use the
-store under `round/<token>/`. A rank that never joins ends rank 0 (and, under torchrun, the round) with an error
-naming it once `timeout` passes.
-"""
+"""The key-value store all ranks of one launch share, before and under their process group."""
 
 from __future__ import annotations
 

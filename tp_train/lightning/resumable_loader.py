@@ -1,14 +1,4 @@
-"""A training DataLoader that resumes mid-epoch at the batch where a checkpoint was saved.
-
-Lightning's fit loop stores the `state_dict()` of every train DataLoader that has one (`state_dict` and
-`load_state_dict`, Lightning's `_Stateful`) in the checkpoint under the loop state, and on resume calls
-`load_state_dict` on the freshly built loader before iterating it. The order of an epoch is a pure function of
-(seed, epoch, data-parallel rank), so the state is just (epoch, batches yielded in it); the resumed epoch
-recomputes the same order and starts after the batches already trained, without loading them.
-
-Batches yielded are batches trained: Lightning prefetches a batch only from loaders without a length, and this
-one has a length (the full epoch's, also when resumed part way, which is what Lightning's batch counting expects).
-"""
+"""A training DataLoader that resumes mid-epoch at the batch where a checkpoint was saved."""
 
 from __future__ import annotations
 
@@ -21,9 +11,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 class ResumableDistributedSampler(DistributedSampler):
     """torch's `DistributedSampler` (a permutation seeded with `seed + epoch`, this rank taking every
     `num_replicas`-th index) that can leave out the first `start` indices of this rank's share for one epoch.
-
-    Lightning leaves a `DistributedSampler` in place instead of replacing it, so the split must be given: the
-    data-parallel ranks only, as `TensorParallelStrategy.distributed_sampler_kwargs` says.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):

@@ -1,9 +1,4 @@
-"""Random-number state in checkpoints, so that a resumed run draws the same dropout masks as one never stopped.
-
-Every rank's generators differ (the sharded dropout stream is seeded per rank), so each rank's state is gathered
-into the checkpoint, which rank 0 writes, and each rank takes its own back on load. Resuming at another world size
-cannot be exact: the states are then left as seeded, with a warning.
-"""
+"""Random-number state in checkpoints, so that a resumed run draws the same dropout masks as one never stopped."""
 
 from __future__ import annotations
 

@@ -1,17 +1,4 @@
-"""`TensorParallelStrategy`: Megatron-style tensor parallelism (x data parallelism) for Lightning.
-
-    Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), devices=4)   # dp=2 x tp=2
-
-    Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2, data_parallel="fsdp"), devices=8)
-
-The world is a 2-D DeviceMesh ("data_parallel", "tensor_parallel"). Every module of the LightningModule that
-carries a plan (`tp_plan`, Hugging Face's plan, a preset) is sharded over the "tensor_parallel" axis by
-`tp_train.parallelize`. Over the "data_parallel" axis, `data_parallel="ddp"` (default) keeps a whole tensor-parallel
-shard per rank and averages gradients with torch DDP on the DP group (bucketed, overlapped with backward);
-`data_parallel="fsdp"` shards each tensor-parallel shard, its gradients and optimizer states over the DP group with
-torch's FSDP2 (`tp_train.plan.data_parallel`). The sampler splits data over the DP axis only, so all ranks of a TP
-group see the same batch. Models built under `trainer.init_module(empty_init=True)` are materialised shard by shard.
-"""
+"""`TensorParallelStrategy`: Megatron-style tensor parallelism (x data parallelism) for Lightning."""
 
 from __future__ import annotations
 
@@ -236,7 +223,7 @@ class TensorParallelStrategy(DDPStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
-            store=self._rendezvous().store,
+            store=self.launch.store,
         )  # fmt: skip
 
     def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
@@ -247,14 +234,11 @@ class TensorParallelStrategy(DDPStrategy):
             decision = [decide() if self.global_rank == 0 else None]
             torch.distributed.broadcast_object_list(decision, src=0)
             return decision[0]
-        return self._rendezvous().rank_zero_decides(decide)
+        return self.launch.rank_zero_decides(decide)
 
     @property
     def launch(self) -> rendezvous.Rendezvous:
         """This launch's rendezvous: its store, shared by every rank (`tp_train.lightning.hang` beats through it)."""
-        return self._rendezvous()
-
-    def _rendezvous(self) -> rendezvous.Rendezvous:
         if self._launch is None:
             self._launch = rendezvous.Rendezvous(self.cluster_environment, self._timeout or default_pg_timeout)
         return self._launch

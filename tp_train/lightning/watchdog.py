@@ -1,16 +1,4 @@
-"""Ending the whole job promptly, naming the rank, when one rank of it dies.
-
-Under the popen launcher (`tp_train.lightning.launch.HydraJobLauncher`) the launching process is its node's local
-rank 0 and local ranks 1..n-1 are its child processes. A rank that dies (an exception, a SIGKILL) leaves the
-others blocked in their next collective until the collective timeout, or failing with a transport error that
-names an address, not a rank. So:
-
-- in the launcher, `ChildRanks` polls the children: when one exits non-zero it says which rank and how on stderr,
-  kills the other children and ends the launcher with status 1; when the launcher itself fails it names the rank
-  that died first (a child, or itself) and kills the children, which would otherwise wait in a collective;
-- in each child, `watch_launcher` ends the child when the launcher is gone (an orphan is re-parented, so
-  `os.getppid()` changes), naming rank 0.
-"""
+"""Ending the whole job promptly, naming the rank, when one rank of it dies."""
 
 from __future__ import annotations
 
@@ -102,12 +90,7 @@ class ChildRanks:
 
     def stop(self) -> None:
         """Kills the children (SIGKILL, which ends a stopped one too) without reporting them: the caller reported
-        why (the hang detector)."""
-        self._stop(None)
-
-    def on_user_error(self) -> None:
-        """The launcher's rank hit a user error every rank hits alike (it reports it in one line): end the children
-        without reporting them."""
+        why (the hang detector, or the launcher's rank on a user error every rank hits alike)."""
         self._stop(None)
 
     def _stop(self, reason: str | None) -> bool:

@@ -1,4 +1,3 @@
 """Megatron-style tensor parallelism itself: collectives (f/g), parallel layers, `ShardSpec` and the sharding
 arithmetic, vocabulary-parallel cross-entropy, the RNG tracker, gradient clipping and the mesh axes.
-
-Imports nothing from tp_train above it (only `tp_train.errors`), and no Lightning, Hydra or datasets."""
+"""

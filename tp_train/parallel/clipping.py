@@ -1,14 +1,4 @@
-"""Gradient-norm clipping with the true global norm of a tensor-parallel model.
-
-`torch.nn.utils.clip_grad_norm_` on one rank sees only that rank's shards, so each TP rank would clip by a
-different, too-small norm. Here every element of the unsharded model counts once:
-- a tensor-parallel shard's squared norm is summed over the TP group; a parameter tensor parallelism replicates
-  counts once (its gradient is the same on every TP rank); a kv head that several TP ranks replicate (see
-  `tp_train.parallel.sharding`) counts once too, each replica adding 1/replicas of its square;
-- under sharded data parallelism (FSDP2) a parameter is a DTensor whose local piece is this rank's share of the
-  data-parallel split: those squared norms are also summed over its data-parallel mesh;
-- under DDP the data-parallel replicas need no reduction: their gradients were already averaged, so they are equal.
-"""
+"""Gradient-norm clipping with the true global norm of a tensor-parallel model."""
 
 from __future__ import annotations
 

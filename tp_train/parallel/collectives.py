@@ -1,17 +1,4 @@
-"""Autograd-aware collectives for a tensor-parallel process group.
-
-These are Megatron-LM's conjugate operators (Shoeybi et al., arXiv 1909.08053, section 3): `f` =
-`copy_to_tensor_parallel_region` and `g` = `reduce_from_tensor_parallel_region`. A column-then-row block is
-`f -> ColumnParallelLinear -> nonlinearity -> RowParallelLinear -> g`, so it costs one all-reduce in forward
-(`g`) and one in backward (`f`). The rest move activations between replicated, hidden-sharded (last dim) and
-sequence-sharded (dim 1 of a (batch, seq, hidden) tensor) layouts.
-
-Every function takes the process group explicitly. With a group of one rank they are identities.
-
-Under `torch.compile` the same operators trace into the graph without a break: they issue torch's functional
-collectives (`torch.distributed._functional_collectives`, out of place) instead of the in-place c10d calls, and
-count nothing (a `CommunicationCounter` is a Python side effect; the compiled step's traffic is the eager step's).
-"""
+"""Autograd-aware collectives for a tensor-parallel process group."""
 
 from __future__ import annotations
 
@@ -112,14 +99,7 @@ _COMMUNICATING = (_sum, _sum_in_place, _all_gather, _reduce_scatter)
 
 
 class CommunicationCounter:
-    """Bytes and calls of the collectives made through this module on behalf of one model.
-
-    Passed explicitly (`parallelize` attaches one to the model as `model.tp_comm_counter` and to each of its
-    parallel layers). A collective counts the size of the full tensor it assembles: the gathered output or the
-    reduce-scatter's full input, and twice the all-reduced tensor (an all-reduce is a reduce-scatter plus an
-    all-gather, and moves what both do), so sequence parallelism's all-gather + reduce-scatter in place of an
-    all-reduce counts the same. Nothing is counted at a tensor-parallel size of one.
-    """
+    """Bytes and calls of the collectives made through this module on behalf of one model."""
 
     def __init__(self) -> None:
         self.reset()

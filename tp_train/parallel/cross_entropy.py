@@ -1,8 +1,4 @@
-"""Cross-entropy over logits that are sharded along the vocabulary (Megatron-LM's vocab-parallel loss).
-
-No rank ever holds the full (tokens, vocab) logits: each rank reduces its shard to per-token statistics and only
-those are all-reduced (two all-reduces of (tokens,)-sized tensors in forward, none in backward).
-"""
+"""Cross-entropy over logits that are sharded along the vocabulary (Megatron-LM's vocab-parallel loss)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Tensor-parallel layers (Megatron-LM, arXiv 1909.08053): each holds one rank's shard of a weight.
-
-All three keep the ordinary `weight` / `bias` parameter names and `nn.Linear` / `nn.Embedding` layouts, so a
-sharded model's `state_dict` keys are the unsharded model's. `shard_specs` on each layer records how every
-sharded parameter maps to the full tensor (see `tp_train.parallel.sharding`).
-"""
+"""Tensor-parallel layers (Megatron-LM, arXiv 1909.08053): each holds one rank's shard of a weight."""
 
 from __future__ import annotations
 
@@ -36,14 +31,7 @@ REPLICATED_INPUT, SEQUENCE_SHARDED_INPUT, GATHERED_INPUT = "replicated", "sequen
 
 
 class Configurable:
-    """A parallel layer's settings: given to its constructor, or changed afterwards through `configure` alone.
-
-    `SETTINGS` names what may change: how the input enters the parallel region (`input_layout`, under sequence
-    parallelism), a region shared with sibling layers (`input_region`), a row layer's sequence-parallel output
-    (`sequence_parallel`), the counter of bytes its collectives move (`comm_counter`) and whether a column layer's
-    backward overlaps its input gradient's collective with its weight gradient (`overlap`,
-    `tp_train.parallel.overlap`). `tp_train.plan` sets them when it shares inputs, applies sequence parallelism,
-    counts communication and switches overlap."""
+    """A parallel layer's settings: given to its constructor, or changed afterwards through `configure` alone."""
 
     SETTINGS: tuple[str, ...] = ()
 
@@ -57,16 +45,7 @@ class Configurable:
 
 
 class SharedInputRegion(Configurable):
-    """One `copy_to_tensor_parallel_region` shared by sibling column-parallel layers that read the same input.
-
-    Separate q, k and v projections (or gate and up) all read one replicated tensor. Entering the parallel region
-    once for all of them makes autograd sum their partial input gradients first, so the backward pass needs one
-    all-reduce instead of one per projection (Megatron's minimum, which fused projections get for free). The
-    cache lives for one forward of the parent module: `reset` runs before and after it. Its own output passes
-    through unchanged (under sequence parallelism the module's input is entered once, before its layers run).
-    With `overlap` the entry's backward computes the weight gradients of `layers` (those reading its output) while
-    the input gradient's collective runs (`tp_train.parallel.overlap`).
-    """
+    """One `copy_to_tensor_parallel_region` shared by sibling column-parallel layers that read the same input."""
 
     SETTINGS = ("input_layout", "comm_counter", "overlap")
 
@@ -123,12 +102,6 @@ def enter_column_parallel(
 
 class ColumnParallelLinear(Configurable, nn.Module):
     """Y = X A + b with A split by columns (output features): rank r computes Y_r = X A_r + b_r.
-
-    Forward: the replicated input enters through `copy_to_tensor_parallel_region` (identity), the output is
-    sharded along its last dim, or all-gathered back to the full width when `gather_output`. Backward: the
-    input gradient is all-reduced (the `f` of Megatron's pair).
-    Under sequence parallelism (`input_layout`) the input arrives split along the sequence and is all-gathered
-    instead (reduce-scatter in backward), or was gathered already by the enclosing module.
 
     Args:
         in_features: input width (replicated).
@@ -224,20 +197,6 @@ class ColumnParallelLinear(Configurable, nn.Module):
 class RowParallelLinear(Configurable, nn.Module):
     """Y = X A + b with A split by rows (input features): rank r computes the partial sum X_r A_r.
 
-    Forward: the input is already sharded along its last dim (the output of a `ColumnParallelLinear`); the
-    partial outputs are all-reduced by `reduce_from_tensor_parallel_region` (the `g` of Megatron's pair) and the
-    replicated bias is added once, after the reduction. Backward: identity for the output gradient; every rank
-    computes its own input-shard gradient with no communication.
-    Under sequence parallelism (`sequence_parallel`) the partial outputs are reduce-scattered along the sequence
-    instead (all-gather in backward), and the bias is added to this rank's chunk.
-    With `split_input` the input arrives whole (replicated, e.g. gathered by a `gather_output` column layer) and
-    the layer keeps its own chunk of the features (`scatter_to_tensor_parallel_region`: all-gather in backward).
-    With `scatter_output` each rank keeps only its chunk of the summed output's features, as a column layer's output
-    would be split (`reduce_scatter_to_tensor_parallel_region`: all-gather of the gradient in backward), and the bias
-    is split with them (Doge's dt_proj, one output per kv head computed from every head's values).
-    With `partial_output` it returns this rank's partial sum X_r A_r, neither reduced nor biased: whoever adds more
-    partial sums to it (a LoRA adapter beside it, `tp_train.plan.adapters`) all-reduces once and adds the bias.
-
     Args:
         in_features: full input width, split evenly across ranks; or into `sections`, each split evenly, rank r
             holding its chunk of every section in turn (CodeGen's out_proj, reading each rank's heads of every one of
@@ -329,18 +288,6 @@ class ModuleRegion(Configurable):
     """Collectives around a module that computes on its own shards of parameters and swaps nothing: a mixture of
     experts' module holding each rank's share of every expert's weights (Hugging Face's fused 3-D `gate_up_proj`
     and `down_proj`), or a module whose output is a partial sum.
-
-    `install(module)` hooks the module's forward. With `enter`, every floating-point tensor argument (the tokens,
-    the routing weights) enters the parallel region (`copy_to_tensor_parallel_region`: identity forward, all-reduce
-    of the partial gradients backward); integer arguments (expert indices) pass as they are. With `leave`, the
-    output, this rank's partial sum, is all-reduced (`reduce_from_tensor_parallel_region`: identity backward): a
-    column-then-row split of every expert costs that one all-reduce forward and one backward (plus one for the
-    routing weights' small gradient). `input_scale` multiplies the first argument (an identity expert inside an
-    all-reduced region, whose copies on every rank must sum to one). `output_tail` features at the end of the
-    output (replicated) enter the parallel region: in DeepSeek's latent attention, `kv_a_proj_with_mqa` is whole
-    on every rank and the rotary key it ends with goes straight to the local heads, so its gradient is partial.
-    `bias`, when given, is added once to the all-reduced output (the bias of a row layer whose partial output the
-    module sums with others').
     """
 
     SETTINGS = ("comm_counter",)
@@ -394,10 +341,6 @@ class ModuleRegion(Configurable):
 class VocabParallelEmbedding(Configurable, nn.Module):
     """An embedding table split along the vocabulary: rank r holds rows [r * V/tp, (r+1) * V/tp) of the table,
     the vocabulary padded up to a multiple of tp with zero rows.
-
-    Forward: ids outside this rank's range look up nothing (their rows are zeroed), and the partial embeddings
-    are all-reduced, so exactly one rank contributes each token's row. Backward: identity; each rank's
-    gradient lands only on its own rows.
     """
 
     SETTINGS = ("comm_counter",)

@@ -1,35 +1,4 @@
-"""An RMS norm over features split across ranks (the `rmsnorm_parallel` style; BitNet's sub-norms).
-
-A norm that sits between a column and a row layer (BitNet's `attn_sub_norm` before o_proj, `ffn_sub_norm` before
-down_proj) sees only this rank's share of the features, and its weight is split with them. Its own forward runs
-on them unchanged; `ParallelRMSNormRegion` then corrects its output by the ratio of the two normalisations:
-
-    y = module(x_local) * sqrt(mean_local(x^2) + eps) / sqrt(mean_global(x^2) + eps)
-
-where `mean_global` is the sum of squares all-reduced over the group (`sum_across_tensor_parallel_region`,
-all-reduced in backward too) divided by the full width. For any module computing `w * x * rsqrt(mean(x^2) + eps)`
-(whatever it does to `w`, Gemma's `1 + w` included) this is the unsharded result on this rank's features, with one
-all-reduce of one number per token each way; statistics are computed in float32, as Hugging Face's norms do. A
-module that normalises another way is not corrected right: verification (`tp_train.plan.region_check`) runs it on
-its share of a probe's features and refuses it.
-
-A gated, grouped norm (the `gated_rmsnorm_parallel` style; Mamba2's `MambaRMSNormGated`, called as `norm(x, gate)`,
-computes `w * y * rsqrt(mean_group(y^2) + eps)` with `y = x * silu(gate)` over each group of `group_size` features)
-is corrected the same way, with the statistic of `y` per group. With fewer groups than ranks (one group, as real
-Bamba, Granite-4-H and Falcon-H1 checkpoints have), each rank holds part of one group (rank r of group
-r * groups // tp) and normalises it alone (its `group_size` set to its width, `local_group_size`); the ranks then
-all-reduce a vector of one partial sum of squares per group (zeros for the groups a rank does not hold), so any
-number of groups dividing tp needs one all-reduce of `groups` numbers per token each way. With whole groups on
-every rank nothing is corrected or communicated.
-
-A LayerNorm over features split across ranks (the `layernorm_parallel` style; ESM C's `q_norm` and `k_norm`, over
-the whole width of q and k before the heads) centres as well as scales, so its output is not corrected by a ratio:
-`ParallelLayerNormRegion` recomputes it, `w * (x_local - mean) * rsqrt(var + eps) + b` with this rank's shares of
-`w` and `b`, from the mean and variance over every rank's features. Each rank contributes its own mean, the square
-of it and its sum of squared deviations from it, one all-reduce of three numbers per token each way; the variance
-is their pooled combination (`sum_r M2_r + n * sum_r (mean_r - mean)^2`, n features a rank), which stays accurate
-where the mean is large beside the spread, unlike a sum of squares less the squared mean.
-"""
+"""An RMS norm over features split across ranks (the `rmsnorm_parallel` style; BitNet's sub-norms)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,5 @@
 """Backward overlap for column-parallel layers: the input gradient's collective runs while the weight gradients
 are computed (the idea of Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`).
-
-A column-parallel layer enters the parallel region through `f` (identity forward, all-reduce of the input
-gradient backward), or under sequence parallelism through an all-gather (reduce-scatter backward). In backward,
-that collective needs only the input gradient `grad_out @ W`; the weight and bias gradients need only `grad_out`
-and the input. So the backward is split in two autograd nodes:
-
-- each layer's linear (`linear_with_deferred_weight_gradient`) computes its input gradient and hands
-  `(grad_out, input)` to the entry it read its input from, returning no weight gradient;
-- the entry (`enter_with_overlap`: identity or all-gather forward) takes every reading layer's parameters as
-  inputs. Its backward runs once all the layers' input gradients are summed: it starts the all-reduce (or
-  reduce-scatter) asynchronously, computes the deferred weight and bias gradients while it runs, waits, and
-  returns the parameters' gradients to autograd (so hooks, gradient accumulation and FSDP2 see ordinary
-  gradients).
-
-The collectives are the ones of the plain path, one per entry: the counts and bytes do not change. gloo runs a
-collective on its own thread, so the overlap happens on CPU too, but it pays only where a core is free for that
-thread (on two cores busy with two ranks it does not: see docs/performance.md); NCCL runs it on its own stream. A
-layer defers only when its input is the entry's very output, so the entry's backward is sure to run after the
-layer's; otherwise the layer computes its own weight gradient. Eager only: under `torch.compile` the layers use
-the functional collectives of `tp_train.parallel.collectives`, and the compiler schedules them.
 """
 
 from __future__ import annotations
@@ -74,12 +54,7 @@ def enter_with_overlap(
     group: ProcessGroup,
     counter: CommunicationCounter | None = None,
 ) -> tuple[torch.Tensor, DeferredWeightGradients]:
-    """The column-parallel region's entry with backward overlap, for the layers holding `parameters`.
-
-    Forward: identity (`f`), or with `gather_sequence` the all-gather of the sequence shards (made contiguous).
-    Backward: starts the all-reduce (or reduce-scatter) of the input gradient, computes the weight and bias
-    gradients the layers deferred to it, then waits. Returns the entered input and the object the layers hand
-    their deferred gradients to (`linear_with_deferred_weight_gradient`)."""
+    """The column-parallel region's entry with backward overlap, for the layers holding `parameters`."""
     parameters = [p for p in parameters if p is not None]
     deferred = DeferredWeightGradients(parameters)
     entered = _EnterWithOverlap.apply(x, gather_sequence, group, counter, deferred, *parameters)

@@ -1,19 +1,4 @@
-"""Dropout randomness under tensor parallelism, on CPU and CUDA.
-
-Two random streams, as in Megatron-LM's RNG tracker:
-- the *replicated* stream (the default generator) draws dropout masks for activations every rank of the TP group
-  holds in full (embeddings, residual branches). It must be identical across the group, or the replicas silently
-  drift apart, so `TensorParallelRNG` broadcasts the generator state from the group's first rank;
-- the *sharded* stream draws masks for activations each rank holds a different part of (attention probabilities
-  of the local heads). It is seeded per TP rank, so each head gets an independent mask, as in the unsharded model.
-
-Modules are put in a region with forward hooks; regions nest (a replicated dropout inside a sharded attention
-module switches back to the replicated stream for its own forward).
-
-Switching streams reads and writes the generator's state, which `torch.compile` cannot trace (a graph break per
-region). A model that draws no dropout masks (`may_draw_dropout` is False: every rate is zero) needs no switch, so
-under `torch.compile` it skips them and compiles whole; in eager mode the switches always run.
-"""
+"""Dropout randomness under tensor parallelism, on CPU and CUDA."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""Reductions over features split across ranks, completed by an all-reduce (the `feature_reduction_parallel` style).
-
-A module between a column and a row layer that reduces over the features (their last dimension) sees only this
-rank's share of them: ConvNeXt V2's Global Response Normalisation divides each channel's spatial norm by the mean over
-all channels. `FeatureReductionRegion` runs the module's own forward on its share under a torch function mode that
-completes each such reduction: a `mean` or `sum` over the last dimension sums this rank's share, all-reduces the sum
-(`sum_across_tensor_parallel_region`, all-reduced in backward too) and, for a mean, divides by the whole width; an
-L2 `normalize` over it divides by the norm of the all-reduced sum of squares. The rest of the forward acts on each
-feature alone (its per-feature parameters split with the features), so the module computes the unsharded function
-on this rank's features, at one all-reduce per reduction. A reduction over the last dimension together with others
-cannot be completed this way and is refused; one the mode does not know (a `torch.linalg.vector_norm` over the
-features) stays partial, which verification (`tp_train.plan.region_check`) finds.
-
-`held_reductions` is the auto-planner's side: in its perturbed probes each reduction over the features returns what
-it returned on an earlier input, so the module acts on each feature alone, as it will on each rank's share.
-"""
+"""Reductions over features split across ranks, completed by an all-reduce (the `feature_reduction_parallel` style)."""
 
 from __future__ import annotations
 

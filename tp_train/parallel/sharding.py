@@ -1,23 +1,7 @@
-"""How a full tensor maps to one rank's shard, and back.
-
-A `ShardSpec` describes the split of one parameter. Along `dim` the full tensor is the concatenation of
-`sections` (one section for a plain column or row split; [q, k, v] for a fused attention projection; [gate, up]
-for a packed MLP projection). Each section is split into `world_size` equal chunks and rank r holds chunk r of
-every section, concatenated: that is what keeps a fused projection head-aware. A vocabulary split may pad its
-single section up to a multiple of the world size (`padded=True`); padding rows are zero. `transposed` records
-that the source module stored the weight transposed (Hugging Face's Conv1D), so `unshard` returns it in the
-source layout.
-
-A section may have fewer indivisible units than there are ranks (`units`: the kv heads of a k or v projection when
-tp exceeds their count, multi-query's one head included; the groups of a Mamba2 mixer's B and C). Each unit is then
-held whole by `world_size / units` consecutive ranks, its replicas (rank r holds unit r * units // world_size): the kv
-heads (or B and C groups) its local query heads use. Their gradients are partial on each replica and summed over them
-(`sum_replicated_gradient`).
-"""
+"""How a full tensor maps to one rank's shard, and back."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -121,11 +105,6 @@ class ShardSpec:
             result.append(section_slice(full, local, rank // copies, offset))
             offset += full
         return result
-
-    def local_numel(self, full_shape: tuple[int, ...], world_size: int) -> int:
-        """Elements of one rank's shard of a tensor of `full_shape` (in the local layout), padding included."""
-        full_rows = full_shape[self.dim]
-        return sum(self.local_sections(world_size)) * (math.prod(full_shape) // full_rows if full_rows else 0)
 
 
 def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, world_size: int) -> torch.Tensor:
@@ -237,14 +216,7 @@ def full_numel(local: torch.Tensor, spec: ShardSpec) -> int:
 
 
 def data_parallel_shard_dim(local_shape: tuple[int, ...], spec: ShardSpec | None, data_parallel_size: int) -> int:
-    """The dimension sharded data parallelism (FSDP2) splits a parameter of this rank's `local_shape` along.
-
-    FSDP2's default is dim 0. A tensor-parallel shard split along dim 0 (column-parallel weights, vocabularies) is
-    split along the largest other dimension that divides evenly instead (FSDP2 shards a dimension other than 0 only
-    evenly), so that each rank's piece stays one box of the full tensor: its (dp, tp) placement is two `Shard`s of
-    different dimensions, which checkpoints address directly. Without such a dimension (a 1-D shard such as a
-    bias): 0, and a checkpoint gathers that tensor's tensor-parallel shard over the data-parallel ranks.
-    """
+    """The dimension sharded data parallelism (FSDP2) splits a parameter of this rank's `local_shape` along."""
     if spec is None or spec.dim != 0:
         return 0
     candidates = [d for d in range(1, len(local_shape)) if local_shape[d] % data_parallel_size == 0]
@@ -271,11 +243,7 @@ def named_sharded_parameters(model: nn.Module, buffers: bool = False) -> Iterato
 
 
 def full_state_dict(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
-    """The unsharded model's `state_dict`, assembled on every rank (a collective: all ranks must call it).
-
-    Sharded tensors are gathered and returned in the source modules' layout, so the result loads with
-    `load_state_dict` into the model as it was before `parallelize`.
-    """
+    """The unsharded model's `state_dict`, assembled on every rank (a collective: all ranks must call it)."""
     specs = {}
     for module_name, module in model.named_modules():
         for param_name, spec in getattr(module, "shard_specs", {}).items():

@@ -1,12 +1,4 @@
-"""Activation memory: the bytes a training step keeps alive for backward, per rank.
-
-    torchrun --nproc_per_node 2 -m tp_train.tools.activation_memory     # a small GPT at tp=2: plain, SP, AC, SP+AC
-
-`saved_activation_bytes` counts every tensor autograd saves for backward during a forward (each storage once,
-parameters excluded), which is what sequence parallelism and activation checkpointing shrink (Korthikanti et
-al., arXiv 2205.05198: tensor parallelism alone leaves the norms', dropouts' and residuals' activations whole on
-every rank; sequence parallelism splits them too; checkpointing keeps only each block's input).
-"""
+"""Activation memory: the bytes a training step keeps alive for backward, per rank."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Export a tensor-parallel checkpoint to a Hugging Face `save_pretrained` directory.
-
-    python -m tp_train.tools.export outputs/<run>/checkpoints/last.ckpt exported/
-    AutoModelForCausalLM.from_pretrained("exported/")   # the same logits as the trained model
-
-The checkpoint is the DCP directory `TensorParallelStrategy` (or `tp_train.checkpoint.dcp.save`) writes, saved at any
-tp. It is read in one process, no ranks needed: DCP assembles each sharded tensor at full size; the sections of a
-packed or fused projection (`key/section{i}`, column-parallel, so along the output dim) are concatenated; a
-Hugging Face Conv1D weight the plan sharded is transposed back to Conv1D's (in, out) layout (the checkpoint holds
-the parallel layer's (out, in)). The vocabulary is stored unpadded and tied weights under both names, so both
-round-trip. The model's config comes from the checkpoint (`CausalLMModule` stores its Hugging Face model's config)
-or from the `config` argument.
-"""
+"""Export a tensor-parallel checkpoint to a Hugging Face `save_pretrained` directory."""
 
 from __future__ import annotations
 
@@ -61,10 +49,6 @@ def export_hugging_face(
             it is refused in one line before any of it is unpickled (`tp_train.checkpoint.safe_load`).
         adapters_only: for a run that trained peft adapters: write them as a peft adapter directory
             (`PeftModel.from_pretrained(base, out_dir)`) instead of the merged model.
-
-    A run that trained adapters (its checkpoint holds them and names the pretrained weights they were trained on)
-    is written merged by default: the base model read from those weights, each adapter added into its layer
-    (`merge_and_unload`). The tokenizer the run used is written beside the model.
 
     Returns:
         `out_dir`.

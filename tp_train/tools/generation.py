@@ -1,13 +1,5 @@
 """Text from a causal LM, sharded or not, one token at a time with a KV cache: the decoding loop that
 `tp-train-generate` and a training run's validation samples share.
-
-Every rank of a tensor-parallel group runs the same loop on its shard of the model. The cache holds what the
-attention layers compute, and on a sharded model each rank's attention computes only its own heads (q, k and v are
-split by heads), so each rank caches its own heads' keys and values: 1/tp of the whole cache (a kv head replicated
-over several ranks, when there are fewer kv heads than ranks, is cached by each of them). Our GPT takes a
-`models.KVCache`; a Hugging Face model keeps its own (`past_key_values`). The next token is picked from whole logits
-(a head that keeps them sharded along the vocabulary, under `loss_parallel`, has its last position gathered), and
-the group's first rank's pick is broadcast to the others, so every rank runs the same number of forwards.
 """
 
 from __future__ import annotations

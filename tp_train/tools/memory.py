@@ -1,30 +1,4 @@
-"""Predicted per-rank memory of a tensor-parallel training run, before any rank starts.
-
-Parameters, gradients and optimizer states are counted exactly from the model (built on the meta device is
-enough; gradients and optimizer states of the parameters that train only, a peft model's adapters and not its frozen
-base) and its plan: every planned module holds this rank's slice (vocabularies padded up to a multiple of tp),
-everything else is whole, tied parameters count once. Activations are what autograd keeps for the backward pass
-of one micro-batch of a Megatron-style transformer block (Korthikanti et al., arXiv 2205.05198, section 4, for a
-block without dropout and with fused attention, which keeps no (seq x seq) scores), counted in elements:
-
-    per block:   4 * b*s*h  (inputs and outputs of both norms; divided by tp with sequence parallelism)
-               + (4 * h + 2 * f) * b*s / tp  (q, k, v, attention output; MLP hidden before and after the activation)
-    with activation checkpointing per block: only the block input, b*s*h (/ tp with sequence parallelism); one
-        block's full activations live again while it is recomputed, after the logits below are freed, so the
-        larger of the two counts
-    after the blocks: the final norm's input and output (2 * b*s*h) and, at the start of the backward pass, the
-        logits, their log-probabilities and the gradients of both (4 * b*s*V; 4 * b*s*V/tp with the
-        vocabulary-parallel loss, `loss_parallel`, whose logits stay sharded): that is when a step peaks
-
-with b the micro-batch, s the sequence length, h the hidden width, f the MLP width and V the vocabulary. Gradients
-appear as the activations are freed, so the peak is parameters + optimizer states + the larger of the two.
-
-Data parallelism: with `ddp` each rank holds its whole tensor-parallel shard, and DDP's flat gradient buckets add
-one more copy of the gradients. With `fsdp` (FSDP2) parameters, gradients and optimizer states are split once more
-over the dp ranks, each along the dimension `data_parallel_shard_dim` picks (rank 0's piece, the largest, is
-counted); FSDP2 then gathers parameters group by group in the compute dtype: the group outside the blocks
-(embeddings, final norm, head) for the whole forward, and one block plus the next, prefetched.
-"""
+"""Predicted per-rank memory of a tensor-parallel training run, before any rank starts."""
 
 from __future__ import annotations
 
@@ -253,7 +227,6 @@ def tensor_parallel_bytes_per_step(
     micro_batch_size: int,
     seq_len: int,
     tp: int,
-    bytes_per_element: int = 4,
     sequence_parallel: bool = False,
     activation_checkpointing: bool = False,
     loss_parallel: bool = False,
@@ -261,16 +234,6 @@ def tensor_parallel_bytes_per_step(
     """Bytes the tensor-parallel collectives of one training step move (as `CommunicationCounter` counts them: an
     all-reduce twice, as the reduce-scatter plus all-gather it is) for a transformer sharded Megatron's way, its LM
     head gathering the logits (none of them with `loss_parallel`).
-
-    Each block all-reduces b*s*h elements twice forward (after attention and after the MLP) and twice backward
-    (their inputs' gradients): 8 b*s*h. The vocabulary-parallel embedding all-reduces once forward and the LM head's
-    input gradient once backward (4 b*s*h), and the head all-gathers b*s*V (padded) logits forward. With sequence
-    parallelism each block all-reduce becomes an all-gather plus a reduce-scatter (the same 8 b*s*h); the embedding
-    still all-reduces (2), the first block's input gradient is all-gathered and the head's input all-gathered
-    forward and reduce-scattered backward (3). The all-reduces of replicated parameters' gradients (norms under
-    sequence parallelism) are not counted. With activation checkpointing, backward reruns each block's forward only
-    as far as the last tensor it needs (torch stops the recomputation there): through the attention's all-reduce,
-    not the MLP's, whose output nothing saved (2 more per block). Nothing at tp=1.
     """
     if tp == 1:
         return 0
@@ -280,4 +243,4 @@ def tensor_parallel_bytes_per_step(
     elements = (per_block * layers + (5 if sequence_parallel else 4)) * tokens * hidden
     if not loss_parallel:  # the vocabulary-parallel loss's per-token all-reduces are not the model's: not counted
         elements += tokens * ceil_div(vocab, tp) * tp
-    return elements * bytes_per_element
+    return elements * 4  # fp32, as the counter sees it

@@ -2,9 +2,6 @@
 Llama-2 7B, 13B and 70B shapes with AdamW at tp=8 x dp in {1, 8, 64}, DDP against FSDP2, by `estimate_memory`;
 `--cp` sets the context-parallel size, and the last column is the longest sequence that fits one GPU at cp 1, 2, 4
 and 8 (each rank holding 1/cp of its tokens).
-
-The models are Hugging Face's `LlamaForCausalLM` built from Llama-2's published shapes on the meta device (nothing
-is downloaded or allocated) and planned by their own `base_model_tp_plan`, as `train.py model=hf` would.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Tokenizers read from disk, and finding the one a training run used.
-
-A tokenizer is a directory `save_pretrained` wrote (read with `AutoTokenizer`) or a bare `tokenizer.json`. A
-`train.py` run writes the tokenizer it tokenized its data with into its run directory (`<run>/tokenizer/`, JSON
-files), and its checkpoints name where that tokenizer came from, so that generation and export read token ids as
-the model learned them.
-"""
+"""Tokenizers read from disk, and finding the one a training run used."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
 """The zoo's tasks: which Hugging Face families each covers, how one is built from a tiny config, the batches it
 trains on and its loss (`tp_train.tools.zoo`).
-
-- `causal-lm`: `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` (`AutoModelForCausalLM`), on token ids, next-token loss;
-- `masked-lm`: `MODEL_FOR_MASKED_LM_MAPPING_NAMES` (`AutoModelForMaskedLM`);
-- `seq2seq-lm`: `MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES` (`AutoModelForSeq2SeqLM`: T5, BART, ...);
-- `speech-seq2seq`: `MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES` (`AutoModelForSpeechSeq2Seq`: Whisper, ...);
-- `image-classification`: `MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES` (`AutoModelForImageClassification`);
-- `dual-encoder`: `MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES`, the whole model (CLIP, SigLIP);
-- `towers`: each dual encoder's text and vision tower (`clip.text`: its own tower class, `CLIPTextModel`).
-
-Every task but `causal-lm` trains on the batch `parallelize` probes the model with by default
-(`tp_train.plan.probe_input.dummy_batch`: token ids, pixel values, audio features, decoder token ids, as its config
-says), drawn anew per step; the loss is the cross-entropy of its
-first output (logits, or a tower's hidden states) against random targets over the last dimension, so every
-parameter the output depends on gets a gradient.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Packed documents that never attend across each other.
-
-A block packs documents end to end with an end-of-text token after each. Attention is then block-diagonal by
-document (causal within each), and positions restart at 0 at each document's first token. Both follow from one
-integer per token, its document id: the number of end-of-text tokens before it (the end-of-text token belongs to
-the document it ends).
-"""
+"""Packed documents that never attend across each other."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Which tokens of a sequence each context-parallel rank holds.
-
-Causal attention does more work for late tokens than early ones, so contiguous shares would leave the last rank
-with most of it. The sequence is cut into 2 x cp equal chunks and rank r holds chunks r and 2cp-1-r (one early,
-one late): every rank then attends over the same number of (query, key) pairs. Megatron-Core and torchtitan
-balance causal context parallelism the same way.
-"""
+"""Which tokens of a sequence each context-parallel rank holds."""
 
 from __future__ import annotations
 

@@ -1,21 +1,4 @@
-"""Exact attention over a context-parallel group whose ranks each hold a load-balanced share of the sequence.
-
-Each rank keeps its queries and computes attention against every rank's keys and values in turn, merging the
-partial results with their log-sum-exp (the online softmax of FlashAttention, arXiv 2205.14135; ring attention,
-Liu et al., arXiv 2310.01889). Two ways to bring the keys and values to each rank (`rotation`):
-
-- "ring": pass K/V around the group, rank r -> r+1, overlapped with the block computed meanwhile; backward passes
-  K/V again with their gradients, which arrive back at their owner after a full turn. Memory: two shares of K/V.
-- "allgather": gather every rank's K/V at once (one collective), reduce-scatter their gradients. Memory: the whole
-  sequence's K/V (Megatron-Core's "all-gather" CP, torchtitan's flex path).
-
-Only the key/value heads travel (grouped-query attention: 2 kv heads for 8 query heads pass 2). Work goes by chunk
-pairs (each share is two chunks, see `load_balance`): a (query chunk, key chunk) pair whose mask is all False (a
-later chunk under causal masking, another document) is skipped, its compute and memory never spent.
-
-Forward and backward are written out (no autograd through the loop), so a rank saves only q, k, v, the output
-and the log-sum-exp, never a score matrix: activation memory per rank is about 1/cp of one process's.
-"""
+"""Exact attention over a context-parallel group whose ranks each hold a load-balanced share of the sequence."""
 
 from __future__ import annotations
 

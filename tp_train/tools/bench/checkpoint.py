@@ -1,18 +1,5 @@
 """`python -m tp_train.tools.bench.checkpoint`: how long a checkpoint save blocks training, written before the step
 continues (`sync`) against staged and written in the background (`async`, `AsyncCheckpointWriter`), in one run.
-
-`models.GPT` at GPT-2 small's shape by default (conf/model/gpt_small.yaml: 12 layers, width 768, 12 heads, with the
-app's default vocabulary of 8192 and 128 tokens), sharded by `tp_train.parallelize` at `--tp` (2) with AdamW
-state, saved with `tp_train.checkpoint.dcp.save` as the strategy saves it. Each repeat, both modes in turn
-(alternating which goes first) time:
-
-- `step ms`: a training step without a save (the median of `--steps`);
-- `blocked ms`: the save call itself, what the training loop waits for (the slowest rank's);
-- `steps during ms`: each of the `--steps` steps that follow the save, while an async write runs beside them (on
-  CPU ranks it shares their cores);
-- `complete s`: from the save call until the checkpoint is whole on disk.
-
-Medians over `--repeats`; `blocked ms` of async against sync is the target (small is good).
 """
 
 from __future__ import annotations

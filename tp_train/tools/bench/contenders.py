@@ -1,18 +1,4 @@
-"""The contenders of the benchmark: one training step (forward, backward, AdamW) of the same GPT, built three ways.
-
-- `plain`: the unsharded model in one process.
-- `ours`: `tp_train.parallelize` with the model's own `tp_plan`, its head's logits kept sharded along the
-  vocabulary and the loss `vocab_parallel_cross_entropy` (the app's default, `loss_parallel`).
-- `native`: PyTorch's DTensor tensor parallelism (`parallelize_module`) with the same layout: q, k, v and the
-  MLP's first projection column-wise (the attention module then sees its local heads, since it infers the head
-  count from the projection width), the output projections row-wise, the embedding row-wise over the vocabulary
-  (all-reduced output) and the tied LM head column-wise over the vocabulary, its logits sharded, with the loss
-  under torch's own `loss_parallel()`.
-
-`compiled` contenders are the same models under `torch.compile` (torch's default inductor backend): ours through
-`parallelize(compile=True)`, native's through `nn.Module.compile` after `parallelize_module`, plain's
-through `nn.Module.compile`.
-"""
+"""The contenders of the benchmark: one training step (forward, backward, AdamW) of the same GPT, built three ways."""
 
 from __future__ import annotations
 

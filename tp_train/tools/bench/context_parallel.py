@@ -1,10 +1,6 @@
 """`python -m tp_train.tools.bench.context_parallel`: activation memory per rank and tokens/s of a GPT training step
 against sequence length, at cp=1, cp=2 (ring and all-gather, with and without a document mask) and tp=2 x cp=2.
 Prints one table, writes JSON and an SVG plot (no plotting library needed).
-
-Activation memory is what autograd keeps for backward on one rank (`saved_activation_bytes`: every saved
-non-parameter storage once), the part context parallelism splits; tokens/s counts the whole sequence's tokens per
-step of one replica (all its ranks together), median of `--repeats` forward + backward passes.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import torch.nn.functional as F
 
 from tp_train.tools.activation_memory import saved_activation_bytes
 from tp_train.tools.bench.ranks import start_ranks
+from tp_train.tools.memory import MIB
 
 # (name, cp, tp, rotation, document mask)
 SETUPS = [
@@ -33,7 +30,6 @@ SETUPS = [
     ("tp=2 x cp=2 ring", 2, 2, "ring", False),
 ]
 DOCUMENT = 128  # tokens per packed document when masked
-MIB = 2**20
 
 
 def _measure(rank, world_size, device, setup, lengths, args, out):

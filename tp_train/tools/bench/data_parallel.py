@@ -1,11 +1,5 @@
 """`python -m tp_train.tools.bench.data_parallel`: data parallelism over tensor parallelism at dp2 x tp2 (4 ranks),
 DDP against sharded data parallelism (FSDP2), in one run: step time and model state per rank.
-
-Both contenders are `models.GPT` sharded by `tp_train.parallelize` over the "tensor_parallel" axis of a (2, 2)
-mesh; `ddp` wraps it in torch DDP over the "data_parallel" axis, `fsdp` in FSDP2 per block and whole model
-(`tp_train.plan.data_parallel`). Each data-parallel rank trains on its own batch of the size's shape. Repeats
-alternate the two (each repeat starting with the other) and the table shows medians; `state MiB` is the largest
-rank's parameters, gradients and AdamW states, `predicted` is `tp_train.estimate_memory`'s for the same layout.
 """
 
 from __future__ import annotations
@@ -28,9 +22,8 @@ from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.contenders import SIZES, Size, TrainingStep
 from tp_train.tools.bench.measure import group_max, seconds_per_step
 from tp_train.tools.bench.ranks import start_ranks
-from tp_train.tools.memory import estimate_memory
+from tp_train.tools.memory import MIB, estimate_memory
 
-MIB = 2**20
 DP, TP = 2, 2
 MODES = ("ddp", "fsdp")
 

@@ -1,14 +1,6 @@
 """One device, one model at full size: tokens/s, MFU and peak memory of GPT-2 small (`conf/model/gpt_small.yaml`'s
 shape) trained at tp=1 in bf16 autocast, the plain model against ours (`tp_train.parallelize`), eager and under
 `torch.compile`, in one run (scripts/gpu_check.sh runs it on a GPU).
-
-    python -m tp_train.tools.bench.one_device --output gpu_bench.json
-
-MFU (PaLM's appendix B, as nanoGPT's `estimate_mfu`): model FLOPs per token = 6 N + 12 L H Q T, with N the
-parameters less the position embedding (the tied embedding counts once: it is the LM head's matmul), L layers, H
-heads of Q dims, T the sequence length; MFU = tokens/s x FLOPs per token / the device's peak dense bf16 FLOP/s.
-Peak memory is CUDA's allocator's `max_memory_allocated` over one step (on CPU, the profiler's; see
-`measure.peak_bytes`), beside `tp_train.estimate_memory`'s prediction for the same batch and precision.
 """
 
 from __future__ import annotations
@@ -29,14 +21,13 @@ from models import GPT
 from tp_train.tools.bench.contenders import SIZES, Contender, Size, build
 from tp_train.tools.bench.measure import peak_bytes, seconds_per_step
 from tp_train.tools.bench.ranks import start_ranks
-from tp_train.tools.memory import estimate_memory
+from tp_train.tools.memory import MIB, estimate_memory
 
 GPT_SMALL = Size("gpt_small", n_layer=12, n_embd=768, n_head=12, batch=8, seq=1024, vocab=50304)
 # Dense bf16 FLOP/s without sparsity, from NVIDIA's data sheets, by a name torch.cuda.get_device_name() contains.
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 CONTENDERS = [Contender("plain", 1), Contender("ours", 1), Contender("plain", 1, compiled=True)]
 CONTENDERS.append(Contender("ours", 1, compiled=True))
-MIB = 2**20
 
 
 def flops_per_token(size: Size) -> float:

@@ -1,10 +1,5 @@
 """The benchmark's plot: step time and peak memory per rank against tp, one line per contender kind and size, as
 a self-contained SVG written from the benchmark's JSON (no plotting library needed).
-
-    python -m tp_train.tools.bench.plot bench.json bench.svg
-
-`tp-train-bench` writes it beside its JSON (`--plot`). Only eager rows without a variant are drawn (`ours`,
-`native`, and `plain` at tp=1 as the reference); the table keeps the rest.
 """
 
 from __future__ import annotations

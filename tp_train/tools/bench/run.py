@@ -1,10 +1,4 @@
-"""One benchmark run: every rank of one world runs this; rank 0 collects the results.
-
-The world has max(tp) ranks and a group for each tp (ranks 0..tp-1). For each size every contender is built once;
-then, repeat after repeat, the contenders run one after the other (each repeat starting one contender later, so
-slow drift of the machine falls on all of them alike) while the ranks outside the contender's group wait at a
-barrier. Step times are medians over the repeats of the slowest rank's time.
-"""
+"""One benchmark run: every rank of one world runs this; rank 0 collects the results."""
 
 from __future__ import annotations
 
@@ -29,9 +23,7 @@ from tp_train.tools.bench.measure import (
     profile_table,
     seconds_per_step,
 )
-from tp_train.tools.memory import estimate_memory, tensor_parallel_bytes_per_step
-
-MIB = 2**20
+from tp_train.tools.memory import MIB, estimate_memory, tensor_parallel_bytes_per_step
 
 
 def contenders_for(size: Size, tps: list[int], largest: bool, compiled: bool = True) -> list[Contender]:

@@ -1,11 +1,4 @@
-"""`python -m tp_train.tools.bench.verification`: what default plan verification costs in memory, per rank.
-
-Builds a model on the meta device (GPT-2 small's shape by default, ~125M parameters) and shards it at tp=2 twice,
-with `verify=False` and with the default verification, measuring each rank's peak memory while `parallelize`
-runs (resident set on CPU, allocator peak on CUDA), and, in the verified run, the peak while the per-module
-checks run. Prints the shards, the peaks, what verification adds, and the bound the checks must stay under: the
-shards plus one transformer block's full weights plus the probe's activations.
-"""
+"""`python -m tp_train.tools.bench.verification`: what default plan verification costs in memory, per rank."""
 
 from __future__ import annotations
 
