@@ -18,11 +18,10 @@ setup:
 train: setup
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PYTHON) train.py tp=2
 
-# README's second command; .ci/run calls it. Three pytest workers (pytest-xdist), each taking whole test files, on a
-# 2-core machine: a distributed test spends much of its time waiting (rank start-up, rendezvous, a launcher's child
-# importing, a hang limit or stall it waits out), and a third worker fills those waits (docs/performance.md,
-# "Test times"). TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 3
+# README's second command; .ci/run calls it. Two pytest workers (pytest-xdist), each taking whole test files: most
+# of a distributed test's time is spent waiting (rank start-up, rendezvous, a launcher's child importing), so one
+# worker leaves a 2-core machine half idle. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 

@@ -40,4 +40,4 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
 fi
 echo "system-python: $* under $SYSTEM_PYTHON (Python $version), beside $PYTHON (Python $tested_version)"
-"$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-3}" --dist loadfile -p no:cacheprovider "$@"
+"$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile -p no:cacheprovider "$@"
