@@ -39,15 +39,15 @@ def _inputs(q_heads, kv_heads, documents):
 
 def _reference(q, k, v, grad, ids):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    positions = torch.arange(LENGTH)
+    positions = torch.arange(LENGTH, device=q.device)
     mask = attention_mask(positions, positions, ids, ids, causal=True)[:, None]  # (B or 1, 1, T, T)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     out.backward(grad)
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _rank_errors(rank, world_size, q_heads, kv_heads, documents, rotation):
-    q, k, v, grad, ids = _inputs(q_heads, kv_heads, documents)
+def _rank_errors(rank, world_size, q_heads, kv_heads, documents, rotation, device="cpu"):
+    q, k, v, grad, ids = (None if t is None else t.to(device) for t in _inputs(q_heads, kv_heads, documents))
     expected = _reference(q, k, v, grad, ids)
     share = lambda t: shard_sequence(t, world_size, rank, dim=2)  # noqa: E731
     q_l, k_l, v_l = (share(t).clone().requires_grad_() for t in (q, k, v))
@@ -67,17 +67,17 @@ CASES = {
 }
 
 
-def _rank_all_errors(rank, world_size):
+def _rank_all_errors(rank, world_size, device="cpu"):
     """Every case under both rotations on one set of ranks: {(case, rotation): [out, dq, dk, dv max errors]}."""
     return {
-        (case, rotation): _rank_errors(rank, world_size, *CASES[case], rotation)
+        (case, rotation): _rank_errors(rank, world_size, *CASES[case], rotation, device)
         for case in CASES
         for rotation in ("ring", "allgather")
     }
 
 
-def _check(world_size):
-    by_rank = run_on_ranks(_rank_all_errors, world_size)
+def check_cp_attention(world_size, device="cpu"):
+    by_rank = run_on_ranks(_rank_all_errors, world_size, device, timeout=300)
     for key in by_rank[0]:
         worst = max(max(errors[key]) for errors in by_rank)
         assert worst < 1e-5, f"cp={world_size} {key}: max error {worst:.2e} (out, dq, dk, dv per rank: " + str(
@@ -86,12 +86,12 @@ def _check(world_size):
 
 
 def test_cp2_equals_sdpa():
-    _check(2)
+    check_cp_attention(2)
 
 
 @pytest.mark.slow
 def test_cp4_equals_sdpa():
-    _check(4)
+    check_cp_attention(4)
 
 
 def test_one_process_equals_sdpa():

@@ -3,7 +3,7 @@ one device). The sharded model on the GPU computes the unsharded model's functio
 without backward overlap (whose collectives then run beside the weight gradients, on gloo's own CUDA stream), with
 sequence parallelism and through Hugging Face's Llama; the CUDA RNG tracker gives sharded regions their own dropout
 masks and replicated regions the same; `parallelize(compile=True)` compiles with inductor (Triton kernels) without
-a graph break and keeps the numbers. The same rank functions as the CPU tests, on `device="cuda"`.
+a graph break and keeps the numbers; the context-parallel attention op at cp=2 equals SDPA on the GPU. The same rank functions as the CPU tests, on `device="cuda"`.
 
 Marked `cuda` and skipped without a GPU: scripts/gpu_check.sh runs them on a GPU machine."""
 
@@ -15,6 +15,7 @@ import torch
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors
 from tests.test_compile import _parity as _compiled_parity
+from tests.test_context_parallel_attention import check_cp_attention
 from tests.test_dropout_rng import _train_with_dropout, check_dropout_streams
 from tests.test_overlap import VARIANTS, VOCAB
 
@@ -63,3 +64,9 @@ def test_parallelize_compile_with_inductor_on_the_gpu_has_no_graph_break(tp):
     for rank, (errors, graph_breaks, graphs) in enumerate(results):
         assert graphs >= 1 and graph_breaks == 0, (graphs, graph_breaks)
         assert_parity(errors, tp, rank)
+
+
+def test_context_parallel_attention_on_the_gpu_equals_sdpa():
+    """cp=2 on one GPU (gloo with CUDA tensors): the ring and all-gather rotations, causal, GQA and packed documents,
+    forward and backward against one process's SDPA on the GPU."""
+    check_cp_attention(2, "cuda")
