@@ -195,8 +195,12 @@ def _ring_free_grads(k, v, group, block_grads):
 
 def _shift(tensor, group):
     """Starts sending `tensor` to the next rank of the group and receiving the previous rank's; returns a function
-    that waits and returns what arrived."""
+    that waits and returns what arrived. Gloo sends only host memory, so on gloo a CUDA tensor travels through the
+    host (one GPU shared by the ranks of a test or a laptop; NCCL sends device memory)."""
     size, rank = _size(group), _rank(group)
+    device = tensor.device
+    if device.type != "cpu" and dist.get_backend(group) == "gloo":
+        tensor = tensor.cpu()
     received = torch.empty_like(tensor)
     to_rank = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
     from_rank = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
@@ -209,7 +213,7 @@ def _shift(tensor, group):
     def wait():
         for work in works:
             work.wait()
-        return received
+        return received.to(device)
 
     return wait
 
