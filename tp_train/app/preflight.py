@@ -52,7 +52,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"data.block_size={block} is not a multiple of 2 x cp = {2 * cp} (each context-parallel rank holds two "
             f"equal chunks of every sequence); use data.block_size={block - block % (2 * cp) or 2 * cp}"
         )
-    mode = _data_parallel_mode(cfg)
+    mode = str(_setting(cfg, "data_parallel", "ddp"))
     if mode not in DATA_PARALLEL_MODES:
         raise ConfigError(
             f"data_parallel={mode}: use data_parallel=ddp (each data-parallel rank holds its whole tensor-parallel "
@@ -90,8 +90,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"data.block_size={block_size} exceeds the model's context of {context} tokens; "
             f"use data.block_size<={context} or a model with a longer context"
         )
-    strategy = cfg.get("trainer", {}).get("strategy") or {}
-    sequence_parallel = cfg.get("sequence_parallel") or (hasattr(strategy, "get") and strategy.get("sequence_parallel"))
+    sequence_parallel = _setting(cfg, "sequence_parallel")
     if sequence_parallel and isinstance(block_size, int) and block_size % tp:
         raise ConfigError(
             f"sequence_parallel=true splits each sequence across tp={tp} ranks, but data.block_size={block_size} "
@@ -134,11 +133,11 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
     return vocab if isinstance(vocab, int) else None
 
 
-def _data_parallel_mode(cfg: DictConfig) -> str:
-    """`data_parallel` as the strategy gets it (top level, or set on the strategy directly)."""
+def _setting(cfg: DictConfig, name: str, default=None):
+    """`name` as the strategy gets it: set on the strategy (`trainer.strategy.<name>`), else the top-level key."""
     strategy = cfg.get("trainer", {}).get("strategy") or {}
-    value = strategy.get("data_parallel") if hasattr(strategy, "get") else None
-    return str(value if value is not None else cfg.get("data_parallel", "ddp"))
+    value = strategy.get(name) if hasattr(strategy, "get") else None
+    return value if value is not None else cfg.get(name, default)
 
 
 def _check_data_source(data: DictConfig) -> None:
@@ -219,14 +218,9 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
             from peft import get_peft_model
 
             model = get_peft_model(model, instantiate(cfg.peft))
-    strategy = cfg.trainer.get("strategy") or {}
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     cp = cfg.get("cp", 1)
     dp = devices * nodes // (cfg.tp * cp) if isinstance(devices, int) else cfg.get("dp", 1)
-
-    def flag(name: str) -> bool:
-        return bool(cfg.get(name) or (strategy.get(name) if hasattr(strategy, "get") else False))
-
     return estimate_memory(
         model,
         micro_batch_size=cfg.data.batch_size,
@@ -235,8 +229,8 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
         dp=dp,
         cp=cp,
         precision=lightning_precision(cfg.precision),
-        sequence_parallel=flag("sequence_parallel"),
-        activation_checkpointing=flag("activation_checkpointing"),
-        data_parallel=_data_parallel_mode(cfg),
-        loss_parallel=flag("loss_parallel"),
+        sequence_parallel=bool(_setting(cfg, "sequence_parallel")),
+        activation_checkpointing=bool(_setting(cfg, "activation_checkpointing")),
+        data_parallel=str(_setting(cfg, "data_parallel", "ddp")),
+        loss_parallel=bool(_setting(cfg, "loss_parallel")),
     )

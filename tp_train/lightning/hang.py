@@ -91,27 +91,19 @@ class HangDetector(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._advance(TRAIN, trainer)
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
+    def _progressed(self, *hook_arguments, **hook_keywords) -> None:
         self._advance()
 
-    def on_after_backward(self, trainer, pl_module) -> None:
-        self._advance()
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._advance()
+    on_before_backward = on_after_backward = on_before_optimizer_step = _progressed
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._first_step_done = True
         self._advance(BETWEEN, trainer)  # what follows (data, validation, a save) has the longer limit
 
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+    def _between_steps(self, *hook_arguments, **hook_keywords) -> None:
         self._advance(BETWEEN)
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._advance(BETWEEN)
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        self._advance(BETWEEN)
+    on_validation_batch_start = on_validation_batch_end = on_save_checkpoint = _between_steps
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._advance(DONE)

@@ -73,13 +73,11 @@ class SharedInputRegion(Configurable):
         if x is self._output:
             return x
         if self._input is not x:
-            self._input, self.deferred = x, None
-            if self.overlap and self.input_layout != GATHERED_INPUT and can_overlap(self.group):
-                parameters = [p for layer in self.layers for p in (layer.weight, layer.bias)]
-                gather = self.input_layout == SEQUENCE_SHARDED_INPUT
-                self._output, self.deferred = enter_with_overlap(x, parameters, gather, self.group, self.comm_counter)
-            else:
-                self._output = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
+            parameters = [p for layer in self.layers for p in (layer.weight, layer.bias)] if self.overlap else None
+            self._input = x
+            self._output, self.deferred = enter_column_parallel(
+                x, self.group, self.input_layout, self.comm_counter, overlap_with=parameters
+            )
         return self._output
 
     def deferred_for(self, x: torch.Tensor):
@@ -88,16 +86,23 @@ class SharedInputRegion(Configurable):
 
 
 def enter_column_parallel(
-    x: torch.Tensor, group: ProcessGroup, input_layout: str, counter: CommunicationCounter | None = None
-) -> torch.Tensor:
-    """A column-parallel layer's input, by `input_layout`: `f` (identity forward, all-reduce backward), or the
-    all-gather of the sequence shards (reduce-scatter backward), or as it is (the gather that made it sums the
-    partial gradients in its backward)."""
+    x: torch.Tensor,
+    group: ProcessGroup,
+    input_layout: str,
+    counter: CommunicationCounter | None = None,
+    overlap_with: list[torch.Tensor | None] | None = None,
+):
+    """(A column-parallel layer's input, by `input_layout`; where its readers defer their weight gradients, or None):
+    `f` (identity forward, all-reduce backward), the all-gather of the sequence shards (reduce-scatter backward), or
+    as it is (the gather that made it sums the partial gradients in its backward). With `overlap_with` (the readers'
+    parameters) the backward collective runs while their weight gradients are computed."""
+    if overlap_with is not None and input_layout != GATHERED_INPUT and can_overlap(group):
+        return enter_with_overlap(x, overlap_with, input_layout == SEQUENCE_SHARDED_INPUT, group, counter)
     if input_layout == SEQUENCE_SHARDED_INPUT:  # contiguous: one copy here, not one per matmul that folds it
-        return gather_from_sequence_parallel_region(x, group, counter).contiguous()
+        return gather_from_sequence_parallel_region(x, group, counter).contiguous(), None
     if input_layout == GATHERED_INPUT:
-        return x
-    return copy_to_tensor_parallel_region(x, group, counter)
+        return x, None
+    return copy_to_tensor_parallel_region(x, group, counter), None
 
 
 class ColumnParallelLinear(Configurable, nn.Module):
@@ -163,15 +168,12 @@ class ColumnParallelLinear(Configurable, nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        deferred = None
         if self.input_region is not None:
             x = self.input_region.copy_to(x)
             deferred = self.input_region.deferred_for(x) if self.overlap else None
-        elif self.overlap and self.input_layout != GATHERED_INPUT and can_overlap(self.group):
-            gather = self.input_layout == SEQUENCE_SHARDED_INPUT
-            x, deferred = enter_with_overlap(x, [self.weight, self.bias], gather, self.group, self.comm_counter)
         else:
-            x = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
+            overlap_with = [self.weight, self.bias] if self.overlap else None
+            x, deferred = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter, overlap_with)
         if deferred is not None:  # the weight gradient is computed while the input gradient's collective runs
             y = linear_with_deferred_weight_gradient(x, self.weight, self.bias, deferred)
         else:
@@ -257,9 +259,7 @@ class RowParallelLinear(Configurable, nn.Module):
             self.shard_specs["bias"] = ShardSpec(dim=0, sections=(out_features,))
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """This rank's slice of `nn.Linear`'s initialisation of the full layer (see ColumnParallelLinear)."""
-        _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
+    reset_parameters = ColumnParallelLinear.reset_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:

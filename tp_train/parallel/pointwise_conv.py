@@ -37,7 +37,7 @@ class ColumnParallelPointwiseConv(ColumnParallelLinear):
         if self.input_region is not None:
             x = self.input_region.copy_to(x)
         else:
-            x = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
+            x, _ = enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)
         return F.conv2d(x, self.weight, self.bias)  # (N, out_channels / tp, H, W)
 
 
