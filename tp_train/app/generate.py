@@ -15,11 +15,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from tp_train.app.module import CausalLMModule
-from tp_train.app.preflight import context_length
+from tp_train.app.preflight import context_length, meta_model
 from tp_train.app.resolvers import register_resolvers
 from tp_train.checkpoint.checks import check_files
-from tp_train.checkpoint.dcp import META_FILE, load
-from tp_train.checkpoint.safe_load import read_extra
+from tp_train.checkpoint.dcp import checkpoint_extra, load
 from tp_train.errors import CheckpointError, ConfigError
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.ranks import start_ranks
@@ -43,13 +42,7 @@ def run_config(checkpoint: Path) -> DictConfig:
 
 def build_model(cfg: DictConfig) -> nn.Module:
     """The run's model (its adapters too), unsharded, on the meta device: each rank materialises its shards."""
-    with torch.device("meta"):
-        model = instantiate(cfg.model)()
-        if cfg.get("peft"):
-            from peft import get_peft_model
-
-            model = get_peft_model(model, instantiate(cfg.peft))
-    return model
+    return meta_model(cfg, lambda: instantiate(cfg.model))
 
 
 def load_sharded(checkpoint: Path, group, mesh, device: torch.device) -> tuple[nn.Module, dict]:
@@ -88,8 +81,7 @@ def _check(args: argparse.Namespace) -> str:
         raise ConfigError(f"--tp={args.tp} and --max-new-tokens={args.max_new_tokens} must be positive")
     check_files(args.checkpoint)  # there, whole and data only
     cfg = run_config(args.checkpoint)
-    extra = read_extra(args.checkpoint / META_FILE) if (args.checkpoint / META_FILE).is_file() else {}
-    tokenizer_path = args.tokenizer or run_tokenizer(args.checkpoint, extra)
+    tokenizer_path = args.tokenizer or run_tokenizer(args.checkpoint, checkpoint_extra(args.checkpoint))
     if tokenizer_path is None:
         raise ConfigError(f"checkpoint {args.checkpoint} names no tokenizer (saved by an older run); pass --tokenizer")
     prompt = load_tokenizer(tokenizer_path).encode(args.prompt, add_special_tokens=False)

@@ -207,17 +207,23 @@ def context_length(model: torch.nn.Module) -> int | None:
     return None
 
 
-def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> MemoryEstimate:
-    """`estimate_memory` for a training config (conf/train.yaml): the model `build_model()()` builds on the meta
-    device, `data.batch_size` x `data.block_size` micro-batches, `tp`, the data-parallel size the trainer's devices
-    leave, `precision`, `data_parallel`, and `sequence_parallel` / `activation_checkpointing` / `loss_parallel` (top
-    level or on the strategy)."""
+def meta_model(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> nn.Module:
+    """The model `build_model()()` builds on the meta device (shapes only), with the config's adapters (`peft`)."""
     with torch.device("meta"):
         model = build_model()()
         if cfg.get("peft"):  # only the adapters have gradients and optimizer states
             from peft import get_peft_model
 
             model = get_peft_model(model, instantiate(cfg.peft))
+    return model
+
+
+def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> MemoryEstimate:
+    """`estimate_memory` for a training config (conf/train.yaml): the model `build_model()()` builds on the meta
+    device, `data.batch_size` x `data.block_size` micro-batches, `tp`, the data-parallel size the trainer's devices
+    leave, `precision`, `data_parallel`, and `sequence_parallel` / `activation_checkpointing` / `loss_parallel` (top
+    level or on the strategy)."""
+    model = meta_model(cfg, build_model)
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     cp = cfg.get("cp", 1)
     dp = devices * nodes // (cfg.tp * cp) if isinstance(devices, int) else cfg.get("dp", 1)

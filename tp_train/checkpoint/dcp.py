@@ -210,7 +210,7 @@ def load(
     """Loads a checkpoint written by `save` into `model` and `optimizers` in place, at any tp; returns `extra`."""
     path = Path(path)
     metadata = check_files(path, trust_checkpoint)
-    extra = _read_extra(path, trust_checkpoint)  # before any tensor is copied in: a damaged meta.pt changes nothing
+    extra = checkpoint_extra(path, trust_checkpoint)  # before any tensor is copied: a bad meta.pt changes nothing
     extra.pop(LAYOUT_KEY, None)  # ours, for tp-train-export; the model at hand knows its layout
     _, base = base_weights(model)
     if extra.get(BASE_WEIGHTS_KEY) != base and (base is not None or BASE_WEIGHTS_KEY in extra):
@@ -261,8 +261,8 @@ def _check_free_space(path: Path, state: dict[str, Any]) -> None:
         raise DiskFullError(refusal[0])
 
 
-def _read_extra(path: Path, trust_checkpoint: bool) -> dict:
-    """The `extra` metadata `save` wrote to `path/meta.pt` ({} when there is none)."""
+def checkpoint_extra(path: Path, trust_checkpoint: bool = False) -> dict:
+    """The `extra` metadata `save` wrote to `path/meta.pt` ({} when there is none), read as data."""
     return read_extra(path / META_FILE, trust_checkpoint) if (path / META_FILE).exists() else {}
 
 

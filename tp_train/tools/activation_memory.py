@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tp_train.tools.memory import MIB
+
 
 def saved_activation_bytes(model: nn.Module, forward) -> tuple[int, object]:
     """(bytes of the distinct non-parameter storages autograd saved while `forward()` ran, its result)."""
@@ -55,16 +57,15 @@ def main() -> None:
         rows.append((sp, ac, nbytes))
     plain, _ = saved_activation_bytes(reference, lambda: reference(idx))
     if rank == 0:
-        mb = 2**20
         print(
             f"GPT {args.layers}x{args.hidden}, {args.heads} heads, batch {args.batch} x seq {args.seq}, fp32, tp={tp}"
         )
         print(f"{'model':<28}{'saved for backward':>20}{'vs unsharded':>14}{'vs plain tp':>13}")
-        print(f"{'unsharded (one process)':<28}{plain / mb:>17.2f} MB{1:>14.2f}")
+        print(f"{'unsharded (one process)':<28}{plain / MIB:>17.2f} MB{1:>14.2f}")
         base = rows[0][2]
         for sp, ac, nbytes in rows:
             name = f"tp={tp}" + (" + SP" if sp else "") + (" + AC" if ac else "")
-            print(f"{name:<28}{nbytes / mb:>17.2f} MB{nbytes / plain:>14.2f}{nbytes / base:>13.2f}")
+            print(f"{name:<28}{nbytes / MIB:>17.2f} MB{nbytes / plain:>14.2f}{nbytes / base:>13.2f}")
     dist.destroy_process_group()
 
 

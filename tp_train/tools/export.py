@@ -17,9 +17,9 @@ from tp_train.checkpoint.dcp import (
     BASE_WEIGHTS_KEY,
     HUGGING_FACE_CONFIG_KEY,
     LAYOUT_KEY,
-    META_FILE,
+    checkpoint_extra,
 )
-from tp_train.checkpoint.safe_load import SafeFileSystemReader, read_extra
+from tp_train.checkpoint.safe_load import SafeFileSystemReader
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.styles import LINEAR_STYLES
@@ -57,7 +57,7 @@ def export_hugging_face(
 
     checkpoint = Path(checkpoint)
     stored = _stored_tensors(checkpoint, trust_checkpoint)
-    extra = read_extra(checkpoint / META_FILE, trust_checkpoint) if (checkpoint / META_FILE).exists() else {}
+    extra = checkpoint_extra(checkpoint, trust_checkpoint)
     config = _config(checkpoint, config, extra)
     if ADAPTER_CONFIG_KEY in extra:
         _write_adapted(checkpoint, out_dir, stored, extra, config, trust_checkpoint, adapters_only)
@@ -87,7 +87,7 @@ def export_lightning(checkpoint: str | Path, out_file: str | Path, trust_checkpo
     and layouts come from the layout record every checkpoint since this command holds."""
     checkpoint = Path(checkpoint)
     stored = _stored_tensors(checkpoint, trust_checkpoint)
-    extra = read_extra(checkpoint / META_FILE, trust_checkpoint) if (checkpoint / META_FILE).exists() else {}
+    extra = checkpoint_extra(checkpoint, trust_checkpoint)
     layout = extra.pop(LAYOUT_KEY, None)
     if layout is None:
         raise ValueError(

@@ -9,7 +9,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -17,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tp_train.tools.activation_memory import saved_activation_bytes
+from tp_train.tools.bench.measure import group_max, seconds_per_step
+from tp_train.tools.bench.plot import PANEL_HEIGHT, PANEL_WIDTH, figure, legend, panel
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.memory import MIB
 
@@ -30,6 +31,8 @@ SETUPS = [
     ("tp=2 x cp=2 ring", 2, 2, "ring", False),
 ]
 DOCUMENT = 128  # tokens per packed document when masked
+PANELS = (("activation_mib_per_rank", "activation MiB per rank"), ("tokens_per_s", "tokens/s per replica"))
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf"]
 
 
 def _measure(rank, world_size, device, setup, lengths, args, out):
@@ -66,20 +69,10 @@ def _measure(rank, world_size, device, setup, lengths, args, out):
 
         saved, loss = saved_activation_bytes(model, step)
         loss.backward()
-        times = []
-        for _ in range(args.repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            step().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        seconds = torch.tensor(statistics.median(times))
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        peak = torch.tensor(float(saved))
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        rows.append({"setup": name, "seq_len": length, "activation_mib_per_rank": peak.item() / MIB,
-                     "tokens_per_s": args.batch * length / seconds.item()})  # fmt: skip
+        world = dist.group.WORLD  # each timing the slowest rank's
+        times = [seconds_per_step(lambda step=step: step().backward(), 1, world, device) for _ in range(args.repeats)]
+        rows.append({"setup": name, "seq_len": length, "activation_mib_per_rank": group_max(saved, world, device) / MIB,
+                     "tokens_per_s": args.batch * length / statistics.median(times)})  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
 
@@ -87,42 +80,14 @@ def _measure(rank, world_size, device, setup, lengths, args, out):
 def svg_plot(rows: list[dict], path: Path) -> None:
     """Two panels, activation MiB per rank and tokens/s against sequence length, one line per setup."""
     setups = list(dict.fromkeys(row["setup"] for row in rows))
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf"]
     lengths = sorted({row["seq_len"] for row in rows})
-    width, height, pad = 420, 300, 50
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height + 90}" font-size="11">']
-    for panel, (key, title) in enumerate((("activation_mib_per_rank", "activation MiB per rank"),
-                                          ("tokens_per_s", "tokens/s per replica"))):  # fmt: skip
-        x0, top = panel * width + pad, 25
-        top_value = max(row[key] for row in rows) * 1.1
-
-        def x_of(n, x0=x0):
-            return x0 + lengths.index(n) * (width - 2 * pad) / max(len(lengths) - 1, 1)
-
-        def y_of(v, top=top, top_value=top_value):
-            return top + (height - top - pad) * (1 - v / top_value)
-
-        parts.append(f'<text x="{x0}" y="15" font-weight="bold">{title} vs sequence length</text>')
-        right, bottom = x0 + width - 2 * pad, height - pad
-        parts.append(f'<line x1="{x0}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>')
-        parts.append(f'<line x1="{x0}" y1="{top}" x2="{x0}" y2="{height - pad}" stroke="black"/>')
-        for n in lengths:
-            parts.append(f'<text x="{x_of(n)}" y="{height - pad + 14}" text-anchor="middle">{n}</text>')
-        for fraction in (0, 0.5, 1):
-            value = top_value * fraction
-            parts.append(f'<text x="{x0 - 4}" y="{y_of(value) + 4}" text-anchor="end">{value:.0f}</text>')
-        for index, setup in enumerate(setups):
-            points = sorted((row["seq_len"], row[key]) for row in rows if row["setup"] == setup)
-            coords = " ".join(f"{x_of(n):.1f},{y_of(v):.1f}" for n, v in points)
-            color = colors[index % len(colors)]
-            parts.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>')
-    for index, setup in enumerate(setups):
-        x, y = pad + (index % 3) * 260, height + 20 + (index // 3) * 18
-        color = colors[index % len(colors)]
-        parts.append(f'<rect x="{x}" y="{y - 9}" width="12" height="4" fill="{color}"/>')
-        parts.append(f'<text x="{x + 16}" y="{y - 4}">{setup}</text>')
-    parts.append("</svg>")
-    path.write_text("\n".join(parts))
+    styles = {setup: (COLORS[index % len(COLORS)], "") for index, setup in enumerate(setups)}
+    body = []
+    for index, (key, title) in enumerate(PANELS):
+        lines = {setup: sorted((row["seq_len"], row[key]) for row in rows if row["setup"] == setup) for setup in setups}
+        body += panel(index * PANEL_WIDTH, title, lines, styles, lengths, "sequence length", log=False)
+    body += legend([(setup, *styles[setup]) for setup in setups], PANEL_HEIGHT + 22, per_row=3, spacing=230)
+    path.write_text(figure(body, 2 * PANEL_WIDTH, PANEL_HEIGHT + 80))
 
 
 def table(rows: list[dict]) -> str:

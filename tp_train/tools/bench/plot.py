@@ -27,68 +27,81 @@ def series(report: dict, key: str, scale: float) -> dict[tuple[str, str], list[t
     return {name: sorted(points) for name, points in lines.items()}
 
 
-def _panel(x0: float, title: str, lines: dict, tps: list[int], sizes: list[str]) -> list[str]:
-    """One panel: log2 tp across, log10 value up (sizes differ by 10x)."""
+def panel(x0: float, title: str, lines: dict, styles: dict, xs: list, x_label: str, log: bool = True) -> list[str]:
+    """One panel: each of `lines` ({name: [(x, value)]}) in its `styles[name]` (colour, dash), log2 x across (`xs`
+    the ticks), the value up: log10 with `log` (sizes differ by 10x), else linear from 0."""
     values = [value for points in lines.values() for _, value in points]
-    low, high = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
-    high = max(high, low + 1)
+    if log:
+        low, high = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
+        high = max(high, low + 1)
+        ticks = [10**power for power in range(low, high + 1)]
+    else:
+        low, high = 0.0, max(values) * 1.1
+        ticks = [0.0, high / 2, high]
     left, top = x0 + MARGIN, MARGIN / 2
     width, height = PANEL_WIDTH - MARGIN - 10, PANEL_HEIGHT - MARGIN
 
-    def x(tp: int) -> float:
-        spread = math.log2(max(tps)) or 1.0
-        return left + width * (math.log2(tp) / spread if len(tps) > 1 else 0.5)
+    def x(value: float) -> float:
+        spread = math.log2(max(xs) / min(xs))
+        return left + width * (math.log2(value / min(xs)) / spread if spread else 0.5)
 
     def y(value: float) -> float:
-        return top + height * (1 - (math.log10(value) - low) / (high - low))
+        return top + height * (1 - ((math.log10(value) if log else value) - low) / (high - low))
 
     out = [
         f'<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="none" stroke="#999"/>',
         f'<text x="{left + width / 2}" y="{top - 8}" text-anchor="middle" font-size="13">{escape(title)}</text>',
-        f'<text x="{left + width / 2}" y="{top + height + 34}" text-anchor="middle" font-size="12">tp</text>',
+        f'<text x="{left + width / 2}" y="{top + height + 34}" text-anchor="middle" font-size="12">{x_label}</text>',
     ]
-    for tp in tps:
-        out.append(f'<text x="{x(tp):.1f}" y="{top + height + 16}" text-anchor="middle" font-size="11">{tp}</text>')
-    for power in range(low, high + 1):
-        label = f"{10**power:g}"
-        out.append(f'<line x1="{left}" x2="{left + width}" y1="{y(10**power):.1f}" y2="{y(10**power):.1f}" '
-                   'stroke="#e5e5e5"/>')  # fmt: skip
-        out.append(f'<text x="{left - 6}" y="{y(10**power) + 4:.1f}" text-anchor="end" font-size="11">{label}</text>')
-    for (size, kind), points in sorted(lines.items()):
-        color, dash = COLORS.get(kind, "#000"), DASHES[sizes.index(size) % len(DASHES)]
-        path = " ".join(f"{x(tp):.1f},{y(value):.1f}" for tp, value in points)
+    for tick in xs:
+        out.append(f'<text x="{x(tick):.1f}" y="{top + height + 16}" text-anchor="middle" font-size="11">{tick}</text>')
+    for tick in ticks:
+        label = f"{tick:g}" if log else f"{tick:.0f}"
+        out.append(f'<line x1="{left}" x2="{left + width}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#e5e5e5"/>')
+        out.append(f'<text x="{left - 6}" y="{y(tick) + 4:.1f}" text-anchor="end" font-size="11">{label}</text>')
+    for name, points in sorted(lines.items()):
+        (color, dash), path = styles[name], " ".join(f"{x(n):.1f},{y(value):.1f}" for n, value in points)
         out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2" '
-                   f'stroke-dasharray="{dash}"><title>{escape(f"{kind} {size}")}</title></polyline>')  # fmt: skip
-        out += [f'<circle cx="{x(tp):.1f}" cy="{y(value):.1f}" r="3" fill="{color}"/>' for tp, value in points]
+                   f'stroke-dasharray="{dash}"><title>{escape(name)}</title></polyline>')  # fmt: skip
+        out += [f'<circle cx="{x(n):.1f}" cy="{y(value):.1f}" r="3" fill="{color}"/>' for n, value in points]
     return out
+
+
+def legend(entries: list[tuple[str, str, str]], top: float, per_row: int = 8, spacing: float = 110) -> list[str]:
+    """A line in its colour and dash and the name, for each (name, colour, dash), `per_row` a row from `top`."""
+    out = []
+    for index, (name, color, dash) in enumerate(entries):
+        x, y = MARGIN + index % per_row * spacing, top + index // per_row * 18
+        out.append(f'<line x1="{x}" x2="{x + 24}" y1="{y}" y2="{y}" stroke="{color}" stroke-width="2" '
+                   f'stroke-dasharray="{dash}"/>')  # fmt: skip
+        out.append(f'<text x="{x + 30}" y="{y + 4}" font-size="12">{escape(name)}</text>')
+    return out
+
+
+def figure(body: list[str], width: float, height: float) -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        'font-family="sans-serif">\n<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n"
+    )
 
 
 def svg(report: dict) -> str:
     """The whole figure: the two panels side by side and a legend of kinds (colour) and sizes (dash)."""
     sizes = [result["size"]["name"] for result in report["results"]]
     tps = sorted({row["tp"] for result in report["results"] for row in result["contenders"].values()})
+    dashes = {size: DASHES[index % len(DASHES)] for index, size in enumerate(sizes)}
+    styles = {f"{kind} {size}": (color, dashes[size]) for kind, color in COLORS.items() for size in sizes}
     body = []
     for index, (key, title, scale) in enumerate(PANELS):
-        body += _panel(index * PANEL_WIDTH, title, series(report, key, scale), tps, sizes)
+        lines = {f"{kind} {size}": points for (size, kind), points in series(report, key, scale).items()}
+        body += panel(index * PANEL_WIDTH, title, lines, styles, tps, "tp")
     legend_y = PANEL_HEIGHT + 22  # below the panels' "tp" labels
-    for index, kind in enumerate(COLORS):
-        x = MARGIN + index * 110
-        body.append(f'<line x1="{x}" x2="{x + 24}" y1="{legend_y}" y2="{legend_y}" stroke="{COLORS[kind]}" '
-                    'stroke-width="2"/>')  # fmt: skip
-        body.append(f'<text x="{x + 30}" y="{legend_y + 4}" font-size="12">{kind}</text>')
-    for index, size in enumerate(sizes):
-        x = MARGIN + (len(COLORS) + index) * 110
-        body.append(f'<line x1="{x}" x2="{x + 24}" y1="{legend_y}" y2="{legend_y}" stroke="#000" '
-                    f'stroke-dasharray="{DASHES[index % len(DASHES)]}"/>')  # fmt: skip
-        body.append(f'<text x="{x + 30}" y="{legend_y + 4}" font-size="12">{escape(size)}</text>')
+    kinds = [(kind, color, "") for kind, color in COLORS.items()]
+    body += legend(kinds + [(size, "#000", dash) for size, dash in dashes.items()], legend_y)
     machine = report.get("machine", {})
     note = f"{machine.get('cuda') or str(machine.get('cpus', '?')) + ' CPU cores'}, torch {machine.get('torch', '?')}"
     body.append(f'<text x="{MARGIN}" y="{legend_y + 26}" font-size="11" fill="#555">{escape(note)}</text>')
-    width, height = 2 * PANEL_WIDTH, PANEL_HEIGHT + 60
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-        'font-family="sans-serif">\n<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(body) + "\n</svg>\n"
-    )
+    return figure(body, 2 * PANEL_WIDTH, PANEL_HEIGHT + 60)
 
 
 def write_plot(report: dict, path: Path) -> None:

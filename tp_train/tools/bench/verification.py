@@ -14,8 +14,8 @@ from models import GPT, GPTConfig
 from tp_train.plan.probe_input import PROBE_TOKENS
 from tp_train.plan.verify import SwapCheck
 from tp_train.tools.bench.ranks import start_ranks
+from tp_train.tools.memory import MIB
 
-MiB = 2**20
 # The module (the package exports the function `tp_train.parallelize`).
 SHARDING = importlib.import_module("tp_train.plan.parallelize")
 
@@ -76,8 +76,8 @@ def _peak_while_sharding(config: GPTConfig, device: torch.device, verify: bool |
 
 
 def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> None:
-    if device.type == "cpu":  # glibc returns freed tensors' pages at once (M_MMAP_THRESHOLD = 1 MiB)
-        ctypes.CDLL("libc.so.6").mallopt(-3, MiB)
+    if device.type == "cpu":  # glibc returns freed tensors' pages at once (M_MMAP_THRESHOLD = 1 MIB)
+        ctypes.CDLL("libc.so.6").mallopt(-3, MIB)
     config = GPTConfig(vocab_size=args.vocab, block_size=1024, n_layer=args.layers, n_head=args.heads,
                        n_embd=args.width)  # fmt: skip
     _peak_while_sharding(config, device, verify=False)  # warm-up: allocator and autograd state, once
@@ -91,13 +91,13 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
     checks = _MeasuredSwapCheck.checks
     if rank == 0:
         print(f"GPT {args.layers}x{width}, vocabulary {args.vocab}, tp={world_size}, per rank:")
-        print(f"  shards                               {shards / MiB:8.1f} MiB")
-        print(f"  peak while sharding, verify=False    {unverified / MiB:8.1f} MiB")
-        print(f"  peak while sharding, verified        {verified / MiB:8.1f} MiB")
-        print(f"  verification adds to that peak       {(verified - unverified) / MiB:8.1f} MiB")
-        print(f"  peak while the per-module checks run {checks / MiB:8.1f} MiB")
-        print(f"  bound: shards + one block's full weights {block / MiB:.1f} MiB + probe activations "
-              f"{activations / MiB:.2f} MiB = {bound / MiB:.1f} MiB; checks / bound {checks / bound:.2f} "
+        print(f"  shards                               {shards / MIB:8.1f} MiB")
+        print(f"  peak while sharding, verify=False    {unverified / MIB:8.1f} MiB")
+        print(f"  peak while sharding, verified        {verified / MIB:8.1f} MiB")
+        print(f"  verification adds to that peak       {(verified - unverified) / MIB:8.1f} MiB")
+        print(f"  peak while the per-module checks run {checks / MIB:8.1f} MiB")
+        print(f"  bound: shards + one block's full weights {block / MIB:.1f} MiB + probe activations "
+              f"{activations / MIB:.2f} MiB = {bound / MIB:.1f} MiB; checks / bound {checks / bound:.2f} "
               f"(target <= 1)")  # fmt: skip
 
 
