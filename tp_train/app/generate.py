@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     start_ranks(_rank, args.tp, args, tokenizer_path)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

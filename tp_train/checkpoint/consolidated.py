@@ -15,7 +15,7 @@ from tp_train.checkpoint import on_disk
 from tp_train.checkpoint.safe_load import refusal, unsafe_globals
 from tp_train.errors import CheckpointError
 from tp_train.parallel.mesh import TENSOR_PARALLEL
-from tp_train.parallel.sharding import ShardSpec, join_shards, local_part, shard_tensor
+from tp_train.parallel.sharding import ShardSpec, join_shards, local_part, named_sharded_parameters, shard_tensor
 
 PARAMETER_NAMES = "tp_train_parameter_names"  # per optimizer: the name of each parameter index, to check on load
 
@@ -33,7 +33,7 @@ def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh,
     """Writes `extra` (Lightning's checkpoint dict) with the full `state_dict` and `optimizer_states` to the file
     `path`, from global rank 0 (see the module docstring); every rank calls it."""
     path = Path(path)
-    specs = _specs(model)
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model, buffers=True)}
     group, first_replica = _tensor_parallel_group(mesh)
     writer = dist.get_rank() == 0
     state = {}
@@ -91,7 +91,7 @@ def load(
     at any tp; returns the rest of the checkpoint (Lightning's loops, callbacks, schedulers)."""
     path = Path(path)
     checkpoint = read(path, trust_checkpoint)
-    specs = _specs(model)
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(model, buffers=True)}
     tp_group, _ = _tensor_parallel_group(mesh)
     rank, tp = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     state = checkpoint["state_dict"]
@@ -148,15 +148,6 @@ def read(path: Path, trust_checkpoint: bool = False) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-
-
-def _specs(model: nn.Module) -> dict[int, ShardSpec]:
-    """Each tensor-parallel shard of `model` (parameters and persistent buffers), by id."""
-    specs = {}
-    for module in model.modules():
-        for name, spec in getattr(module, "shard_specs", {}).items():
-            specs[id(getattr(module, name))] = spec
-    return specs
 
 
 def _tensor_parallel_group(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, bool]:

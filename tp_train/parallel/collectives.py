@@ -20,24 +20,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
-def _all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
+    """Not autograd: `x` reduced over the group (`op` "sum" or "max"), in place when eager and contiguous (use
+    the result)."""
     if dist.get_world_size(group) > 1:
-        if _compiling():
+        if torch.compiler.is_compiling():
             return funcol.all_reduce(x, op, group)
         x = x.contiguous()
         with torch.profiler.record_function(COLLECTIVE_RANGE):
             dist.all_reduce(x, op=_REDUCE_OPS[op], group=group)
     return x
-
-
-def all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
-    """Not autograd: `x` reduced over the group (`op` "sum" or "max"), in place when eager and contiguous (use
-    the result)."""
-    return _all_reduce(x, group, op)
 
 
 def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -55,7 +47,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     if world_size == 1:
         return x
     x = x.contiguous()
-    if _compiling():
+    if torch.compiler.is_compiling():
         out = funcol.all_gather_tensor(x, 0, group)
     else:
         out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
@@ -73,7 +65,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
         return x
     check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
     x = x.movedim(dim, 0).contiguous()
-    if _compiling():
+    if torch.compiler.is_compiling():
         return funcol.reduce_scatter_tensor(x, "sum", 0, group).movedim(0, dim)
     out = x.new_empty((x.size(0) // world_size, *x.shape[1:]))
     with torch.profiler.record_function(COLLECTIVE_RANGE):
@@ -88,11 +80,11 @@ def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 def _sum(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x  # nothing to sum, so no copy to protect the argument either
-    return _all_reduce(x.clone(), group)
+    return all_reduce(x.clone(), group)
 
 
 def _sum_in_place(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    return _all_reduce(x, group)
+    return all_reduce(x, group)
 
 
 _COMMUNICATING = (_sum, _sum_in_place, _all_gather, _reduce_scatter)
@@ -109,7 +101,7 @@ class CommunicationCounter:
         self.calls = 0
 
     def record(self, op, x: torch.Tensor, y: torch.Tensor, group: ProcessGroup) -> None:
-        if op in _COMMUNICATING and dist.get_world_size(group) > 1 and not _compiling():
+        if op in _COMMUNICATING and dist.get_world_size(group) > 1 and not torch.compiler.is_compiling():
             passes = 2 if op in (_sum, _sum_in_place) else 1
             self.bytes += passes * max(x.numel(), y.numel()) * x.element_size()
             self.calls += 1

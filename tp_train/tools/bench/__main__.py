@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -76,7 +75,6 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start_ranks(_rank, max(args.tp), args, machine())
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

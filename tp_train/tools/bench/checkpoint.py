@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -99,7 +98,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", default="bench_checkpoint.json", help="where the JSON results go")
     args = parser.parse_args(argv)
     start_ranks(benchmark, args.tp, args)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -101,7 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
     start_ranks(benchmark, DP * TP, args)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -40,10 +40,8 @@ def flops_per_token(size: Size) -> float:
 
 
 def peak_flops(device_name: str | None) -> float | None:
-    for name, flops in PEAK_BF16_FLOPS.items():  # the most specific name first
-        if device_name and name in device_name:
-            return flops
-    return None
+    matches = (flops for name, flops in PEAK_BF16_FLOPS.items() if device_name and name in device_name)
+    return next(matches, None)  # the most specific name first
 
 
 class _Autocast:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -18,6 +19,7 @@ def start_ranks(fn: Callable, world_size: int, *args) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.start_processes(_rank, (fn, world_size, port, args), nprocs=world_size, start_method="fork")
+    sys.stdout.flush()
 
 
 def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:

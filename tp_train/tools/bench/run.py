@@ -101,6 +101,13 @@ def benchmark(
             profiled = [collective_seconds(step) for _ in range(3)]  # (in collectives, whole step), profiled
             collective_s = group_mean(statistics.median(c for c, _ in profiled), group, device)
             collective_share = group_mean(statistics.median(c / wall for c, wall in profiled), group, device)
+            memory = dict(
+                sequence_parallel=contender.sequence_parallel,
+                activation_checkpointing=contender.activation_checkpointing,
+            )
+            estimate = estimate_memory(
+                meta_model, size.batch, size.seq, contender.tp, **memory, loss_parallel=contender.kind == "ours"
+            )
             row = {
                 "kind": contender.kind,
                 "tp": contender.tp,
@@ -114,16 +121,7 @@ def benchmark(
                 "peak_mib": group_max(statistics.median(peak_bytes(step, device) for _ in range(3)), group, device)
                 / MIB,
                 "model_state_mib": group_max(step.model_state_bytes(), group, device) / MIB,
-                "predicted_peak_mib": estimate_memory(
-                    meta_model,
-                    size.batch,
-                    size.seq,
-                    tp=contender.tp,
-                    sequence_parallel=contender.sequence_parallel,
-                    activation_checkpointing=contender.activation_checkpointing,
-                    loss_parallel=contender.kind == "ours",
-                ).total
-                / MIB,
+                "predicted_peak_mib": estimate.total / MIB,
                 "variant": contender.variant,
                 "collectives_per_step": collectives,
                 "collective_s": collective_s,
@@ -133,13 +131,7 @@ def benchmark(
             if contender.kind == "ours":
                 row["tp_bytes_per_step"] = counted_bytes
                 row["analytic_tp_bytes_per_step"] = tensor_parallel_bytes_per_step(
-                    meta_model,
-                    size.batch,
-                    size.seq,
-                    contender.tp,
-                    sequence_parallel=contender.sequence_parallel,
-                    activation_checkpointing=contender.activation_checkpointing,
-                    loss_parallel=True,
+                    meta_model, size.batch, size.seq, contender.tp, **memory, loss_parallel=True
                 )
             rows[contender.name] = row
             if profile_dir is not None:
