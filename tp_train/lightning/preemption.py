@@ -42,18 +42,14 @@ class PreemptionCheckpoint(L.Callback):
         self._last_checked_step = -1
         self._stop: Preempted | None = None  # saved; raised at the next hook
 
-    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._install()
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._install()
-
-    def _install(self) -> None:
+    def _install(self, *hook_arguments, **hook_keywords) -> None:
         # Called after Lightning registered its handlers (trainer._run), so these take their place until teardown.
         if self._previous_handlers or threading.current_thread() is not threading.main_thread():
             return  # installed already, or not allowed: Python installs handlers from the main thread only
         self.received, self._stop = None, None
         self._previous_handlers = {signum: signal.signal(signum, self._on_signal) for signum in self.signals}
+
+    on_sanity_check_start = on_train_start = _install
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signal.Signals(signum)  # nothing else here: a handler runs between bytecodes
@@ -70,22 +66,14 @@ class PreemptionCheckpoint(L.Callback):
             trainer.save_checkpoint(path)
             self._stop = Preempted(step, path, signal.Signals(agreed).name)
 
-    # Raised at the next hook rather than at once, so that Lightning still logs the step's metrics. A run whose last
-    # step it was simply ends.
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
-        self._raise_if_stopping()
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._raise_if_stopping()
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._raise_if_stopping()
-
-    def _raise_if_stopping(self) -> None:
+    def _raise_if_stopping(self, *hook_arguments, **hook_keywords) -> None:
+        # At the next hook rather than at once, so that Lightning still logs the step's metrics. A run whose last
+        # step it was simply ends.
         if self._stop is not None:
             stop, self._stop = self._stop, None
             raise stop
+
+    on_train_batch_start = on_validation_start = on_train_epoch_end = _raise_if_stopping
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         for signum, handler in self._previous_handlers.items():

@@ -113,7 +113,7 @@ TASKS = {
 }
 
 
-def task_families(task: str) -> list[str]:
+def task_families(task: str = "causal-lm") -> list[str]:
     """The families the task covers, by model type (`towers`: `clip.text`, `clip.vision`, ...)."""
     from transformers.models.auto import modeling_auto
 

@@ -12,11 +12,11 @@ from tp_train.tools.zoo.configs import (
     VOCAB,
     WIDTHS,
     build_family,
-    families,
     family_fields,
     tiny_config,
 )
 from tp_train.tools.zoo.runner import run_zoo, summary
+from tp_train.tools.zoo_tasks import task_families as families
 
 __all__ = [
     "CLASSES", "family_fields", "SIZES", "TOLERANCE", "VOCAB", "WIDTHS", "build_family", "check_family", "families",

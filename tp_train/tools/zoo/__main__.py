@@ -7,13 +7,12 @@ import json
 import time
 
 import tp_train.tools.zoo as zoo
-from tp_train.tools.zoo.configs import SIZES, families
+from tp_train.tools.zoo.configs import SIZES
 from tp_train.tools.zoo.runner import run_zoo, summary
+from tp_train.tools.zoo_tasks import TASKS, task_families
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tp_train.tools.zoo_tasks import TASKS
-
     parser = argparse.ArgumentParser(prog="python -m tp_train.tools.zoo", description=zoo.__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="causal-lm", choices=[*TASKS, "all"], help="which families (default: LMs)")
     parser.add_argument("--families", help="comma-separated model types (default: every family of the task)")
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     tasks = list(TASKS) if args.task == "all" else [args.task]
     everything = {}
     for task in tasks:
-        chosen = args.families.split(",") if args.families else families(task)
+        chosen = args.families.split(",") if args.families else task_families(task)
         started = time.monotonic()
         everything[task] = run_zoo(chosen, args.tp, args.jobs, args.timeout, task=task, fields=fields)
         print(f"\n{task}: {summary(everything[task], args.tp)}\n({time.monotonic() - started:.0f} s)", flush=True)

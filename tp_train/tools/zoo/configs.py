@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 from tp_train.plan.families import family
+from tp_train.tools.zoo_tasks import build
 
 TOLERANCE = 1e-5
 VOCAB = 128
@@ -150,8 +151,6 @@ def _value(config, field: str):
 def build_family(task: str, family: str, fields: dict | None = None):
     """The family's tiny model for the task (`tp_train.tools.zoo_tasks.build`), from `tiny_config` (a tower's: its
     dual encoder's) with `fields` set."""
-    from tp_train.tools.zoo_tasks import build
-
     model_type = family.split(".")[0]
     return build(task, family, _with_fields(tiny_config(model_type), _own_fields(model_type, fields or {})))
 
@@ -175,9 +174,3 @@ def _with_fields(config: dict, fields: dict) -> dict:
         if isinstance(value, dict) and key not in fields:
             config[key] = {**value, **{field: fields[field] for field in fields if field in value}}
     return config
-
-
-def families(task: str = "causal-lm") -> list[str]:
-    from tp_train.tools.zoo_tasks import task_families
-
-    return task_families(task)
