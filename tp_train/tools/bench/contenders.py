@@ -11,11 +11,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from models import GPT, GPTConfig
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.parallel.sharding import local_part
 from tp_train.plan.parallelize import parallelize
 
 
@@ -91,9 +92,10 @@ class TrainingStep:
 
     def model_state_bytes(self) -> int:
         """Bytes of this rank's parameters, their gradients (as large as the parameters) and optimizer states."""
-        params = sum(_local(p).numel() * p.element_size() for p in _unique(self.model.parameters()))
+        unique = {id(p): p for p in self.model.parameters()}.values()  # a tied parameter once
+        params = sum(local_part(p).numel() * p.element_size() for p in unique)
         states = sum(
-            _local(t).numel() * t.element_size()
+            local_part(t).numel() * t.element_size()
             for state in self.optimizer.state.values()
             for t in state.values()
             if torch.is_tensor(t)
@@ -102,15 +104,7 @@ class TrainingStep:
 
     def resident_bytes(self) -> int:
         """Bytes of the tensors that live between steps: parameters and optimizer states (gradients are freed)."""
-        return self.model_state_bytes() - sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _unique(params) -> list[nn.Parameter]:
-    return list({id(p): p for p in params}.values())
+        return self.model_state_bytes() - sum(local_part(p).numel() * p.element_size() for p in self.model.parameters())
 
 
 def build(contender: Contender, size: Size, group: ProcessGroup | None, device: torch.device) -> TrainingStep:
@@ -129,7 +123,7 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
             compile=contender.compiled,
             overlap=contender.overlap,
         )
-        loss = functools.partial(_vocab_parallel_loss, group=group, vocab_size=size.vocab)
+        loss = functools.partial(vocab_parallel_cross_entropy, group=group, vocab_size=size.vocab)
         return TrainingStep(model, batch, loss)
     if contender.kind == "native":
         native_parallelize(model, DeviceMesh.from_group(group, device.type))
@@ -139,10 +133,6 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
     if contender.compiled:
         model.compile()
     return TrainingStep(model, batch)
-
-
-def _vocab_parallel_loss(logits, targets, group, vocab_size):
-    return vocab_parallel_cross_entropy(logits, targets, group, vocab_size)
 
 
 def _full_loss(logits, targets):
