@@ -20,27 +20,6 @@ from tp_train.tools.bench.report import table, targets, targets_text
 from tp_train.tools.bench.run import benchmark
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.bench", description=__doc__)
-    parser.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, from {sorted(SIZES)}")
-    parser.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes, comma-separated")
-    parser.add_argument("--repeats", type=int, default=7, help="timings per contender (the median is reported)")
-    parser.add_argument("--seconds", type=float, default=0.5, help="about how long one timing runs (>= 1 step)")
-    parser.add_argument("--output", default="bench.json", help="where the JSON results go")
-    parser.add_argument("--plot", default=None, help="where the SVG plot goes (default: --output's name, .svg)")
-    parser.add_argument(
-        "--no-compiled", dest="compiled", action="store_false", help="leave out the torch.compile contenders"
-    )
-    parser.add_argument("--profile", type=Path, default=None, help="a directory for per-contender profiler tables")
-    args = parser.parse_args(argv)
-    unknown = [name for name in args.sizes.split(",") if name not in SIZES]
-    if unknown:
-        parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
-    args.tp = sorted({int(tp) for tp in args.tp.split(",")})
-    args.plot = Path(args.plot) if args.plot else Path(args.output).with_suffix(".svg")
-    return args
-
-
 def machine() -> dict:
     return {
         "cpu": platform.processor() or platform.machine(),
@@ -73,7 +52,23 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.bench", description=__doc__)
+    parser.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, from {sorted(SIZES)}")
+    parser.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=7, help="timings per contender (the median is reported)")
+    parser.add_argument("--seconds", type=float, default=0.5, help="about how long one timing runs (>= 1 step)")
+    parser.add_argument("--output", default="bench.json", help="where the JSON results go")
+    parser.add_argument("--plot", default=None, help="where the SVG plot goes (default: --output's name, .svg)")
+    parser.add_argument(
+        "--no-compiled", dest="compiled", action="store_false", help="leave out the torch.compile contenders"
+    )
+    parser.add_argument("--profile", type=Path, default=None, help="a directory for per-contender profiler tables")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.sizes.split(",") if name not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
+    args.tp = sorted({int(tp) for tp in args.tp.split(",")})
+    args.plot = Path(args.plot) if args.plot else Path(args.output).with_suffix(".svg")
     start_ranks(_rank, max(args.tp), args, machine())
 
 

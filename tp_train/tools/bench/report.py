@@ -70,16 +70,10 @@ def targets(results: list[dict]) -> list[dict]:
                 per_block = (row["collectives_per_step"] - COLLECTIVES_OUTSIDE_BLOCKS) / result["size"]["n_layer"]
                 check(f"{size}: collectives per block per step at tp={row['tp']}", per_block, COLLECTIVES_PER_BLOCK)
             if row["tp"] > 1:
-                check(
-                    f"{size}: counted / analytic TP bytes at {name}",
-                    row["tp_bytes_per_step"] / row["analytic_tp_bytes_per_step"],
-                    1.0,
-                )
-            check(
-                f"{size}: predicted / measured peak at {name}",
-                abs(row["predicted_peak_mib"] / row["peak_mib"] - 1),
-                0.15,
-            )
+                ratio = row["tp_bytes_per_step"] / row["analytic_tp_bytes_per_step"]
+                check(f"{size}: counted / analytic TP bytes at {name}", ratio, 1.0)
+            off = abs(row["predicted_peak_mib"] / row["peak_mib"] - 1)
+            check(f"{size}: predicted / measured peak at {name}", off, 0.15)
         ours_1 = rows.get("ours tp=1")
         if ours_1:
             check(f"{size}: ours tp=1 / plain step time", ours_1["step_s"] / rows["plain tp=1"]["step_s"], 1.03)

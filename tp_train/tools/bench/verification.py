@@ -20,16 +20,6 @@ from tp_train.tools.memory import MIB
 SHARDING = importlib.import_module("tp_train.plan.parallelize")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.bench.verification", description=__doc__)
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks)")
-    parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size (GPT-2's by default)")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    return parser.parse_args(argv)
-
-
 def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -76,7 +66,7 @@ def _peak_while_sharding(config: GPTConfig, device: torch.device, verify: bool |
 
 
 def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> None:
-    if device.type == "cpu":  # glibc returns freed tensors' pages at once (M_MMAP_THRESHOLD = 1 MIB)
+    if device.type == "cpu":  # glibc returns freed tensors' pages at once (M_MMAP_THRESHOLD = 1 MiB)
         ctypes.CDLL("libc.so.6").mallopt(-3, MIB)
     config = GPTConfig(vocab_size=args.vocab, block_size=1024, n_layer=args.layers, n_head=args.heads,
                        n_embd=args.width)  # fmt: skip
@@ -102,7 +92,13 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.bench.verification", description=__doc__)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks)")
+    parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size (GPT-2's by default)")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    args = parser.parse_args(argv)
     start_ranks(_rank, args.tp, args)
 
 
