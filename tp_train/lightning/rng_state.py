@@ -21,7 +21,10 @@ class RandomStateCheckpoint(L.Callback):
         self._pending: dict | None = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        state = _rank_state(pl_module)
+        state = {
+            "global": _collect_rng_states(include_cuda=True),
+            "tensor_parallel": [rng.get_state() for rng in attached(pl_module, "tp_rng")],
+        }
         if dist.is_available() and dist.is_initialized():
             states = [None] * dist.get_world_size()
             dist.all_gather_object(states, state)  # every rank saves the checkpoint together
@@ -48,10 +51,3 @@ class RandomStateCheckpoint(L.Callback):
         for rng, streams in zip(attached(pl_module, "tp_rng"), state["tensor_parallel"], strict=False):
             rng.set_state(streams)
         _set_rng_states(state["global"])  # after the streams: they also set the default generator
-
-
-def _rank_state(module) -> dict:
-    return {
-        "global": _collect_rng_states(include_cuda=True),
-        "tensor_parallel": [rng.get_state() for rng in attached(module, "tp_rng")],
-    }

@@ -36,18 +36,14 @@ def intra_op_threads(threads: int):
         torch.set_num_threads(previous)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def seconds_per_step(step: TrainingStep, steps: int, group: ProcessGroup, device: torch.device) -> float:
     """Wall time of `steps` steps divided by `steps`, the slowest rank of the group's (they start together)."""
     dist.barrier(group=group)
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    _synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return group_max(time.perf_counter() - start, group, device) / steps
 
 
