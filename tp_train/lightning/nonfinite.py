@@ -13,6 +13,7 @@ from tp_train.parallel.sharding import local_part
 
 ACTIONS = ("stop", "skip")
 _LOSS, _GRADIENTS = 1, 2  # what a rank found, as bits
+_FOUND = {_LOSS: "loss", _GRADIENTS: "gradients", _LOSS | _GRADIENTS: "loss and gradients"}
 
 
 class NonFiniteGuard(L.Callback):
@@ -44,7 +45,7 @@ class NonFiniteGuard(L.Callback):
         if not any(found):
             return
         step = trainer.global_step
-        where = "; ".join(f"rank {rank}: {_describe(code)}" for rank, code in enumerate(found) if code)
+        where = "; ".join(f"rank {rank}: {_FOUND[code]}" for rank, code in enumerate(found) if code)
         if self.action == "stop":
             raise NonFiniteError(
                 f"non-finite values at global step {step} ({where}); stopped on every rank. Lower the learning rate, "
@@ -72,7 +73,3 @@ class NonFiniteGuard(L.Callback):
         found[dist.get_rank()] = code
         dist.all_reduce(found)  # the whole world: tensor- and data-parallel peers must all agree
         return [int(value) for value in found.tolist()]
-
-
-def _describe(code: int) -> str:
-    return {_LOSS: "loss", _GRADIENTS: "gradients", _LOSS | _GRADIENTS: "loss and gradients"}[code]
