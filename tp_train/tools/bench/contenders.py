@@ -71,7 +71,7 @@ class Contender:
 
 class TrainingStep:
     """A model, its AdamW and a fixed batch; calling it runs one full training step. `loss(logits, targets)`
-    defaults to the model's own (full logits); `context` wraps the loss and backward (native's `loss_parallel`)."""
+    defaults to the model's own (full logits); `context` wraps forward, loss and backward (native's `loss_parallel`)."""
 
     def __init__(self, model: nn.Module, batch: torch.Tensor, loss=None, context=contextlib.nullcontext):
         self.model = model

@@ -6,6 +6,7 @@ shape) trained at tp=1 in bf16 autocast, the plain model against ours (`tp_train
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -44,24 +45,12 @@ def peak_flops(device_name: str | None) -> float | None:
     return next(matches, None)  # the most specific name first
 
 
-class _Autocast:
-    """A training step with its forward, loss and backward under bf16 autocast (Lightning's "bf16-mixed")."""
-
-    def __init__(self, step, device: torch.device):
-        self.step, self.device = step, device
-
-    def __call__(self):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            return self.step()
-
-    def __getattr__(self, name: str):  # the step's model, its byte counts
-        return getattr(self.step, name)
-
-
 def measure(contender: Contender, size: Size, device: torch.device, repeats: int, seconds: float) -> dict:
     group = dist.group.WORLD
     start = time.perf_counter()
-    step = _Autocast(build(contender, size, group, device), device)
+    step = build(contender, size, group, device)
+    # Its forward, loss and backward under bf16 autocast, the optimizer step outside (Lightning's "bf16-mixed").
+    step.context = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     for _ in range(3):  # compiles (forward and backward), then warms the allocator and cuBLAS
         step()
     ready_s = time.perf_counter() - start
