@@ -68,7 +68,7 @@ def parallelize(
         parallelize(wrapped[1], tp_group, **settings)
         return model
     group = as_process_group(tp_group)
-    resolved, source = resolve_plan(model, plan, dist.get_world_size(group), example_input)
+    resolved, source = _agreed_plan(model, plan, group, example_input)
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
     elif SKIPPED in source and dist.get_rank() == 0:
@@ -120,6 +120,27 @@ def parallelize(
     if compile:
         model.compile()
     return model
+
+
+def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> tuple[dict[str, str], str]:
+    """`resolve_plan` on the group's first rank, taken by every rank: the planner's probes run once per group, not
+    once per rank (on the host, with a deferred-init model materialised there), and the ranks cannot decide
+    differently. A refusal is raised on every rank."""
+    size = dist.get_world_size(group)
+    if plan or size == 1:
+        return resolve_plan(model, plan, size, example_input)
+    decided: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            decided[0] = resolve_plan(model, plan, size, example_input)
+        except Exception as error:
+            kind = ValueError if isinstance(error, ValueError) else RuntimeError
+            dist.broadcast_object_list([kind(str(error))], group=group, group_src=0)
+            raise
+    dist.broadcast_object_list(decided, group=group, group_src=0)
+    if isinstance(decided[0], Exception):
+        raise decided[0]
+    return decided[0]
 
 
 def _blocks_if_any(model: nn.Module, planned: list) -> list[str]:
