@@ -89,7 +89,8 @@ def apply_plan(
                 shard_adapters(name, wrapper, layer, style, group, rng)
                 checked = (reference, wrapper)  # the LoRA layer as a whole
             else:
-                _set_submodule(model, name, layer)
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, layer)
                 checked = (base, layer)
             if check is not None:
                 check(name, *checked)
@@ -141,18 +142,7 @@ def _share_ties(model: nn.Module, shared: dict) -> None:
                 module.shard_specs = {**getattr(module, "shard_specs", {}), key: spec}
 
 
-def _calls_super_forward(cls: type) -> bool:
-    """Whether `cls.forward` calls `super().forward` (so a parallel layer can take the base's place beneath it)."""
-    code = getattr(cls.forward, "__code__", None)
-    return code is not None and "super" in code.co_names and "forward" in code.co_names
-
-
 # ---------------------------------------------------------------------------------------------- application
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 # Classes made by `_keep_subclass_forward`, one per (subclass, parallel layer) pair.
@@ -164,7 +154,9 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
     embedding): its class becomes `(type(module), type(layer), base)`, and the subclass's buffers, own parameters,
     attributes and children move to it."""
     cls = type(module)
-    if not isinstance(module, base) or cls.forward is base.forward or not _calls_super_forward(cls):
+    code = getattr(cls.forward, "__code__", None)  # a forward calling `super().forward`: the layer goes beneath it
+    calls_super = code is not None and "super" in code.co_names and "forward" in code.co_names
+    if not isinstance(module, base) or cls.forward is base.forward or not calls_super:
         return layer
     key = (cls, type(layer))
     if key not in _KEPT_FORWARDS:
@@ -186,14 +178,17 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
     return layer
 
 
-def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):
-    """A new parameter holding this rank's shard of `module`'s parameter `name`, shaped like `target` (the layer's
-    meta placeholder). A parameter tied to one sharded before gives that shard; ties are keyed by the original
-    parameter (held in `shared`, so its id is never reused)."""
-    origin, source = module.tp_origins[name], getattr(module, name)
+def _shard_of(target: nn.Parameter | None, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):
+    """A new parameter holding this rank's shard of `module`'s parameter `name`: shaped like `target`, the swapped
+    layer's meta placeholder, or None for a parameter entry. A parameter tied to one sharded before gives that shard
+    (a layer's spec may differ from it in `transposed` alone); ties are keyed by the original parameter (held in
+    `shared`, so its id is never reused)."""
+    source = getattr(module, name)
+    origin = module.tp_origins[name] if target is not None else source
     if id(origin) in shared:
         _, previous_spec, previous = shared[id(origin)]
-        if replace(previous_spec, transposed=spec.transposed) != spec or previous.shape != target.shape:
+        compared = previous_spec if target is None else replace(previous_spec, transposed=spec.transposed)
+        if compared != spec or (target is not None and previous.shape != target.shape):
             raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
         return previous
     shard = nn.Parameter(
@@ -222,14 +217,11 @@ def _parallel_linear(
         gather = style == "colwise_gather_output"
         kwargs |= dict(gather_output=gather and not loss_parallel, pad_output=gather, units=units)
         layer = column_class(in_features, out_features, group, sections=sections, **kwargs)
-    for name in list(layer.shard_specs):
-        layer.shard_specs[name] = replace(layer.shard_specs[name], transposed=transposed and name == "weight")
-    layer.weight = _shard_of(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
-    if module.bias is not None:
-        if "bias" in layer.shard_specs:
-            layer.bias = _shard_of(layer.bias, module, "bias", layer.shard_specs["bias"], group, shared)
-        else:  # a row-parallel bias is replicated
-            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
+    for name, spec in list(layer.shard_specs.items()):
+        layer.shard_specs[name] = spec = replace(spec, transposed=transposed and name == "weight")
+        setattr(layer, name, _shard_of(getattr(layer, name), module, name, spec, group, shared))
+    if module.bias is not None and "bias" not in layer.shard_specs:  # a row-parallel bias is replicated
+        layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
     return layer
 
 
@@ -326,16 +318,7 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
             module._buffers[param_name] = shard_parameter(module._buffers[param_name], spec, rank, world_size)
             specs[param_name] = spec
             continue
-        original = module._parameters[param_name]
-        if id(original) in shared:  # tied to a parameter sharded before: the same split, or refused
-            _, previous_spec, shard = shared[id(original)]
-            if previous_spec != spec:
-                raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
-        else:
-            local = shard_parameter(original, spec, rank, world_size)
-            shard = nn.Parameter(local, requires_grad=original.requires_grad)
-            shared[id(original)] = (original, spec, shard)
-        module._parameters[param_name] = shard
+        module._parameters[param_name] = shard = _shard_of(None, module, param_name, spec, group, shared)
         specs[param_name] = spec
         if shard.requires_grad and replicated_rows(spec, world_size):
             hook = functools.partial(sum_replicated_gradient, spec=spec, group=group)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import combinations
 
 import torch
@@ -16,7 +17,7 @@ from tp_train.errors import first_line
 from tp_train.parallel.sharding import ShardSpec, join_shards, shard_parameter
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import local_channels
-from tp_train.plan.compare import first_tensor, relative_difference
+from tp_train.plan.compare import detached, first_tensor, relative_difference
 from tp_train.plan.local_view import (
     INPUT_WIDTH,
     LocalView,
@@ -50,13 +51,10 @@ def capture_calls(model: nn.Module, inputs: ProbeInput, names: set[str]) -> dict
     calls: dict[str, ProbeCall] = {}
     modules = dict(model.named_modules())
 
-    def hook(name):
-        def record(module, args, kwargs):
-            calls[name] = ProbeCall(*copy.deepcopy(_detached((args, kwargs))))  # as it was then: a cache fills up
+    def record(name, module, args, kwargs):
+        calls[name] = ProbeCall(*copy.deepcopy(detached((args, kwargs))))  # as it was then: a cache fills up
 
-        return record
-
-    handles = [modules[name].register_forward_pre_hook(hook(name), with_kwargs=True) for name in names]
+    handles = [modules[name].register_forward_pre_hook(partial(record, name), with_kwargs=True) for name in names]
     with hooks_removed(handles), torch.no_grad():
         forward_without_cache(model, inputs)
     return calls
@@ -341,15 +339,3 @@ def _config_like(value) -> bool:
     if isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
         return False
     return hasattr(value, "__dict__") and not isinstance(value, (int, float, str, bytes, tuple, list, dict))
-
-
-def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple):
-        return tuple(_detached(item) for item in value)
-    if isinstance(value, list):
-        return [_detached(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _detached(item) for key, item in value.items()}
-    return value

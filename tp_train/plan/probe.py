@@ -8,6 +8,7 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -54,31 +55,25 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
     calls: dict[str, ModuleCall] = {}
     handles = []
 
-    def enter(name):
-        def hook(module, args):
-            call = calls.setdefault(name, ModuleCall(order=len(calls)))
-            call.calls += 1
+    def enter(name, module, args):
+        calls.setdefault(name, ModuleCall(order=len(calls))).calls += 1
 
-        return hook
-
-    def leave(name):
-        def hook(module, args, output):
-            call = calls[name]
-            call.input = channels_last(module, args[0]) if args and isinstance(args[0], torch.Tensor) else None
-            call.output = channels_last(module, output) if isinstance(output, torch.Tensor) else None
-            if call.output is not None:
-                call.shapes.add(tuple(call.output.shape))
-            call.inputs.append(call.input)
-            call.outputs.append(call.output)
-            # The model goes on from the recorded view (a 1x1 conv's channels-last one), so the dataflow that later
-            # modules' inputs show passes through it.
-            return channels_first(module, call.output) if call.output is not output else None
-
-        return hook
+    def leave(name, module, args, output):
+        call = calls[name]
+        call.input = channels_last(module, args[0]) if args and isinstance(args[0], torch.Tensor) else None
+        call.output = channels_last(module, output) if isinstance(output, torch.Tensor) else None
+        if call.output is not None:
+            call.shapes.add(tuple(call.output.shape))
+        call.inputs.append(call.input)
+        call.outputs.append(call.output)
+        # The model goes on from the recorded view (a 1x1 conv's channels-last one), so the dataflow that later
+        # modules' inputs show passes through it.
+        return channels_first(module, call.output) if call.output is not output else None
 
     for name, module in model.named_modules():
         if name:
-            handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave(name))]
+            handles += [module.register_forward_pre_hook(partial(enter, name))]
+            handles += [module.register_forward_hook(partial(leave, name))]
     try:
         with hooks_removed(handles), torch.enable_grad(), running_modules(model) as running:
             forward_without_cache(model, inputs)
@@ -128,19 +123,15 @@ def running_modules(model: nn.Module) -> Iterator[list[str]]:
     returned, outermost first; after a forward that raised, it still holds them: its last is where it failed."""
     running: list[str] = []
 
-    def enter(name):
-        return lambda module, args: running.append(name)
-
-    def leave(name):
-        def hook(module, args, output):
-            while running and running.pop() != name:
-                pass
-
-        return hook
+    def leave(name, module, args, output):
+        while running and running.pop() != name:
+            pass
 
     named = [(name, module) for name, module in model.named_modules() if name]
-    handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
-    handles += [module.register_forward_hook(leave(name)) for name, module in named]
+    handles = [
+        module.register_forward_pre_hook(lambda _, __, name=name: running.append(name)) for name, module in named
+    ]
+    handles += [module.register_forward_hook(partial(leave, name)) for name, module in named]
     with hooks_removed(handles):
         yield running
 

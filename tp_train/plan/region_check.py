@@ -5,6 +5,7 @@ sharding (docs/planner.md, "What a plan cannot get wrong silently")."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from itertools import chain
 
 import torch
@@ -14,7 +15,7 @@ from torch.distributed import ProcessGroup
 
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
-from tp_train.plan.compare import first_tensor, relative_difference
+from tp_train.plan.compare import detached, first_tensor, relative_difference
 from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
 from tp_train.plan.styles import FEATURE_REDUCTION_STYLE, NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
@@ -50,16 +51,13 @@ class RegionCheck:
             return
         arguments: dict[str, tuple] = {}
 
-        def capture(name):
-            def hook(module, args, kwargs):
-                captured = tuple(_detached(value) for value in args), {k: _detached(v) for k, v in kwargs.items()}
-                arguments.setdefault(name, captured)
-
-            return hook
+        def capture(name, module, args, kwargs):
+            arguments.setdefault(name, detached((args, kwargs)))
 
         modules = {name: model.get_submodule(name) for name in self.entries}
         handles = [
-            module.register_forward_pre_hook(capture(name), with_kwargs=True) for name, module in modules.items()
+            module.register_forward_pre_hook(partial(capture, name), with_kwargs=True)
+            for name, module in modules.items()
         ]
         length = math.lcm(PROBE_TOKENS, dist.get_world_size(self.group))
         try:
@@ -188,10 +186,6 @@ def _whole(module: nn.Module, entry: PlannedModule) -> list[str]:
 
 def _floating(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
-def _detached(value):
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _relative_or_inf(tensor: torch.Tensor, reference: torch.Tensor) -> float:

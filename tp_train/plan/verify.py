@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from functools import partial
 from itertools import chain
 
 import torch
@@ -300,15 +301,12 @@ def _forward(model: nn.Module, inputs: ProbeInput) -> tuple[torch.Tensor, dict[s
         _ForwardFailure: naming the innermost module whose forward raised."""
     outputs: dict[str, torch.Tensor] = {}
 
-    def record(name):
-        def hook(module, args, output):
-            tensor = first_tensor(output)
-            if tensor is not None:
-                outputs.setdefault(name, tensor.detach())
+    def record(name, module, args, output):
+        tensor = first_tensor(output)
+        if tensor is not None:
+            outputs.setdefault(name, tensor.detach())
 
-        return hook
-
-    handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
+    handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules() if name]
     try:
         with hooks_removed(handles), running_modules(model) as running:
             output = first_tensor(forward_without_cache(model, inputs))
