@@ -81,8 +81,9 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         self.parameter_names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
         self.calls = trace_calls(model, inputs)
         # Linear-like: nn.Linear, Conv1D, a 1x1 Conv2d (traced channels-last, `tp_train.plan.probe.channels_last`).
-        self.linears = [name for name in self._called() if matrix_shape(self.modules[name]) is not None]
-        self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
+        called = sorted(self.calls, key=lambda name: self.calls[name].order)
+        self.linears = [name for name in called if matrix_shape(self.modules[name]) is not None]
+        self.embeddings = [name for name in called if isinstance(self.modules[name], nn.Embedding)]
         # A module whose output carries no autograd history (run under no_grad, detached, or not a tensor: a
         # module called only with keyword arguments is traced without it) shows no dataflow.
         self.untraced = {name for name in self.linears if getattr(self.calls[name].output, "grad_fn", None) is None}
@@ -131,9 +132,6 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         producers, params = producers_of(self.calls[name].input, outputs)
         per_feature = all(set(param.shape[:-1]) <= {1} for param in params)
         return bool(producers) and producers <= set(self.linears) and per_feature
-
-    def _called(self) -> list[str]:
-        return sorted(self.calls, key=lambda name: self.calls[name].order)
 
     def styles(self) -> dict[str, str]:
         styles: dict[str, str] = {}

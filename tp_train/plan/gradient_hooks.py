@@ -27,7 +27,6 @@ def register_gradient_hook(module: nn.Module, name: str, hook: GradientHook, onc
             return
         done.add(once)
     _register(param, hook)
-    _mark(getattr(module, name), hook)
     module.__dict__.setdefault("tp_gradient_hooks", {}).setdefault(name, []).append(hook)
 
 
@@ -45,12 +44,11 @@ def _rehook(module: nn.Module, args) -> None:
         for hook in hooks:
             if hook not in getattr(param, "tp_gradient_hooks", ()):
                 _register(param, hook)
-                _mark(param, hook)
 
 
 def _register(param: torch.Tensor, hook: GradientHook) -> None:
-    """`param.register_hook(hook)`, also when `param` is frozen: torch refuses a hook on a tensor that does not
-    require grad, but keeps one across `requires_grad` changes."""
+    """`param.register_hook(hook)`, also when `param` is frozen (torch refuses a hook on a tensor that does not
+    require grad, but keeps one across `requires_grad` changes), recorded in `param.tp_gradient_hooks`."""
     frozen = not param.requires_grad
     if frozen:
         param.requires_grad_(True)
@@ -59,10 +57,4 @@ def _register(param: torch.Tensor, hook: GradientHook) -> None:
     finally:
         if frozen:
             param.requires_grad_(False)
-
-
-def _mark(param: torch.Tensor, hook: GradientHook) -> None:
-    hooks = getattr(param, "tp_gradient_hooks", None)
-    if hooks is None:
-        hooks = param.tp_gradient_hooks = []
-    hooks.append(hook)
+    param.__dict__.setdefault("tp_gradient_hooks", []).append(hook)

@@ -152,17 +152,14 @@ class LocalityProbes:
         return width % self.shares == 0 and self._local(table, row, (width,), columns)
 
     def _mixes_tokens(self, pair: Pair) -> bool:
-        """Whether a perturbation of the columns at the first token moves the row input at later tokens."""
-        key = ("tokens", generic(pair.row), tuple(generic(name) for name in pair.columns))
-        if key not in self._cache:
-            self._cache[key] = self._perturbed_first_token_moves_later_ones(pair)
-        return self._cache[key]
-
-    def _perturbed_first_token_moves_later_ones(self, pair: Pair) -> bool:
         """Whether perturbing the columns' outputs at one position (at every call) moves the row input (at a call)
         at more positions than one call perturbed: index 0 along each dimension but the features in turn (tokens are
         the second-to-last in most models, the first in time-major ones, LED's and FSMT's (T, B, C)). A batch
-        dimension never mixes."""
+        dimension never mixes. Found once per block shape."""
+        key = ("tokens", generic(pair.row), tuple(generic(name) for name in pair.columns))
+        if key in self._cache:
+            return self._cache[key]
+        self._cache[key] = False
         base = self._row_inputs(pair.row, {})
         outputs = [output for column in pair.columns for output in self.calls[column].outputs if output is not None]
         for dim in range(max(output.dim() for output in outputs) - 1):
@@ -173,8 +170,9 @@ class LocalityProbes:
             moved = self._row_inputs(pair.row, dict.fromkeys(pair.columns, mask))
             pairs = zip(base, moved, strict=True)
             if max(int(((after - before).abs().amax(-1) > 0).sum()) for before, after in pairs) > perturbed:
-                return True
-        return False
+                self._cache[key] = True
+                break
+        return self._cache[key]
 
     def _row_inputs(
         self,

@@ -99,17 +99,14 @@ def foreign_readers(model: nn.Module, inputs: ProbeInput, parameter: nn.Paramete
             result = func(*args, **(kwargs or {}))
             read = any(arg is parameter for arg in tree_leaves((args, kwargs)))
             where = running[-1] if running else ""  # "": the model's own forward
-            if read and where not in holders and _has_history(result):
+            history = any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(result))
+            if read and where not in holders and history:
                 found.add(where)
             return result
 
     with torch.enable_grad(), running_modules(model) as running, Reads():
         forward_without_cache(model, inputs)
     return found
-
-
-def _has_history(result) -> bool:
-    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(result))
 
 
 def forward_without_cache(model: nn.Module, inputs: ProbeInput | torch.Tensor):

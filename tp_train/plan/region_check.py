@@ -178,10 +178,9 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, whole, split: tuple[int, 
 def _whole(module: nn.Module, entry: PlannedModule) -> list[str]:
     """`module`'s own parameters that no entry of the plan splits (every rank keeps them whole), and all of them for a
     module whose style splits them with the features (their shards are compared)."""
-    if entry.style in FEATURE_SPLIT_STYLES:
-        return [name for name, _ in module.named_parameters(recurse=False)]
     split = {key for key, style in entry.parameters.items() if style not in WHOLE_PARAMETER_STYLES}
-    return [name for name, _ in module.named_parameters(recurse=False) if name not in split]
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    return names if entry.style in FEATURE_SPLIT_STYLES else [name for name in names if name not in split]
 
 
 def _floating(value) -> bool:

@@ -171,12 +171,10 @@ def _reduce_replicated_gradients(model: nn.Module, layout: BlockLayout, group: P
             seen = {"in_region": False}
             module.register_forward_pre_hook(lambda *_, seen=seen: seen.update(in_region=region.active))
             for key in params:
-                register_gradient_hook(module, key, lambda grad, seen=seen: _reduce_if(grad, seen["in_region"], group))
+                register_gradient_hook(
+                    module, key, lambda grad, seen=seen: all_reduce_gradient(grad, group) if seen["in_region"] else grad
+                )
         reduced.update(id(p) for p in params.values())
-
-
-def _reduce_if(grad: torch.Tensor, in_region: bool, group: ProcessGroup) -> torch.Tensor:
-    return all_reduce_gradient(grad, group) if in_region else grad
 
 
 def _map_input(module: nn.Module, fn) -> None:

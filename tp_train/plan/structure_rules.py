@@ -70,24 +70,22 @@ class StructureRules:
             return False
         split = {other for other, style in styles.items() if style.startswith(("colwise", "packed_", "fused_"))}
         rows = {other for other, style in styles.items() if style.startswith("rowwise")}
-        if any(reader not in split and not self.producers[reader][0] & rows for reader in self._readers_in_block(name)):
+        # the Linears of its repeated block whose input is computed from its output
+        readers = [
+            other for other in self.linears if name in self.producers[other][0] and block_of(other) == block_of(name)
+        ]
+        if any(reader not in split and not self.producers[reader][0] & rows for reader in readers):
             return False
         local = [other for other, style in styles.items() if style.startswith("attention")]
         inside = any(name.startswith(attention + ".") for attention in local)
         return not inside and not self.producers[name][0] & split
-
-    def _readers_in_block(self, name: str) -> list[str]:
-        """The Linears of `name`'s repeated block whose input is computed from its output."""
-        block = block_of(name)
-        return [other for other in self.linears if name in self.producers[other][0] and block_of(other) == block]
 
     def _own_channels(self, pair: Pair) -> None:
         """Per-channel biases held by the attention module or a module inside it (DeBERTa's q_bias and v_bias, added
         to each head's queries and values) keep the attention's style: they become entries of their own (`pair.own`,
         full parameter names), split with the channels. Only when they are all the pair has between its layers: a
         mixer's convolution, decays and state sizes (Mamba's) stay `channelwise`."""
-        enclosing = enclosing_module(pair)
-        inside = all(owner == enclosing or owner.startswith(enclosing + ".") for owner in pair.channels)
+        inside = all(self._inside_attention(pair, owner) for owner in pair.channels)
         if not pair.attention or not pair.channels or not inside:
             return
         used = {id(param) for param in self.producers[pair.row][1]}

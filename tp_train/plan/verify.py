@@ -90,7 +90,8 @@ class SwapCheck:
             inputs, local_inputs = inputs.requires_grad_(), local_inputs.detach().requires_grad_()
         # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
         # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
-        compare_parameters = not vocabulary and _overrides_forward(module)
+        plain = type(module).forward in (nn.Linear.forward, nn.Embedding.forward) or type(module).__name__ == "Conv1D"
+        compare_parameters = not vocabulary and not plain
         flags = {param: param.requires_grad for param in chain(module.parameters(), wrapped.parameters())}
         for param in flags:
             param.requires_grad_(param.requires_grad and compare_parameters)
@@ -141,12 +142,6 @@ def _input_shard(layer: nn.Module, inputs: torch.Tensor, rank: int, world_size: 
         return inputs
     spec = ShardSpec(layer.feature_dim % inputs.dim(), layer.shard_specs["weight"].sections)
     return shard_tensor(inputs.detach(), spec, rank, world_size)
-
-
-def _overrides_forward(module: nn.Module) -> bool:
-    """Whether `module`'s class overrides the forward of the class a parallel layer replaces."""
-    plain = (nn.Linear.forward, nn.Embedding.forward)
-    return type(module).forward not in plain and type(module).__name__ != "Conv1D"
 
 
 def unsharded_skeleton(model: nn.Module) -> nn.Module:
