@@ -101,12 +101,11 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         # to the others. LayerNorms only where their input is computed from Linear outputs alone (ESM C's q_norm):
         # one in the residual stream reads embeddings too, and held, it would make a Linear patch embedding (SigLIP
         # 2's, plus its position embedding) look like a column of the first block's projections.
+        once = [name for name, call in self.calls.items() if call.calls == 1 and isinstance(call.input, torch.Tensor)]
         self.norms = {
             name: style
-            for name, call in self.calls.items()
-            if call.calls == 1
-            and isinstance(call.input, torch.Tensor)
-            and over_last_dim(self.modules[name], call.input)
+            for name in once
+            if over_last_dim(self.modules[name], self.calls[name].input)
             for style, recognised in SPLIT_NORMS
             if recognised(self.modules[name]) and (style != "layernorm_parallel" or self._inside_region(outputs, name))
         }
@@ -114,12 +113,7 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         # their last dim (GRN's (1, 1, 1, C) weight and bias): their reductions over the features are held in
         # perturbed probes too.
         self.reducers = {
-            name
-            for name, call in self.calls.items()
-            if call.calls == 1
-            and isinstance(call.input, torch.Tensor)
-            and per_feature(self.modules[name])
-            and self._inside_region(outputs, name)
+            name for name in once if per_feature(self.modules[name]) and self._inside_region(outputs, name)
         }
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
         self.unsplit: dict[str, Pair] = {}  # a Linear of a would-be pair no split makes local -> that pair

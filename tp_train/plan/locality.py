@@ -105,20 +105,14 @@ class LocalityProbes:
         """Whether a row layer's inputs at its calls, `base` before and `moved` after a perturbation, moved inside
         rank `share`'s share of their features (of each of `row_sections`, default one; `share` may be a range of
         ranks) only, and somewhere at all."""
-        effects = [
-            self._share_effect(after - before, share, row_sections) for before, after in zip(base, moved, strict=True)
-        ]
-        return max(effect for effect, _ in effects) > 0 and not any(leak > LEAK_TOLERANCE * e for e, leak in effects)
-
-    def _share_effect(self, delta: torch.Tensor, share: int, sections=None) -> tuple[float, float]:
-        """How far a row input moved inside rank `share`'s features (its chunk of each of `sections`), and outside
-        them."""
         shares = share if isinstance(share, range) else (share,)
-        masks = [share_mask(delta, sections or (delta.shape[-1],), self.shares, each) for each in shares]
-        inside = functools.reduce(torch.logical_or, masks)
-        delta = delta.abs()
-        outside = delta.masked_fill(inside, 0)
-        return delta.masked_fill(~inside, 0).max().item(), outside.max().item()
+        effects = []  # how far each input moved inside the share's features, and outside them
+        for before, after in zip(base, moved, strict=True):
+            delta = (after - before).abs()
+            masks = [share_mask(delta, row_sections or (delta.shape[-1],), self.shares, each) for each in shares]
+            inside = functools.reduce(torch.logical_or, masks)
+            effects.append((delta.masked_fill(~inside, 0).max().item(), delta.masked_fill(inside, 0).max().item()))
+        return max(effect for effect, _ in effects) > 0 and not any(leak > LEAK_TOLERANCE * e for e, leak in effects)
 
     def _parameter_local(self, row: str, owner: str, param: torch.Tensor, dim: int) -> bool:
         """Whether perturbing rank r's share of `param` (of module `owner`) along `dim` moves only rank r's share of
@@ -207,16 +201,11 @@ class LocalityProbes:
             outputs = iter(self.calls[name].outputs)
             return lambda module, args, output: channels_first(module, next(outputs).detach())
 
+        hooks = [(name, functools.partial(perturb, mask=mask)) for name, mask in masks.items()]
+        hooks += [(n, functools.partial(perturb, mask=torch.ones_like, generator=still)) for n in sorted(background)]
+        hooks += [(name, held(name)) for name in frozen]
         handles = [self.modules[row].register_forward_pre_hook(capture)]
-        handles += [
-            self.modules[name].register_forward_hook(lambda m, a, o, mask=mask: perturb(m, a, o, mask))
-            for name, mask in masks.items()
-        ]
-        handles += [
-            self.modules[name].register_forward_hook(lambda m, a, o: perturb(m, a, o, torch.ones_like, still))
-            for name in sorted(background)
-        ]
-        handles += [self.modules[name].register_forward_hook(held(name)) for name in frozen]
+        handles += [self.modules[name].register_forward_hook(hook) for name, hook in hooks]
         # Norms and reductions hold their traced statistics in every probe forward, the unperturbed one too: a
         # forward without autograd may differ from the traced one by round-off (SeamlessM4T's conformer convolutions,
         # 6e-8), and a norm held in perturbed forwards only then moved every feature downstream of it.

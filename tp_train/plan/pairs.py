@@ -119,12 +119,6 @@ def numbered_away(name: str) -> str:
     return ".".join(part.rstrip("0123456789") for part in name.split("."))
 
 
-def block_of(name: str) -> str:
-    """The repeated block holding module `name`: its name up to the first numbered part (`layers.3`)."""
-    parts = name.split(".")
-    return ".".join(parts[: next((i for i, part in enumerate(parts) if part.isdigit()), len(parts)) + 1])
-
-
 def enclosing_module(pair: Pair) -> str:
     """The innermost module holding all of a pair's layers ('' for the model itself)."""
     names = [*pair.columns, pair.row]

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from tp_train.errors import first_line
 from tp_train.plan.caches import caches_kept
+from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.meta_init import materialize
 from tp_train.plan.probe_input import EXAMPLE_INPUT_HINT, ProbeInput, forward_argument
 from tp_train.plan.styles import pointwise_conv_shape
@@ -225,15 +226,8 @@ def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
                 materialize(name, module, torch.device("cpu"), materialized, init_weights)
         else:
             probe = model
-        requires_grad = {param: param.requires_grad for param in probe.parameters()}
-        for param in requires_grad:
-            param.requires_grad_(param.is_floating_point())
-        try:
-            with eval_mode(probe), caches_kept(probe):
-                yield probe
-        finally:
-            for param, flag in requires_grad.items():
-                param.requires_grad_(flag)
+        with requiring_grad(probe.parameters(), torch.is_floating_point), eval_mode(probe), caches_kept(probe):
+            yield probe
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from torch.distributed import ProcessGroup
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.compare import detached, first_tensor, relative_difference
+from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
 from tp_train.plan.styles import FEATURE_REDUCTION_STYLE, NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
@@ -148,11 +149,8 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, whole, split: tuple[int, 
     fresh = iter(inputs)
     call_args = tuple(next(fresh) if _floating(value) else value for value in args)
     call_kwargs = {key: next(fresh) if _floating(value) else value for key, value in kwargs.items()}
-    flags = {param: param.requires_grad for param in module.parameters()}
     try:
-        for param in flags:
-            param.requires_grad_(param.is_floating_point())
-        with torch.enable_grad():
+        with requiring_grad(module.parameters(), torch.is_floating_point), torch.enable_grad():
             output = first_tensor(module(*call_args, **call_kwargs))
             if output is None:
                 raise TypeError(f"{type(module).__name__} returned no tensor")
@@ -170,8 +168,6 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, whole, split: tuple[int, 
         }
         return _Run((args, kwargs), output.detach(), input_grads, param_grads)
     finally:
-        for param, flag in flags.items():
-            param.requires_grad_(flag)
         module.zero_grad(set_to_none=True)
 
 

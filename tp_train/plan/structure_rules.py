@@ -6,12 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tp_train.plan.coverage import in_repeated_block
+from tp_train.plan.coverage import block_of, in_repeated_block
 from tp_train.plan.pairs import (
     TABLE_STYLE,
     WHOLE_SUMMED,
     Pair,
-    block_of,
     conv_per_head,
     enclosing_module,
     last_dim,
@@ -100,9 +99,8 @@ class StructureRules:
                 if tensor.dim() and tensor.shape[0] == width and tensor.is_floating_point():
                     own[f"{owner}.{name}"] = tensor
                     styles[f"{owner}.{name}"] = f"colwise({arguments})" if arguments else "colwise"
-        if all(split_style(style)[0] == "channelwise" for style in pair.channels.values()) and all(
-            p.dim() == 1 for p in own.values()
-        ):
+        plain = all(split_style(style)[0] == "channelwise" for style in pair.channels.values())
+        if plain and all(p.dim() == 1 for p in own.values()):
             pair.channels, pair.own = {}, styles
 
     def _per_head_tables(self, pair: Pair) -> None:
@@ -166,11 +164,9 @@ class StructureRules:
         """Modules whose parameters act between the columns and the row layer (summed gradients), and of those, the
         ones whose parameters span the split features, with the refusal due unless they prove per-head tables (no
         other existing style can shard them)."""
-        split_widths = {last_dim(self.calls[name].output) for name in pair.columns} | {
-            last_dim(self.calls[pair.row].input)
-        }
         owners, spanning = set(), []
         channels = last_dim(self.calls[pair.row].input)
+        split_widths = {last_dim(self.calls[name].output) for name in pair.columns} | {channels}
         heads = self._attention_heads(pair)
         for param in self.producers[pair.row][1]:
             owner = self.owner.get(id(param), "?")
@@ -227,12 +223,7 @@ class StructureRules:
         """Whether `param`, a 2-D parameter of a module inside the attention, holds one column per channel of one of
         its column layers' outputs (split in one section), and perturbing rank r's share of those columns moves only
         rank r's share of the row input (Inkling 2's static short-convolution taps over k_proj's output)."""
-        if (
-            not pair.attention
-            or param.dim() != 2
-            or not self._inside_attention(pair, owner)
-            or owner not in self.modules
-        ):
+        if not (pair.attention and param.dim() == 2 and self._inside_attention(pair, owner) and owner in self.modules):
             return False
         widths = {last_dim(self.calls[column].output) for column, style in pair.columns.items() if style == "colwise"}
         local = param.shape[-1] in widths and param.shape[-1] % self.shares == 0

@@ -26,6 +26,7 @@ from tp_train.parallel.sharding import (
     unshard_tensor,
 )
 from tp_train.plan.compare import first_tensor, relative_difference
+from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed, running_modules
 from tp_train.plan.probe_input import PROBE_TOKENS, ProbeInput, probe_input
 from tp_train.plan.styles import adapted_base
@@ -92,15 +93,10 @@ class SwapCheck:
         # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
         plain = type(module).forward in (nn.Linear.forward, nn.Embedding.forward) or type(module).__name__ == "Conv1D"
         compare_parameters = not vocabulary and not plain
-        flags = {param: param.requires_grad for param in chain(module.parameters(), wrapped.parameters())}
-        for param in flags:
-            param.requires_grad_(param.requires_grad and compare_parameters)
-        try:
+        params = chain(module.parameters(), wrapped.parameters())
+        with requiring_grad(params, lambda param: param.requires_grad and compare_parameters):
             reference = module(inputs)
             output = wrapped(local_inputs)
-        finally:
-            for param, flag in flags.items():
-                param.requires_grad_(flag)
         spec = None
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
             weight_spec = layer.shard_specs["weight"]
