@@ -270,10 +270,9 @@ def _sum_replicas(model: nn.Module, name: str, layer: nn.Module, group: ProcessG
             hook = functools.partial(sum_replicated_gradient, spec=param_spec, group=group)
             register_gradient_hook(layer, param_name, hook, once=SUM_REPLICAS)
     parent_name = name.rpartition(".")[0]
-    if parent_name in done:
-        return
-    done.add(parent_name)
-    share_replicated_kv_heads(model.get_submodule(parent_name) if parent_name else model, copies)
+    if parent_name not in done:
+        done.add(parent_name)
+        share_replicated_kv_heads(model.get_submodule(parent_name), copies)
 
 
 def _parallel_norm(module: nn.Module, style: str, group: ProcessGroup) -> None:

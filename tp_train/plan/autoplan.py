@@ -14,6 +14,7 @@ from tp_train.plan.pairs import (
     SPLITS,
     TABLE_STYLE,
     UNSPLIT_WHOLE,
+    WHOLE_SUMMED,
     Pair,
     enclosing_module,
     over_last_dim,
@@ -152,11 +153,9 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
                 # a model hands every layer the bias of all heads (MPNet's encoder), each rank's attention taking
                 # its heads of it (a view), the table's gradient then summed over the ranks.
                 split = table in self.split_tables
-                styles[f"{table}.weight" if split else table] = (
-                    TABLE_STYLE if split else "replicated_with_grad_allreduce"
-                )
+                styles[f"{table}.weight" if split else table] = TABLE_STYLE if split else WHOLE_SUMMED
             styles.update(pair.own)
-            styles.update({table: "replicated_with_grad_allreduce" for table in pair.shared_tables})
+            styles.update(dict.fromkeys(pair.shared_tables, WHOLE_SUMMED))
             styles.setdefault(pair.row, pair.row_style)
             styles.update(pair.channels)
             for name in pair.replicated:  # its replicated output re-enters a sharded region: f after its g
@@ -165,8 +164,7 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
                 self._attention_styles(pair, styles, views.get(enclosing, "attention"))
             elif enclosing in views:  # per-channel modules inside an attention that keeps head counts
                 self._attention_styles(pair, styles, views[enclosing])
-            for name in sorted(pair.between):
-                styles[name] = "replicated_with_grad_allreduce"
+            styles.update(dict.fromkeys(sorted(pair.between), WHOLE_SUMMED))
         styles.update(self._uncalled_siblings(styles))
         if self.tokens is not None:
             styles[self.tokens] = "embedding_rowwise"

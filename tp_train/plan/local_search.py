@@ -306,8 +306,9 @@ def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
                 add_counts(f"{prefix}{key}.", value)
 
     add_counts("", vars(module))
-    for key, value in vars(module).items():
-        if not key.startswith("_") and _config_like(value):
+    for key, value in vars(module).items():  # objects holding fields (a config), not modules, tensors or plain values
+        plain = isinstance(value, (nn.Module, torch.Tensor, type, int, float, str, bytes, tuple, list, dict))
+        if not key.startswith("_") and hasattr(value, "__dict__") and not plain and not callable(value):
             add_counts(f"{key}.", vars(value))
     for name, child in module.named_modules():
         # parameterless layers (einops'), and inner attention modules holding parameters of their own beside their
@@ -318,9 +319,3 @@ def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
         if name and name not in planned and inner and linear_shape(child) is None:
             add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
     return paths
-
-
-def _config_like(value) -> bool:
-    if isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
-        return False
-    return hasattr(value, "__dict__") and not isinstance(value, (int, float, str, bytes, tuple, list, dict))

@@ -129,8 +129,7 @@ def localize_heads(module: nn.Module, tp: int) -> None:
     for attribute in usual_fields(module):
         setattr(module, attribute, _local_count(attribute, getattr(module, attribute), tp))
     config = getattr(module, "config", None)
-    counts = {field: getattr(config, field, None) for field in CONFIG_HEAD_FIELDS}
-    counts = {field: value for field, value in counts.items() if _is_count(value)}
+    counts = {field: value for field in CONFIG_HEAD_FIELDS if _is_count(value := getattr(config, field, None))}
     if counts:
         local = copy.copy(config)
         for field, value in counts.items():

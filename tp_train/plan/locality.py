@@ -52,16 +52,13 @@ class LocalityProbes:
             sizes = split_sizes(self.calls[column].output, self.calls[row].input)
             if sizes and len(set(sizes)) > 1 and len(sizes) == 3:  # [q; k; v] of unequal sizes (grouped-query)
                 candidates.append((f"fused_qkv_colwise({','.join(map(str, sizes))})", sizes))
-            self._cache[key] = next(
-                (
-                    style
-                    for style, sizes in candidates
-                    if sum(sizes) == width
-                    and all(size % self.shares == 0 for size in sizes)
-                    and self._local(column, row, sizes, frozen, background=background)
-                ),
-                None,
-            ) or self._replicated_kv_heads(column, row, frozen, background)
+            fits = [
+                (style, sizes)
+                for style, sizes in candidates
+                if sum(sizes) == width and not any(n % self.shares for n in sizes)
+            ]
+            local = (style for style, sizes in fits if self._local(column, row, sizes, frozen, background=background))
+            self._cache[key] = next(local, None) or self._replicated_kv_heads(column, row, frozen, background)
         return self._cache[key]
 
     def _replicated_kv_heads(self, column: str, row: str, frozen: frozenset, background: frozenset) -> str | None:

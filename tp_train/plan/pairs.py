@@ -22,7 +22,7 @@ UNSPLIT_WHOLE = 0.25
 TABLE_STYLE = "rowwise"
 # Norms the probes hold the statistic of, by the style that normalises them over every rank's features.
 SPLIT_NORMS = (("rmsnorm_parallel", is_rms_norm), ("layernorm_parallel", is_layer_norm))
-WHOLE_SUMMED = "replicated_with_grad_allreduce"  # a parameter entry: whole on every rank, its gradient summed
+WHOLE_SUMMED = "replicated_with_grad_allreduce"  # whole on every rank, its gradient summed
 
 
 @dataclass

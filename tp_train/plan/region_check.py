@@ -83,13 +83,12 @@ class RegionCheck:
                 reference = reference.local(module, rank, tp)
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
             tolerance = self.tolerance or TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
+            failure = None
             try:
                 with eval_mode(module):
                     errors = reference.differences(_run(module, *reference.arguments, reference.param_grads, split))
             except Exception as error:  # noqa: BLE001 - a module that cannot run is reported like a wrong one
                 errors, failure = {"output": math.inf}, f"fails on the probe's arguments ({first_line(error)})"
-            else:
-                failure = None
             worst = max(errors, key=errors.get)
             self.errors[name] = errors[worst]
             if problem is None and (failure or errors[worst] > tolerance):
@@ -98,11 +97,8 @@ class RegionCheck:
                     f"differs from the unsharded module by {errors[worst]:.3g} in its {worst} (relative; tolerance "
                     f"{tolerance:.0e}) on the probe batch's arguments"
                 )
-                problem = (
-                    f"module '{name}' ({type(module).__name__}) planned '{entry.style}'"
-                    + (f" with {entries}" if entries else "")
-                    + f" {what}"
-                )
+                entries = f" with {entries}" if entries else ""
+                problem = f"module '{name}' ({type(module).__name__}) planned '{entry.style}'{entries} {what}"
         self._references.clear()
         raise_first(problem, self.group)
 

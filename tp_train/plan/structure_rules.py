@@ -272,14 +272,9 @@ class StructureRules:
             for column in pair.columns:
                 width = last_dim(self.calls[column].output)
                 layouts = [(width // (k * groups),) * (k * groups) for k in (1, 2, 3) if width % (k * groups) == 0]
-                sections = next(
-                    (
-                        layout
-                        for layout in layouts
-                        if layout[0] % self.shares == 0 and self._local(column, pair.row, layout, frozen, row_sections)
-                    ),
-                    None,
-                )
+                layouts = [layout for layout in layouts if layout[0] % self.shares == 0]
+                local = (layout for layout in layouts if self._local(column, pair.row, layout, frozen, row_sections))
+                sections = next(local, None)
                 if sections is None:
                     break
                 columns[column[len(name) + 1 :]] = f"colwise({','.join(map(str, sections))})"

@@ -53,12 +53,11 @@ class SwapCheck:
             self.skipped.append(name)
             return
         tolerance = self.tolerance or TOLERANCE.get(module.weight.dtype, HALF_PRECISION_TOLERANCE)
+        failure = None
         try:
             errors = self._differences(module, layer)
         except Exception as error:  # noqa: BLE001 - a layer that cannot run is reported like a wrong one
             errors, failure = {"output": math.inf}, f"fails on a probe input ({first_line(error)})"
-        else:
-            failure = None
         finally:
             module.zero_grad(set_to_none=True)
             layer.zero_grad(set_to_none=True)

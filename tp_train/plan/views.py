@@ -107,8 +107,7 @@ class AttentionViews:
         if not enclosing or enclosing not in self.calls:
             return  # no module of its own runs the attention (e.g. it lives in the block's forward)
         styles[enclosing] = style
-        row_order = self.calls[pair.row].order
         for name, call in self.calls.items():
-            after_row = call.order > row_order
-            if name.startswith(enclosing + ".") and isinstance(self.modules[name], nn.Dropout) and after_row:
+            dropout = name.startswith(enclosing + ".") and isinstance(self.modules[name], nn.Dropout)
+            if dropout and call.order > self.calls[pair.row].order:
                 styles[name] = "replicated_rng"  # e.g. resid_dropout: acts on the replicated output
