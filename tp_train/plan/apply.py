@@ -104,13 +104,12 @@ def apply_plan(
         if style in REGION_STYLES:
             module.tp_region = _region(style, group, getattr(model, "config", None), bool(entry.parameters))
             module.tp_region.install(module)
-            if entry.arguments:  # `moe_tp_experts(ffn_hidden_size)`: the counts its forward views its shards with
-                view = parse_attention_style(f"attention({entry.arguments})")
-                apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
-        elif style == "attention":
-            # the usual head-count names, or where the style's arguments say the counts are (plan/local_view.py)
+        if style == "attention" or style in REGION_STYLES and entry.arguments:
+            # the usual head-count names, or where the style's arguments say the counts are (plan/local_view.py;
+            # `moe_tp_experts(ffn_hidden_size)`: the counts its forward views its shards with)
             view = parse_attention_style(f"attention({entry.arguments})") if entry.arguments else None
             apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
+        if style == "attention":
             rng.run_in(module, SHARDED)
         elif style == "channelwise":
             shard_channels(module, group, entry.arguments)
@@ -280,20 +279,17 @@ def _parallel_norm(module: nn.Module, style: str, group: ProcessGroup) -> None:
     split with them, and its output corrected to normalise over every rank's features of its group, unless each rank
     holds whole groups. A gated norm whose groups span ranks normalises this rank's share of its group as one group
     (`group_size`)."""
-    if style == "layernorm_parallel":
-        shard_channels(module, group)  # its normalized_shape too: its own forward runs on this rank's features
-        module.tp_region = ParallelLayerNormRegion(group, module.eps)
-        module.tp_region.install(module)
-        return
-    tp = dist.get_world_size(group)
     gated = style == "gated_rmsnorm_parallel"
     groups = norm_groups(module) if gated else 1
-    shard_channels(module, group)
-    if gated and groups >= tp:
+    shard_channels(module, group)  # a LayerNorm's normalized_shape too: its own forward runs on this rank's features
+    if gated and groups >= dist.get_world_size(group):
         return
     if gated:
         module.group_size = next(iter(module.parameters(recurse=False))).shape[0]
-    module.tp_region = ParallelRMSNormRegion(group, norm_epsilon(module)[1], groups=groups, gated=gated)
+    if style == "layernorm_parallel":
+        module.tp_region = ParallelLayerNormRegion(group, module.eps)
+    else:
+        module.tp_region = ParallelRMSNormRegion(group, norm_epsilon(module)[1], groups=groups, gated=gated)
     module.tp_region.install(module)
 
 

@@ -219,11 +219,8 @@ def _simulate(
             return f"on local heads its forward fails: {first_line(error)}"
         if len(stand_in.inputs) != len(reference.row_inputs):
             return "its row layer is not reached as often as in the unsharded module"
-        if (
-            output is None
-            or output.shape != reference.output.shape
-            or relative_difference(output, reference.output) > TOLERANCE
-        ):
+        alike = output is not None and output.shape == reference.output.shape  # relative_difference ignores shapes
+        if not alike or relative_difference(output, reference.output) > TOLERANCE:
             return "on local heads its output differs from the unsharded module's"
         row_inputs.append(stand_in.inputs)
     for index, expected in enumerate(reference.row_inputs):  # at each call of the row layer

@@ -198,14 +198,11 @@ def _generic_input(model: nn.Module, config) -> str:
     vocabulary = getattr(config, "vocab_size", None)
     if any(isinstance(module, nn.Embedding) and module.num_embeddings == vocabulary for module in model.modules()):
         return "input_ids"
-    return "pixel_values" if _holding(config, "image_size") else _audio_input(config) or "input_ids"
-
-
-def _audio_input(config) -> str | None:
-    """`input_features` for a config of spectrogram features, `input_values` for one of raw audio, else None."""
-    if _feature_shape(config, PROBE_TOKENS) is not None:
+    if _holding(config, "image_size"):
+        return "pixel_values"
+    if _feature_shape(config, PROBE_TOKENS) is not None:  # spectrogram features
         return "input_features"
-    return "input_values" if _holding(config, "conv_dim") or _holding(config, "sampling_rate") else None
+    return "input_values" if _holding(config, "conv_dim") or _holding(config, "sampling_rate") else "input_ids"
 
 
 def _feature_shape(config, length: int) -> tuple[int, int] | None:
