@@ -288,11 +288,9 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
 
     def _head(self) -> str | None:
         """The last Linear, when it maps to the token embedding's vocabulary (kept out of column/row pairs)."""
-        if self.tokens is None or not self.linears:
+        if self.tokens is None or not self.linears or self.linears[-1] in self.untraced:
             return None
         head = self.linears[-1]
-        if head in self.untraced:
-            return None
         return head if linear_shape(self.modules[head])[1] == self.modules[self.tokens].num_embeddings else None
 
     def _token_embedding(self) -> str | None:

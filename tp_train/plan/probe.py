@@ -54,7 +54,6 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
     Raises:
         ValueError: one line naming the model, the probe's input and the innermost module whose forward raised."""
     calls: dict[str, ModuleCall] = {}
-    handles = []
 
     def enter(name, module, args):
         calls.setdefault(name, ModuleCall(order=len(calls))).calls += 1
@@ -71,10 +70,9 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
         # modules' inputs show passes through it.
         return channels_first(module, call.output) if call.output is not output else None
 
-    for name, module in model.named_modules():
-        if name:
-            handles += [module.register_forward_pre_hook(partial(enter, name))]
-            handles += [module.register_forward_hook(partial(leave, name))]
+    named = [(name, module) for name, module in model.named_modules() if name]
+    handles = [module.register_forward_pre_hook(partial(enter, name)) for name, module in named]
+    handles += [module.register_forward_hook(partial(leave, name)) for name, module in named]
     try:
         with hooks_removed(handles), torch.enable_grad(), running_modules(model) as running:
             forward_without_cache(model, inputs)

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from tp_train.plan.coverage import block_of, in_repeated_block
+from tp_train.plan.local_view import usual_fields
 from tp_train.plan.pairs import (
     TABLE_STYLE,
     WHOLE_SUMMED,
@@ -21,9 +22,7 @@ from tp_train.plan.probe import foreign_readers
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
     HEAD_ATTRIBUTES,
-    KV_HEAD_ATTRIBUTES,
     NORM_STYLES,
-    WIDTH_ATTRIBUTES,
     column_layout,
     head_counts,
     matrix_shape,
@@ -157,8 +156,7 @@ class StructureRules:
         if not pair.attention or not set(NORM_STYLES) & set(pair.channels.values()):
             return False
         module = self.modules.get(enclosing_module(pair))
-        names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
-        return module is None or any(isinstance(getattr(module, name, None), int) for name in names)
+        return module is None or bool(usual_fields(module))
 
     def _between(self, pair: Pair) -> tuple[set[str], list[tuple[str, str]]]:
         """Modules whose parameters act between the columns and the row layer (summed gradients), and of those, the

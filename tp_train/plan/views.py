@@ -66,15 +66,14 @@ class AttentionViews:
             relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
             relative |= {own[len(name) + 1 :]: style for own, style in pair.own.items()}
             relative |= {owner[len(name) + 1 :]: style for owner, style in pair.channels.items()}
-            row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
             search = partial(
                 find_local_view,
                 self.modules[name],
                 calls[name],
                 columns=relative,
-                row=row,
+                row=pair.row[len(name) + 1 :],
                 tp=self.shares,
-                config=config,
+                config=getattr(self.model, "config", None),
             )
             called = key + (arguments_shape(calls[name]),)
             if key not in self._cache:
@@ -82,8 +81,7 @@ class AttentionViews:
             elif called not in self._cache:
                 # A block passed other arguments (a mask, every second block: Donut-Swin's shifted windows) may read
                 # a head count its neighbour never does: its own view, where one holds for its call that splits no
-                # argument by heads (T5's later layers, handed the relative bias the first one computes, are whole
-                # in this probe but their heads' once sharded: the first layer's view holds for them).
+                # argument by heads (T5's later layers, handed the relative bias: the first layer's, as said above).
                 found = search()
                 view = parse_attention_style(found[0]) if found[0] else None
                 self._cache[called] = found if found[0] and not (view and view.per_head) else self._cache[key]
