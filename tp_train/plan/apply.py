@@ -309,12 +309,11 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
         spec = parameter_shard_spec(style, module, param_name)
         if spec is None:
             continue
+        specs[param_name] = spec
         if param_name in module._buffers:  # not trained, never tied: its slice, persistent or not as it was
             module._buffers[param_name] = shard_parameter(module._buffers[param_name], spec, rank, world_size)
-            specs[param_name] = spec
             continue
         module._parameters[param_name] = shard = _shard_of(None, module, param_name, spec, group, shared)
-        specs[param_name] = spec
         if shard.requires_grad and replicated_rows(spec, world_size):
             hook = functools.partial(sum_replicated_gradient, spec=spec, group=group)
             register_gradient_hook(module, param_name, hook, once=SUM_REPLICAS)

@@ -20,8 +20,7 @@ def sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[int]:
     splitting = {"embedding_rowwise", "channelwise", FEATURE_REDUCTION_STYLE, *NORM_STYLES, *LINEAR_STYLES}
     found = set()
     for name, module in model.named_modules():
-        styles = [style for pattern, style in plan.items() if pattern_matches(pattern, name)]
-        if any(split_style(style)[0] in splitting for style in styles):
+        if any(split_style(style)[0] in splitting for pattern, style in plan.items() if pattern_matches(pattern, name)):
             found |= {id(param) for param in module.parameters()}
     for name, param in model.named_parameters():
         if any(style != "replicate" and pattern_matches(pattern, name) for pattern, style in plan.items()):

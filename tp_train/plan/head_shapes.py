@@ -28,10 +28,8 @@ def grouped_without_counts(model: nn.Module, columns: list[str]) -> list[str]:
         if len(set(layers.values())) < 2:
             continue
         counts = head_counts(model.get_submodule(parent) if parent else model, config)
-        narrow = min(layers.values())
-        explained = counts.kv_heads and counts.head_dim and counts.kv_heads * counts.head_dim == narrow
-        if not explained:
-            found.append(parent)
+        if not (counts.kv_heads and counts.head_dim and counts.kv_heads * counts.head_dim == min(layers.values())):
+            found.append(parent)  # the narrowest layer's width is not the kv heads' the counts give
     return found
 
 

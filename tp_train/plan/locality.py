@@ -198,6 +198,9 @@ class LocalityProbes:
             outputs = iter(self.calls[name].outputs)
             return lambda module, args, output: channels_first(module, next(outputs).detach())
 
+        def hold(name, module, args, output):  # a norm's statistic as traced
+            return hold_statistic(module, args[0], output, self.calls[name].input)
+
         hooks = [(name, functools.partial(perturb, mask=mask)) for name, mask in masks.items()]
         hooks += [(n, functools.partial(perturb, mask=torch.ones_like, generator=still)) for n in sorted(background)]
         hooks += [(name, held(name)) for name in frozen]
@@ -210,12 +213,7 @@ class LocalityProbes:
             enter, leave = held_reductions(self.modules[name], self.calls[name].input)
             handles += [self.modules[name].register_forward_pre_hook(enter)]
             handles += [self.modules[name].register_forward_hook(leave, always_call=True)]
-        handles += [
-            self.modules[name].register_forward_hook(
-                lambda m, a, o, name=name: hold_statistic(m, a[0], o, self.calls[name].input)
-            )
-            for name in self.norms
-        ]
+        handles += [self.modules[name].register_forward_hook(functools.partial(hold, name)) for name in self.norms]
         with contextlib.suppress(_Stop), hooks_removed(handles), torch.no_grad():
             forward_without_cache(self.model, self.inputs)
         if not masks and not fresh and not background:

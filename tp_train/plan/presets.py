@@ -54,10 +54,8 @@ def _check_supported(spec: FamilySpec, model: nn.Module, what: str) -> None:
 def _for_model(model: nn.Module, base: dict[str, str], head: bool) -> dict[str, str]:
     """`base` (keys relative to the base model) keyed as `model`'s module names, with the LM head when `head`."""
     prefix = getattr(model, "base_model_prefix", "")
-    if prefix and hasattr(model, prefix):
-        plan = {f"{prefix}.{pattern}": style for pattern, style in base.items()}
-    else:
-        plan = dict(base)
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    plan = {prefix + pattern: style for pattern, style in base.items()}
     if head and (name := _head_name(model)):
         plan[name] = HEAD_STYLE
     return plan

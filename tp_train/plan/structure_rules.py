@@ -74,8 +74,7 @@ class StructureRules:
         ]
         if any(reader not in split and not self.producers[reader][0] & rows for reader in readers):
             return False
-        local = [other for other, style in styles.items() if style.startswith("attention")]
-        inside = any(name.startswith(attention + ".") for attention in local)
+        inside = any(name.startswith(other + ".") for other, style in styles.items() if style.startswith("attention"))
         return not inside and not self.producers[name][0] & split
 
     def _own_channels(self, pair: Pair) -> None:
