@@ -34,7 +34,9 @@ COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that sh
 class InferredPlan(dict):
     """A plan the auto-planner inferred: {pattern: style}, plus `notes`, one line per attention it kept whole."""
 
-    notes: list[str]
+    def __init__(self, plan: dict[str, str], notes: list[str]):
+        super().__init__(plan)
+        self.notes = notes
 
 
 def infer_plan(
@@ -60,9 +62,8 @@ def infer_plan(
                 f"the auto-planner cannot plan {type(model).__name__} ({first_line(error)}); "
                 f"give the model a `tp_plan` (or pass plan=...)"
             ) from error
-    plan = InferredPlan(as_patterns(model, styles))
-    plan.notes = kept_whole_notes(model, {**(given or {}), **styles}, planner.kept_whole)
-    return plan
+    notes = kept_whole_notes(model, {**(given or {}), **styles}, planner.kept_whole)
+    return InferredPlan(as_patterns(model, styles), notes)
 
 
 def format_plan(plan: dict[str, str], source: str) -> str:

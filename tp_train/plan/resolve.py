@@ -86,10 +86,9 @@ def resolve_plan(
         ) from None
     if found is None:
         return inferred, INFERRED_SOURCE
-    # The model's own entries win; the auto-planner's fill in the blocks (a head-only plan, as LFM2's).
-    completed = InferredPlan({**inferred, **found[0]})
-    completed.notes = inferred.notes  # an attention kept whole is said, whichever plan it completes
-    return completed, f"{found[1]}, {COMPLETED_SOURCE}"
+    # The model's own entries win; the auto-planner's fill in the blocks (a head-only plan, as LFM2's). An attention
+    # kept whole is noted, whichever plan it completes.
+    return InferredPlan({**inferred, **found[0]}, inferred.notes), f"{found[1]}, {COMPLETED_SOURCE}"
 
 
 def check_config_heads(model: nn.Module, tp: int) -> None:
@@ -123,12 +122,9 @@ def _completed(
     try:
         inferred = infer_plan(model, tensor_parallel_size, example_input, given=plan)
     except ValueError as error:
-        kept = InferredPlan(plan)
-        kept.notes = [f"note: what the plan leaves whole in its blocks stays whole on every rank: {error}"]
-        return kept, f"{source}, {COMPLETED_SOURCE}"
-    completed = InferredPlan({**inferred, **plan})
-    completed.notes = inferred.notes
-    return completed, f"{source}, {COMPLETED_SOURCE}"
+        note = f"note: what the plan leaves whole in its blocks stays whole on every rank: {error}"
+        return InferredPlan(plan, [note]), f"{source}, {COMPLETED_SOURCE}"
+    return InferredPlan({**inferred, **plan}, inferred.notes), f"{source}, {COMPLETED_SOURCE}"
 
 
 def _leaves_linears_whole(model: nn.Module, plan: dict[str, str]) -> bool:
