@@ -79,6 +79,12 @@ def usual_fields(module: nn.Module) -> tuple[str, ...]:
     return tuple(name for name in names if _is_count(getattr(module, name, None)))
 
 
+def kept_heads(module: nn.Module) -> int | None:
+    """The head count `module` keeps under a usual name, or the first module inside it does (Swin's self-attention)."""
+    counts = (getattr(inner, name, None) for inner in module.modules() for name in HEAD_ATTRIBUTES)
+    return next((count for count in counts if isinstance(count, int)), None)
+
+
 def field_value(module: nn.Module, path: str):
     """The value at a dotted `path` under `module` (attributes, or keys of a dict on the way)."""
     value = module

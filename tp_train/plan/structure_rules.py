@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from tp_train.plan.coverage import block_of, in_repeated_block
-from tp_train.plan.local_view import usual_fields
+from tp_train.plan.local_view import kept_heads, usual_fields
 from tp_train.plan.pairs import (
     TABLE_STYLE,
     WHOLE_SUMMED,
@@ -21,7 +21,6 @@ from tp_train.plan.pairs import (
 from tp_train.plan.probe import foreign_readers
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
-    HEAD_ATTRIBUTES,
     NORM_STYLES,
     column_layout,
     head_counts,
@@ -109,14 +108,10 @@ class StructureRules:
         enclosing = enclosing_module(pair)
         if not pair.attention or not enclosing:
             return
-        # the head count the attention (or a module inside it: Swin's self-attention) keeps
-        counts = (
-            getattr(module, name, None) for module in self.modules[enclosing].modules() for name in HEAD_ATTRIBUTES
-        )
-        heads = next((count for count in counts if isinstance(count, int)), None)
+        heads = kept_heads(self.modules[enclosing])
         used = {id(param) for param in self.producers[pair.row][1]}
         for owner in sorted(pair.between):
-            if heads is None or heads % self.shares or owner != enclosing and not owner.startswith(enclosing + "."):
+            if heads is None or heads % self.shares or not self._inside_attention(pair, owner):
                 continue
             # (entries, heads): Swin's table, split along its last dim (`rowwise`); (heads, entries): LeViT's
             # attention_biases, indexed into a (heads, tokens, tokens) bias, along its first (`colwise`); whichever

@@ -9,9 +9,9 @@ import torch.nn as nn
 
 from tp_train.plan.coverage import generic
 from tp_train.plan.local_search import capture_calls, find_local_view
-from tp_train.plan.local_view import parse_attention_style
+from tp_train.plan.local_view import kept_heads, parse_attention_style
 from tp_train.plan.pairs import TABLE_STYLE, Pair, arguments_shape, enclosing_module, last_dim
-from tp_train.plan.styles import HEAD_ATTRIBUTES, head_counts, split_style
+from tp_train.plan.styles import head_counts, split_style
 
 
 class AttentionViews:
@@ -23,9 +23,7 @@ class AttentionViews:
         module = self.modules.get(enclosing_module(pair)) if pair.attention and enclosing_module(pair) else None
         if module is None:
             return None
-        counts = (getattr(inner, name, None) for inner in module.modules() for name in HEAD_ATTRIBUTES)
-        heads = next((count for count in counts if isinstance(count, int)), None)
-        heads = heads or head_counts(module, getattr(self.model, "config", None)).heads
+        heads = kept_heads(module) or head_counts(module, getattr(self.model, "config", None)).heads
         return heads if heads and heads % self.shares == 0 else None
 
     def _on_local_heads(self, pair: Pair) -> bool:
