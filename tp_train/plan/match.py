@@ -79,9 +79,10 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int, example_input=No
             _check_parameter(entry, param_name, style, pattern, tp)
             entry.parameters[param_name] = style
     for entry in planned.values():
+        if entry.style not in {"moe_tp_experts", "all_reduce"}:
+            continue
         inside = (other for name, other in planned.items() if name == entry.name or name.startswith(entry.name + "."))
-        shards = any(other.parameters or other.style in LINEAR_STYLES for other in inside)
-        if entry.style in {"moe_tp_experts", "all_reduce"} and not shards:
+        if not any(other.parameters or other.style in LINEAR_STYLES for other in inside):
             raise ValueError(
                 f"plan entry '{entry.pattern}': module '{entry.name}' is '{entry.style}' but the plan shards none of "
                 f"its parameters or layers, so its all-reduce would add tp copies; plan its weights too "
