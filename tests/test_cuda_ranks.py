@@ -3,7 +3,8 @@ one device). The sharded model on the GPU computes the unsharded model's functio
 without backward overlap (whose collectives then run beside the weight gradients, on gloo's own CUDA stream), with
 sequence parallelism and through Hugging Face's Llama; the CUDA RNG tracker gives sharded regions their own dropout
 masks and replicated regions the same; `parallelize(compile=True)` compiles with inductor (Triton kernels) without
-a graph break and keeps the numbers; the context-parallel attention op at cp=2 equals SDPA on the GPU. The same rank functions as the CPU tests, on `device="cuda"`.
+a graph break and keeps the numbers; the context-parallel attention op at cp=2 equals SDPA on the GPU. The same rank
+functions as the CPU tests, on `device="cuda"`.
 
 Marked `cuda` and skipped without a GPU: scripts/gpu_check.sh runs them on a GPU machine."""
 

@@ -201,3 +201,37 @@ def test_norm_over_local_heads_needs_and_gets_its_gradient_summed(tp):
     without = run_on_ranks(_qk_norm_parity, tp, False)[0]
     assert without["logits"] < ATOL  # the forward is right either way...
     assert max(v for k, v in without.items() if k.startswith("grad:")) > 1e-3  # ...the gradient is not
+
+
+def _planned_once(rank, world_size):
+    """How often this rank ran the auto-planner for a model with no plan, the shapes it sharded to, and the refusal
+    it raised for a model whose heads do not split over the ranks."""
+    import tp_train
+    import tp_train.plan.resolve as resolve
+    from tests.attention_styles import literal_heads
+
+    calls = []
+    planner = resolve.infer_plan
+    resolve.infer_plan = lambda *args, **kwargs: calls.append(1) or planner(*args, **kwargs)
+    torch.manual_seed(0)
+    shapes = _shapes(tp_train.parallelize(literal_heads(), verify=False))
+    torch.manual_seed(0)
+    three_heads = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=3, n_embd=24))
+    try:
+        tp_train.parallelize(three_heads, verify=False)
+    except ValueError as error:
+        return len(calls), shapes, str(error)
+    return len(calls), shapes, None
+
+
+def _shapes(model: nn.Module) -> list:
+    return sorted((name, tuple(value.shape)) for name, value in model.state_dict().items())
+
+
+def test_the_first_rank_plans_and_every_rank_takes_its_plan_or_its_refusal():
+    from tests.attention_styles import literal_heads
+
+    (calls0, shapes0, refusal0), (calls1, shapes1, refusal1) = run_on_ranks(_planned_once, 2)
+    assert (calls0, calls1) == (1, 0)
+    assert shapes0 == shapes1 != _shapes(literal_heads())  # sharded, by one plan
+    assert refusal0 == refusal1 and "n_head=3" in refusal0 and "\n" not in refusal0

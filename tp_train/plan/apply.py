@@ -89,7 +89,8 @@ def apply_plan(
                 shard_adapters(name, wrapper, layer, style, group, rng)
                 checked = (reference, wrapper)  # the LoRA layer as a whole
             else:
-                _set_submodule(model, name, layer)
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, layer)
                 checked = (base, layer)
             if check is not None:
                 check(name, *checked)
@@ -103,13 +104,12 @@ def apply_plan(
         if style in REGION_STYLES:
             module.tp_region = _region(style, group, getattr(model, "config", None), bool(entry.parameters))
             module.tp_region.install(module)
-            if entry.arguments:  # `moe_tp_experts(ffn_hidden_size)`: the counts its forward views its shards with
-                view = parse_attention_style(f"attention({entry.arguments})")
-                apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
-        elif style == "attention":
-            # the usual head-count names, or where the style's arguments say the counts are (plan/local_view.py)
+        if style == "attention" or style in REGION_STYLES and entry.arguments:
+            # the usual head-count names, or where the style's arguments say the counts are (plan/local_view.py;
+            # `moe_tp_experts(ffn_hidden_size)`: the counts its forward views its shards with)
             view = parse_attention_style(f"attention({entry.arguments})") if entry.arguments else None
             apply_local_view(module, view, dist.get_world_size(group), dist.get_rank(group))
+        if style == "attention":
             rng.run_in(module, SHARDED)
         elif style == "channelwise":
             shard_channels(module, group, entry.arguments)
@@ -141,18 +141,7 @@ def _share_ties(model: nn.Module, shared: dict) -> None:
                 module.shard_specs = {**getattr(module, "shard_specs", {}), key: spec}
 
 
-def _calls_super_forward(cls: type) -> bool:
-    """Whether `cls.forward` calls `super().forward` (so a parallel layer can take the base's place beneath it)."""
-    code = getattr(cls.forward, "__code__", None)
-    return code is not None and "super" in code.co_names and "forward" in code.co_names
-
-
 # ---------------------------------------------------------------------------------------------- application
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 # Classes made by `_keep_subclass_forward`, one per (subclass, parallel layer) pair.
@@ -164,7 +153,9 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
     embedding): its class becomes `(type(module), type(layer), base)`, and the subclass's buffers, own parameters,
     attributes and children move to it."""
     cls = type(module)
-    if not isinstance(module, base) or cls.forward is base.forward or not _calls_super_forward(cls):
+    code = getattr(cls.forward, "__code__", None)  # a forward calling `super().forward`: the layer goes beneath it
+    calls_super = code is not None and "super" in code.co_names and "forward" in code.co_names
+    if not isinstance(module, base) or cls.forward is base.forward or not calls_super:
         return layer
     key = (cls, type(layer))
     if key not in _KEPT_FORWARDS:
@@ -186,14 +177,17 @@ def _keep_subclass_forward(module: nn.Module, layer: nn.Module, base: type) -> n
     return layer
 
 
-def _shard_of(target: nn.Parameter, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):
-    """A new parameter holding this rank's shard of `module`'s parameter `name`, shaped like `target` (the layer's
-    meta placeholder). A parameter tied to one sharded before gives that shard; ties are keyed by the original
-    parameter (held in `shared`, so its id is never reused)."""
-    origin, source = module.tp_origins[name], getattr(module, name)
+def _shard_of(target: nn.Parameter | None, module: nn.Module, name: str, spec: ShardSpec, group, shared: dict):
+    """A new parameter holding this rank's shard of `module`'s parameter `name`: shaped like `target`, the swapped
+    layer's meta placeholder, or None for a parameter entry. A parameter tied to one sharded before gives that shard
+    (a layer's spec may differ from it in `transposed` alone); ties are keyed by the original parameter (held in
+    `shared`, so its id is never reused)."""
+    source = getattr(module, name)
+    origin = module.tp_origins[name] if target is not None else source
     if id(origin) in shared:
         _, previous_spec, previous = shared[id(origin)]
-        if replace(previous_spec, transposed=spec.transposed) != spec or previous.shape != target.shape:
+        compared = previous_spec if target is None else replace(previous_spec, transposed=spec.transposed)
+        if compared != spec or (target is not None and previous.shape != target.shape):
             raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
         return previous
     shard = nn.Parameter(
@@ -222,14 +216,11 @@ def _parallel_linear(
         gather = style == "colwise_gather_output"
         kwargs |= dict(gather_output=gather and not loss_parallel, pad_output=gather, units=units)
         layer = column_class(in_features, out_features, group, sections=sections, **kwargs)
-    for name in list(layer.shard_specs):
-        layer.shard_specs[name] = replace(layer.shard_specs[name], transposed=transposed and name == "weight")
-    layer.weight = _shard_of(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
-    if module.bias is not None:
-        if "bias" in layer.shard_specs:
-            layer.bias = _shard_of(layer.bias, module, "bias", layer.shard_specs["bias"], group, shared)
-        else:  # a row-parallel bias is replicated
-            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
+    for name, spec in list(layer.shard_specs.items()):
+        layer.shard_specs[name] = spec = replace(spec, transposed=transposed and name == "weight")
+        setattr(layer, name, _shard_of(getattr(layer, name), module, name, spec, group, shared))
+    if module.bias is not None and "bias" not in layer.shard_specs:  # a row-parallel bias is replicated
+        layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
     return layer
 
 
@@ -278,10 +269,9 @@ def _sum_replicas(model: nn.Module, name: str, layer: nn.Module, group: ProcessG
             hook = functools.partial(sum_replicated_gradient, spec=param_spec, group=group)
             register_gradient_hook(layer, param_name, hook, once=SUM_REPLICAS)
     parent_name = name.rpartition(".")[0]
-    if parent_name in done:
-        return
-    done.add(parent_name)
-    share_replicated_kv_heads(model.get_submodule(parent_name) if parent_name else model, copies)
+    if parent_name not in done:
+        done.add(parent_name)
+        share_replicated_kv_heads(model.get_submodule(parent_name), copies)
 
 
 def _parallel_norm(module: nn.Module, style: str, group: ProcessGroup) -> None:
@@ -289,20 +279,17 @@ def _parallel_norm(module: nn.Module, style: str, group: ProcessGroup) -> None:
     split with them, and its output corrected to normalise over every rank's features of its group, unless each rank
     holds whole groups. A gated norm whose groups span ranks normalises this rank's share of its group as one group
     (`group_size`)."""
-    if style == "layernorm_parallel":
-        shard_channels(module, group)  # its normalized_shape too: its own forward runs on this rank's features
-        module.tp_region = ParallelLayerNormRegion(group, module.eps)
-        module.tp_region.install(module)
-        return
-    tp = dist.get_world_size(group)
     gated = style == "gated_rmsnorm_parallel"
     groups = norm_groups(module) if gated else 1
-    shard_channels(module, group)
-    if gated and groups >= tp:
+    shard_channels(module, group)  # a LayerNorm's normalized_shape too: its own forward runs on this rank's features
+    if gated and groups >= dist.get_world_size(group):
         return
     if gated:
         module.group_size = next(iter(module.parameters(recurse=False))).shape[0]
-    module.tp_region = ParallelRMSNormRegion(group, norm_epsilon(module)[1], groups=groups, gated=gated)
+    if style == "layernorm_parallel":
+        module.tp_region = ParallelLayerNormRegion(group, module.eps)
+    else:
+        module.tp_region = ParallelRMSNormRegion(group, norm_epsilon(module)[1], groups=groups, gated=gated)
     module.tp_region.install(module)
 
 
@@ -322,21 +309,11 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
         spec = parameter_shard_spec(style, module, param_name)
         if spec is None:
             continue
+        specs[param_name] = spec
         if param_name in module._buffers:  # not trained, never tied: its slice, persistent or not as it was
             module._buffers[param_name] = shard_parameter(module._buffers[param_name], spec, rank, world_size)
-            specs[param_name] = spec
             continue
-        original = module._parameters[param_name]
-        if id(original) in shared:  # tied to a parameter sharded before: the same split, or refused
-            _, previous_spec, shard = shared[id(original)]
-            if previous_spec != spec:
-                raise ValueError(f"a tied parameter is sharded two incompatible ways: {previous_spec} and {spec}")
-        else:
-            local = shard_parameter(original, spec, rank, world_size)
-            shard = nn.Parameter(local, requires_grad=original.requires_grad)
-            shared[id(original)] = (original, spec, shard)
-        module._parameters[param_name] = shard
-        specs[param_name] = spec
+        module._parameters[param_name] = shard = _shard_of(None, module, param_name, spec, group, shared)
         if shard.requires_grad and replicated_rows(spec, world_size):
             hook = functools.partial(sum_replicated_gradient, spec=spec, group=group)
             register_gradient_hook(module, param_name, hook, once=SUM_REPLICAS)

@@ -14,6 +14,7 @@ from tp_train.plan.pairs import (
     SPLITS,
     TABLE_STYLE,
     UNSPLIT_WHOLE,
+    WHOLE_SUMMED,
     Pair,
     enclosing_module,
     over_last_dim,
@@ -33,7 +34,9 @@ COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that sh
 class InferredPlan(dict):
     """A plan the auto-planner inferred: {pattern: style}, plus `notes`, one line per attention it kept whole."""
 
-    notes: list[str]
+    def __init__(self, plan: dict[str, str], notes: list[str]):
+        super().__init__(plan)
+        self.notes = notes
 
 
 def infer_plan(
@@ -59,9 +62,8 @@ def infer_plan(
                 f"the auto-planner cannot plan {type(model).__name__} ({first_line(error)}); "
                 f"give the model a `tp_plan` (or pass plan=...)"
             ) from error
-    plan = InferredPlan(as_patterns(model, styles))
-    plan.notes = kept_whole_notes(model, {**(given or {}), **styles}, planner.kept_whole)
-    return plan
+    notes = kept_whole_notes(model, {**(given or {}), **styles}, planner.kept_whole)
+    return InferredPlan(as_patterns(model, styles), notes)
 
 
 def format_plan(plan: dict[str, str], source: str) -> str:
@@ -81,8 +83,9 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         self.parameter_names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
         self.calls = trace_calls(model, inputs)
         # Linear-like: nn.Linear, Conv1D, a 1x1 Conv2d (traced channels-last, `tp_train.plan.probe.channels_last`).
-        self.linears = [name for name in self._called() if matrix_shape(self.modules[name]) is not None]
-        self.embeddings = [name for name in self._called() if isinstance(self.modules[name], nn.Embedding)]
+        called = sorted(self.calls, key=lambda name: self.calls[name].order)
+        self.linears = [name for name in called if matrix_shape(self.modules[name]) is not None]
+        self.embeddings = [name for name in called if isinstance(self.modules[name], nn.Embedding)]
         # A module whose output carries no autograd history (run under no_grad, detached, or not a tensor: a
         # module called only with keyword arguments is traced without it) shows no dataflow.
         self.untraced = {name for name in self.linears if getattr(self.calls[name].output, "grad_fn", None) is None}
@@ -100,12 +103,11 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         # to the others. LayerNorms only where their input is computed from Linear outputs alone (ESM C's q_norm):
         # one in the residual stream reads embeddings too, and held, it would make a Linear patch embedding (SigLIP
         # 2's, plus its position embedding) look like a column of the first block's projections.
+        once = [name for name, call in self.calls.items() if call.calls == 1 and isinstance(call.input, torch.Tensor)]
         self.norms = {
             name: style
-            for name, call in self.calls.items()
-            if call.calls == 1
-            and isinstance(call.input, torch.Tensor)
-            and over_last_dim(self.modules[name], call.input)
+            for name in once
+            if over_last_dim(self.modules[name], self.calls[name].input)
             for style, recognised in SPLIT_NORMS
             if recognised(self.modules[name]) and (style != "layernorm_parallel" or self._inside_region(outputs, name))
         }
@@ -113,12 +115,7 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         # their last dim (GRN's (1, 1, 1, C) weight and bias): their reductions over the features are held in
         # perturbed probes too.
         self.reducers = {
-            name
-            for name, call in self.calls.items()
-            if call.calls == 1
-            and isinstance(call.input, torch.Tensor)
-            and per_feature(self.modules[name])
-            and self._inside_region(outputs, name)
+            name for name in once if per_feature(self.modules[name]) and self._inside_region(outputs, name)
         }
         self.kept_whole: dict[str, str] = {}  # attention modules no local view makes right -> why
         self.unsplit: dict[str, Pair] = {}  # a Linear of a would-be pair no split makes local -> that pair
@@ -131,9 +128,6 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
         producers, params = producers_of(self.calls[name].input, outputs)
         per_feature = all(set(param.shape[:-1]) <= {1} for param in params)
         return bool(producers) and producers <= set(self.linears) and per_feature
-
-    def _called(self) -> list[str]:
-        return sorted(self.calls, key=lambda name: self.calls[name].order)
 
     def styles(self) -> dict[str, str]:
         styles: dict[str, str] = {}
@@ -160,11 +154,9 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
                 # a model hands every layer the bias of all heads (MPNet's encoder), each rank's attention taking
                 # its heads of it (a view), the table's gradient then summed over the ranks.
                 split = table in self.split_tables
-                styles[f"{table}.weight" if split else table] = (
-                    TABLE_STYLE if split else "replicated_with_grad_allreduce"
-                )
+                styles[f"{table}.weight" if split else table] = TABLE_STYLE if split else WHOLE_SUMMED
             styles.update(pair.own)
-            styles.update({table: "replicated_with_grad_allreduce" for table in pair.shared_tables})
+            styles.update(dict.fromkeys(pair.shared_tables, WHOLE_SUMMED))
             styles.setdefault(pair.row, pair.row_style)
             styles.update(pair.channels)
             for name in pair.replicated:  # its replicated output re-enters a sharded region: f after its g
@@ -173,8 +165,7 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
                 self._attention_styles(pair, styles, views.get(enclosing, "attention"))
             elif enclosing in views:  # per-channel modules inside an attention that keeps head counts
                 self._attention_styles(pair, styles, views[enclosing])
-            for name in sorted(pair.between):
-                styles[name] = "replicated_with_grad_allreduce"
+            styles.update(dict.fromkeys(sorted(pair.between), WHOLE_SUMMED))
         styles.update(self._uncalled_siblings(styles))
         if self.tokens is not None:
             styles[self.tokens] = "embedding_rowwise"
@@ -298,11 +289,9 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
 
     def _head(self) -> str | None:
         """The last Linear, when it maps to the token embedding's vocabulary (kept out of column/row pairs)."""
-        if self.tokens is None or not self.linears:
+        if self.tokens is None or not self.linears or self.linears[-1] in self.untraced:
             return None
         head = self.linears[-1]
-        if head in self.untraced:
-            return None
         return head if linear_shape(self.modules[head])[1] == self.modules[self.tokens].num_embeddings else None
 
     def _token_embedding(self) -> str | None:

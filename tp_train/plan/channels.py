@@ -34,21 +34,20 @@ def local_channels(module: nn.Module, rank: int, tp: int, arguments: str = "") -
     as `shard_channels` says), with no process group: what the local-view search simulates a rank with. Returns the
     specs of the tensors it split (also recorded in `module.shard_specs`)."""
     channels = local_count = None
-    specs = dict(getattr(module, "shard_specs", {}))
     split = {}
     for name, param in list(module.named_parameters(recurse=False)):
         channels = param.shape[0]
         spec = style_shard_spec("channelwise", module, name, arguments=arguments)
         local = nn.Parameter(shard_tensor(param.detach(), spec, rank, tp), requires_grad=param.requires_grad)
         setattr(module, name, local)
-        specs[name] = split[name] = spec
+        split[name] = spec
         local_count = local.shape[0]
     for name, buffer in list(module.named_buffers(recurse=False)):
         # per-channel statistics (a BatchNorm's running_mean and running_var): this rank's channels, as its weight
         if buffer.dim() and buffer.shape[0] == channels and buffer.is_floating_point():
-            specs[name] = split[name] = style_shard_spec("channelwise", module, name, arguments=arguments)
-            module._buffers[name] = shard_tensor(buffer, specs[name], rank, tp)
-    module.shard_specs = specs
+            split[name] = style_shard_spec("channelwise", module, name, arguments=arguments)
+            module._buffers[name] = shard_tensor(buffer, split[name], rank, tp)
+    module.shard_specs = {**getattr(module, "shard_specs", {}), **split}
     for attribute in CHANNEL_COUNTS:
         value = getattr(module, attribute, None)
         if isinstance(value, int) and value == channels:

@@ -16,6 +16,19 @@ def first_tensor(output) -> torch.Tensor | None:
     return next((value for value in values if isinstance(value, torch.Tensor)), None)
 
 
+def detached(value):
+    """`value` with each tensor in it (through tuples, lists and dicts) detached and copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(detached(item) for item in value)
+    if isinstance(value, list):
+        return [detached(item) for item in value]
+    if isinstance(value, dict):
+        return {key: detached(item) for key, item in value.items()}
+    return value
+
+
 def relative_difference(tensor: torch.Tensor, reference: torch.Tensor) -> float:
     if tensor.shape != reference.shape:
         return 0.0  # a sharded module's local output: not comparable, and not the first difference

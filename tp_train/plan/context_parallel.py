@@ -203,16 +203,13 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs):
-    return None  # the context-parallel kernel masks by position and document itself
-
-
 def _register_hf_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION, _no_mask)
+    # no mask: the context-parallel kernel masks by position and document itself
+    AttentionMaskInterface.register(HF_ATTENTION, lambda *args, **kwargs: None)
 
 
 def check_context_parallel(model: nn.Module, sequence_length: int | None = None) -> None:

@@ -20,8 +20,7 @@ def sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[int]:
     splitting = {"embedding_rowwise", "channelwise", FEATURE_REDUCTION_STYLE, *NORM_STYLES, *LINEAR_STYLES}
     found = set()
     for name, module in model.named_modules():
-        styles = [style for pattern, style in plan.items() if pattern_matches(pattern, name)]
-        if any(split_style(style)[0] in splitting for style in styles):
+        if any(split_style(style)[0] in splitting for pattern, style in plan.items() if pattern_matches(pattern, name)):
             found |= {id(param) for param in module.parameters()}
     for name, param in model.named_parameters():
         if any(style != "replicate" and pattern_matches(pattern, name) for pattern, style in plan.items()):
@@ -50,8 +49,7 @@ def whole_beyond_small(model: nn.Module, name: str, plan: dict[str, str], sharde
     whole on every rank (`sharded`: `sharded_parameters(model, plan)`, when known) when it is more than `SMALL_WHOLE`
     (an MoE router beside experts the plan shards may stay whole), else 0: the one test of that threshold, for the
     auto-planner's refusal and for completing a model's own plan."""
-    parts = name.split(".")
-    block = model.get_submodule(".".join(parts[: next(i for i, part in enumerate(parts) if part.isdigit()) + 1]))
+    block = model.get_submodule(block_of(name))
     sharded = sharded_parameters(model, plan) if sharded is None else sharded
     params = list(block.parameters())
     fraction = sum(p.numel() for p in params if id(p) not in sharded) / max(sum(p.numel() for p in params), 1)
@@ -82,15 +80,18 @@ def in_repeated_block(name: str) -> bool:
     return any(part.isdigit() for part in name.split("."))
 
 
+def block_of(name: str) -> str:
+    """The repeated block holding module `name`: its name up to the first numbered part (`layers.3`)."""
+    parts = name.split(".")
+    return ".".join(parts[: next((i for i, part in enumerate(parts) if part.isdigit()), len(parts)) + 1])
+
+
 def in_block(model: nn.Module, name: str) -> bool:
     """Whether parameter `name` lies inside a repeated block: under a numbered module (`layers.3`) that holds modules
     of its own. A model-level list of bare projections (Gemma 3n's `altup_projections.0`, each applied once to the
     embeddings, outside every block) is not a block, though its names hold an index."""
-    parts = name.split(".")[:-1]
-    for index, part in enumerate(parts):
-        if part.isdigit():  # the first numbered module, as `in_repeated_block` reads names
-            return any(True for _ in model.get_submodule(".".join(parts[: index + 1])).children())
-    return False
+    module = name.rpartition(".")[0]
+    return in_repeated_block(module) and any(True for _ in model.get_submodule(block_of(module)).children())
 
 
 def as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:

@@ -46,10 +46,8 @@ def fully_shard_data_parallel(
         return Shard(data_parallel_shard_dim(tuple(param.shape), specs.get(id(param)), dp))
 
     options = dict(mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy or MixedPrecisionPolicy())
-    wrapped = []
-    for model in models:
-        for name in getattr(model, "tp_blocks", []):
-            wrapped.append(fully_shard(model.get_submodule(name), **options))
+    blocks = [model.get_submodule(name) for model in models for name in getattr(model, "tp_blocks", [])]
+    wrapped = [fully_shard(block, **options) for block in blocks]
     wrapped.extend(fully_shard(model, **options) for model in models if model is not root)
     wrapped.append(fully_shard(root, **options))
     keep_gradient_hooks(root)  # tensor parallelism's gradient all-reduces, on FSDP2's unsharded parameters

@@ -3,7 +3,8 @@ them back on the parameters a wrapper such as FSDP2 replaces them with."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -27,7 +28,6 @@ def register_gradient_hook(module: nn.Module, name: str, hook: GradientHook, onc
             return
         done.add(once)
     _register(param, hook)
-    _mark(getattr(module, name), hook)
     module.__dict__.setdefault("tp_gradient_hooks", {}).setdefault(name, []).append(hook)
 
 
@@ -45,24 +45,24 @@ def _rehook(module: nn.Module, args) -> None:
         for hook in hooks:
             if hook not in getattr(param, "tp_gradient_hooks", ()):
                 _register(param, hook)
-                _mark(param, hook)
+
+
+@contextmanager
+def requiring_grad(params: Iterable[torch.Tensor], wanted: Callable[[torch.Tensor], bool]) -> Iterator[None]:
+    """Each of `params` requiring gradients as `wanted(param)` says for the duration, as it did before after."""
+    flags = {param: param.requires_grad for param in params}
+    try:
+        for param in flags:
+            param.requires_grad_(wanted(param))
+        yield
+    finally:
+        for param, flag in flags.items():
+            param.requires_grad_(flag)
 
 
 def _register(param: torch.Tensor, hook: GradientHook) -> None:
-    """`param.register_hook(hook)`, also when `param` is frozen: torch refuses a hook on a tensor that does not
-    require grad, but keeps one across `requires_grad` changes."""
-    frozen = not param.requires_grad
-    if frozen:
-        param.requires_grad_(True)
-    try:
+    """`param.register_hook(hook)`, also when `param` is frozen (torch refuses a hook on a tensor that does not
+    require grad, but keeps one across `requires_grad` changes), recorded in `param.tp_gradient_hooks`."""
+    with requiring_grad([param], lambda _: True):
         param.register_hook(hook)
-    finally:
-        if frozen:
-            param.requires_grad_(False)
-
-
-def _mark(param: torch.Tensor, hook: GradientHook) -> None:
-    hooks = getattr(param, "tp_gradient_hooks", None)
-    if hooks is None:
-        hooks = param.tp_gradient_hooks = []
-    hooks.append(hook)
+    param.__dict__.setdefault("tp_gradient_hooks", []).append(hook)

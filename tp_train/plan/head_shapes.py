@@ -4,6 +4,7 @@ counts no config states; the config is the cross-check (docs/planner.md, "Kv hea
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -27,10 +28,8 @@ def grouped_without_counts(model: nn.Module, columns: list[str]) -> list[str]:
         if len(set(layers.values())) < 2:
             continue
         counts = head_counts(model.get_submodule(parent) if parent else model, config)
-        narrow = min(layers.values())
-        explained = counts.kv_heads and counts.head_dim and counts.kv_heads * counts.head_dim == narrow
-        if not explained:
-            found.append(parent)
+        if not (counts.kv_heads and counts.head_dim and counts.kv_heads * counts.head_dim == min(layers.values())):
+            found.append(parent)  # the narrowest layer's width is not the kv heads' the counts give
     return found
 
 
@@ -45,12 +44,14 @@ def observed_counts(model: nn.Module, columns: list[str], example_input=None) ->
             eval_mode(probe),
             torch.no_grad(),
         ):
-            inputs = probe_input(probe, example_input)
-            splits = _head_splits(probe, columns, inputs)
+            inputs, mode = probe_input(probe, example_input), _Splits()
+            watch = [probe.get_submodule(name).register_forward_hook(partial(_watch, mode, name)) for name in columns]
+            with hooks_removed(watch), mode:
+                forward_without_cache(probe, inputs)
     except Exception:  # noqa: BLE001 - no observation: the counts stay as the module and config state them
         return {}
     counts = {}
-    for layers in _by_attention(splits).values():
+    for layers in _by_attention(mode.found).values():
         for head_dim in {dim for _, dim in layers.values()}:
             same = {name: heads for name, (heads, dim) in layers.items() if dim == head_dim}
             most, fewest = max(same.values()), min(same.values())
@@ -106,12 +107,5 @@ class _Splits(TorchFunctionMode):
         return result
 
 
-def _head_splits(model: nn.Module, columns: list[str], inputs) -> dict[str, tuple[int, int]]:
-    mode = _Splits()
-    handles = [
-        model.get_submodule(name).register_forward_hook(lambda _, __, output, name=name: mode.watch(name, output))
-        for name in columns
-    ]
-    with hooks_removed(handles), mode:
-        forward_without_cache(model, inputs)
-    return mode.found
+def _watch(mode: _Splits, name: str, module: nn.Module, args, output) -> None:
+    mode.watch(name, output)

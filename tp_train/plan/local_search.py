@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import combinations
 
 import torch
@@ -16,7 +17,7 @@ from tp_train.errors import first_line
 from tp_train.parallel.sharding import ShardSpec, join_shards, shard_parameter
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import local_channels
-from tp_train.plan.compare import first_tensor, relative_difference
+from tp_train.plan.compare import detached, first_tensor, relative_difference
 from tp_train.plan.local_view import (
     INPUT_WIDTH,
     LocalView,
@@ -50,13 +51,10 @@ def capture_calls(model: nn.Module, inputs: ProbeInput, names: set[str]) -> dict
     calls: dict[str, ProbeCall] = {}
     modules = dict(model.named_modules())
 
-    def hook(name):
-        def record(module, args, kwargs):
-            calls[name] = ProbeCall(*copy.deepcopy(_detached((args, kwargs))))  # as it was then: a cache fills up
+    def record(name, module, args, kwargs):
+        calls[name] = ProbeCall(*copy.deepcopy(detached((args, kwargs))))  # as it was then: a cache fills up
 
-        return record
-
-    handles = [modules[name].register_forward_pre_hook(hook(name), with_kwargs=True) for name in names]
+    handles = [modules[name].register_forward_pre_hook(partial(record, name), with_kwargs=True) for name in names]
     with hooks_removed(handles), torch.no_grad():
         forward_without_cache(model, inputs)
     return calls
@@ -102,13 +100,15 @@ class _RowStandIn(nn.Module):
         return self.outputs[min(len(self.inputs), len(self.outputs)) - 1]
 
 
-class _LocalLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+class _LocalLayer(nn.Module):
+    """A rank's shard of a Linear (`function`: `F.linear`) or of an embedding table (`F.embedding`, no bias)."""
+
+    def __init__(self, function, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.weight, self.bias = weight, bias
+        self.function, self.weight, self.bias = function, weight, bias
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return self.function(x, self.weight, self.bias)
 
 
 @dataclass
@@ -135,15 +135,6 @@ class _Recorded:
         return recorded
 
 
-class _LocalEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, ids):
-        return F.embedding(ids, self.weight)
-
-
 class _Ranks:
     """Builds each simulated rank's copy of the attention module: its column layers split as `apply_plan` splits
     them (the same `ShardSpec`s, from their styles, arguments and head counts, so kv heads fewer than ranks are
@@ -152,53 +143,45 @@ class _Ranks:
 
     def __init__(self, module: nn.Module, columns: dict[str, str], row: str, tp: int, config, reference: _Recorded):
         self.module, self.row, self.tp, self.reference = module, row, tp, reference
-        self.specs, self.bias_specs, self.replicated, self.channels = {}, {}, {}, {}
+        self.own, self.layers, self.replicated, self.channels = {}, {}, {}, {}
         for name, style in columns.items():
             holder, attribute = _holder(module, name)
             if attribute in holder._parameters or attribute in holder._buffers:
                 # a per-channel parameter inside the attention (DeBERTa's q_bias), or buffer (a BatchNorm's statistics)
                 spec = parameter_shard_spec(style, holder, attribute)
                 if spec is not None:  # one held whole (its gradient summed) runs as it is
-                    self.specs[name] = spec
+                    self.own[name] = spec
                 continue
             child = module.get_submodule(name)
             if isinstance(child, nn.Embedding):  # a per-head table (T5's relative position bias)
-                self.specs[name] = parameter_shard_spec(style, child, "weight")
+                self.layers[name] = (F.embedding, parameter_shard_spec(style, child, "weight"), None)
                 continue
             base, arguments = split_style(style)
             if base == "channelwise":  # per-channel parameters between the layers (Inkling's short convolutions)
                 self.channels[name] = arguments
                 continue
             parent = name.rpartition(".")[0]
-            counts = head_counts(module.get_submodule(parent) if parent else module, config)
+            counts = head_counts(module.get_submodule(parent), config)
             spec = style_shard_spec(base, child, "weight", counts, arguments)
-            self.specs[name] = spec
-            self.bias_specs[name] = style_shard_spec(base, child, "bias", counts, arguments)
+            self.layers[name] = (F.linear, spec, style_shard_spec(base, child, "bias", counts, arguments))
             copies = max(spec.replicas(tp))
             if copies > 1:
                 self.replicated[parent] = copies
 
     def copy(self, rank: int) -> tuple[nn.Module, _RowStandIn]:
         memo = {id(cache): {} for cache in tensor_caches(self.module)}  # whole values: computed again on shards
-        own = {}
-        for name, spec in self.specs.items():
-            holder, attribute = _holder(self.module, name)
-            if attribute in holder._parameters or attribute in holder._buffers:
-                own[name] = shard_parameter(getattr(holder, attribute), spec, rank, self.tp)
-                continue
+        for name, (function, spec, bias_spec) in self.layers.items():
             child = self.module.get_submodule(name)
-            if isinstance(child, nn.Embedding):
-                memo[id(child)] = _LocalEmbedding(shard_parameter(child.weight, spec, rank, self.tp))
-                continue
-            bias = getattr(child, "bias", None)
-            local_bias = None if bias is None else shard_parameter(bias, self.bias_specs[name], rank, self.tp)
-            memo[id(child)] = _LocalLinear(shard_parameter(child.weight, spec, rank, self.tp), local_bias)
+            tensors = [(child.weight, spec), (getattr(child, "bias", None), bias_spec)]
+            shards = [shard_parameter(tensor, split, rank, self.tp) for tensor, split in tensors if tensor is not None]
+            memo[id(child)] = _LocalLayer(function, *shards)
         stand_in = _RowStandIn(self.reference.row_outputs)
         memo[id(self.module.get_submodule(self.row))] = stand_in
         local = copy.deepcopy(self.module, memo)
         for name, arguments in self.channels.items():
             local_channels(local.get_submodule(name), rank, self.tp, arguments)
-        for name, shard in own.items():
+        for name, spec in self.own.items():
+            shard = shard_parameter(getattr(*_holder(self.module, name)), spec, rank, self.tp)
             holder, attribute = _holder(local, name)
             if attribute in holder._buffers:
                 holder._buffers[attribute] = shard
@@ -210,13 +193,13 @@ class _Ranks:
         """`view` on a rank's copy, then its replicated kv heads, in `apply_plan`'s order."""
         apply_local_view(local, view, self.tp, rank)
         for parent, copies in self.replicated.items():
-            share_replicated_kv_heads(local.get_submodule(parent) if parent else local, copies)
+            share_replicated_kv_heads(local.get_submodule(parent), copies)
 
 
 def _holder(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """The module holding `name` (a submodule's or a parameter's dotted name under `module`), and its last part."""
     parent, _, attribute = name.rpartition(".")
-    return (module.get_submodule(parent) if parent else module), attribute
+    return module.get_submodule(parent), attribute
 
 
 def _simulate(
@@ -236,11 +219,8 @@ def _simulate(
             return f"on local heads its forward fails: {first_line(error)}"
         if len(stand_in.inputs) != len(reference.row_inputs):
             return "its row layer is not reached as often as in the unsharded module"
-        if (
-            output is None
-            or output.shape != reference.output.shape
-            or relative_difference(output, reference.output) > TOLERANCE
-        ):
+        alike = output is not None and output.shape == reference.output.shape  # relative_difference ignores shapes
+        if not alike or relative_difference(output, reference.output) > TOLERANCE:
             return "on local heads its output differs from the unsharded module's"
         row_inputs.append(stand_in.inputs)
     for index, expected in enumerate(reference.row_inputs):  # at each call of the row layer
@@ -323,8 +303,9 @@ def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
                 add_counts(f"{prefix}{key}.", value)
 
     add_counts("", vars(module))
-    for key, value in vars(module).items():
-        if not key.startswith("_") and _config_like(value):
+    for key, value in vars(module).items():  # objects holding fields (a config), not modules, tensors or plain values
+        plain = isinstance(value, (nn.Module, torch.Tensor, type, int, float, str, bytes, tuple, list, dict))
+        if not key.startswith("_") and hasattr(value, "__dict__") and not plain and not callable(value):
             add_counts(f"{key}.", vars(value))
     for name, child in module.named_modules():
         # parameterless layers (einops'), and inner attention modules holding parameters of their own beside their
@@ -335,21 +316,3 @@ def _count_fields(module: nn.Module, planned: set[str], tp: int) -> list[str]:
         if name and name not in planned and inner and linear_shape(child) is None:
             add_counts(f"{name}.", {k: v for k, v in vars(child).items() if k != "training"})
     return paths
-
-
-def _config_like(value) -> bool:
-    if isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
-        return False
-    return hasattr(value, "__dict__") and not isinstance(value, (int, float, str, bytes, tuple, list, dict))
-
-
-def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple):
-        return tuple(_detached(item) for item in value)
-    if isinstance(value, list):
-        return [_detached(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _detached(item) for key, item in value.items()}
-    return value

@@ -79,6 +79,12 @@ def usual_fields(module: nn.Module) -> tuple[str, ...]:
     return tuple(name for name in names if _is_count(getattr(module, name, None)))
 
 
+def kept_heads(module: nn.Module) -> int | None:
+    """The head count `module` keeps under a usual name, or the first module inside it does (Swin's self-attention)."""
+    counts = (getattr(inner, name, None) for inner in module.modules() for name in HEAD_ATTRIBUTES)
+    return next((count for count in counts if isinstance(count, int)), None)
+
+
 def field_value(module: nn.Module, path: str):
     """The value at a dotted `path` under `module` (attributes, or keys of a dict on the way)."""
     value = module
@@ -129,8 +135,7 @@ def localize_heads(module: nn.Module, tp: int) -> None:
     for attribute in usual_fields(module):
         setattr(module, attribute, _local_count(attribute, getattr(module, attribute), tp))
     config = getattr(module, "config", None)
-    counts = {field: getattr(config, field, None) for field in CONFIG_HEAD_FIELDS}
-    counts = {field: value for field, value in counts.items() if _is_count(value)}
+    counts = {field: value for field in CONFIG_HEAD_FIELDS if _is_count(value := getattr(config, field, None))}
     if counts:
         local = copy.copy(config)
         for field, value in counts.items():

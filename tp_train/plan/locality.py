@@ -52,16 +52,13 @@ class LocalityProbes:
             sizes = split_sizes(self.calls[column].output, self.calls[row].input)
             if sizes and len(set(sizes)) > 1 and len(sizes) == 3:  # [q; k; v] of unequal sizes (grouped-query)
                 candidates.append((f"fused_qkv_colwise({','.join(map(str, sizes))})", sizes))
-            self._cache[key] = next(
-                (
-                    style
-                    for style, sizes in candidates
-                    if sum(sizes) == width
-                    and all(size % self.shares == 0 for size in sizes)
-                    and self._local(column, row, sizes, frozen, background=background)
-                ),
-                None,
-            ) or self._replicated_kv_heads(column, row, frozen, background)
+            fits = [
+                (style, sizes)
+                for style, sizes in candidates
+                if sum(sizes) == width and not any(n % self.shares for n in sizes)
+            ]
+            local = (style for style, sizes in fits if self._local(column, row, sizes, frozen, background=background))
+            self._cache[key] = next(local, None) or self._replicated_kv_heads(column, row, frozen, background)
         return self._cache[key]
 
     def _replicated_kv_heads(self, column: str, row: str, frozen: frozenset, background: frozenset) -> str | None:
@@ -105,20 +102,14 @@ class LocalityProbes:
         """Whether a row layer's inputs at its calls, `base` before and `moved` after a perturbation, moved inside
         rank `share`'s share of their features (of each of `row_sections`, default one; `share` may be a range of
         ranks) only, and somewhere at all."""
-        effects = [
-            self._share_effect(after - before, share, row_sections) for before, after in zip(base, moved, strict=True)
-        ]
-        return max(effect for effect, _ in effects) > 0 and not any(leak > LEAK_TOLERANCE * e for e, leak in effects)
-
-    def _share_effect(self, delta: torch.Tensor, share: int, sections=None) -> tuple[float, float]:
-        """How far a row input moved inside rank `share`'s features (its chunk of each of `sections`), and outside
-        them."""
         shares = share if isinstance(share, range) else (share,)
-        masks = [share_mask(delta, sections or (delta.shape[-1],), self.shares, each) for each in shares]
-        inside = functools.reduce(torch.logical_or, masks)
-        delta = delta.abs()
-        outside = delta.masked_fill(inside, 0)
-        return delta.masked_fill(~inside, 0).max().item(), outside.max().item()
+        effects = []  # how far each input moved inside the share's features, and outside them
+        for before, after in zip(base, moved, strict=True):
+            delta = (after - before).abs()
+            masks = [share_mask(delta, row_sections or (delta.shape[-1],), self.shares, each) for each in shares]
+            inside = functools.reduce(torch.logical_or, masks)
+            effects.append((delta.masked_fill(~inside, 0).max().item(), delta.masked_fill(inside, 0).max().item()))
+        return max(effect for effect, _ in effects) > 0 and not any(leak > LEAK_TOLERANCE * e for e, leak in effects)
 
     def _parameter_local(self, row: str, owner: str, param: torch.Tensor, dim: int) -> bool:
         """Whether perturbing rank r's share of `param` (of module `owner`) along `dim` moves only rank r's share of
@@ -152,17 +143,14 @@ class LocalityProbes:
         return width % self.shares == 0 and self._local(table, row, (width,), columns)
 
     def _mixes_tokens(self, pair: Pair) -> bool:
-        """Whether a perturbation of the columns at the first token moves the row input at later tokens."""
-        key = ("tokens", generic(pair.row), tuple(generic(name) for name in pair.columns))
-        if key not in self._cache:
-            self._cache[key] = self._perturbed_first_token_moves_later_ones(pair)
-        return self._cache[key]
-
-    def _perturbed_first_token_moves_later_ones(self, pair: Pair) -> bool:
         """Whether perturbing the columns' outputs at one position (at every call) moves the row input (at a call)
         at more positions than one call perturbed: index 0 along each dimension but the features in turn (tokens are
         the second-to-last in most models, the first in time-major ones, LED's and FSMT's (T, B, C)). A batch
-        dimension never mixes."""
+        dimension never mixes. Found once per block shape."""
+        key = ("tokens", generic(pair.row), tuple(generic(name) for name in pair.columns))
+        if key in self._cache:
+            return self._cache[key]
+        self._cache[key] = False
         base = self._row_inputs(pair.row, {})
         outputs = [output for column in pair.columns for output in self.calls[column].outputs if output is not None]
         for dim in range(max(output.dim() for output in outputs) - 1):
@@ -173,8 +161,9 @@ class LocalityProbes:
             moved = self._row_inputs(pair.row, dict.fromkeys(pair.columns, mask))
             pairs = zip(base, moved, strict=True)
             if max(int(((after - before).abs().amax(-1) > 0).sum()) for before, after in pairs) > perturbed:
-                return True
-        return False
+                self._cache[key] = True
+                break
+        return self._cache[key]
 
     def _row_inputs(
         self,
@@ -209,16 +198,14 @@ class LocalityProbes:
             outputs = iter(self.calls[name].outputs)
             return lambda module, args, output: channels_first(module, next(outputs).detach())
 
+        def hold(name, module, args, output):  # a norm's statistic as traced
+            return hold_statistic(module, args[0], output, self.calls[name].input)
+
+        hooks = [(name, functools.partial(perturb, mask=mask)) for name, mask in masks.items()]
+        hooks += [(n, functools.partial(perturb, mask=torch.ones_like, generator=still)) for n in sorted(background)]
+        hooks += [(name, held(name)) for name in frozen]
         handles = [self.modules[row].register_forward_pre_hook(capture)]
-        handles += [
-            self.modules[name].register_forward_hook(lambda m, a, o, mask=mask: perturb(m, a, o, mask))
-            for name, mask in masks.items()
-        ]
-        handles += [
-            self.modules[name].register_forward_hook(lambda m, a, o: perturb(m, a, o, torch.ones_like, still))
-            for name in sorted(background)
-        ]
-        handles += [self.modules[name].register_forward_hook(held(name)) for name in frozen]
+        handles += [self.modules[name].register_forward_hook(hook) for name, hook in hooks]
         # Norms and reductions hold their traced statistics in every probe forward, the unperturbed one too: a
         # forward without autograd may differ from the traced one by round-off (SeamlessM4T's conformer convolutions,
         # 6e-8), and a norm held in perturbed forwards only then moved every feature downstream of it.
@@ -226,12 +213,7 @@ class LocalityProbes:
             enter, leave = held_reductions(self.modules[name], self.calls[name].input)
             handles += [self.modules[name].register_forward_pre_hook(enter)]
             handles += [self.modules[name].register_forward_hook(leave, always_call=True)]
-        handles += [
-            self.modules[name].register_forward_hook(
-                lambda m, a, o, name=name: hold_statistic(m, a[0], o, self.calls[name].input)
-            )
-            for name in self.norms
-        ]
+        handles += [self.modules[name].register_forward_hook(functools.partial(hold, name)) for name in self.norms]
         with contextlib.suppress(_Stop), hooks_removed(handles), torch.no_grad():
             forward_without_cache(self.model, self.inputs)
         if not masks and not fresh and not background:

@@ -8,11 +8,10 @@ import torch.nn as nn
 from tp_train.parallel.norm import EPSILON_ATTRIBUTES, is_layer_norm, norm_epsilon, norm_groups
 from tp_train.parallel.sharding import check_divisible, check_sections, divisors
 from tp_train.plan.head_shapes import attention_of, grouped_without_counts, observed_counts
-from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style
+from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style, usual_fields
 from tp_train.plan.styles import (
     ALIASES,
     FEATURE_REDUCTION_STYLE,
-    HEAD_ATTRIBUTES,
     KV_HEAD_ATTRIBUTES,
     LINEAR_STYLES,
     NORM_STYLES,
@@ -20,7 +19,6 @@ from tp_train.plan.styles import (
     ROW_STYLES,
     SECTIONED_STYLES,
     STYLES,
-    WIDTH_ATTRIBUTES,
     HeadCounts,
     PlannedModule,
     check_style,
@@ -52,9 +50,10 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int, example_input=No
         if not matches:
             parameters = _matching_parameters(model, pattern)
             if not parameters:
+                names = ", ".join(f"'{name}'" for name in [name for name, _ in model.named_modules() if name][:4])
                 raise ValueError(
                     f"plan entry '{pattern}' matches no module or parameter of {type(model).__name__}; "
-                    f"module names look like {_example_names(model)}"
+                    f"module names look like {names}, ..."
                 )
             parameter_entries.append((pattern, f"{style}({arguments})" if arguments else style, parameters))
             continue
@@ -80,7 +79,10 @@ def match_plan(model: nn.Module, plan: dict[str, str], tp: int, example_input=No
             _check_parameter(entry, param_name, style, pattern, tp)
             entry.parameters[param_name] = style
     for entry in planned.values():
-        if entry.style in {"moe_tp_experts", "all_reduce"} and not _shards_inside(entry, planned):
+        if entry.style not in {"moe_tp_experts", "all_reduce"}:
+            continue
+        inside = (other for name, other in planned.items() if name == entry.name or name.startswith(entry.name + "."))
+        if not any(other.parameters or other.style in LINEAR_STYLES for other in inside):
             raise ValueError(
                 f"plan entry '{entry.pattern}': module '{entry.name}' is '{entry.style}' but the plan shards none of "
                 f"its parameters or layers, so its all-reduce would add tp copies; plan its weights too "
@@ -142,12 +144,6 @@ def _check_parameter(entry: PlannedModule, param_name: str, style: str, pattern:
         check_sections(where, f"dim {spec.dim}", spec.sections, spec.units, tp)
 
 
-def _shards_inside(entry: PlannedModule, planned: dict[str, PlannedModule]) -> bool:
-    """Whether the plan shards any parameter of `entry`'s module or of a module inside it."""
-    inside = [other for name, other in planned.items() if name == entry.name or name.startswith(entry.name + ".")]
-    return any(other.parameters or other.style in LINEAR_STYLES for other in inside)
-
-
 def _check_module(
     name: str,
     module: nn.Module,
@@ -207,8 +203,12 @@ def _check_module(
             )
         for param_name, param in module.named_parameters(recurse=False):
             check_divisible(where, f"{param_name}.shape[0]", param.shape[0], tp)
-        if style == "gated_rmsnorm_parallel":
-            _check_norm_groups(where, module, tp)
+        # a gated norm's groups: whole on each rank (tp divides them) or each spanning tp / groups ranks
+        if style == "gated_rmsnorm_parallel" and (groups := norm_groups(module)) % tp and tp % groups:
+            raise ValueError(
+                f"{where}: its {groups} groups of group_size={module.group_size} neither divide nor are divisible by "
+                f"tensor_parallel_size={tp}; use a tensor_parallel_size in {divisors(groups)} or one {groups} divides"
+            )
     elif style == "channelwise":
         named = section_sizes(arguments)
         for param_name, param in module.named_parameters(recurse=False):
@@ -221,35 +221,17 @@ def _check_module(
             raise ValueError(f"{where} cannot take style '{style}': it needs an nn.Embedding")
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{where}: max_norm, sparse and scale_grad_by_freq are not supported when sharded")
-    elif style in ("attention", "moe_tp_experts") and arguments:  # each count its view makes local, evenly or by
-        for item in parse_attention_style(f"attention({arguments})").fields:  # its sections' units
+    elif style == "attention" or style == "moe_tp_experts" and arguments:
+        # each count its view makes local (plain `attention`: the usual attributes), evenly or by its sections' units
+        fields = parse_attention_style(f"attention({arguments})").fields if arguments else usual_fields(module)
+        for item in fields:
             path, sections = field_and_sections(item)
             value = field_value(module, path)
-            replicated = path.rpartition(".")[2] in KV_HEAD_ATTRIBUTES and isinstance(value, int) and not tp % value
+            kv = path.rpartition(".")[2] in KV_HEAD_ATTRIBUTES
+            replicated = kv and isinstance(value, int) and value and not tp % value
             if isinstance(value, int) and sections:
                 if sum(section_sizes(sections)) != value:
                     raise ValueError(f"{where}: '{item}' names sections that do not add up to {path}={value}")
                 check_sections(where, path, section_sizes(sections), section_units(sections), tp, stored=False)
             elif isinstance(value, int) and not replicated:
                 check_divisible(where, path, value, tp)
-    elif style == "attention":
-        for attribute in HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES:
-            value = getattr(module, attribute, None)
-            replicated = attribute in KV_HEAD_ATTRIBUTES and isinstance(value, int) and value and not tp % value
-            if isinstance(value, int) and not replicated:
-                check_divisible(where, attribute, value, tp)
-
-
-def _check_norm_groups(where: str, module: nn.Module, tp: int) -> None:
-    """A gated norm's groups: whole on each rank (tp divides them) or each spanning tp / groups ranks."""
-    groups = norm_groups(module)
-    if groups % tp and tp % groups:
-        raise ValueError(
-            f"{where}: its {groups} groups of group_size={module.group_size} neither divide nor are divisible by "
-            f"tensor_parallel_size={tp}; use a tensor_parallel_size in {divisors(groups)} or one {groups} divides"
-        )
-
-
-def _example_names(model: nn.Module) -> str:
-    names = [name for name, _ in model.named_modules() if name][:4]
-    return ", ".join(f"'{name}'" for name in names) + ", ..."

@@ -22,7 +22,7 @@ UNSPLIT_WHOLE = 0.25
 TABLE_STYLE = "rowwise"
 # Norms the probes hold the statistic of, by the style that normalises them over every rank's features.
 SPLIT_NORMS = (("rmsnorm_parallel", is_rms_norm), ("layernorm_parallel", is_layer_norm))
-WHOLE_SUMMED = "replicated_with_grad_allreduce"  # a parameter entry: whole on every rank, its gradient summed
+WHOLE_SUMMED = "replicated_with_grad_allreduce"  # whole on every rank, its gradient summed
 
 
 @dataclass
@@ -117,12 +117,6 @@ def conv_per_head(module: nn.Module | None, heads: int) -> bool:
 def numbered_away(name: str) -> str:
     """`name` with the number ending each part removed (`experts.expert_6.wi` -> `experts.expert_.wi`)."""
     return ".".join(part.rstrip("0123456789") for part in name.split("."))
-
-
-def block_of(name: str) -> str:
-    """The repeated block holding module `name`: its name up to the first numbered part (`layers.3`)."""
-    parts = name.split(".")
-    return ".".join(parts[: next((i for i, part in enumerate(parts) if part.isdigit()), len(parts)) + 1])
 
 
 def enclosing_module(pair: Pair) -> str:

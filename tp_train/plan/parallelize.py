@@ -68,14 +68,15 @@ def parallelize(
         parallelize(wrapped[1], tp_group, **settings)
         return model
     group = as_process_group(tp_group)
-    resolved, source = resolve_plan(model, plan, dist.get_world_size(group), example_input)
+    resolved, source = _agreed_plan(model, plan, group, example_input)
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
     elif SKIPPED in source and dist.get_rank() == 0:
         print(f"tensor-parallel plan: {source}", flush=True)
     planned = match_plan(model, resolved, dist.get_world_size(group), example_input)
     vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
-    whole_model = verify or (verify is None and _parameter_bytes(model) <= WHOLE_MODEL_CHECK_BYTES)
+    parameter_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+    whole_model = verify or (verify is None and parameter_bytes <= WHOLE_MODEL_CHECK_BYTES)
     skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
     check = SwapCheck(group) if verify is not False else None
     regions = RegionCheck(group, planned) if verify is not False else None
@@ -112,14 +113,35 @@ def parallelize(
             whole_model_errors = verify_parallelized(model, reference, group, planned, example_input)
     if check is not None and dist.get_rank() == 0:
         print(_verification_summary(check, regions, whole_model_errors), flush=True)
-    model.tp_comm_counter = _count_communication(model, counter)
-    _configure_overlap(model, dist.get_backend(group) == "nccl" if overlap is None else overlap)
+    overlap = dist.get_backend(group) == "nccl" if overlap is None else overlap
+    model.tp_comm_counter = _configure_layers(model, counter, overlap)
     counter.reset()  # verification's traffic is not training's
     if cp_group is not None:
         enable_context_parallel(model, cp_group, **(cp_options or {}))
     if compile:
         model.compile()
     return model
+
+
+def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> tuple[dict[str, str], str]:
+    """`resolve_plan` on the group's first rank, taken by every rank: the planner's probes run once per group, not
+    once per rank (on the host, with a deferred-init model materialised there), and the ranks cannot decide
+    differently. A refusal is raised on every rank."""
+    size = dist.get_world_size(group)
+    if plan or size == 1:
+        return resolve_plan(model, plan, size, example_input)
+    decided: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            decided[0] = resolve_plan(model, plan, size, example_input)
+        except Exception as error:
+            kind = ValueError if isinstance(error, ValueError) else RuntimeError
+            dist.broadcast_object_list([kind(str(error))], group=group, group_src=0)
+            raise
+    dist.broadcast_object_list(decided, group=group, group_src=0)
+    if isinstance(decided[0], Exception):
+        raise decided[0]
+    return decided[0]
 
 
 def _blocks_if_any(model: nn.Module, planned: list) -> list[str]:
@@ -142,10 +164,6 @@ def _head_vocab_size(planned: list[PlannedModule], source: str) -> int:
     return next(iter(heads.values()))
 
 
-def _parameter_bytes(model: nn.Module) -> int:
-    return sum(param.numel() * param.element_size() for param in model.parameters())
-
-
 def _verification_summary(check: SwapCheck, regions: RegionCheck, whole_model: dict[str, float] | None) -> str:
     """One line: what verification checked and the largest relative difference it saw."""
     worst = max(check.errors.values(), default=0.0)
@@ -166,24 +184,15 @@ def _verification_summary(check: SwapCheck, regions: RegionCheck, whole_model: d
     )
 
 
-def _count_communication(model: nn.Module, counter: CommunicationCounter) -> CommunicationCounter:
-    """`counter` for every parallel layer of `model` (and their shared input regions)."""
+def _configure_layers(model: nn.Module, counter: CommunicationCounter, overlap: bool) -> CommunicationCounter:
+    """`counter` for every parallel layer of `model` and the regions its layers enter by (shared input regions, a
+    region style's collectives), and backward overlap on or off in those that have it (column layers, their regions)."""
     for module in model.modules():
-        if isinstance(module, Configurable):
-            module.configure(comm_counter=counter)
-        for attribute in ("input_region", "tp_region"):  # shared input regions; a region style's collectives
-            region = getattr(module, attribute, None)
-            if region is not None:
-                region.configure(comm_counter=counter)
+        for configurable in (module, getattr(module, "input_region", None), getattr(module, "tp_region", None)):
+            if isinstance(configurable, Configurable):
+                overlaps = {"overlap": overlap} if "overlap" in configurable.SETTINGS else {}
+                configurable.configure(comm_counter=counter, **overlaps)
     return counter
-
-
-def _configure_overlap(model: nn.Module, overlap: bool) -> None:
-    """Switches backward overlap on or off in every column layer of `model` and the regions its layers enter by."""
-    for module in model.modules():
-        for configurable in (module, getattr(module, "input_region", None)):
-            if isinstance(configurable, Configurable) and "overlap" in configurable.SETTINGS:
-                configurable.configure(overlap=overlap)
 
 
 def attached(root: nn.Module, attribute: str) -> list:

@@ -16,7 +16,7 @@ def preset_plan(model: nn.Module) -> dict[str, str] | None:
     if spec is None or spec.preset is None:
         return None
     _check_supported(spec, model, "preset")
-    return _for_model(model, {**spec.preset, **_variant(spec, model.config)}, head=True)
+    return _for_model(model, {**spec.preset, **(spec.variant(model.config) if spec.variant else {})}, head=True)
 
 
 def check_shardable(model: nn.Module) -> None:
@@ -41,7 +41,7 @@ def plan_additions(model: nn.Module) -> dict[str, str]:
     base = dict(spec.additions or {})
     if spec.preset is None:
         _check_supported(spec, model, "plan additions")
-        base |= _variant(spec, model.config)
+        base |= spec.variant(model.config) if spec.variant else {}
     return _for_model(model, base, head=False) if base else {}
 
 
@@ -51,17 +51,11 @@ def _check_supported(spec: FamilySpec, model: nn.Module, what: str) -> None:
         raise ValueError(f"the built-in '{spec.model_type}' {what} cannot shard this model: {reason}")
 
 
-def _variant(spec: FamilySpec, config) -> dict[str, str]:
-    return spec.variant(config) if spec.variant else {}
-
-
 def _for_model(model: nn.Module, base: dict[str, str], head: bool) -> dict[str, str]:
     """`base` (keys relative to the base model) keyed as `model`'s module names, with the LM head when `head`."""
     prefix = getattr(model, "base_model_prefix", "")
-    if prefix and hasattr(model, prefix):
-        plan = {f"{prefix}.{pattern}": style for pattern, style in base.items()}
-    else:
-        plan = dict(base)
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    plan = {prefix + pattern: style for pattern, style in base.items()}
     if head and (name := _head_name(model)):
         plan[name] = HEAD_STYLE
     return plan

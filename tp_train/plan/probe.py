@@ -8,6 +8,7 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from tp_train.errors import first_line
 from tp_train.plan.caches import caches_kept
+from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.meta_init import materialize
 from tp_train.plan.probe_input import EXAMPLE_INPUT_HINT, ProbeInput, forward_argument
 from tp_train.plan.styles import pointwise_conv_shape
@@ -52,33 +54,25 @@ def trace_calls(model: nn.Module, inputs: ProbeInput) -> dict[str, ModuleCall]:
     Raises:
         ValueError: one line naming the model, the probe's input and the innermost module whose forward raised."""
     calls: dict[str, ModuleCall] = {}
-    handles = []
 
-    def enter(name):
-        def hook(module, args):
-            call = calls.setdefault(name, ModuleCall(order=len(calls)))
-            call.calls += 1
+    def enter(name, module, args):
+        calls.setdefault(name, ModuleCall(order=len(calls))).calls += 1
 
-        return hook
+    def leave(name, module, args, output):
+        call = calls[name]
+        call.input = channels_last(module, args[0]) if args and isinstance(args[0], torch.Tensor) else None
+        call.output = channels_last(module, output) if isinstance(output, torch.Tensor) else None
+        if call.output is not None:
+            call.shapes.add(tuple(call.output.shape))
+        call.inputs.append(call.input)
+        call.outputs.append(call.output)
+        # The model goes on from the recorded view (a 1x1 conv's channels-last one), so the dataflow that later
+        # modules' inputs show passes through it.
+        return channels_first(module, call.output) if call.output is not output else None
 
-    def leave(name):
-        def hook(module, args, output):
-            call = calls[name]
-            call.input = channels_last(module, args[0]) if args and isinstance(args[0], torch.Tensor) else None
-            call.output = channels_last(module, output) if isinstance(output, torch.Tensor) else None
-            if call.output is not None:
-                call.shapes.add(tuple(call.output.shape))
-            call.inputs.append(call.input)
-            call.outputs.append(call.output)
-            # The model goes on from the recorded view (a 1x1 conv's channels-last one), so the dataflow that later
-            # modules' inputs show passes through it.
-            return channels_first(module, call.output) if call.output is not output else None
-
-        return hook
-
-    for name, module in model.named_modules():
-        if name:
-            handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave(name))]
+    named = [(name, module) for name, module in model.named_modules() if name]
+    handles = [module.register_forward_pre_hook(partial(enter, name)) for name, module in named]
+    handles += [module.register_forward_hook(partial(leave, name)) for name, module in named]
     try:
         with hooks_removed(handles), torch.enable_grad(), running_modules(model) as running:
             forward_without_cache(model, inputs)
@@ -104,17 +98,14 @@ def foreign_readers(model: nn.Module, inputs: ProbeInput, parameter: nn.Paramete
             result = func(*args, **(kwargs or {}))
             read = any(arg is parameter for arg in tree_leaves((args, kwargs)))
             where = running[-1] if running else ""  # "": the model's own forward
-            if read and where not in holders and _has_history(result):
+            history = any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(result))
+            if read and where not in holders and history:
                 found.add(where)
             return result
 
     with torch.enable_grad(), running_modules(model) as running, Reads():
         forward_without_cache(model, inputs)
     return found
-
-
-def _has_history(result) -> bool:
-    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(result))
 
 
 def forward_without_cache(model: nn.Module, inputs: ProbeInput | torch.Tensor):
@@ -128,19 +119,15 @@ def running_modules(model: nn.Module) -> Iterator[list[str]]:
     returned, outermost first; after a forward that raised, it still holds them: its last is where it failed."""
     running: list[str] = []
 
-    def enter(name):
-        return lambda module, args: running.append(name)
-
-    def leave(name):
-        def hook(module, args, output):
-            while running and running.pop() != name:
-                pass
-
-        return hook
+    def leave(name, module, args, output):
+        while running and running.pop() != name:
+            pass
 
     named = [(name, module) for name, module in model.named_modules() if name]
-    handles = [module.register_forward_pre_hook(enter(name)) for name, module in named]
-    handles += [module.register_forward_hook(leave(name)) for name, module in named]
+    handles = [
+        module.register_forward_pre_hook(lambda _, __, name=name: running.append(name)) for name, module in named
+    ]
+    handles += [module.register_forward_hook(partial(leave, name)) for name, module in named]
     with hooks_removed(handles):
         yield running
 
@@ -237,15 +224,8 @@ def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
                 materialize(name, module, torch.device("cpu"), materialized, init_weights)
         else:
             probe = model
-        requires_grad = {param: param.requires_grad for param in probe.parameters()}
-        for param in requires_grad:
-            param.requires_grad_(param.is_floating_point())
-        try:
-            with eval_mode(probe), caches_kept(probe):
-                yield probe
-        finally:
-            for param, flag in requires_grad.items():
-                param.requires_grad_(flag)
+        with requiring_grad(probe.parameters(), torch.is_floating_point), eval_mode(probe), caches_kept(probe):
+            yield probe
 
 
 @contextmanager

@@ -168,9 +168,10 @@ def _dummy(model: nn.Module, config, name: str, length: int, batch: int, seed: i
         name = _generic_input(model, config)
     if name in ("input_ids", "decoder_input_ids"):
         return probe_token_ids(model, length, batch, seed)
-    naflex = "spatial_shapes" in forward_parameters(model) and _holding(config, "num_patches") is not None
-    if name in ("pixel_values", "pixel_values_videos") and naflex:
-        return _patches(config, batch, generator, dtype)  # NaFlex: (batch, patches, channels x patch pixels)
+    naflex = _holding(config, "num_patches") if "spatial_shapes" in forward_parameters(model) else None
+    if name in ("pixel_values", "pixel_values_videos") and naflex is not None:  # SigLIP 2's: images cut into patches
+        width = (getattr(naflex, "num_channels", None) or IMAGE_CHANNELS) * naflex.patch_size**2
+        return torch.randn(batch, naflex.num_patches, width, generator=generator, dtype=dtype)
     if name in ("pixel_attention_mask", "spatial_shapes"):
         patches = _holding(config, "num_patches").num_patches
         if name == "pixel_attention_mask":
@@ -178,7 +179,8 @@ def _dummy(model: nn.Module, config, name: str, length: int, batch: int, seed: i
         return torch.tensor([[math.isqrt(patches), patches // math.isqrt(patches)]] * batch)
     if name in ("pixel_values", "pixel_values_videos"):
         vision = _holding(config, "image_size") or _holding(config, "num_channels") or config
-        height, width = _pair(getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE)
+        size = getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE
+        height, width = (size, size) if isinstance(size, int) else (int(size[0]), int(size[-1]))
         channels = getattr(vision, "num_channels", None) or IMAGE_CHANNELS
         frames = (getattr(vision, "num_frames", None) or 1,) if name == "pixel_values_videos" else ()
         return torch.randn(batch, *frames, channels, height, width, generator=generator, dtype=dtype)
@@ -190,27 +192,17 @@ def _dummy(model: nn.Module, config, name: str, length: int, batch: int, seed: i
     return None
 
 
-def _patches(config, batch: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """SigLIP 2's NaFlex input: images already cut into `num_patches` patches of `patch_size` squared pixels."""
-    vision = _holding(config, "num_patches")
-    width = (getattr(vision, "num_channels", None) or IMAGE_CHANNELS) * vision.patch_size**2
-    return torch.randn(batch, vision.num_patches, width, generator=generator, dtype=dtype)
-
-
 def _generic_input(model: nn.Module, config) -> str:
     """What a forward taking `inputs` reads: token ids where an embedding has the vocabulary's rows (Perceiver's
     masked LM), else images or audio as the config describes."""
     vocabulary = getattr(config, "vocab_size", None)
     if any(isinstance(module, nn.Embedding) and module.num_embeddings == vocabulary for module in model.modules()):
         return "input_ids"
-    return "pixel_values" if _holding(config, "image_size") else _audio_input(config) or "input_ids"
-
-
-def _audio_input(config) -> str | None:
-    """`input_features` for a config of spectrogram features, `input_values` for one of raw audio, else None."""
-    if _feature_shape(config, PROBE_TOKENS) is not None:
+    if _holding(config, "image_size"):
+        return "pixel_values"
+    if _feature_shape(config, PROBE_TOKENS) is not None:  # spectrogram features
         return "input_features"
-    return "input_values" if _holding(config, "conv_dim") or _holding(config, "sampling_rate") else None
+    return "input_values" if _holding(config, "conv_dim") or _holding(config, "sampling_rate") else "input_ids"
 
 
 def _feature_shape(config, length: int) -> tuple[int, int] | None:
@@ -241,10 +233,6 @@ def _holding(config, field_name: str):
         if found is not None and getattr(found, field_name, None) is not None:
             return found
     return None
-
-
-def _pair(size) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[-1]))
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -5,6 +5,7 @@ sharding (docs/planner.md, "What a plan cannot get wrong silently")."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from itertools import chain
 
 import torch
@@ -14,7 +15,8 @@ from torch.distributed import ProcessGroup
 
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import shard_tensor
-from tp_train.plan.compare import first_tensor, relative_difference
+from tp_train.plan.compare import detached, first_tensor, relative_difference
+from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
 from tp_train.plan.styles import FEATURE_REDUCTION_STYLE, NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
@@ -50,16 +52,13 @@ class RegionCheck:
             return
         arguments: dict[str, tuple] = {}
 
-        def capture(name):
-            def hook(module, args, kwargs):
-                captured = tuple(_detached(value) for value in args), {k: _detached(v) for k, v in kwargs.items()}
-                arguments.setdefault(name, captured)
-
-            return hook
+        def capture(name, module, args, kwargs):
+            arguments.setdefault(name, detached((args, kwargs)))
 
         modules = {name: model.get_submodule(name) for name in self.entries}
         handles = [
-            module.register_forward_pre_hook(capture(name), with_kwargs=True) for name, module in modules.items()
+            module.register_forward_pre_hook(partial(capture, name), with_kwargs=True)
+            for name, module in modules.items()
         ]
         length = math.lcm(PROBE_TOKENS, dist.get_world_size(self.group))
         try:
@@ -84,13 +83,12 @@ class RegionCheck:
                 reference = reference.local(module, rank, tp)
             dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
             tolerance = self.tolerance or TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
+            failure = None
             try:
                 with eval_mode(module):
                     errors = reference.differences(_run(module, *reference.arguments, reference.param_grads, split))
             except Exception as error:  # noqa: BLE001 - a module that cannot run is reported like a wrong one
                 errors, failure = {"output": math.inf}, f"fails on the probe's arguments ({first_line(error)})"
-            else:
-                failure = None
             worst = max(errors, key=errors.get)
             self.errors[name] = errors[worst]
             if problem is None and (failure or errors[worst] > tolerance):
@@ -99,11 +97,8 @@ class RegionCheck:
                     f"differs from the unsharded module by {errors[worst]:.3g} in its {worst} (relative; tolerance "
                     f"{tolerance:.0e}) on the probe batch's arguments"
                 )
-                problem = (
-                    f"module '{name}' ({type(module).__name__}) planned '{entry.style}'"
-                    + (f" with {entries}" if entries else "")
-                    + f" {what}"
-                )
+                entries = f" with {entries}" if entries else ""
+                problem = f"module '{name}' ({type(module).__name__}) planned '{entry.style}'{entries} {what}"
         self._references.clear()
         raise_first(problem, self.group)
 
@@ -150,11 +145,8 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, whole, split: tuple[int, 
     fresh = iter(inputs)
     call_args = tuple(next(fresh) if _floating(value) else value for value in args)
     call_kwargs = {key: next(fresh) if _floating(value) else value for key, value in kwargs.items()}
-    flags = {param: param.requires_grad for param in module.parameters()}
     try:
-        for param in flags:
-            param.requires_grad_(param.is_floating_point())
-        with torch.enable_grad():
+        with requiring_grad(module.parameters(), torch.is_floating_point), torch.enable_grad():
             output = first_tensor(module(*call_args, **call_kwargs))
             if output is None:
                 raise TypeError(f"{type(module).__name__} returned no tensor")
@@ -172,26 +164,19 @@ def _run(module: nn.Module, args: tuple, kwargs: dict, whole, split: tuple[int, 
         }
         return _Run((args, kwargs), output.detach(), input_grads, param_grads)
     finally:
-        for param, flag in flags.items():
-            param.requires_grad_(flag)
         module.zero_grad(set_to_none=True)
 
 
 def _whole(module: nn.Module, entry: PlannedModule) -> list[str]:
     """`module`'s own parameters that no entry of the plan splits (every rank keeps them whole), and all of them for a
     module whose style splits them with the features (their shards are compared)."""
-    if entry.style in FEATURE_SPLIT_STYLES:
-        return [name for name, _ in module.named_parameters(recurse=False)]
     split = {key for key, style in entry.parameters.items() if style not in WHOLE_PARAMETER_STYLES}
-    return [name for name, _ in module.named_parameters(recurse=False) if name not in split]
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    return names if entry.style in FEATURE_SPLIT_STYLES else [name for name in names if name not in split]
 
 
 def _floating(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
-def _detached(value):
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _relative_or_inf(tensor: torch.Tensor, reference: torch.Tensor) -> float:

@@ -86,10 +86,9 @@ def resolve_plan(
         ) from None
     if found is None:
         return inferred, INFERRED_SOURCE
-    # The model's own entries win; the auto-planner's fill in the blocks (a head-only plan, as LFM2's).
-    completed = InferredPlan({**inferred, **found[0]})
-    completed.notes = inferred.notes  # an attention kept whole is said, whichever plan it completes
-    return completed, f"{found[1]}, {COMPLETED_SOURCE}"
+    # The model's own entries win; the auto-planner's fill in the blocks (a head-only plan, as LFM2's). An attention
+    # kept whole is noted, whichever plan it completes.
+    return InferredPlan({**inferred, **found[0]}, inferred.notes), f"{found[1]}, {COMPLETED_SOURCE}"
 
 
 def check_config_heads(model: nn.Module, tp: int) -> None:
@@ -123,22 +122,15 @@ def _completed(
     try:
         inferred = infer_plan(model, tensor_parallel_size, example_input, given=plan)
     except ValueError as error:
-        kept = InferredPlan(plan)
-        kept.notes = [f"note: what the plan leaves whole in its blocks stays whole on every rank: {error}"]
-        return kept, f"{source}, {COMPLETED_SOURCE}"
-    completed = InferredPlan({**inferred, **plan})
-    completed.notes = inferred.notes
-    return completed, f"{source}, {COMPLETED_SOURCE}"
+        note = f"note: what the plan leaves whole in its blocks stays whole on every rank: {error}"
+        return InferredPlan(plan, [note]), f"{source}, {COMPLETED_SOURCE}"
+    return InferredPlan({**inferred, **plan}, inferred.notes), f"{source}, {COMPLETED_SOURCE}"
 
 
 def _leaves_linears_whole(model: nn.Module, plan: dict[str, str]) -> bool:
     """Whether a block Linear `plan` names nothing about leaves more than `SMALL_WHOLE` of its block whole."""
     covered, sharded = covered_linears(model, plan), sharded_parameters(model, plan)
-    return any(
-        whole_beyond_small(model, name, plan, sharded)
-        for name, module in model.named_modules()
-        if linear_shape(module) is not None and in_repeated_block(name) and name not in covered
-    )
+    return any(whole_beyond_small(model, name, plan, sharded) for name in _block_linears(model) if name not in covered)
 
 
 def _fit_to_config(model: nn.Module, plan: dict[str, str], source: str) -> tuple[dict[str, str], str]:
@@ -164,14 +156,16 @@ def _fit_to_config(model: nn.Module, plan: dict[str, str], source: str) -> tuple
 
 def _leaves_blocks_untouched(model: nn.Module, plan: dict[str, str]) -> bool:
     """Whether `model` has Linears inside repeated blocks (`layers.0.mlp.up`) and `plan` shards none of them."""
-    block_linears = [
-        name for name, module in model.named_modules() if linear_shape(module) is not None and in_repeated_block(name)
-    ]
+    block_linears = _block_linears(model)
     names = {pattern: split_style(style)[0] for pattern, style in plan.items()}  # `colwise(64,64,16,16,8)` too
     sharding = [pattern for pattern, name in names.items() if ALIASES.get(name, name) in LINEAR_STYLES]
-    return bool(block_linears) and not any(
-        pattern_matches(pattern, name) for pattern in sharding for name in block_linears
-    )
+    return bool(block_linears) and not any(pattern_matches(p, name) for p in sharding for name in block_linears)
+
+
+def _block_linears(model: nn.Module) -> list[str]:
+    return [
+        name for name, module in model.named_modules() if linear_shape(module) is not None and in_repeated_block(name)
+    ]
 
 
 def modules_with_plans(root: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -43,13 +43,10 @@ def check_sequence_parallel(model: nn.Module, layout: BlockLayout) -> None:
             f"sequence is gathered at its input); {type(model).__name__}'s plan has none: shard a model with "
             f"its LM head, or use sequence_parallel=False"
         )
+    # `rowwise(feeds_parallel_region)`: its output, sequence-sharded, would feed full channels
+    unsupported = {*REGION_STYLES, "rowwise_split_input", f"rowwise({FEEDS_PARALLEL_REGION})"}
     for name, style in layout.planned.items():
-        if (
-            style in REGION_STYLES
-            or style == "rowwise_split_input"
-            or style == f"rowwise({FEEDS_PARALLEL_REGION})"  # its output, sequence-sharded, would feed full channels
-            or (style == "colwise_gather_output" and layout.in_blocks(name))
-        ):
+        if style in unsupported or (style == "colwise_gather_output" and layout.in_blocks(name)):
             raise ValueError(
                 f"sequence_parallel does not support '{name}' planned '{style}' (its collectives assume a "
                 f"replicated input and output); use sequence_parallel=False"
@@ -171,12 +168,10 @@ def _reduce_replicated_gradients(model: nn.Module, layout: BlockLayout, group: P
             seen = {"in_region": False}
             module.register_forward_pre_hook(lambda *_, seen=seen: seen.update(in_region=region.active))
             for key in params:
-                register_gradient_hook(module, key, lambda grad, seen=seen: _reduce_if(grad, seen["in_region"], group))
+                register_gradient_hook(
+                    module, key, lambda grad, seen=seen: all_reduce_gradient(grad, group) if seen["in_region"] else grad
+                )
         reduced.update(id(p) for p in params.values())
-
-
-def _reduce_if(grad: torch.Tensor, in_region: bool, group: ProcessGroup) -> torch.Tensor:
-    return all_reduce_gradient(grad, group) if in_region else grad
 
 
 def _map_input(module: nn.Module, fn) -> None:

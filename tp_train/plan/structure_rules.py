@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tp_train.plan.coverage import in_repeated_block
+from tp_train.plan.coverage import block_of, in_repeated_block
+from tp_train.plan.local_view import kept_heads, usual_fields
 from tp_train.plan.pairs import (
     TABLE_STYLE,
     WHOLE_SUMMED,
     Pair,
-    block_of,
     conv_per_head,
     enclosing_module,
     last_dim,
@@ -21,10 +21,7 @@ from tp_train.plan.pairs import (
 from tp_train.plan.probe import foreign_readers
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
-    HEAD_ATTRIBUTES,
-    KV_HEAD_ATTRIBUTES,
     NORM_STYLES,
-    WIDTH_ATTRIBUTES,
     column_layout,
     head_counts,
     matrix_shape,
@@ -70,24 +67,21 @@ class StructureRules:
             return False
         split = {other for other, style in styles.items() if style.startswith(("colwise", "packed_", "fused_"))}
         rows = {other for other, style in styles.items() if style.startswith("rowwise")}
-        if any(reader not in split and not self.producers[reader][0] & rows for reader in self._readers_in_block(name)):
+        # the Linears of its repeated block whose input is computed from its output
+        readers = [
+            other for other in self.linears if name in self.producers[other][0] and block_of(other) == block_of(name)
+        ]
+        if any(reader not in split and not self.producers[reader][0] & rows for reader in readers):
             return False
-        local = [other for other, style in styles.items() if style.startswith("attention")]
-        inside = any(name.startswith(attention + ".") for attention in local)
+        inside = any(name.startswith(other + ".") for other, style in styles.items() if style.startswith("attention"))
         return not inside and not self.producers[name][0] & split
-
-    def _readers_in_block(self, name: str) -> list[str]:
-        """The Linears of `name`'s repeated block whose input is computed from its output."""
-        block = block_of(name)
-        return [other for other in self.linears if name in self.producers[other][0] and block_of(other) == block]
 
     def _own_channels(self, pair: Pair) -> None:
         """Per-channel biases held by the attention module or a module inside it (DeBERTa's q_bias and v_bias, added
         to each head's queries and values) keep the attention's style: they become entries of their own (`pair.own`,
         full parameter names), split with the channels. Only when they are all the pair has between its layers: a
         mixer's convolution, decays and state sizes (Mamba's) stay `channelwise`."""
-        enclosing = enclosing_module(pair)
-        inside = all(owner == enclosing or owner.startswith(enclosing + ".") for owner in pair.channels)
+        inside = all(self._inside_attention(pair, owner) for owner in pair.channels)
         if not pair.attention or not pair.channels or not inside:
             return
         used = {id(param) for param in self.producers[pair.row][1]}
@@ -102,9 +96,8 @@ class StructureRules:
                 if tensor.dim() and tensor.shape[0] == width and tensor.is_floating_point():
                     own[f"{owner}.{name}"] = tensor
                     styles[f"{owner}.{name}"] = f"colwise({arguments})" if arguments else "colwise"
-        if all(split_style(style)[0] == "channelwise" for style in pair.channels.values()) and all(
-            p.dim() == 1 for p in own.values()
-        ):
+        plain = all(split_style(style)[0] == "channelwise" for style in pair.channels.values())
+        if plain and all(p.dim() == 1 for p in own.values()):
             pair.channels, pair.own = {}, styles
 
     def _per_head_tables(self, pair: Pair) -> None:
@@ -115,14 +108,10 @@ class StructureRules:
         enclosing = enclosing_module(pair)
         if not pair.attention or not enclosing:
             return
-        # the head count the attention (or a module inside it: Swin's self-attention) keeps
-        counts = (
-            getattr(module, name, None) for module in self.modules[enclosing].modules() for name in HEAD_ATTRIBUTES
-        )
-        heads = next((count for count in counts if isinstance(count, int)), None)
+        heads = kept_heads(self.modules[enclosing])
         used = {id(param) for param in self.producers[pair.row][1]}
         for owner in sorted(pair.between):
-            if heads is None or heads % self.shares or owner != enclosing and not owner.startswith(enclosing + "."):
+            if heads is None or heads % self.shares or not self._inside_attention(pair, owner):
                 continue
             # (entries, heads): Swin's table, split along its last dim (`rowwise`); (heads, entries): LeViT's
             # attention_biases, indexed into a (heads, tokens, tokens) bias, along its first (`colwise`); whichever
@@ -161,18 +150,15 @@ class StructureRules:
         if not pair.attention or not set(NORM_STYLES) & set(pair.channels.values()):
             return False
         module = self.modules.get(enclosing_module(pair))
-        names = HEAD_ATTRIBUTES + KV_HEAD_ATTRIBUTES + WIDTH_ATTRIBUTES
-        return module is None or any(isinstance(getattr(module, name, None), int) for name in names)
+        return module is None or bool(usual_fields(module))
 
     def _between(self, pair: Pair) -> tuple[set[str], list[tuple[str, str]]]:
         """Modules whose parameters act between the columns and the row layer (summed gradients), and of those, the
         ones whose parameters span the split features, with the refusal due unless they prove per-head tables (no
         other existing style can shard them)."""
-        split_widths = {last_dim(self.calls[name].output) for name in pair.columns} | {
-            last_dim(self.calls[pair.row].input)
-        }
         owners, spanning = set(), []
         channels = last_dim(self.calls[pair.row].input)
+        split_widths = {last_dim(self.calls[name].output) for name in pair.columns} | {channels}
         heads = self._attention_heads(pair)
         for param in self.producers[pair.row][1]:
             owner = self.owner.get(id(param), "?")
@@ -229,12 +215,7 @@ class StructureRules:
         """Whether `param`, a 2-D parameter of a module inside the attention, holds one column per channel of one of
         its column layers' outputs (split in one section), and perturbing rank r's share of those columns moves only
         rank r's share of the row input (Inkling 2's static short-convolution taps over k_proj's output)."""
-        if (
-            not pair.attention
-            or param.dim() != 2
-            or not self._inside_attention(pair, owner)
-            or owner not in self.modules
-        ):
+        if not (pair.attention and param.dim() == 2 and self._inside_attention(pair, owner) and owner in self.modules):
             return False
         widths = {last_dim(self.calls[column].output) for column, style in pair.columns.items() if style == "colwise"}
         local = param.shape[-1] in widths and param.shape[-1] % self.shares == 0
@@ -283,14 +264,9 @@ class StructureRules:
             for column in pair.columns:
                 width = last_dim(self.calls[column].output)
                 layouts = [(width // (k * groups),) * (k * groups) for k in (1, 2, 3) if width % (k * groups) == 0]
-                sections = next(
-                    (
-                        layout
-                        for layout in layouts
-                        if layout[0] % self.shares == 0 and self._local(column, pair.row, layout, frozen, row_sections)
-                    ),
-                    None,
-                )
+                layouts = [layout for layout in layouts if layout[0] % self.shares == 0]
+                local = (layout for layout in layouts if self._local(column, pair.row, layout, frozen, row_sections))
+                sections = next(local, None)
                 if sections is None:
                     break
                 columns[column[len(name) + 1 :]] = f"colwise({','.join(map(str, sections))})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from functools import partial
 from itertools import chain
 
 import torch
@@ -25,6 +26,7 @@ from tp_train.parallel.sharding import (
     unshard_tensor,
 )
 from tp_train.plan.compare import first_tensor, relative_difference
+from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed, running_modules
 from tp_train.plan.probe_input import PROBE_TOKENS, ProbeInput, probe_input
 from tp_train.plan.styles import adapted_base
@@ -51,12 +53,11 @@ class SwapCheck:
             self.skipped.append(name)
             return
         tolerance = self.tolerance or TOLERANCE.get(module.weight.dtype, HALF_PRECISION_TOLERANCE)
+        failure = None
         try:
             errors = self._differences(module, layer)
         except Exception as error:  # noqa: BLE001 - a layer that cannot run is reported like a wrong one
             errors, failure = {"output": math.inf}, f"fails on a probe input ({first_line(error)})"
-        else:
-            failure = None
         finally:
             module.zero_grad(set_to_none=True)
             layer.zero_grad(set_to_none=True)
@@ -89,16 +90,12 @@ class SwapCheck:
             inputs, local_inputs = inputs.requires_grad_(), local_inputs.detach().requires_grad_()
         # Parameter gradients are compared where a subclass overrides forward (only there can they differ once the
         # output and the input gradient agree) and the tensors are not vocabulary-sized; elsewhere none is allocated.
-        compare_parameters = not vocabulary and _overrides_forward(module)
-        flags = {param: param.requires_grad for param in chain(module.parameters(), wrapped.parameters())}
-        for param in flags:
-            param.requires_grad_(param.requires_grad and compare_parameters)
-        try:
+        plain = type(module).forward in (nn.Linear.forward, nn.Embedding.forward) or type(module).__name__ == "Conv1D"
+        compare_parameters = not vocabulary and not plain
+        params = chain(module.parameters(), wrapped.parameters())
+        with requiring_grad(params, lambda param: param.requires_grad and compare_parameters):
             reference = module(inputs)
             output = wrapped(local_inputs)
-        finally:
-            for param, flag in flags.items():
-                param.requires_grad_(flag)
         spec = None
         if isinstance(layer, ColumnParallelLinear) and not layer.gather_output:
             weight_spec = layer.shard_specs["weight"]
@@ -140,12 +137,6 @@ def _input_shard(layer: nn.Module, inputs: torch.Tensor, rank: int, world_size: 
         return inputs
     spec = ShardSpec(layer.feature_dim % inputs.dim(), layer.shard_specs["weight"].sections)
     return shard_tensor(inputs.detach(), spec, rank, world_size)
-
-
-def _overrides_forward(module: nn.Module) -> bool:
-    """Whether `module`'s class overrides the forward of the class a parallel layer replaces."""
-    plain = (nn.Linear.forward, nn.Embedding.forward)
-    return type(module).forward not in plain and type(module).__name__ != "Conv1D"
 
 
 def unsharded_skeleton(model: nn.Module) -> nn.Module:
@@ -300,15 +291,12 @@ def _forward(model: nn.Module, inputs: ProbeInput) -> tuple[torch.Tensor, dict[s
         _ForwardFailure: naming the innermost module whose forward raised."""
     outputs: dict[str, torch.Tensor] = {}
 
-    def record(name):
-        def hook(module, args, output):
-            tensor = first_tensor(output)
-            if tensor is not None:
-                outputs.setdefault(name, tensor.detach())
+    def record(name, module, args, output):
+        tensor = first_tensor(output)
+        if tensor is not None:
+            outputs.setdefault(name, tensor.detach())
 
-        return hook
-
-    handles = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
+    handles = [module.register_forward_hook(partial(record, name)) for name, module in model.named_modules() if name]
     try:
         with hooks_removed(handles), running_modules(model) as running:
             output = first_tensor(forward_without_cache(model, inputs))

@@ -9,9 +9,9 @@ import torch.nn as nn
 
 from tp_train.plan.coverage import generic
 from tp_train.plan.local_search import capture_calls, find_local_view
-from tp_train.plan.local_view import parse_attention_style
+from tp_train.plan.local_view import kept_heads, parse_attention_style
 from tp_train.plan.pairs import TABLE_STYLE, Pair, arguments_shape, enclosing_module, last_dim
-from tp_train.plan.styles import HEAD_ATTRIBUTES, head_counts, split_style
+from tp_train.plan.styles import head_counts, split_style
 
 
 class AttentionViews:
@@ -23,9 +23,7 @@ class AttentionViews:
         module = self.modules.get(enclosing_module(pair)) if pair.attention and enclosing_module(pair) else None
         if module is None:
             return None
-        counts = (getattr(inner, name, None) for inner in module.modules() for name in HEAD_ATTRIBUTES)
-        heads = next((count for count in counts if isinstance(count, int)), None)
-        heads = heads or head_counts(module, getattr(self.model, "config", None)).heads
+        heads = kept_heads(module) or head_counts(module, getattr(self.model, "config", None)).heads
         return heads if heads and heads % self.shares == 0 else None
 
     def _on_local_heads(self, pair: Pair) -> bool:
@@ -66,15 +64,14 @@ class AttentionViews:
             relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
             relative |= {own[len(name) + 1 :]: style for own, style in pair.own.items()}
             relative |= {owner[len(name) + 1 :]: style for owner, style in pair.channels.items()}
-            row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
             search = partial(
                 find_local_view,
                 self.modules[name],
                 calls[name],
                 columns=relative,
-                row=row,
+                row=pair.row[len(name) + 1 :],
                 tp=self.shares,
-                config=config,
+                config=getattr(self.model, "config", None),
             )
             called = key + (arguments_shape(calls[name]),)
             if key not in self._cache:
@@ -82,8 +79,7 @@ class AttentionViews:
             elif called not in self._cache:
                 # A block passed other arguments (a mask, every second block: Donut-Swin's shifted windows) may read
                 # a head count its neighbour never does: its own view, where one holds for its call that splits no
-                # argument by heads (T5's later layers, handed the relative bias the first one computes, are whole
-                # in this probe but their heads' once sharded: the first layer's view holds for them).
+                # argument by heads (T5's later layers, handed the relative bias: the first layer's, as said above).
                 found = search()
                 view = parse_attention_style(found[0]) if found[0] else None
                 self._cache[called] = found if found[0] and not (view and view.per_head) else self._cache[key]
@@ -107,8 +103,7 @@ class AttentionViews:
         if not enclosing or enclosing not in self.calls:
             return  # no module of its own runs the attention (e.g. it lives in the block's forward)
         styles[enclosing] = style
-        row_order = self.calls[pair.row].order
         for name, call in self.calls.items():
-            after_row = call.order > row_order
-            if name.startswith(enclosing + ".") and isinstance(self.modules[name], nn.Dropout) and after_row:
+            dropout = name.startswith(enclosing + ".") and isinstance(self.modules[name], nn.Dropout)
+            if dropout and call.order > self.calls[pair.row].order:
                 styles[name] = "replicated_rng"  # e.g. resid_dropout: acts on the replicated output
