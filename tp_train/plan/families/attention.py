@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from tp_train.plan.families.spec import FamilySpec
 
-# GPT-2: c_attn is a fused [q; k; v] Conv1D, so its split must be head-aware; the attention module keeps
-# split_size / num_heads / embed_dim as attributes; resid_dropout acts on the replicated residual stream.
+# GPT-2: c_attn is a fused [q; k; v] Conv1D, split head-aware; resid_dropout acts on the replicated stream
+# (docs/hugging-face.md, "What the built-in records split").
 GPT2 = {
     "wte": "embedding_rowwise",
     "h.*.attn": "attention",
@@ -19,10 +19,8 @@ GPT2 = {
     "h.*.mlp.c_fc": "colwise",
     "h.*.mlp.c_proj": "rowwise",
 }
-# GPT-J: separate q/k/v/out Linears (no bias); the attention forward splits heads with num_attention_heads
-# (embed_dim is only read in __init__); rotary acts within each head. attn_dropout (on the probabilities of the
-# local heads) runs in the sharded stream, resid_dropout (after out_proj, on the replicated stream) must not.
-# The MLP (fc_in/fc_out, with bias) runs in parallel with attention off the same ln_1 output.
+# GPT-J: separate q/k/v/out Linears, heads viewed with num_attention_heads; resid_dropout (after out_proj) on the
+# replicated stream.
 GPTJ = {
     "wte": "embedding_rowwise",
     "h.*.attn": "attention",
@@ -34,8 +32,7 @@ GPTJ = {
     "h.*.mlp.fc_in": "colwise",
     "h.*.mlp.fc_out": "rowwise",
 }
-# GPT-Neo: h.*.attn is a wrapper; the attention itself is h.*.attn.attention (global or local window), which
-# views heads with num_heads. Separate q/k/v (no bias), out_proj with a bias; resid_dropout follows out_proj.
+# GPT-Neo: the attention is the wrapper h.*.attn's `attention`, heads viewed with num_heads.
 GPT_NEO = {
     "wte": "embedding_rowwise",
     "h.*.attn.attention": "attention",
@@ -47,10 +44,7 @@ GPT_NEO = {
     "h.*.mlp.c_fc": "colwise",
     "h.*.mlp.c_proj": "rowwise",
 }
-# OPT: separate q/k/v/out Linears (biases by enable_bias), heads viewed with num_heads; the attention dropout is
-# applied to the probabilities inside the attention function (sharded stream); the residual dropouts live in
-# the decoder layer, outside the attention module. embed_positions stays replicated, and so do project_in /
-# project_out (present when word_embed_proj_dim != hidden_size, as in OPT-350m; tested).
+# OPT: separate q/k/v/out Linears; embed_positions and project_in / project_out stay replicated.
 OPT = {
     "decoder.embed_tokens": "embedding_rowwise",
     "decoder.layers.*.self_attn": "attention",
@@ -61,12 +55,8 @@ OPT = {
     "decoder.layers.*.fc1": "colwise",
     "decoder.layers.*.fc2": "rowwise",
 }
-# Falcon (rotary, multi_query=False, or new_decoder_architecture): query_key_value is laid out per head as
-# [q_h; k_h; v_h] (classic multi-head) or per kv group as [q_g1..q_gn; k_g; v_g] (new architecture), and the
-# forward views it with -1 heads/groups, so a plain contiguous colwise split hands each rank whole heads/groups
-# (fused_qkv_colwise, which assumes [q; k; v], would be wrong). num_heads and num_kv_heads become local.
-# Multi-query (one kv head, laid out [q_1..q_H; k; v]) is a fused [q; k; v] split, its one kv head held by
-# every rank (`_falcon_variant`). ALiBi configs are refused by `_falcon_unsupported`.
+# Falcon: query_key_value is laid out per head or per kv group, so a contiguous colwise hands each rank whole heads
+# or groups; multi-query is a fused [q; k; v] (`_falcon_variant`); ALiBi is refused.
 FALCON = {
     "word_embeddings": "embedding_rowwise",
     "h.*.self_attention": "attention",
@@ -92,19 +82,12 @@ def _falcon_unsupported(model: nn.Module) -> str | None:
     return None
 
 
-# GPT-BigCode: c_attn is [q (all heads); k; v] with one kv head (multi_query, the default), which every rank
-# then holds (`fused_qkv_colwise`, kv-head replication); without multi_query it is laid out per head as
-# [q_h; k_h; v_h] and viewed with num_heads, so a contiguous split hands each rank whole heads (`_gpt_bigcode_variant`).
-# The attention keeps embed_dim / num_heads / kv_heads / num_key_value_groups, made local by `attention`. Its
-# module names are GPT-2's, and so is its plan.
+# GPT-BigCode: GPT-2's names and plan; without multi_query its c_attn is laid out per head, split plainly.
 def _gpt_bigcode_variant(config) -> dict[str, str]:
     return {} if getattr(config, "multi_query", True) else {"h.*.attn.c_attn": "colwise"}
 
 
-# BitNet: Llama's blocks with an RMS norm between each column and row layer, over the full width the column split
-# divides (`attn_sub_norm` on the attention output before o_proj, `ffn_sub_norm` on act(gate) * up before
-# down_proj): `rmsnorm_parallel` splits its weight with those features and normalises over all of them. The
-# attention views heads with -1 and keeps only the ratio of query to kv heads, so it needs no `attention` entry.
+# BitNet: Llama's blocks with an RMS norm between each column and row layer, over the width the column split divides.
 BITNET = {
     "embed_tokens": "embedding_rowwise",
     "layers.*.self_attn.q_proj": "colwise",
@@ -117,11 +100,7 @@ BITNET = {
     "layers.*.mlp.ffn_sub_norm": "rmsnorm_parallel",
     "layers.*.mlp.down_proj": "rowwise",
 }
-# phi3's fused qkv_proj ([q; k; v], k and v with the kv heads' width) and gate_up_proj ([gate; up]) are gathered
-# whole and re-split under HF's plan (`colwise_gather_output` then `rowwise_split_input`: two all-gathers and an
-# all-reduce per block, every head on every rank); split head-aware instead (an override), each attention and each
-# MLP costs one all-reduce. The attention reads its head counts from its config, which the `attention` style gives it
-# a local copy of.
+# phi3: its fused qkv_proj and gate_up_proj split head-aware in place of HF's gather and re-split.
 PHI3 = {
     "embed_tokens": "embedding_rowwise",
     "layers.*.self_attn": "attention",
@@ -130,13 +109,8 @@ PHI3 = {
     "layers.*.mlp.gate_up_proj": "packed_colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
-# gpt-oss: Hugging Face's plan is for expert parallelism only (its tensor-parallel plan names the head alone).
-# Attention runs on local heads, its per-head attention sinks (`s_aux`, one logit per query head) split with them.
-# The experts keep fused 3-D weights laid out (experts, in, out), gate and up interleaved along gate_up_proj's last
-# dim (`is_concatenated = False`): every expert's intermediate features are split across ranks (Megatron's
-# column-then-row split of each expert), gate_up_proj and its bias along that last dim (pairs kept together),
-# down_proj along its intermediate dim, and the experts' partial sums all-reduced once (`moe_tp_experts`);
-# down_proj's bias, added to every expert's output, counts once (`replicate_once`). The router stays whole.
+# gpt-oss: attention by local heads with its sinks; fused 3-D experts split per expert (Megatron's column-then-row),
+# their partial sums all-reduced once, down_proj's bias counted once; the router whole.
 GPT_OSS = {
     "embed_tokens": "embedding_rowwise",
     "layers.*.self_attn": "attention",
@@ -151,9 +125,7 @@ GPT_OSS = {
     "layers.*.mlp.experts.down_proj": "colwise",
     "layers.*.mlp.experts.down_proj_bias": "replicate_once",
 }
-# DeepSeek-V3's and Youtu's plans shard only the MLP and the experts; their attention is DeepSeek-V2's latent
-# attention (the same modules), so they take the attention entries of V2's plan: q_b (or q without a q LoRA) and
-# kv_b split by heads, the kv latent projection split as `mla_kv_a_proj`, o_proj by rows, q_a kept whole.
+# DeepSeek-V2's latent attention entries, for DeepSeek-V3 and Youtu whose plans shard only the MLP and experts.
 LATENT_ATTENTION = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.q_b_proj": "colwise",
@@ -161,12 +133,8 @@ LATENT_ATTENTION = {
     "layers.*.self_attn.kv_b_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
 }
-# DBRX: Hugging Face's plan shards only the head. Its attention's Wqkv is a fused [q; k; v] with kv_n_heads kv heads
-# (split head-aware, the kv heads replicated when fewer than ranks); the attention splits q from k and v by its
-# `hidden_size` (q's width), so its view makes that local with the head counts. Its experts keep w1, v1 and w2 as 2-D
-# (experts x ffn_hidden_size, hidden) weights, viewed per expert with `ffn_hidden_size`: each expert's ffn rows are
-# split over ranks (Megatron's column-then-row split of every expert; sections sized per config by `_dbrx_experts`),
-# the view made local, and the experts' partial sums all-reduced once (`moe_tp_experts`). The router stays whole.
+# DBRX: Wqkv head-aware, its view making `hidden_size` (q's width) local; each expert's ffn rows split over the ranks
+# (`_dbrx_experts`), the partial sums all-reduced once; the router whole.
 DBRX = {
     "wte": "embedding_rowwise",
     "blocks.*.norm_attn_norm.attn": "attention(num_heads, num_key_value_heads, hidden_size)",
@@ -182,12 +150,8 @@ def _dbrx_experts(config) -> dict[str, str]:
     return {f"blocks.*.ffn.experts.mlp.{weight}": f"colwise({sections})" for weight in ("w1", "v1", "w2")}
 
 
-# Doge's attention masks each kv head's scores dynamically from dt_proj, which maps every head's values (the full
-# value width) to one output per kv head: with v split by kv heads, each rank's dt_proj holds its heads' input rows
-# and needs only its own heads' outputs, so HF's `rowwise` (every head's output on every rank, the mask then
-# broadcast against the local heads) is corrected to `rowwise_scatter_output`; the per-kv-head A is split with the
-# heads, and the attention's dropout draws from the sharded stream. Its QK-norms (over each head's width, shared by
-# all heads) stay whole with their gradients summed over the ranks' heads.
+# Doge: dt_proj (every head's values -> one output per kv head) keeps each rank's own heads' outputs
+# (`rowwise_scatter_output`, correcting HF's `rowwise`); A with the heads; the QK-norms whole with summed gradients.
 DOGE = {
     "layers.*.self_attn": "attention",
     "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
@@ -203,11 +167,8 @@ def _neomme_value_embeddings(config) -> dict[str, str]:
     return {"value_embeddings.weight": f"colwise({config.num_key_value_heads}x{config.head_dim})"}
 
 
-# Inkling's sliding-window layers keep head counts and widths of their own (64 heads of 128 by default, kept at the
-# tiny sizes by no generic field), and a relative-position bank (d_rel x rel_extent, 16 x 1024) shared by the heads:
-# the zoo builds a tiny sliding and a tiny full layer, a bank shorter than the input so its distance cut-off shows.
-# Its fused expert weights are [gate; up] halves (`chunk(2)` in the experts' forward), which HF's plan splits
-# `colwise` (rank 0 would hold every gate, rank 1 every up): corrected to split half by half.
+# Inkling: its sliding layers' own head counts and relative-position bank, at tiny sizes for the zoo; its fused
+# [gate; up] experts split half by half (HF's `colwise` would give rank 0 every gate).
 INKLING = dict(
     additions={"layers.*.mlp.experts.gate_up_proj": "packed_colwise"},
     zoo_fields=dict(layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=5, rel_extent=6)
@@ -227,8 +188,7 @@ RECORDS = (
     FamilySpec(model_type="gpt_oss", additions=GPT_OSS),
     FamilySpec(model_type="deepseek_v3", additions=LATENT_ATTENTION),
     FamilySpec(model_type="youtu", additions=LATENT_ATTENTION),
-    # The zoo sets what every DBRX checkpoint does and its defaults leave out: attention reads
-    # attn_config.rope_theta and clamps q/k/v by clip_qkv; the experts' width follows `d_model` only by that name.
+    # the zoo sets rope_theta and clip_qkv, which every DBRX checkpoint sets and the defaults leave out
     FamilySpec(
         model_type="dbrx",
         additions=DBRX,
@@ -239,20 +199,15 @@ RECORDS = (
             ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
         ),
     ),
-    # Apertus's MLP activation (xIELU) holds learned scalars that act on each rank's share of the hidden features,
-    # between up_proj and down_proj: their gradients are partial sums, which HF's plan leaves unsummed.
+    # Apertus: xIELU's learned scalars act on each rank's share of the hidden features (partial-sum gradients)
     FamilySpec(model_type="apertus", additions={"layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}),
     FamilySpec(model_type="doge", additions=DOGE),
-    # ESM C's QK-LayerNorms normalise over q's and k's whole width (every head's features), between the column
-    # projections HF's plan splits and o_proj: each normalises this rank's share over every rank's features
-    # (`layernorm_parallel`), as the auto-planner, given no plan, plans them too.
+    # ESM C: the QK-LayerNorms normalise over q's and k's whole width, between column projections and o_proj
     FamilySpec(
         model_type="esmc",
         additions={f"layers.*.self_attn.{norm}": "layernorm_parallel" for norm in ("q_norm", "k_norm")},
     ),
-    # NeoMME's exclusive self-attention removes from each head's output its projection on the head's value, scaled by
-    # a per-head `alpha` (heads,): split with the heads. Its value embeddings, an (vocab, kv_heads x head_dim) table
-    # added to the values of the first and last global layers, are split with v_proj's kv heads.
+    # NeoMME: the exclusive self-attention's per-head alpha splits with the heads, the value embeddings with v_proj
     FamilySpec(
         model_type="neomme",
         additions={"layers.*.self_attn.exclusive_self_attention.alpha": "colwise"},

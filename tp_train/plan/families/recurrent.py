@@ -9,15 +9,8 @@ import torch.nn as nn
 from tp_train.plan.families.attention import LATENT_ATTENTION
 from tp_train.plan.families.spec import FamilySpec
 
-# Gated delta-net linear attention (OLMo-Hybrid's `linear_attn`; Kimi-Linear's and Ling's (BailingHybrid)
-# `self_attn` in their linear layers), which Hugging Face's plans leave whole: q, k and v (separate Linears) feed a
-# depthwise conv1d over their concatenated channels, then a per-head recurrence gated by per-head decays (A_log,
-# dt_bias, a forget gate) and betas (b_proj), then a norm gated by g_proj over each head and o_proj. Split by heads:
-# q/k/v and the per-head projections by columns, the conv1d by channels in the three sections [q; k; v]
-# (`channelwise(q,k,v)`, sized per config by `delta_net_conv`), A_log and dt_bias with the heads, the gated norm
-# (one weight over a head's width, shared by all heads) whole with its gradient summed over the ranks' heads, o_proj by
-# rows. Low-rank projections (Kimi's f_a_proj, g_a_proj) stay whole; what follows them is split by columns. The
-# module's own widths across heads (`key_dim`, `qkv_dim`) become local through its `attention(...)` view.
+# Gated delta-net linear attention (OLMo-Hybrid's `linear_attn`, Kimi-Linear's and Ling's linear `self_attn`), which
+# Hugging Face's plans leave whole, split by heads (docs/own-models.md, "The whole style vocabulary").
 DELTA_NET = {
     "q_proj": "colwise",
     "k_proj": "colwise",
@@ -156,13 +149,8 @@ def recurrent_gemma_variant(config) -> dict[str, str]:
     return {f"layers.{index}.temporal_block": view for index, view in enumerate(views)}
 
 
-# RecurrentGemma (Griffin): each layer's temporal block is local attention or a recurrent block; the entries of both
-# are given, and the config's layer kinds decide which match (`recurrent_gemma_variant` names each block's own view).
-# The recurrent block splits by the RG-LRU's heads: linear_x and linear_y by columns, the depthwise conv_1d by
-# channels, the RG-LRU's per-channel recurrent_param and its block-diagonal gates ((heads, block_width, block_width)
-# weights, (heads, block_width) biases) along dim 0 (`channelwise`: each rank's heads are its contiguous channels),
-# linear_out by rows. The attention (one kv head in the released configs, replicated when tp exceeds it) and the MLP
-# as Llama's.
+# RecurrentGemma (Griffin): a temporal block is local attention or a recurrent block split by the RG-LRU's heads
+# (`recurrent_gemma_variant` names each block's view; docs/own-models.md).
 RECURRENT_GEMMA = {
     "embed_tokens": "embedding_rowwise",
     "layers.*.temporal_block.linear_x": "colwise",
@@ -178,11 +166,8 @@ RECURRENT_GEMMA = {
     "layers.*.mlp_block.up_proj": "colwise",
     "layers.*.mlp_block.down_proj": "rowwise",
 }
-# RWKV (v4): the time-mix (attention) splits by channels: key, value and receptance by columns, the per-channel decay
-# and bonus (`time_decay`, `time_first`) with them (the wkv recurrence acts on each channel on its own), output by
-# rows. The channel-mix (feed-forward) splits key by columns and value by rows; its receptance (hidden -> hidden,
-# whose sigmoid gates the value layer's all-reduced output) stays whole, as do the time_mix_* interpolations of the
-# replicated input. Its LM head is `head` (split over the vocabulary, as `lm_head` is).
+# RWKV (v4): the time-mix by channels, the channel-mix's key by columns and value by rows, its receptance whole
+# (docs/own-models.md).
 RWKV = {
     "embeddings": "embedding_rowwise",
     "blocks.*.attention.key": "colwise",
@@ -196,11 +181,7 @@ RWKV = {
     "blocks.*.feed_forward.value": "rowwise",
 }
 # Bamba's, GraniteMoeHybrid's and Nemotron-H's plans shard only the head or the experts, and Falcon-H1 ships none:
-# their Mamba2 mixers are added, and the auto-planner completes attention and the MLPs. The zoo's tiny configs give
-# the Mamba2 mixers 8 heads of 8 and a 16-wide state; n_groups stays at each family's default: Mamba2's and
-# Nemotron-H's 8 (one group per head, which tp 2 and 4 divide, as Megatron requires), Bamba's, GraniteMoeHybrid's
-# and Falcon-H1's one (as real checkpoints have: every rank holds its B and C, replicated like kv heads, and the
-# gated norm normalises the group across the ranks, `gated_rmsnorm_parallel`).
+# their Mamba2 mixers are added (the zoo's sizes and group counts: docs/own-models.md).
 RECORDS = (
     # Mamba2, as Megatron shards it: its mixer's entries are `mamba2_mixer`'s, their sections sized by the config.
     FamilySpec(

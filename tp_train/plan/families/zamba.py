@@ -6,13 +6,8 @@ from __future__ import annotations
 from tp_train.plan.families.recurrent import mamba2_mixer, under
 from tp_train.plan.families.spec import FamilySpec
 
-# Zamba's Mamba mixer: Mamba (v1) run as `n_mamba_heads` independent heads, each with its own x_proj, dt_proj, A_log
-# and D, stored as (heads, ...) parameters of the mixer itself. Split by those heads: in_proj's output holds each
-# channel's x and gate side by side ([x_0, z_0, x_1, z_1, ...], viewed (channels, 2)), so a plain column split hands
-# each rank its heads' x and z; the depthwise conv1d by channels; the per-head parameters along their heads
-# (parameter `channelwise`, dim 0); out_proj by rows. No reduction crosses a head (x_proj maps a head's channels to
-# its own dt, B and C), so out_proj's all-reduce is the mixer's only collective. Its view makes the head count and
-# the width local.
+# Zamba's Mamba mixer: `n_mamba_heads` independent heads with their own (heads, ...) parameters, split by those heads
+# (in_proj's interleaved [x; z] channels by a plain column split; docs/own-models.md).
 ZAMBA_MAMBA = {
     "in_proj": "colwise",
     "conv1d": "channelwise",
@@ -31,10 +26,7 @@ SHARED_ATTENTION = {
     "self_attn.o_proj": "rowwise",
     "feed_forward.down_proj": "rowwise_scatter_output",  # its output feeds only the hybrid layer's `linear`
 }
-# Zamba2's adapters (each a Sequential of a down and an up Linear, the rank between them): the down Linear whole on
-# every rank (its input replicated, its gradient complete once the up Linear's input gradient is summed), the up one
-# split as the projection it adds to: q, k and v by heads (`use_shared_attention_adapter`; their width is the query
-# heads', so only with as many kv heads), gate_up_proj's [gate; up] half by half.
+# Zamba2's adapters: the down Linear whole, the up one split as the projection it adds to (docs/own-models.md).
 ATTENTION_ADAPTERS = {
     f"self_attn.linear_{name}_adapter_list.*.{index}": style
     for name in "qkv"
