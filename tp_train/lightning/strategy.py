@@ -377,9 +377,8 @@ class TensorParallelStrategy(DDPStrategy):
             root.set_requires_gradient_sync(True)
 
     # ------------------------------------------------------------------------------------------- checkpoints
-    # A checkpoint is a directory written by every rank in parallel with torch.distributed.checkpoint (each rank
-    # its shards, with optimizer state) and loads at any dp x tp; Lightning's own metadata (loops, callbacks,
-    # schedulers) goes alongside. See tp_train.checkpoint.
+    # A DCP directory every rank writes its shards into, loading at any dp x tp, Lightning's metadata alongside
+    # (docs/checkpoints-and-faults.md).
 
     @property
     @override

@@ -61,16 +61,10 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """Sum over ranks of `x`, of which this rank keeps its chunk along `dim`."""
     world_size = dist.get_world_size(group)
-    if world_size == 1:
-        return x
+    if not torch.compiler.is_compiling() or world_size == 1:
+        return reduce_scatter_async(x, dim, group).wait()
     check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
-    x = x.movedim(dim, 0).contiguous()
-    if torch.compiler.is_compiling():
-        return funcol.reduce_scatter_tensor(x, "sum", 0, group).movedim(0, dim)
-    out = x.new_empty((x.size(0) // world_size, *x.shape[1:]))
-    with torch.profiler.record_function(COLLECTIVE_RANGE):
-        _reduce_scatter_single(out, x, group=group)
-    return out.movedim(0, dim)
+    return funcol.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", 0, group).movedim(0, dim)
 
 
 def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:

@@ -77,17 +77,14 @@ def zamba2_layers(config) -> dict[str, str]:
 
 
 RECORDS = (
-    # The zoo's Zamba: its shared attention tied across two hybrid layers; 4 Mamba heads of 16 (2 by default), so
-    # tp 2 and 4 divide them (each rank holds whole heads).
+    # the zoo's: shared attention tied across two hybrid layers; 4 Mamba heads of 16 (2 by default), so tp 4 divides
     FamilySpec(
         model_type="zamba",
         preset={"embed_tokens": "embedding_rowwise"},
         variant=zamba_layers,
         zoo_fields=dict(layers_block_type=["hybrid", "hybrid"], n_mamba_heads=4),
     ),
-    # The zoo's Zamba2 (a Mamba2 layer, then a hybrid one): 8 Mamba2 heads of 8 in one group (its default, as real
-    # checkpoints have), an 8-wide state, and adapters of rank 8 on its shared MLP (128 by default, 4 times the tiny
-    # width).
+    # the zoo's: a Mamba2 layer, then a hybrid one, an 8-wide state and adapters of rank 8 (128 by default)
     FamilySpec(
         model_type="zamba2",
         preset={"embed_tokens": "embedding_rowwise"},

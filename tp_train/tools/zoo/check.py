@@ -12,10 +12,8 @@ from tp_train.tools.zoo.configs import TOLERANCE, build_family
 CLASSES = ("pass", "round-off", "refused", "WRONG", "killed", "error", "unsharded", "unbuildable", "no blocks")
 NOT_COUNTED = ("unbuildable", "no blocks")  # classes of families that are not among a task's buildable transformers
 # A pass holds at most this fraction of the trained block matrices whole on every rank (routers, convs, MLA latents),
-# whatever the tp. A matrix split as far as its units allow counts as split (k and v of 2 kv heads, each held by 2
-# of 4 ranks; a Mamba2 group's B and C). Written as a rank holding 1.15/tp before, it allowed 15% whole at tp 2
-# but 5% at tp 4, and counted replicated kv heads against it: MLA latents (12%) and 2 kv heads made 10 causal-LM
-# families `unsharded` at tp 4 that pass at tp 2.
+# whatever the tp; split as far as its units allow counts as split (kv heads fewer than the ranks, a Mamba2 group's B
+# and C). Why not 1.15/tp: docs/zoo.md.
 WHOLE = 0.15
 # With an attention the planner says it keeps whole, a pass still shards at least 1/tp + this of the trained block
 # matrices (issue 24's bar); at the tiny sizes (an MLP twice the width) an MLP alone does not reach it.

@@ -13,12 +13,8 @@ TOLERANCE = 1e-5
 VOCAB = 128
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
-# Widths beyond the generic sizes, set wherever a (sub-)config has them as an int: mixture-of-experts widths (tp
-# must divide them), DeepSeek-style latent attention (a rotary and a plain part of each query/key head, values 8
-# wide, compressed ranks), the widths a vision or audio tower hands to the text model, and an encoder-decoder's
-# own head counts, layers and MLP widths (the decoder of Whisper or PLBart keeps its own, ProphetNet has no single
-# layer count), a Mamba2 mixer's heads (8 heads of 8 channels: expand x hidden) and Gemma 3n's low-rank residual
-# (LAuReL: its rank of 64 would be twice the tiny width).
+# Widths beyond the generic sizes, set wherever a (sub-)config has them as an int (what each group is for:
+# docs/zoo.md, "Tiny configs").
 WIDTHS = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, shared_experts_intermediate_size=32,
               expert_intermediate_size=32, expert_ffn_hidden_size=32, kv_lora_rank=16, q_lora_rank=16,
               qk_rope_head_dim=4, qk_nope_head_dim=4, qk_head_dim=8, v_head_dim=8, out_hidden_size=32,
