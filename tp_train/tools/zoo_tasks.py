@@ -9,9 +9,7 @@ from dataclasses import dataclass
 
 TOWERS = ("text", "vision")  # the sub-configs of a dual encoder whose towers the `towers` task builds
 BATCH, LENGTH = 2, 16  # examples per batch and tokens per sequence
-# Sizes of the parts a text-only tiny config leaves at full size, set wherever a (sub-)config has them: 32 x 32
-# images in patches of 8 (16 patches), Swin-like stages of 2 windows of 4 patches, 16 mel bins over 16 encoder
-# positions (Whisper's 32 frames), and a classifier of 10 labels.
+# Sizes of the parts a text-only tiny config leaves at full size, set wherever a (sub-)config has them (docs/zoo.md).
 TASK_FIELDS = dict(image_size=32, patch_size=8, window_size=4, num_mel_bins=16, max_source_positions=16,
                    num_labels=10)  # fmt: skip
 # Hierarchical vision models keep their sizes per stage, in lists of their own: the generic sizes are dropped (None).
@@ -19,9 +17,7 @@ STAGES = dict(hidden_size=None, num_hidden_layers=None, num_attention_heads=None
 SWIN = dict(STAGES, embed_dim=32, depths=[2, 2], num_heads=[4, 8], window_size=4, patch_size=2)
 # Every stage has heads that tp 2 and 4 divide (the families run at both).
 PYRAMID = dict(STAGES, image_size=64, hidden_sizes=[16, 32, 64, 128], num_attention_heads=[4, 4, 4, 8])
-# Parameters a family initialises to zeros that its checkpoints train, drawn as its other weights are (std 0.02):
-# BLIP-2's query tokens, all zero, are 32 equal queries whose Q-Former queries stay zero, so that no key moves its
-# cross-attention's output (no split of it can be seen, and none could be wrong).
+# Parameters a family initialises to zeros that its checkpoints train, drawn as its other weights are (std 0.02).
 TRAINED_ZEROS = {"blip-2": ("query_tokens",)}
 # Fields a family needs beyond those (where its defaults disagree with the tiny sizes), by model type.
 FAMILY_TASK_FIELDS: dict[str, dict] = {
@@ -30,8 +26,7 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     "esm": dict(pad_token_id=1, mask_token_id=2),  # none by default: its embedding masks by them
     "neomme": dict(head_dim=16),  # M-RoPE rotates a quarter of a head, in multiples of 4
     "reformer": dict(is_decoder=False),  # its masked LM is bidirectional (the causal-LM zoo sets True)
-    # a conv over each head's values shorter than the 16 tokens, as its default 65 is than real sequences: at one head
-    # per rank (tp 4), torch 2.13's oneDNN conv backward on one channel with a 65-long kernel over 16 rows segfaults
+    # a conv over each head's values shorter than the 16 tokens (its default 65 segfaults at tp 4: docs/zoo.md)
     "nystromformer": dict(conv_kernel_size=9),
     "perceiver": dict(
         d_model=32,
@@ -52,15 +47,12 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     ),
     # NaFlex patches: 16 of 8 x 8 pixels (a 4 x 4 grid)
     "siglip2": dict(vision_config=dict(num_patches=16)),
-    # its Q-Former reads the vision tower's width and, for retrieval, the text; its vision tower initialises at 1e-10
-    # by default (as BLIP's), which makes every image position the same to the Q-Former's cross-attention
+    # its Q-Former reads the vision tower's width and the text; the vision tower's default init is 1e-10, as BLIP's
     "blip-2": dict(
         qformer_config=dict(encoder_hidden_size=32, use_qformer_text_input=True),
         vision_config=dict(initializer_range=0.02),
     ),
-    # images large enough that attention has more than one token to mix: MobileViT's 2 x 2 patches (its own size, not
-    # the task's 8, which leaves one patch per stage) of its stages at strides 8 to 32; VideoPrism's tubelets of 8 x 8
-    # pixels (18 x 18 by default: one per 32 x 32 frame)
+    # images large enough that attention has more than one token to mix (docs/zoo.md)
     "mobilevit": dict(image_size=96, patch_size=2),
     "videoprism": dict(
         vision_config=dict(tubelet_size=[1, 8, 8], num_frames=4, num_spatial_layers=2, num_temporal_layers=2)
@@ -71,8 +63,7 @@ FAMILY_TASK_FIELDS: dict[str, dict] = {
     "led": dict(attention_window=[8, 8]),
     "longformer": dict(attention_window=8),
     "pegasus_x": dict(block_size=8, num_global_tokens=4),  # blocks of 512 tokens and 32 global ones by default
-    # BLIP's vision tower initialises at 1e-10 by default (its checkpoints set their weights): at the tiny size its
-    # norms then blow gradients up to 1e9
+    # BLIP's vision tower initialises at 1e-10 by default, which at the tiny size blows gradients up to 1e9
     "blip": dict(vision_config=dict(initializer_range=0.02)),
     # images of 8 x 8 patches of 16 pixels: its last stage attends among 2 x 2 (with 1, its heads act alike)
     "levit": dict(
