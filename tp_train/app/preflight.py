@@ -46,11 +46,11 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
             f"tp={tp} x cp={cp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp x cp)"
         )
-    block = cfg.data.get("block_size")
-    if cp > 1 and isinstance(block, int) and block % (2 * cp):
+    block_size = cfg.data.get("block_size")
+    if cp > 1 and isinstance(block_size, int) and block_size % (2 * cp):
         raise ConfigError(
-            f"data.block_size={block} is not a multiple of 2 x cp = {2 * cp} (each context-parallel rank holds two "
-            f"equal chunks of every sequence); use data.block_size={block - block % (2 * cp) or 2 * cp}"
+            f"data.block_size={block_size} is not a multiple of 2 x cp = {2 * cp} (each context-parallel rank holds "
+            f"two equal chunks of every sequence); use data.block_size={block_size - block_size % (2 * cp) or 2 * cp}"
         )
     mode = str(_setting(cfg, "data_parallel", "ddp"))
     if mode not in DATA_PARALLEL_MODES:
@@ -73,7 +73,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
     if cp > 1:
         try:
-            check_context_parallel(model, block)
+            check_context_parallel(model, block_size)
         except ValueError as error:
             raise ConfigError(f"cp={cp}: {error}") from None
     vocab, data_vocab = embedding_rows(model), cfg.data.get("vocab_size")
@@ -84,7 +84,6 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"use data.vocab_size<={vocab} or a model with a larger vocabulary"
         )
     context = context_length(model)
-    block_size = cfg.data.get("block_size")
     if context is not None and block_size is not None and block_size > context:
         raise ConfigError(
             f"data.block_size={block_size} exceeds the model's context of {context} tokens; "
