@@ -199,11 +199,8 @@ def _check_fault_handling(cfg: DictConfig) -> None:
 def context_length(model: torch.nn.Module) -> int | None:
     """The longest sequence `model` takes (its config's block_size, max_position_embeddings or n_positions)."""
     config = getattr(model, "config", None)
-    for field in ("block_size", "max_position_embeddings", "n_positions"):
-        value = getattr(config, field, None)
-        if isinstance(value, int):
-            return value
-    return None
+    values = (getattr(config, field, None) for field in ("block_size", "max_position_embeddings", "n_positions"))
+    return next((value for value in values if isinstance(value, int)), None)
 
 
 def meta_model(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> nn.Module:

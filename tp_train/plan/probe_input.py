@@ -226,13 +226,9 @@ def _feature_shape(config, length: int) -> tuple[int, int] | None:
 
 def _holding(config, field_name: str):
     """`config`, or the first of its sub-configs (vision, audio, encoder), that has `field_name` set."""
-    if getattr(config, field_name, None) is not None:
-        return config
-    for sub in ("vision_config", "audio_config", "speech_config", "encoder_config", "encoder"):
-        found = getattr(config, sub, None)
-        if found is not None and getattr(found, field_name, None) is not None:
-            return found
-    return None
+    subs = ("vision_config", "audio_config", "speech_config", "encoder_config", "encoder")
+    owners = [config, *(getattr(config, sub, None) for sub in subs)]
+    return next((owner for owner in owners if getattr(owner, field_name, None) is not None), None)
 
 
 def _device(model: nn.Module) -> torch.device:
