@@ -235,3 +235,28 @@ def test_the_first_rank_plans_and_every_rank_takes_its_plan_or_its_refusal():
     assert (calls0, calls1) == (1, 0)
     assert shapes0 == shapes1 != _shapes(literal_heads())  # sharded, by one plan
     assert refusal0 == refusal1 and "n_head=3" in refusal0 and "\n" not in refusal0
+
+
+def _decisions(rank, world_size):
+    """What `first_rank_decides` returned on this rank and how often this rank decided, then the error it raised."""
+    from tp_train.errors import DiskFullError
+    from tp_train.parallel.mesh import first_rank_decides
+
+    calls = []
+    value = first_rank_decides(lambda: calls.append(rank) or {"rank": rank})
+
+    def refuse():
+        raise DiskFullError(f"no space on rank {rank}")
+
+    try:
+        first_rank_decides(refuse)
+    except DiskFullError as error:
+        return value, calls, str(error)
+    return value, calls, None
+
+
+def test_the_first_rank_decides_for_every_rank_and_its_error_is_raised_on_every_rank():
+    results = run_on_ranks(_decisions, 2)
+    assert [value for value, _, _ in results] == [{"rank": 0}, {"rank": 0}]
+    assert [calls for _, calls, _ in results] == [[0], []]
+    assert [error for _, _, error in results] == ["no space on rank 0", "no space on rank 0"]

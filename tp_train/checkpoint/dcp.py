@@ -18,8 +18,8 @@ from tp_train.checkpoint import on_disk
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.checks import check_files, check_matches
 from tp_train.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_extra, unsafe_globals
-from tp_train.errors import CheckpointError, DiskFullError
-from tp_train.parallel.mesh import TENSOR_PARALLEL  # the mesh dimension a 2-D mesh shards over
+from tp_train.errors import CheckpointError
+from tp_train.parallel.mesh import TENSOR_PARALLEL, first_rank_decides  # TENSOR_PARALLEL: the axis a 2-D mesh shards
 from tp_train.parallel.sharding import ShardSpec, fill_replicas, local_part, named_sharded_parameters
 
 META_FILE = "meta.pt"  # the caller's `extra` metadata, beside DCP's files
@@ -249,16 +249,12 @@ def load(
 def _check_free_space(path: Path, state: dict[str, Any]) -> None:
     """Refuses the save, on every rank alike and before anything is written, when the checkpoint does not fit on
     its filesystem as rank 0 sees it (`tp_train.checkpoint.on_disk`)."""
-    refusal = [None]
-    if dist.get_rank() == 0:
+
+    def check() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)  # now: a link to the checkpoint may be made before it is written
-        try:
-            on_disk.check_free_space(path, on_disk.checkpoint_bytes(state))
-        except DiskFullError as error:
-            refusal = [str(error)]
-    dist.broadcast_object_list(refusal, src=0)
-    if refusal[0] is not None:
-        raise DiskFullError(refusal[0])
+        on_disk.check_free_space(path, on_disk.checkpoint_bytes(state))
+
+    first_rank_decides(check)
 
 
 def checkpoint_extra(path: Path, trust_checkpoint: bool = False) -> dict:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed import ProcessGroup
 
 from tp_train.errors import first_line
+from tp_train.parallel.mesh import first_rank_decides
 from tp_train.plan.probe_input import ProbeInput
 
 EXAMPLES = 2  # examples of a batch kept for the probe
@@ -37,14 +37,13 @@ def example_inputs(
         ValueError: one line, when `example_input_array` is set and the LightningModule's forward fails on it before
             reaching any module to shard.
     """
-    recorded: dict[str, ProbeInput] = {}
-    if dist.get_rank(group) == 0:
+
+    def record() -> dict[str, ProbeInput]:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):  # a loader's shuffle, dropout before a target: rank 0 only
-            recorded = _record(trainer, root, targets)
-    shared = [recorded]
-    dist.broadcast_object_list(shared, group_src=0, group=group)
-    return shared[0]
+            return _record(trainer, root, targets)
+
+    return first_rank_decides(record, group)
 
 
 def _record(trainer: pl.Trainer, root: pl.LightningModule, targets: list[tuple[str, nn.Module]]) -> dict:

@@ -36,7 +36,7 @@ from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
-from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, REPLICAS, TENSOR_PARALLEL
+from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, REPLICAS, TENSOR_PARALLEL, first_rank_decides
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
@@ -231,9 +231,7 @@ class TensorParallelStrategy(DDPStrategy):
         e.g. which checkpoint to resume: through the launch's store before the process group exists
         (`tp_train.lightning.rendezvous.Rendezvous.rank_zero_decides`), by broadcast once it does."""
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            decision = [decide() if self.global_rank == 0 else None]
-            torch.distributed.broadcast_object_list(decision, src=0)
-            return decision[0]
+            return first_rank_decides(decide)
         return self.launch.rank_zero_decides(decide)
 
     @property

@@ -3,6 +3,9 @@ from what a caller may pass."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,3 +30,24 @@ def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup
             raise ValueError(f"tp_group must be a 1-D DeviceMesh, got mesh_dim_names={tp_group.mesh_dim_names}")
         return tp_group.get_group()
     return tp_group
+
+
+def first_rank_decides(decide: Callable[[], Any], group: ProcessGroup | None = None) -> Any:
+    """`decide()` run on the group's first rank only and its result returned on every rank (a broadcast); when it
+    raises, the first rank raises its error and every other rank the same type with the same message."""
+    decision: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            decision[0] = ("value", decide())
+        except Exception as error:
+            dist.broadcast_object_list([("error", type(error), str(error))], group=group, group_src=0)
+            raise
+    dist.broadcast_object_list(decision, group=group, group_src=0)
+    if decision[0][0] == "error":
+        kind, message = decision[0][1:]
+        try:
+            raised = kind(message)
+        except Exception:  # noqa: BLE001 - a type that takes more than its message
+            raised = RuntimeError(f"{kind.__name__}: {message}")
+        raise raised
+    return decision[0][1]

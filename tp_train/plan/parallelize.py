@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tp_train.checkpoint.pretrained import load_pretrained_modules
 from tp_train.parallel.collectives import CommunicationCounter
 from tp_train.parallel.layers import Configurable
-from tp_train.parallel.mesh import as_process_group
+from tp_train.parallel.mesh import as_process_group, first_rank_decides
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.activation_checkpointing import checkpoint_blocks
 from tp_train.plan.apply import apply_plan
@@ -124,24 +124,13 @@ def parallelize(
 
 
 def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> tuple[dict[str, str], str]:
-    """`resolve_plan` on the group's first rank, taken by every rank: the planner's probes run once per group, not
-    once per rank (on the host, with a deferred-init model materialised there), and the ranks cannot decide
-    differently. A refusal is raised on every rank."""
+    """`resolve_plan` on the group's first rank, taken by every rank (or its refusal raised on every rank): the
+    planner's probes run once per group, a deferred-init model is materialised on the host once, and the ranks cannot
+    decide differently (docs/planner.md)."""
     size = dist.get_world_size(group)
     if plan or size == 1:
         return resolve_plan(model, plan, size, example_input)
-    decided: list = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            decided[0] = resolve_plan(model, plan, size, example_input)
-        except Exception as error:
-            kind = ValueError if isinstance(error, ValueError) else RuntimeError
-            dist.broadcast_object_list([kind(str(error))], group=group, group_src=0)
-            raise
-    dist.broadcast_object_list(decided, group=group, group_src=0)
-    if isinstance(decided[0], Exception):
-        raise decided[0]
-    return decided[0]
+    return first_rank_decides(lambda: resolve_plan(model, plan, size, example_input), group)
 
 
 def _blocks_if_any(model: nn.Module, planned: list) -> list[str]:
