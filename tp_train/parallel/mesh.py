@@ -1,5 +1,5 @@
-"""The process groups tensor parallelism runs on: the names of the 2-D mesh's axes, and a tensor-parallel group
-from what a caller may pass."""
+"""The process groups tensor parallelism runs on: the names of the 2-D mesh's axes, a tensor-parallel group from
+what a caller may pass, and a decision the group's first rank takes for all of them."""
 
 from __future__ import annotations
 
