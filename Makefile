@@ -18,10 +18,11 @@ setup:
 train: setup
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PYTHON) train.py tp=2
 
-# README's second command; .ci/run calls it. Two pytest workers (pytest-xdist), each taking whole test files: most
-# of a distributed test's time is spent waiting (rank start-up, rendezvous, a launcher's child importing), so one
-# worker leaves a 2-core machine half idle. TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# README's second command; .ci/run calls it. Three pytest workers (pytest-xdist), each taking whole test files, on
+# the 2-core machine: a distributed test waits much of its time (a rank held stopped until the hang limit, ranks
+# idle while the first one plans, torchrun restarting), and a third worker fills those cores (docs/performance.md:
+# 801 s against 926 s at two, 2026-11-27). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 3
 test: setup
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
