@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from enum import Enum
 from fractions import Fraction
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import tp_train
+from tests import train_cases
 from tests.distributed import run_on_ranks
 from tests.test_parallelize import _hf_llama
 from tp_train.checkpoint.dcp import HUGGING_FACE_CONFIG_KEY
@@ -117,10 +117,10 @@ def test_a_planted_pickle_is_refused_by_every_loader_and_never_runs(where, check
 
     # resume: python train.py ckpt_path=...
     env = {**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}
-    result = subprocess.run(
+    result = train_cases.run(
         [sys.executable, "train.py", "experiment=smoke", "logger=none", "data.max_files=20", f"ckpt_path={planted}",
          f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, timeout=300,
     )  # fmt: skip
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]

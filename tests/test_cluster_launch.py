@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import train_cases
 from tp_train.checkpoint.safe_load import read_extra
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def cache(tmp_path_factory) -> Path:
 def uninterrupted(cache, tmp_path_factory) -> dict:
     """The summary of the same training run straight through, by `python train.py` (its own launcher)."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    result = subprocess.run([sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"], **_io(cache))
+    result = train_cases.run([sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"], **_run(cache))
     assert result.returncode == 0, result.stderr[-3000:]
     return _summary(run_dir)
 
@@ -49,6 +50,10 @@ def _env(cache: Path, **extra: str) -> dict:
 
 def _io(cache: Path, **extra: str) -> dict:
     return dict(cwd=ROOT, env=_env(cache, **extra), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _run(cache: Path) -> dict:
+    return dict(cwd=ROOT, env=_env(cache), timeout=TIMEOUT)
 
 
 def _summary(run_dir: Path) -> dict:
@@ -226,7 +231,7 @@ def test_a_job_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoi
     (previous,) = (path for path in checkpoint.parent.glob("*-step=10.ckpt") if (path / ".metadata").is_file())
     assert read_extra(previous / "meta.pt")["global_step"] == 10  # the previous checkpoint, whole
 
-    result = subprocess.run([sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"], **_io(cache))
+    result = train_cases.run([sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"], **_run(cache))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {previous}" in result.stderr  # last.ckpt named the interrupted save: not taken
     _same_run(_summary(run_dir), uninterrupted)

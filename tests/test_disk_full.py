@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import train_cases
 from tp_train.app import resume
 from tp_train.checkpoint.checks import check_files
 from tp_train.checkpoint.safe_load import read_extra
@@ -25,10 +26,8 @@ COMMAND = ["experiment=smoke", "tp=2", "logger=csv", "data.max_files=20", "train
 def _train(run_dir: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TP_TRAIN_CACHE": str(cache)}
     env.pop(resume.ENVIRONMENT_VARIABLE, None)
-    return subprocess.run(
-        [sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}", *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return train_cases.run([sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}", *extra], cwd=ROOT,
+                           env=env, timeout=600)  # fmt: skip
 
 
 def _bytes(path: Path) -> int:

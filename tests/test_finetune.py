@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import train_cases
 from tests.distributed import run_on_ranks
 from tests.test_data import tokenizer_ending_documents_with
 from tests.test_train_app import wandb_records
@@ -52,7 +53,7 @@ def _train(tmp: Path, run: str, corpus: str, *overrides: str, env: dict | None =
     env.pop("TP_TRAIN_RESUME_FROM", None)
     command = [sys.executable, "train.py", *RUN, f"data.source={tmp / corpus}", *overrides,
                f"hydra.run.dir={tmp / run}"]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = train_cases.run(command, cwd=ROOT, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return tmp / run
 
@@ -321,7 +322,7 @@ def test_a_tokenizer_larger_than_the_models_embedding_is_one_line(runs):
     command = [sys.executable, "train.py", *RUN, f"data.source={tmp / 'corpus.txt'}", "model=gpt_tiny",
                "data.vocab_size=300", f"data.tokenizer_path={runs['dir']}",
                f"hydra.run.dir={tmp / 'refused'}"]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = train_cases.run(command, cwd=ROOT, env=env, timeout=300)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"data.tokenizer_path={runs['dir']} has " in errors[0] and "more than the 300 rows" in errors[0], errors

@@ -3,7 +3,6 @@ activations what autograd really keeps, and `train.py ... dry_run=true` printing
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 import tp_train
 from models import GPT, GPTConfig
+from tests import train_cases
 from tests.distributed import run_on_ranks
 from tests.test_parallelize import VOCAB, SwiGLUModel, _hf_gpt2, _hf_llama
 from tests.test_train_app import ROOT
@@ -108,10 +108,10 @@ def test_activations_are_what_autograd_keeps():
 
 @pytest.mark.slow
 def test_dry_run_prints_the_estimate_and_exits_without_training(tmp_path):
-    result = subprocess.run(
+    result = train_cases.run(
         [sys.executable, "train.py", "experiment=smoke", "tp=2", "dry_run=true", "logger=none",
          f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "predicted memory per rank (tp=2" in result.stdout, result.stdout
@@ -123,10 +123,10 @@ def test_dry_run_prints_the_estimate_and_exits_without_training(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_knows_the_data_parallel_mode(tmp_path):
-    result = subprocess.run(
+    result = train_cases.run(
         [sys.executable, "train.py", "experiment=smoke", "tp=2", "dp=2", "data_parallel=fsdp", "dry_run=true",
          "logger=none", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "predicted memory per rank (tp=2, fsdp" in result.stdout, result.stdout

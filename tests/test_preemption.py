@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 
+from tests import train_cases
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import LitLM, loader, make_trainer
 from tests.signal_at_step import SignalAtStep
@@ -31,10 +32,9 @@ WORDS = "the parrot is resting not dead it has ceased to be bereft of life it re
 def refusal(tmp_path, *overrides: str) -> tuple[str, subprocess.CompletedProcess]:
     """Runs `train.py experiment=smoke logger=none *overrides`, asserts it was refused (status 2, no traceback, one
     `error: ` line) and returns that line and the process."""
-    result = subprocess.run(
+    result = train_cases.run(
         [sys.executable, "train.py", "experiment=smoke", "logger=none", f"hydra.run.dir={tmp_path}", *overrides],
-        cwd=ROOT, env={**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}, capture_output=True, text=True,
-        timeout=300,
+        cwd=ROOT, env={**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -278,9 +278,7 @@ def test_sigterm_mid_epoch_then_the_same_command_resumes_with_the_same_losses(tm
     env = {**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}
     env.pop(resume.ENVIRONMENT_VARIABLE, None)
     other = [*command[:-1], "model.config.n_embd=64", f"ckpt_path={checkpoint}", f"hydra.run.dir={tmp_path}/other"]
-    refused = subprocess.run(
-        [sys.executable, "train.py", *other], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    refused = train_cases.run([sys.executable, "train.py", *other], cwd=ROOT, env=env, timeout=600)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert len(errors) == 1 and str(checkpoint) in errors[0] and "[300, 32] there but" in errors[0], errors

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import train_cases
+
 ROOT = Path(__file__).resolve().parents[1]
 SERIES = [
     "train/loss",
@@ -27,9 +29,7 @@ SERIES = [
 
 def run_train(*overrides: str, cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "TP_TRAIN_CACHE": str(cache), "HYDRA_FULL_ERROR": "1"}
-    result = subprocess.run(
-        [sys.executable, "train.py", *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    result = train_cases.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

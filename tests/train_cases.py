@@ -1,24 +1,37 @@
-"""Runs `train.py` with several sets of overrides for the price of one start-up: this process imports train.py's
-modules (torch, Lightning, Hydra) once, then each case runs train.py as `__main__` in a forked child, as
-`python train.py <overrides>` would, with its own stdout, stderr and exit status. For runs that end in the
-launching process (preflight refusals); a run that starts ranks needs a real `python train.py`.
+"""Runs `train.py` for the price of one start-up: this process imports train.py's modules (torch, Lightning, Hydra,
+transformers: about 5 CPU-seconds of each `python train.py`) once, then each case runs train.py as `__main__` in a
+forked child, as `python train.py <overrides>` would, with its own stdout, stderr and exit status, and its own
+ranks: Lightning's launcher starts them from the child by re-running `python train.py` as usual.
 
 A case naming a `module` runs that module as `__main__` instead, with `overrides` as its arguments, as its console
 script would (`tp_train.app.generate` is `tp-train-generate`); the module is imported once, before any fork. Its own
 ranks are forked from the child, as from the console script.
 
-    python -m tests.train_cases < cases.json > results.json
-    cases: [{"overrides": [...], "env": {...}, "directory": "...", "module": "..." (optional)}];
-    results: [{"status", "stdout", "stderr"}]
+Two ways in:
+- `run(command, cwd=..., env=..., timeout=...)`, for tests: `subprocess.run(command, capture_output=True,
+  text=True, ...)` for a `python train.py ...` command, served by this pytest worker's own server (started at its
+  first call, `python -m tests.train_cases --serve`: a case per line on stdin; it answers with the child's pid, then
+  its exit status). Tests that signal the job or time it by its pipes (every rank's end) start it themselves.
+- A batch: `python -m tests.train_cases < cases.json > results.json`,
+  cases: [{"overrides": [...], "env": {...}, "directory": "...", "module": "..." (optional)}];
+  results: [{"status", "stdout", "stderr"}]
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
 import runpy
+import select
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -27,14 +40,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run_case(case: dict) -> int:
     """Forks a child that runs train.py (or the case's module) with `case`'s overrides; returns its exit status."""
-    directory = Path(case["directory"])
+    return os.waitstatus_to_exitcode(os.waitpid(_start_case(case), 0)[1])
+
+
+def _start_case(case: dict) -> int:
+    """Forks the child that runs `case`; returns its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid:
-        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        return pid
+    directory = Path(case["directory"])
     status = 1
     try:
         for fd, name in ((1, "stdout"), (2, "stderr")):
             os.dup2(os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        if "cwd" in case:
+            os.chdir(case["cwd"])
+        if case.get("whole_env"):  # as subprocess.run(env=...): the case's environment and nothing else
+            os.environ.clear()
         os.environ.update(case.get("env", {}))
         if case.get("module"):
             sys.argv = [case["module"], *case["overrides"]]
@@ -48,15 +72,89 @@ def _run_case(case: dict) -> int:
     except BaseException:  # noqa: BLE001 - reported as the process would, before os._exit ends it
         traceback.print_exc()
     finally:
+        _exit_as_the_interpreter_would(status)
+
+
+def _exit_as_the_interpreter_would(status: int) -> None:
+    """Ends the child as `python train.py` ends: non-daemon threads joined, then the exit handlers registered since
+    the fork (last first: W&B's, the launcher's wait for its ranks, then train.py's own, which ends the process with
+    the run's status), then os._exit for a run that left none to end it."""
+    try:
+        threading._shutdown()  # what the interpreter does before its exit handlers
+        atexit._run_exitfuncs()
+    finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+
+
+def serve() -> None:
+    """One case per line on stdin, one at a time: answers {"pid"} once the child runs, then {"status"} when it ended."""
+    for line in sys.stdin:
+        pid = _start_case(json.loads(line))
+        print(json.dumps({"pid": pid}), flush=True)
+        print(json.dumps({"status": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+
+
+_SERVER: list[subprocess.Popen] = []  # this process's server, started at the first run()
+
+
+def _server() -> subprocess.Popen:
+    if _SERVER and _SERVER[0].poll() is None:
+        return _SERVER[0]
+    server = subprocess.Popen([sys.executable, "-m", "tests.train_cases", "--serve"], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    atexit.register(server.stdin.close)  # the server ends at the end of its input
+    _SERVER[:] = [server]
+    return server
+
+
+def _answer(server: subprocess.Popen, deadline: float) -> dict | None:
+    """The server's next answer, or None at `deadline`."""
+    while not select.select([server.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        if time.monotonic() >= deadline:
+            return None
+    line = server.stdout.readline()
+    if not line:
+        raise RuntimeError(f"tests.train_cases server ended (status {server.wait()})")
+    return json.loads(line)
+
+
+def run(command: list[str], *, cwd: Path, env: dict | None = None, timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` for `command` =
+    `[sys.executable, "train.py", *overrides]` run from the project's root, forked from this process's server."""
+    if command[:2] != [sys.executable, "train.py"] or Path(cwd).resolve() != ROOT:
+        raise ValueError(f"tests.train_cases.run: {command[:2]} in {cwd}; it runs `python train.py` from {ROOT}")
+    directory = Path(tempfile.mkdtemp(prefix="train-case-"))
+    try:
+        server = _server()
+        environment = dict(os.environ) if env is None else env
+        case = {"overrides": command[2:], "env": environment, "whole_env": True, "cwd": str(cwd),
+                "directory": str(directory)}  # fmt: skip
+        server.stdin.write(json.dumps(case) + "\n")
+        server.stdin.flush()
+        deadline = time.monotonic() + timeout
+        pid = _answer(server, deadline + 60)["pid"]
+        answer = _answer(server, deadline)
+        if answer is None:
+            os.kill(pid, signal.SIGKILL)
+            _answer(server, time.monotonic() + 60)
+        output = {name: (directory / name).read_text(errors="replace") for name in ("stdout", "stderr")}
+        if answer is None:
+            raise subprocess.TimeoutExpired(command, timeout, output=output["stdout"], stderr=output["stderr"])
+        return subprocess.CompletedProcess(command, answer["status"], output["stdout"], output["stderr"])
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> None:
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
     import train  # noqa: F401 - its imports (torch, Lightning, Hydra) happen once, before forking
+
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        return
 
     cases = json.load(sys.stdin)
     for module in sorted({case["module"] for case in cases if case.get("module")}):
