@@ -6,7 +6,7 @@ xdist's default hands out files with the most tests first, which leaves the file
 The files that take longest start first instead (in this order, by their times in CI on 2 cores); every other
 file follows in collection order and fills in around them.
 
-Every pytest worker, and every process a test starts, computes on one thread: with two workers on two cores (and
+Every pytest worker, and every process a test starts, computes on one thread: with the workers on two cores (and
 their tests' ranks beside them), a second OpenMP thread per process only spins waiting for a core. Measured on the
 2-core machine at a load of 3-6: `infer_plan` on SeamlessM4T's tiny model (a test of test_multi_role_attention.py)
 took 253 s at torch's default of 2 threads and 21 s at 1.
