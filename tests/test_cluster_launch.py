@@ -48,11 +48,8 @@ def _env(cache: Path, **extra: str) -> dict:
     return env
 
 
-def _io(cache: Path, **extra: str) -> dict:
-    return dict(cwd=ROOT, env=_env(cache, **extra), capture_output=True, text=True, timeout=TIMEOUT)
-
-
 def _run(cache: Path) -> dict:
+    """tests.train_cases.run's arguments."""
     return dict(cwd=ROOT, env=_env(cache), timeout=TIMEOUT)
 
 

@@ -102,8 +102,10 @@ _SERVER: list[subprocess.Popen] = []  # this process's server, started at the fi
 def _server() -> subprocess.Popen:
     if _SERVER and _SERVER[0].poll() is None:
         return _SERVER[0]
+    # Unbuffered bytes: a buffered reader could read both answers at once, and select() would then wait on the pipe
+    # for the second one, already read.
     server = subprocess.Popen([sys.executable, "-m", "tests.train_cases", "--serve"], cwd=ROOT,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)  # fmt: skip
     atexit.register(server.stdin.close)  # the server ends at the end of its input
     _SERVER[:] = [server]
     return server
@@ -131,8 +133,7 @@ def run(command: list[str], *, cwd: Path, env: dict | None = None, timeout: floa
         environment = dict(os.environ) if env is None else env
         case = {"overrides": command[2:], "env": environment, "whole_env": True, "cwd": str(cwd),
                 "directory": str(directory)}  # fmt: skip
-        server.stdin.write(json.dumps(case) + "\n")
-        server.stdin.flush()
+        server.stdin.write((json.dumps(case) + "\n").encode())
         deadline = time.monotonic() + timeout
         pid = _answer(server, deadline + 60)["pid"]
         answer = _answer(server, deadline)
