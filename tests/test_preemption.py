@@ -204,9 +204,7 @@ def _train(tmp_path: Path, *command: str, signal_at: tuple[int, str] | None = No
     prefix = ["tests/signal_at_step.py", str(signal_at[0]), signal_at[1]] if signal_at else ["train.py"]
     env = {**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache"), "HYDRA_FULL_ERROR": "1"}
     env.pop(resume.ENVIRONMENT_VARIABLE, None)
-    result = subprocess.run(
-        [sys.executable, *prefix, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    result = train_cases.run([sys.executable, *prefix, *command], cwd=ROOT, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

@@ -1,7 +1,8 @@
 """Runs `train.py` for the price of one start-up: this process imports train.py's modules (torch, Lightning, Hydra,
 transformers: about 5 CPU-seconds of each `python train.py`) once, then each case runs train.py as `__main__` in a
-forked child, as `python train.py <overrides>` would, with its own stdout, stderr and exit status, and its own
-ranks: Lightning's launcher starts them from the child by re-running `python train.py` as usual.
+forked child, as `python train.py <overrides>` would, with its own stdout, stderr and exit status. Its child ranks
+are forks too: Lightning's launcher asks for them with its usual `subprocess.Popen` call, and each is a copy of the
+case taken before train.py ran (`_child_ranks_by_fork`).
 
 A case naming a `module` runs that module as `__main__` instead, with `overrides` as its arguments, as its console
 script would (`tp_train.app.generate` is `tp-train-generate`); the module is imported once, before any fork. Its own
@@ -9,9 +10,10 @@ ranks are forked from the child, as from the console script.
 
 Two ways in:
 - `run(command, cwd=..., env=..., timeout=...)`, for tests: `subprocess.run(command, capture_output=True,
-  text=True, ...)` for a `python train.py ...` command, served by this pytest worker's own server (started at its
-  first call, `python -m tests.train_cases --serve`: a case per line on stdin; it answers with the child's pid, then
-  its exit status). Tests that signal the job or time it by its pipes (every rank's end) start it themselves.
+  text=True, ...)` for a `python train.py ...` command (or tests/signal_at_step.py's, which runs train.py), served
+  by this pytest worker's own server (started at its first call, `python -m tests.train_cases --serve`: a case per
+  line on stdin; it answers with the child's pid, then its exit status). Tests that signal the job from outside or
+  time it by its pipes (every rank's end) start it themselves.
 - A batch: `python -m tests.train_cases < cases.json > results.json`,
   cases: [{"overrides": [...], "env": {...}, "directory": "...", "module": "..." (optional)}];
   results: [{"status", "stdout", "stderr"}]
@@ -65,8 +67,9 @@ def _start_case(case: dict) -> int:
             sys.argv = [case["module"], *case["overrides"]]
             runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
         else:
-            sys.argv = ["train.py", *case["overrides"]]
-            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")  # as `python train.py` runs it
+            script = case.get("script", "train.py")
+            sys.argv = [script, *case["overrides"]]
+            runpy.run_path(str(ROOT / script), run_name="__main__")  # as `python train.py` runs it
         status = 0
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
@@ -225,16 +228,21 @@ def _answer(server: subprocess.Popen, deadline: float) -> dict | None:
     return json.loads(line)
 
 
+# What run() runs: train.py, or the script that runs it and signals itself at a step.
+SCRIPTS = ("train.py", "tests/signal_at_step.py")
+
+
 def run(command: list[str], *, cwd: Path, env: dict | None = None, timeout: float) -> subprocess.CompletedProcess:
     """`subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` for `command` =
-    `[sys.executable, "train.py", *overrides]` run from the project's root, forked from this process's server."""
-    if command[:2] != [sys.executable, "train.py"] or Path(cwd).resolve() != ROOT:
-        raise ValueError(f"tests.train_cases.run: {command[:2]} in {cwd}; it runs `python train.py` from {ROOT}")
+    `[sys.executable, script, *overrides]` (a script of SCRIPTS) run from the project's root, forked from this
+    process's server."""
+    if command[0] != sys.executable or command[1] not in SCRIPTS or Path(cwd).resolve() != ROOT:
+        raise ValueError(f"tests.train_cases.run: {command[:2]} in {cwd}; it runs `python` {SCRIPTS} from {ROOT}")
     directory = Path(tempfile.mkdtemp(prefix="train-case-"))
     try:
         server = _server()
         environment = dict(os.environ) if env is None else env
-        case = {"overrides": command[2:], "env": environment, "whole_env": True, "cwd": str(cwd),
+        case = {"script": command[1], "overrides": command[2:], "env": environment, "whole_env": True, "cwd": str(cwd),
                 "directory": str(directory)}  # fmt: skip
         server.stdin.write((json.dumps(case) + "\n").encode())
         deadline = time.monotonic() + timeout
