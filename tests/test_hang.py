@@ -16,6 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 from torch.distributed import TCPStore
 
+from tests import train_cases
 from tests.test_disk_full import losses
 from tp_train import HangDetector
 from tp_train.app import resume
@@ -28,12 +29,22 @@ COMMAND = ["experiment=smoke", "tp=2", "logger=csv", "data.max_files=20", "train
 STOP_STEP = 22  # after the first checkpoint (step 20)
 
 
+def _command(run_dir: Path, cache: Path, *extra: str) -> tuple[list[str], dict]:
+    env = {**os.environ, "TP_TRAIN_CACHE": str(cache)}
+    env.pop(resume.ENVIRONMENT_VARIABLE, None)
+    return [sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}", *extra], env
+
+
+def _run(run_dir: Path, cache: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs train.py to its end, through tests.train_cases (a job this test neither stops nor times)."""
+    command, env = _command(run_dir, cache, *extra)
+    return train_cases.run(command, cwd=ROOT, env=env, timeout=timeout)
+
+
 def _train(run_dir: Path, cache: Path, *extra: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:
     """Runs train.py in a session of its own (every rank is killed if it outlives `timeout`); returns the result
     and when the last rank had ended."""
-    env = {**os.environ, "TP_TRAIN_CACHE": str(cache)}
-    env.pop(resume.ENVIRONMENT_VARIABLE, None)
-    command = [sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}", *extra]
+    command, env = _command(run_dir, cache, *extra)
     job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)  # fmt: skip
     try:
@@ -136,7 +147,7 @@ def straight(tmp_path_factory) -> tuple[Path, Path]:
     """The same command, uninterrupted (its fault's record exists: it never fires), and the shared data cache."""
     root = tmp_path_factory.mktemp("hang")
     (root / "fired.json").write_text("{}")
-    result, _ = _train(root / "straight", root / "cache", *_fault(root / "fired.json"))
+    result = _run(root / "straight", root / "cache", *_fault(root / "fired.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "straight", root / "cache"
 
@@ -162,7 +173,7 @@ def test_a_stopped_rank_ends_the_job_at_the_defaults_and_the_same_command_resume
     assert collectives.get("entries"), collectives  # torch's flight recorder: rank 0's last collectives
     assert not (run_dir / "hang" / "rank1-stacks.txt").exists()  # the stopped rank is not reachable
 
-    resumed, _ = _train(run_dir, cache, *_fault(record), sync)  # the same command
+    resumed = _run(run_dir, cache, *_fault(record), sync)  # the same command
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (line,) = (line for line in resumed.stderr.splitlines() if line.startswith("resuming from "))
     assert "step=20.ckpt" in Path(line.split()[2].rstrip(",")).resolve().name, line
@@ -178,7 +189,7 @@ def test_a_slow_batch_validation_and_save_longer_than_the_limit_do_not_end_the_j
     stall = ["+callbacks.stall._target_=tests.faults.StallAtStep", "+callbacks.stall.rank=1",
              "+callbacks.stall.step=18", "+callbacks.stall.seconds=9"]  # fmt: skip
     limits = ["hang_timeout_s=4", "setup_timeout_s=120", "+callbacks.hang.heartbeat_s=1"]
-    result, _ = _train(tmp_path / "run", cache, *stall, *limits, "trainer.max_steps=22", timeout=400)
+    result = _run(tmp_path / "run", cache, *stall, *limits, "trainer.max_steps=22", timeout=400)
     stalls = [line for line in result.stdout.splitlines() if line.startswith("stalling rank 1")]
     print(stalls)
     assert result.returncode == 0, result.stderr[-3000:]
