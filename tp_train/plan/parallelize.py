@@ -20,7 +20,7 @@ from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.caches import caches_kept
 from tp_train.plan.context_parallel import enable_context_parallel
-from tp_train.plan.layout import block_layout
+from tp_train.plan.layout import block_layout, blocks_if_any
 from tp_train.plan.match import match_plan
 from tp_train.plan.region_check import RegionCheck
 from tp_train.plan.resolve import SKIPPED, resolve_plan
@@ -86,7 +86,7 @@ def parallelize(
         layout = block_layout(model, planned, feature)
         if sequence_parallel:
             check_sequence_parallel(model, layout)
-    blocks = layout.blocks if layout is not None else _blocks_if_any(model, planned)
+    blocks = layout.blocks if layout is not None else blocks_if_any(model, planned)
     device = torch.device(device) if device is not None else _default_device(model)
     # Also syncs the default generator, so every rank inits alike.
     rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
@@ -131,14 +131,6 @@ def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> 
     if plan or size == 1:
         return resolve_plan(model, plan, size, example_input)
     return first_rank_decides(lambda: resolve_plan(model, plan, size, example_input), group)
-
-
-def _blocks_if_any(model: nn.Module, planned: list) -> list[str]:
-    """The transformer blocks' names, or none when the plan's layers are not in one ModuleList."""
-    try:
-        return block_layout(model, planned, "per-block wrapping").blocks
-    except ValueError:
-        return []
 
 
 def _head_vocab_size(planned: list[PlannedModule], source: str) -> int:
