@@ -308,11 +308,8 @@ def _forward(model: nn.Module, inputs: ProbeInput) -> tuple[torch.Tensor, dict[s
 def _gradients(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
     """Every parameter's gradient at full size (sharded ones gathered: a collective); zeros where none."""
     specs = {name: spec for name, _, spec in named_sharded_parameters(model)}
-    gradients = {}
-    for name, param in model.named_parameters():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        gradients[name] = unshard_tensor(grad, specs[name], group) if name in specs else grad
-    return gradients
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+    return {name: unshard_tensor(grad, specs[name], group) if name in specs else grad for name, grad in grads.items()}
 
 
 def _gradient_errors(gradients: dict[str, torch.Tensor], reference: dict[str, nn.Parameter]) -> dict[str, float]:
