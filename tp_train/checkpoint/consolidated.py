@@ -147,9 +147,6 @@ def read(path: Path, trust_checkpoint: bool = False) -> dict:
     return checkpoint
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
 def _tensor_parallel_group(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, bool]:
     """The tensor-parallel group of this rank, and whether it is the first data-parallel replica's (the one that
     gathers for the writer)."""

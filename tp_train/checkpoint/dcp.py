@@ -262,9 +262,6 @@ def checkpoint_extra(path: Path, trust_checkpoint: bool = False) -> dict:
     return read_extra(path / META_FILE, trust_checkpoint) if (path / META_FILE).exists() else {}
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
 def base_weights(model: nn.Module) -> tuple[set[int], str | None]:
     """The frozen parameters of `model` that come from pretrained weights (a module's `pretrained_weights`, loaded
     whenever the model is built: `tp_train.checkpoint.pretrained`), by id, and that path: a checkpoint of adapters

@@ -161,9 +161,6 @@ def unsafe_globals(value: Any) -> list[str]:
     return _unsafe_globals(Path("<memory>"), data)
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
 def _load(data: io.BytesIO, trust_checkpoint: bool) -> Any:
     data.seek(0)
     if trust_checkpoint:

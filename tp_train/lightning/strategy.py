@@ -131,8 +131,6 @@ class TensorParallelStrategy(DDPStrategy):
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
-    # ------------------------------------------------------------------------------------------------ topology
-
     @property
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
@@ -261,8 +259,6 @@ class TensorParallelStrategy(DDPStrategy):
             options = C10dBackend.Options(backend, self._timeout)
         return {name: (backend, options) for name in (DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL)}
 
-    # --------------------------------------------------------------------------------------------------- model
-
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None):
@@ -374,10 +370,8 @@ class TensorParallelStrategy(DDPStrategy):
         finally:
             root.set_requires_gradient_sync(True)
 
-    # ------------------------------------------------------------------------------------------- checkpoints
-    # A DCP directory every rank writes its shards into, loading at any dp x tp, Lightning's metadata alongside
-    # (docs/checkpoints-and-faults.md).
-
+    # Checkpoints: a DCP directory every rank writes its shards into, loading at any dp x tp, Lightning's metadata
+    # alongside (docs/checkpoints-and-faults.md).
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -446,8 +440,6 @@ class TensorParallelStrategy(DDPStrategy):
             on_disk.remove(Path(filepath))
         else:  # after the writes submitted before (it may be one of them)
             self._checkpoint_writer.run_later(lambda: on_disk.remove(Path(filepath)))
-
-    # -------------------------------------------------------------------------------------------- registration
 
     @classmethod
     @override

@@ -141,9 +141,6 @@ def _share_ties(model: nn.Module, shared: dict) -> None:
                 module.shard_specs = {**getattr(module, "shard_specs", {}), key: spec}
 
 
-# ---------------------------------------------------------------------------------------------- application
-
-
 # Classes made by `_keep_subclass_forward`, one per (subclass, parallel layer) pair.
 _KEPT_FORWARDS: dict[tuple[type, type], type] = {}
 

@@ -239,9 +239,6 @@ def _install_local_reshapes(module: nn.Module, tp: int) -> None:
     run_forward_in_mode(module, reshapes)
 
 
-# ------------------------------------------------------------------------------------------------------ helpers
-
-
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -126,9 +126,6 @@ EXAMPLE_INPUT_HINT = (
 )
 
 
-# -------------------------------------------------------------------------------- Hugging Face dummy batches
-
-
 def dummy_batch(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1, seed: int = 0) -> ProbeInput | None:
     """A Hugging Face model's probe batch (random values drawn with `seed`), shaped by its config: its
     `main_input_name` and the other inputs its forward requires (BLIP-2's retrieval takes images and text),
