@@ -157,9 +157,7 @@ class ColumnParallelLinear(Configurable, nn.Module):
         local_out = sum(spec.local_sections(dist.get_world_size(group)))
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
-        self.shard_specs = {"weight": spec}
-        if bias:
-            self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output, units=units)
+        self.shard_specs = {"weight": spec, "bias": spec} if bias else {"weight": spec}  # the bias splits as the rows
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
