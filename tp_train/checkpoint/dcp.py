@@ -311,8 +311,7 @@ def _as_dtensors(
     tp_dim = tensor_parallel_dim(mesh)
     tp, rank = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     slices = spec.slices(rank, tp)
-    data_parallel = Replicate()
-    local = shard
+    local, data_parallel = shard, Replicate()
     if isinstance(shard, DTensor):  # FSDP2: a DTensor over the data-parallel mesh
         (placement,) = shard.placements
         if placement.dim != spec.dim:

@@ -177,10 +177,9 @@ class TensorParallelStrategy(DDPStrategy):
             if len(sizes) != 1:
                 raise RuntimeError(f"loss_parallel: expected one sharded LM head, found vocabulary sizes {sizes}")
             (self._vocab_size,) = sizes
-        loss = vocab_parallel_cross_entropy(
+        return vocab_parallel_cross_entropy(
             logits, target, self.tensor_parallel_group, self._vocab_size, ignore_index, label_smoothing
-        )
-        return loss.float()
+        ).float()
 
     @property
     @override
