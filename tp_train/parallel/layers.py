@@ -418,6 +418,5 @@ def _init_from_full(layer: nn.Module, weight_shape: tuple[int, int], init) -> No
     for name, full in (("weight", full_weight), ("bias", full_bias)):
         if full is None:
             continue
-        target = getattr(layer, name)
         spec = layer.shard_specs.get(name)
-        target.copy_(shard_tensor(full, spec, rank, world_size) if spec is not None else full)
+        getattr(layer, name).copy_(shard_tensor(full, spec, rank, world_size) if spec is not None else full)
