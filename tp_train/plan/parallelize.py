@@ -26,7 +26,7 @@ from tp_train.plan.region_check import RegionCheck
 from tp_train.plan.resolve import SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
 from tp_train.plan.styles import PlannedModule, adapted_model, linear_shape
-from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
+from tp_train.plan.verify import SwapCheck, raise_first, unsharded_reference, unsharded_skeleton, verify_parallelized
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
 # gradients and a probe's activations per rank, a few times the model's size for a moment.
@@ -94,7 +94,7 @@ def parallelize(
         regions.record(model, example_input)
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
     if check is not None:
-        check.raise_on_difference()
+        raise_first(check.problem, group)  # every rank raises when any rank's check found a difference
         regions.check(model)  # before pretrained weights replace those its references were computed with
     load_pretrained_modules(model, group, weights)
     counter = CommunicationCounter()

@@ -70,10 +70,6 @@ class SwapCheck:
             )
             self.problem = f"module '{name}' ({type(module).__name__}) sharded as {type(layer).__name__} {what}"
 
-    def raise_on_difference(self) -> None:
-        """Raises `PlanVerificationError` on every rank when any rank's check found a difference (a collective)."""
-        raise_first(self.problem, self.group)
-
     def _differences(self, module: nn.Module, wrapped: nn.Module) -> dict[str, float]:
         rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         weight = module.weight
