@@ -44,10 +44,7 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
         report = {"machine": info, "results": results, "targets": checks}
         Path(args.output).write_text(json.dumps(report, indent=1))
         args.plot.write_text(svg(report))
-        print(f"machine: {info}")
-        print(table(results))
-        print("targets:")
-        print(targets_text(checks))
+        print(f"machine: {info}", table(results), "targets:", targets_text(checks), sep="\n")
         print(f"wrote {args.output} and {args.plot}")
 
 

@@ -63,8 +63,7 @@ def benchmark(rank: int, world_size: int, device: torch.device, args: argparse.N
         }
         results = {"model": vars(args), "modes": medians, "repeats": rows}
         Path(args.output).write_text(json.dumps(results, indent=1, default=str))
-        print(table(results))
-        print(f"wrote {args.output}")
+        print(table(results), f"wrote {args.output}", sep="\n")
 
 
 def table(results: dict) -> str:
