@@ -1,5 +1,6 @@
 """`tests.train_cases.run`, which most `train.py` tests go through, answers as `python train.py` itself does: the same
-status and output for the same command, and a run past its timeout is killed and raised as subprocess.run raises."""
+status and output for the same command, the same losses with its child rank forked rather than started, and a run
+past its timeout is killed and raised as subprocess.run raises."""
 
 from __future__ import annotations
 
@@ -7,11 +8,24 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import lightning as L
 import pytest
 
 from tests import train_cases
+from tests.test_disk_full import losses
 from tests.test_train_app import ROOT
+
+
+class RecordCommandLine(L.Callback):
+    """Writes each rank's interpreter command line (`sys.orig_argv`: a fork keeps its parent's) to `path`.rank<r>."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        Path(f"{self.path}.rank{trainer.global_rank}").write_text(" ".join(sys.orig_argv))
 
 
 def test_a_forked_run_answers_as_python_train_py_does(tmp_path):
@@ -35,3 +49,21 @@ def test_a_forked_run_past_its_timeout_is_killed_and_raised(tmp_path):
     after = train_cases.run([sys.executable, "train.py", "tp=3", f"hydra.run.dir={tmp_path}/next"], cwd=ROOT,
                             env=env, timeout=300)  # fmt: skip
     assert after.returncode == 2  # the server answers the next run
+
+
+@pytest.mark.slow
+def test_a_forked_runs_child_rank_is_a_fork_and_trains_as_a_started_one(tmp_path):
+    env = {**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline"}
+    runs = {}
+    for how, run in (("started", subprocess.run), ("forked", train_cases.run)):
+        record = tmp_path / how / "argv"
+        command = [sys.executable, "train.py", "experiment=smoke", "logger=csv", "tp=2", "trainer.max_steps=4",
+                   "trainer.log_every_n_steps=1", "+callbacks.argv._target_=tests.test_train_cases.RecordCommandLine",
+                   f"+callbacks.argv.path={record}", f"hydra.run.dir={tmp_path / how}"]  # fmt: skip
+        result = run(
+            command, cwd=ROOT, env=env, timeout=300, **({"capture_output": True} if run is subprocess.run else {})
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[how] = losses(tmp_path / how), Path(f"{record}.rank1").read_text()
+    assert len(runs["started"][0]) == 4 and runs["forked"][0] == runs["started"][0]
+    assert "train.py" in runs["started"][1] and "--serve" in runs["forked"][1], runs

@@ -60,6 +60,7 @@ def _start_case(case: dict) -> int:
         if case.get("whole_env"):  # as subprocess.run(env=...): the case's environment and nothing else
             os.environ.clear()
         os.environ.update(case.get("env", {}))
+        _child_ranks_by_fork()
         if case.get("module"):
             sys.argv = [case["module"], *case["overrides"]]
             runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
@@ -73,6 +74,108 @@ def _start_case(case: dict) -> int:
         traceback.print_exc()
     finally:
         _exit_as_the_interpreter_would(status)
+
+
+# Child ranks a case may start as forks of itself: the most any test's run starts beside rank 0 (tp=4, tp=2 x cp=2).
+_FORKED_RANKS = 3
+
+
+def _child_ranks_by_fork() -> None:
+    """Has Lightning's launcher start this case's child ranks (`python train.py ...` with the rank's environment and
+    directory) as forks of this process taken now, before train.py runs, so that a rank skips the imports (~4
+    CPU-seconds) and starts as the command would. Each is this process's own child, as a launched rank is (the
+    product's watchdog checks its parent); an idle one ends with this process. Any other command, or a rank past
+    the third, is started as usual."""
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    idle = []
+    for _ in range(_FORKED_RANKS):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write)
+            for _, earlier in idle:
+                os.close(earlier)  # so that each idle fork sees its own pipe end when this process ends
+            _run_rank(read)
+        os.close(read)
+        idle.append((pid, write))
+
+    class _Launching:
+        """`subprocess` as subprocess_script sees it."""
+
+        @staticmethod
+        def Popen(command, env=None, cwd=None, **kwargs):  # noqa: N802 - subprocess.Popen's name
+            if kwargs or not idle or command[0] != sys.executable or not command[1].endswith("train.py"):
+                return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
+            pid, write = idle.pop(0)
+            rank = {"argv": command[1:], "env": dict(os.environ if env is None else env), "cwd": cwd or os.getcwd()}
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(json.dumps(rank).encode())
+            return _ForkedRank(pid, command)
+
+    subprocess_script.subprocess = _Launching
+
+
+def _run_rank(read: int) -> None:
+    """An idle fork: waits for its rank's command, environment and directory, then runs it as `python train.py`
+    would; ends at once if its case ended first."""
+    with os.fdopen(read, "rb") as pipe:
+        request = pipe.read()
+    if not request:
+        os._exit(0)
+    rank = json.loads(request)
+    status = 1
+    try:
+        os.chdir(rank["cwd"])
+        os.environ.clear()
+        os.environ.update(rank["env"])
+        sys.argv = rank["argv"]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        status = 0
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported as the process would
+        traceback.print_exc()
+    finally:
+        _exit_as_the_interpreter_would(status)
+
+
+class _ForkedRank:
+    """What the launcher and the product's watchdog use of a `subprocess.Popen`, for a forked rank."""
+
+    def __init__(self, pid: int, args: list[str]):
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self) -> int | None:
+        return self._wait(os.WNOHANG)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def _wait(self, flags: int) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # reaped elsewhere: as subprocess.Popen, taken as 0
+                pid, status = self.pid, 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _exit_as_the_interpreter_would(status: int) -> None:
