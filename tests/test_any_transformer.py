@@ -13,8 +13,9 @@ import tp_train
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, batch_parity_errors
 from tests.test_parallelize import ATOL
+from tp_train.plan.compare import first_tensor
 from tp_train.tools.zoo import build_family as build
-from tp_train.tools.zoo_tasks import batches, output_tensor
+from tp_train.tools.zoo_tasks import batches
 
 MODELS = {  # name: (zoo task, family)
     "vit": ("image-classification", "vit"),
@@ -33,7 +34,7 @@ MODELS = {  # name: (zoo task, family)
 
 
 def _forward(model, inputs):
-    return output_tensor(inputs(model))
+    return first_tensor(inputs(model))
 
 
 def models_parity(rank, world_size, models=None):

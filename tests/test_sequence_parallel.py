@@ -81,8 +81,8 @@ class _CollectiveCounter:
         import tp_train.parallel.collectives as comm
 
         self.where = {
-            "all_gather": (comm, "_all_gather_single"),
-            "reduce_scatter": (comm, "_reduce_scatter_single"),
+            "all_gather": (comm, "all_gather_single"),
+            "reduce_scatter": (comm, "reduce_scatter_single"),
             "all_reduce": (dist, "all_reduce"),
         }
         self.counts = dict.fromkeys(self.where, 0)

@@ -63,7 +63,8 @@ def check_values(cfg: DictConfig) -> None:
     for key, accepts, works in RULES:
         value = _select(cfg, key)
         if value is not _MISSING and not accepts(value):
-            raise ConfigError(f"{key}={_show(value)} is out of range; use {works}")
+            shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            raise ConfigError(f"{key}={shown} is out of range; use {works}")
     vocab = _select(cfg, "data.vocab_size")
     if _select(cfg, "data.tokenizer_path") in (None, _MISSING) and _integer(vocab) and vocab < 258:
         raise ConfigError(
@@ -97,7 +98,3 @@ def _select(cfg: DictConfig, key: str) -> Any:
             return _MISSING
         node = node.get(part)
     return node
-
-
-def _show(value: Any) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

@@ -265,8 +265,7 @@ def _tokenize_and_pack(batch: dict[str, list], tokenizer: PreTrainedTokenizerFas
     texts = [text for text in batch["text"] if text]  # an empty file or null record is no document
     stream: list[int] = []
     for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []:
-        stream.extend(ids)
-        stream.append(tokenizer.eos_token_id)
+        stream += [*ids, tokenizer.eos_token_id]
     return {"input_ids": [stream[start : start + length] for start in range(0, len(stream) - length + 1, length)]}
 
 

@@ -66,8 +66,7 @@ class CausalLMModule(L.LightningModule):
         if isinstance(self.trainer.strategy, TensorParallelStrategy):
             # Vocab-sharded logits under `loss_parallel` (the app's default): never gathered.
             return self.trainer.strategy.cross_entropy(logits, targets)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # the softmax in fp32
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # the softmax in fp32
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -11,18 +11,9 @@ from omegaconf import OmegaConf
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # What users type -> Lightning's precision name. Lightning's own names map to themselves.
-PRECISIONS = {
-    "32": "32-true",
-    "16": "16-mixed",
-    "bf16": "bf16-mixed",
-    "64": "64-true",
-    "32-true": "32-true",
-    "16-mixed": "16-mixed",
-    "bf16-mixed": "bf16-mixed",
-    "16-true": "16-true",
-    "bf16-true": "bf16-true",
-    "64-true": "64-true",
-}
+LIGHTNING_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true")
+PRECISIONS = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+PRECISIONS |= {name: name for name in LIGHTNING_PRECISIONS}
 
 
 def lightning_precision(value: object) -> str:
@@ -47,9 +38,7 @@ def tokenizer_of(model_path: str | None) -> str | None:
 def register_resolvers() -> None:
     """`${mul:a,b}` (devices = tp x dp), `${precision:16}` and `${tokenizer_of:${model.path}}` (a pretrained model's
     own tokenizer, so its token ids mean what it learned) for the configs in conf/."""
-    if not OmegaConf.has_resolver("mul"):
-        OmegaConf.register_new_resolver("mul", lambda a, b: int(a) * int(b))
-    if not OmegaConf.has_resolver("precision"):
-        OmegaConf.register_new_resolver("precision", lightning_precision)
-    if not OmegaConf.has_resolver("tokenizer_of"):
-        OmegaConf.register_new_resolver("tokenizer_of", tokenizer_of)
+    resolvers = {"mul": lambda a, b: int(a) * int(b), "precision": lightning_precision, "tokenizer_of": tokenizer_of}
+    for name, resolver in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)

@@ -12,9 +12,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.checkpoint import on_disk
+from tp_train.checkpoint.dcp import tensor_parallel_dim
 from tp_train.checkpoint.safe_load import refusal, unsafe_globals
 from tp_train.errors import CheckpointError
-from tp_train.parallel.mesh import TENSOR_PARALLEL
 from tp_train.parallel.sharding import ShardSpec, join_shards, local_part, named_sharded_parameters, shard_tensor
 
 PARAMETER_NAMES = "tp_train_parameter_names"  # per optimizer: the name of each parameter index, to check on load
@@ -147,17 +147,11 @@ def read(path: Path, trust_checkpoint: bool = False) -> dict:
     return checkpoint
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
 def _tensor_parallel_group(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, bool]:
     """The tensor-parallel group of this rank, and whether it is the first data-parallel replica's (the one that
     gathers for the writer)."""
-    if mesh.ndim == 1:
-        return mesh.get_group(), True
-    tp_dim = mesh.mesh_dim_names.index(TENSOR_PARALLEL)
-    coordinate = mesh.get_coordinate()
-    first = all(c == 0 for dim, c in enumerate(coordinate) if dim != tp_dim)
+    tp_dim = tensor_parallel_dim(mesh)
+    first = all(c == 0 for dim, c in enumerate(mesh.get_coordinate()) if dim != tp_dim)
     return mesh.get_group(tp_dim), first
 
 

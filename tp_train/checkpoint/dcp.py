@@ -63,7 +63,7 @@ def load_model_state_dict(model: nn.Module, mesh: DeviceMesh, state: dict[str, A
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 _copy_into(live[key], value)
-        tp_dim = _tensor_parallel_dim(mesh)
+        tp_dim = tensor_parallel_dim(mesh)
         rank, tp = mesh.get_local_rank(tp_dim), mesh.size(tp_dim)
         for _, param, spec in named_sharded_parameters(model):
             local = local_part(param)
@@ -131,7 +131,7 @@ def load_optimizer_state_dict(
             spec = specs.get(id(params[name]))
             for value in optimizer.state[params[name]].values() if spec is not None else ():
                 if isinstance(value, torch.Tensor) and value.shape == params[name].shape:
-                    fill_replicas(value, spec, mesh.get_group(_tensor_parallel_dim(mesh)))
+                    fill_replicas(value, spec, mesh.get_group(tensor_parallel_dim(mesh)))
     for group, loaded in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update({key: value for key, value in loaded.items() if key != "params"})
 
@@ -262,9 +262,6 @@ def checkpoint_extra(path: Path, trust_checkpoint: bool = False) -> dict:
     return read_extra(path / META_FILE, trust_checkpoint) if (path / META_FILE).exists() else {}
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
 def base_weights(model: nn.Module) -> tuple[set[int], str | None]:
     """The frozen parameters of `model` that come from pretrained weights (a module's `pretrained_weights`, loaded
     whenever the model is built: `tp_train.checkpoint.pretrained`), by id, and that path: a checkpoint of adapters
@@ -287,7 +284,8 @@ def _checkpoint_state(
     return {"model": model_state_dict(model, mesh, write_backs), **optimizer_states}
 
 
-def _tensor_parallel_dim(mesh: DeviceMesh) -> int:
+def tensor_parallel_dim(mesh: DeviceMesh) -> int:
+    """The mesh's tensor-parallel dimension: its only one, or the one named "tensor_parallel"."""
     if mesh.ndim == 1:
         return 0
     if TENSOR_PARALLEL not in (mesh.mesh_dim_names or ()):
@@ -297,7 +295,7 @@ def _tensor_parallel_dim(mesh: DeviceMesh) -> int:
 
 def _check_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
     """The mesh's tensor-parallel dimension must be the group the model was sharded over."""
-    mesh_ranks = dist.get_process_group_ranks(mesh.get_group(_tensor_parallel_dim(mesh)))
+    mesh_ranks = dist.get_process_group_ranks(mesh.get_group(tensor_parallel_dim(mesh)))
     for module in model.modules():
         group = getattr(module, "group", None) if getattr(module, "shard_specs", None) else None
         if group is not None and (ranks := dist.get_process_group_ranks(group)) != mesh_ranks:
@@ -310,11 +308,10 @@ def _as_dtensors(
     """One DTensor per section of `shard` (this rank's tensor-parallel shard, or FSDP2's DTensor of it), each a view
     holding only real data: of the shard, of FSDP2's piece of it, or of a gathered copy (see the module docstring;
     a callable that writes the copy back into the piece is appended to `write_backs`)."""
-    tp_dim = _tensor_parallel_dim(mesh)
+    tp_dim = tensor_parallel_dim(mesh)
     tp, rank = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     slices = spec.slices(rank, tp)
-    data_parallel = Replicate()
-    local = shard
+    local, data_parallel = shard, Replicate()
     if isinstance(shard, DTensor):  # FSDP2: a DTensor over the data-parallel mesh
         (placement,) = shard.placements
         if placement.dim != spec.dim:

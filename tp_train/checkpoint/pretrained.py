@@ -108,9 +108,6 @@ def load_pretrained_modules(model: nn.Module, group: ProcessGroup, weights: str 
             load_pretrained(module, module.pretrained_weights, group)
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
 def _stored_shape(tensor: torch.Tensor, spec: ShardSpec | None) -> tuple[int, ...]:
     """The full tensor's shape as the file stores it (a Conv1D weight transposed)."""
     if spec is None:

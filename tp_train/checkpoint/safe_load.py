@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
 )
 
-from tp_train.errors import CheckpointError, UnsafeCheckpointError
+from tp_train.errors import CheckpointError, UnsafeCheckpointError, first_line
 
 METADATA_FILE = ".metadata"  # DCP's index of every tensor and where it is stored
 OPT_IN = "trust_checkpoint=true"  # how a user reads a checkpoint of their own that holds more than data
@@ -149,9 +149,7 @@ def read_extra(file: Path, trust_checkpoint: bool = False) -> dict:
     try:
         return _load(data, trust_checkpoint)
     except Exception as error:  # noqa: BLE001 - whatever a damaged file raises (pickle, zip, torch)
-        lines = str(error).strip().splitlines()
-        first = lines[0] if lines else ""
-        raise CheckpointError(f"checkpoint {file}: unreadable, {type(error).__name__}: {first}") from None
+        raise CheckpointError(f"checkpoint {file}: unreadable, {first_line(error)}") from None
 
 
 def unsafe_globals(value: Any) -> list[str]:
@@ -159,9 +157,6 @@ def unsafe_globals(value: Any) -> list[str]:
     data = io.BytesIO()
     torch.save(value, data)
     return _unsafe_globals(Path("<memory>"), data)
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
 
 
 def _load(data: io.BytesIO, trust_checkpoint: bool) -> Any:

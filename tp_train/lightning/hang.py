@@ -69,8 +69,6 @@ class HangDetector(L.Callback):
         self._progress, self._phase, self._step, self._first_step_done = 0, SETUP, 0, False
         self._thread: threading.Thread | None = None
 
-    # ------------------------------------------------------------------------------- progress (main thread)
-
     def _advance(self, phase: str | None = None, trainer: L.Trainer | None = None) -> None:
         self._progress += 1
         if phase is not None:
@@ -202,8 +200,6 @@ class _Monitor:
         message = f"hang: rank{'s' if len(named) > 1 else ''} {ranks} {why}, no progress for {waited:.0f} s: {where}"
         return {"message": message, "frozen": frozen, "by": self.rank}
 
-    # -------------------------------------------------------------------------------------------- the end
-
     def _end(self, verdict: dict, reachable: bool = True) -> None:
         self._dump()
         if reachable:
@@ -221,10 +217,9 @@ class _Monitor:
             os.kill(int(os.environ[watchdog.LAUNCHER_PID]), signal.SIGKILL)
         elif popen_child:
             time.sleep(3 * DUMP_WAIT_S)  # rank 0 reports and kills this process; if it does not, exit
-        else:  # torchrun, SLURM: every rank exits; the one that saw it first reports
-            if verdict.get("by") == self.rank:
-                self._await_dumps(verdict)
-                _report(verdict, self.directory)
+        elif verdict.get("by") == self.rank:  # torchrun, SLURM: every rank exits; the one that saw it first reports
+            self._await_dumps(verdict)
+            _report(verdict, self.directory)
         sys.stderr.flush()
         os._exit(1)
 

@@ -115,10 +115,9 @@ class TrainingMetrics(L.Callback):
             self.tokens_per_sec = metrics["device/items_per_sec"] * data_parallel
             logged["throughput/tokens_per_sec"] = self.tokens_per_sec
             logged["throughput/samples_per_sec"] = metrics["device/samples_per_sec"] * data_parallel
-        if "flops_per_sec" in metrics:
-            logged["throughput/flops_per_sec"] = metrics["flops_per_sec"]
-        if "device/mfu" in metrics:
-            logged["throughput/mfu"] = metrics["device/mfu"]
+        for key, name in (("flops_per_sec", "throughput/flops_per_sec"), ("device/mfu", "throughput/mfu")):
+            if key in metrics:
+                logged[name] = metrics[key]
         counters = attached(pl_module, "tp_comm_counter")
         if counters:
             logged["comm/tp_bytes_per_step"] = float(sum(counter.bytes for counter in counters))

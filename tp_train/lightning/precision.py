@@ -78,14 +78,8 @@ def tensor_parallel_precision(plugin: Precision) -> Precision:
     converted.__dict__.update(plugin.__dict__)
     scaler = getattr(converted, "scaler", None)
     if scaler is not None and not isinstance(scaler, ShardedGradScaler):
-        converted.scaler = ShardedGradScaler(
-            device=converted.device,
-            init_scale=scaler.get_scale(),
-            growth_factor=scaler.get_growth_factor(),
-            backoff_factor=scaler.get_backoff_factor(),
-            growth_interval=scaler.get_growth_interval(),
-            enabled=scaler.is_enabled(),
-        )
+        kept = {key: getattr(scaler, f"get_{key}")() for key in ("growth_factor", "backoff_factor", "growth_interval")}
+        converted.scaler = ShardedGradScaler(converted.device, scaler.get_scale(), enabled=scaler.is_enabled(), **kept)
     return converted
 
 

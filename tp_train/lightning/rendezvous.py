@@ -23,16 +23,11 @@ class JoinError(RuntimeError):
     """A rank did not join the launch's round in time."""
 
 
-def uses_agent_store() -> bool:
-    """True under torchrun, whose agent hosts the store and keeps it across restarts."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def job_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta) -> tuple[Store, str]:
     """The store this launch's ranks share, and the scope (a key prefix) of this round in it: under torchrun the
     agent's, scoped to this round (`join_round`); otherwise one rank 0 hosts at `address:port`, as
     `init_process_group` would create it (scope "")."""
-    if uses_agent_store():
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun: its agent keeps the store over restarts
         store = TCPStore(address, port, world_size, is_master=False, timeout=timeout)
         token = join_round(PrefixStore(f"{PREFIX}/join", store), rank, world_size, timeout)
         scope = f"{PREFIX}/round/{token}"

@@ -131,8 +131,6 @@ class TensorParallelStrategy(DDPStrategy):
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
 
-    # ------------------------------------------------------------------------------------------------ topology
-
     @property
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
@@ -179,10 +177,9 @@ class TensorParallelStrategy(DDPStrategy):
             if len(sizes) != 1:
                 raise RuntimeError(f"loss_parallel: expected one sharded LM head, found vocabulary sizes {sizes}")
             (self._vocab_size,) = sizes
-        loss = vocab_parallel_cross_entropy(
+        return vocab_parallel_cross_entropy(
             logits, target, self.tensor_parallel_group, self._vocab_size, ignore_index, label_smoothing
-        )
-        return loss.float()
+        ).float()
 
     @property
     @override
@@ -260,8 +257,6 @@ class TensorParallelStrategy(DDPStrategy):
         else:
             options = C10dBackend.Options(backend, self._timeout)
         return {name: (backend, options) for name in (DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL)}
-
-    # --------------------------------------------------------------------------------------------------- model
 
     @contextmanager
     @override
@@ -374,10 +369,8 @@ class TensorParallelStrategy(DDPStrategy):
         finally:
             root.set_requires_gradient_sync(True)
 
-    # ------------------------------------------------------------------------------------------- checkpoints
-    # A DCP directory every rank writes its shards into, loading at any dp x tp, Lightning's metadata alongside
-    # (docs/checkpoints-and-faults.md).
-
+    # Checkpoints: a DCP directory every rank writes its shards into, loading at any dp x tp, Lightning's metadata
+    # alongside (docs/checkpoints-and-faults.md).
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -446,8 +439,6 @@ class TensorParallelStrategy(DDPStrategy):
             on_disk.remove(Path(filepath))
         else:  # after the writes submitted before (it may be one of them)
             self._checkpoint_writer.run_later(lambda: on_disk.remove(Path(filepath)))
-
-    # -------------------------------------------------------------------------------------------- registration
 
     @classmethod
     @override

@@ -99,15 +99,12 @@ class ChildRanks:
             if self._stopped:
                 return False
             self._stopped = True
-        alive = [proc for proc in self.procs if proc.poll() is None]
+        alive = {rank: proc for proc, rank in zip(self.procs, self.ranks, strict=True) if proc.poll() is None}
         if reason is not None:
-            _error(f"{reason}; stopping the job" + (f" (killing ranks {self._ranks_of(alive)})" if alive else ""))
-        for proc in alive:
+            _error(f"{reason}; stopping the job" + (f" (killing ranks {list(alive)})" if alive else ""))
+        for proc in alive.values():
             proc.kill()  # SIGKILL: a rank blocked in a collective does not act on SIGTERM
         return True
-
-    def _ranks_of(self, procs: list[subprocess.Popen]) -> list[int]:
-        return [rank for proc, rank in zip(self.procs, self.ranks, strict=True) if proc in procs]
 
 
 def _looks_like_a_peer_died(error: BaseException) -> bool:

@@ -16,8 +16,8 @@ COLLECTIVE_RANGE = "tp_train::collective"
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
@@ -52,7 +52,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     else:
         out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
         with torch.profiler.record_function(COLLECTIVE_RANGE):
-            _all_gather_single(out, x, group=group)
+            all_gather_single(out, x, group=group)
     if dim % x.dim() == 0:
         return out
     return torch.cat(out.chunk(world_size), dim=dim)  # one copy, and the result is contiguous
@@ -145,7 +145,7 @@ def reduce_scatter_async(
     if counter is not None:
         counter.record(_reduce_scatter, x, out, group)
     with torch.profiler.record_function(COLLECTIVE_RANGE):
-        work = _reduce_scatter_single(out, moved, group=group, async_op=True)
+        work = reduce_scatter_single(out, moved, group=group, async_op=True)
     return PendingCollective(work, out, lambda result: result.movedim(0, dim))
 
 

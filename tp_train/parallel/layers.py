@@ -157,9 +157,7 @@ class ColumnParallelLinear(Configurable, nn.Module):
         local_out = sum(spec.local_sections(dist.get_world_size(group)))
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
-        self.shard_specs = {"weight": spec}
-        if bias:
-            self.shard_specs["bias"] = ShardSpec(dim=0, sections=spec.sections, padded=pad_output, units=units)
+        self.shard_specs = {"weight": spec, "bias": spec} if bias else {"weight": spec}  # the bias splits as the rows
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -420,6 +418,5 @@ def _init_from_full(layer: nn.Module, weight_shape: tuple[int, int], init) -> No
     for name, full in (("weight", full_weight), ("bias", full_bias)):
         if full is None:
             continue
-        target = getattr(layer, name)
         spec = layer.shard_specs.get(name)
-        target.copy_(shard_tensor(full, spec, rank, world_size) if spec is not None else full)
+        getattr(layer, name).copy_(shard_tensor(full, spec, rank, world_size) if spec is not None else full)

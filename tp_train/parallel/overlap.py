@@ -136,6 +136,4 @@ class _LinearWithDeferredWeightGradient(torch.autograd.Function):
 
 def _weight_gradients(grad_output: torch.Tensor, x: torch.Tensor, weight: bool, bias: bool):
     """The gradients of `F.linear`'s weight and bias from the 2-D output gradient and input, in their dtype."""
-    weight_grad = grad_output.t().mm(x) if weight else None
-    bias_grad = grad_output.sum(0) if bias else None
-    return weight_grad, bias_grad
+    return grad_output.t().mm(x) if weight else None, grad_output.sum(0) if bias else None

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from tp_train.parallel.collectives import CommunicationCounter, sum_across_tensor_parallel_region
 from tp_train.parallel.layers import Configurable
@@ -69,19 +70,8 @@ class FeatureReductionRegion(Configurable):
         self.group, self.comm_counter = group, comm_counter
 
     def install(self, module: nn.Module) -> None:
-        modes: list[TorchFunctionMode] = []
-
-        def enter(module, args):
-            if dist.get_world_size(self.group) > 1:
-                modes.append(_CompletedReductions(self.group, self.comm_counter))
-                modes[-1].__enter__()
-
-        def leave(module, args, output):
-            if modes:
-                modes.pop().__exit__(None, None, None)
-
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)
+        if dist.get_world_size(self.group) > 1:
+            run_forward_in_mode(module, lambda *_: _CompletedReductions(self.group, self.comm_counter))
 
 
 class _Replayed(TorchFunctionMode):
@@ -105,20 +95,32 @@ class _Replayed(TorchFunctionMode):
         return value
 
 
-def held_reductions(module: nn.Module, reference: torch.Tensor):
-    """A pair of (pre-hook, hook) that run `module` with each reduction over its input's features held at its value
-    on `reference` (an input it saw before, its only positional argument then): the planner's probes."""
-    held: list[_Replayed] = []
+def held_reductions(module: nn.Module, reference: torch.Tensor) -> list[RemovableHandle]:
+    """Runs each forward of `module` with each reduction over its input's features held at its value on `reference`
+    (an input it saw before, its only positional argument then): the planner's probes. Returns the hooks' handles."""
 
-    def enter(module, args):
+    def held(*_) -> _Replayed:
         recorder = _Replayed()
         with torch.no_grad(), recorder:
             module.forward(reference)
-        held.append(_Replayed(recorder.values))
-        held[-1].__enter__()
+        return _Replayed(recorder.values)
+
+    return run_forward_in_mode(module, held)
+
+
+def run_forward_in_mode(module: nn.Module, mode_for) -> list[RemovableHandle]:
+    """Runs each forward of `module` inside the TorchFunctionMode `mode_for(args, kwargs)` returns (None: in none),
+    left as the forward ends, raising or not; returns the two hooks' handles."""
+    modes: list[TorchFunctionMode | None] = []
+
+    def enter(module, args, kwargs):
+        modes.append(mode_for(args, kwargs))
+        if modes[-1] is not None:
+            modes[-1].__enter__()
 
     def leave(module, args, output):
-        if held:
-            held.pop().__exit__(None, None, None)
+        if modes and (mode := modes.pop()) is not None:
+            mode.__exit__(None, None, None)
 
-    return enter, leave
+    enter_handle = module.register_forward_pre_hook(enter, with_kwargs=True)
+    return [enter_handle, module.register_forward_hook(leave, always_call=True)]

@@ -141,9 +141,6 @@ def _share_ties(model: nn.Module, shared: dict) -> None:
                 module.shard_specs = {**getattr(module, "shard_specs", {}), key: spec}
 
 
-# ---------------------------------------------------------------------------------------------- application
-
-
 # Classes made by `_keep_subclass_forward`, one per (subclass, parallel layer) pair.
 _KEPT_FORWARDS: dict[tuple[type, type], type] = {}
 
@@ -226,12 +223,7 @@ def _parallel_linear(
 
 def _parallel_embedding(module: nn.Embedding, group: ProcessGroup, shared: dict) -> VocabParallelEmbedding:
     layer = VocabParallelEmbedding(
-        module.num_embeddings,
-        module.embedding_dim,
-        group,
-        padding_idx=module.padding_idx,
-        device="meta",
-        dtype=module.weight.dtype,
+        module.num_embeddings, module.embedding_dim, group, module.padding_idx, device="meta", dtype=module.weight.dtype
     )
     layer.weight = _shard_of(layer.weight, module, "weight", layer.shard_specs["weight"], group, shared)
     return layer

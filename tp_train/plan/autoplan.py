@@ -40,10 +40,7 @@ class InferredPlan(dict):
 
 
 def infer_plan(
-    model: nn.Module,
-    tensor_parallel_size: int | None = None,
-    example_input=None,
-    given: dict[str, str] | None = None,
+    model: nn.Module, tensor_parallel_size: int | None = None, example_input=None, given: dict[str, str] | None = None
 ) -> dict[str, str]:
     """A plan {module-name pattern: style} for `model`, right at `tensor_parallel_size`, inferred from one probe forward
     on `example_input` (default: the model's own, `probe_input`); `given`: the model's own plan being completed.

@@ -102,9 +102,7 @@ def as_patterns(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     planned = {generic(name) for name in styles}
     names += [name for name, _ in [*model.named_parameters(), *model.named_buffers()] if generic(name) in planned]
     plan: dict[str, str] = {}
-    for name in names:
-        if name not in styles:
-            continue
+    for name in [name for name in names if name in styles]:
         pattern = generic(name)
         matched = [other for other in names if pattern_matches(pattern, other)]
         if all(styles.get(other) == styles[name] for other in matched):

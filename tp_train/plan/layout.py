@@ -51,3 +51,11 @@ def block_layout(model: nn.Module, planned: list[PlannedModule], feature: str) -
     heads = [e.name for e in planned if e.style == "colwise_gather_output" and not layout.in_blocks(e.name)]
     layout.head = heads[0] if len(heads) == 1 else None
     return layout
+
+
+def blocks_if_any(model: nn.Module, planned: list[PlannedModule]) -> list[str]:
+    """The transformer blocks' names, or none when the plan's layers are not in one ModuleList."""
+    try:
+        return block_layout(model, planned, "the blocks").blocks
+    except ValueError:
+        return []

@@ -84,9 +84,6 @@ def find_local_view(
     return None, f"no view of its head counts makes it run on local heads ({first_failure})"
 
 
-# ---------------------------------------------------------------------------------------------- simulation
-
-
 class _RowStandIn(nn.Module):
     """The row layer in a rank's copy: records its (local) input at each call, returns the unsharded row layer's
     output at that call."""
@@ -238,9 +235,6 @@ def _side_by_side(local: list[torch.Tensor], sections: tuple[int, ...] | None) -
     """The full row input from the ranks' `local` ones: rank by rank within each of its `sections` in turn."""
     width = sum(x.shape[-1] for x in local)
     return join_shards(local, ShardSpec(dim=local[0].dim() - 1, sections=tuple(sections or (width,))))
-
-
-# ---------------------------------------------------------------------------------------------- candidates
 
 
 def _candidates(module: nn.Module, call: ProbeCall, columns, row, tp: int):

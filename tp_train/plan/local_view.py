@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from tp_train.parallel.reductions import run_forward_in_mode
 from tp_train.parallel.sharding import ShardSpec, check_sections
 from tp_train.plan.styles import (
     CONFIG_HEAD_FIELDS,
@@ -226,25 +227,16 @@ class _LocalReshapes(TorchFunctionMode):
 
 def _install_local_reshapes(module: nn.Module, tp: int) -> None:
     """Runs `module`'s forward under `_LocalReshapes` for the width of its first input."""
-    modes: list[_LocalReshapes] = []
 
-    def enter(mod, args, kwargs):
+    def reshapes(args, kwargs) -> _LocalReshapes | None:
         first = args[0] if args else next(iter(kwargs.values()), None)
-        if isinstance(first, torch.Tensor) and first.dim():
-            with torch._C.DisableTorchFunctionSubclass():
-                width = first.shape[-1]
-            modes.append(_LocalReshapes(width, tp))
-            modes[-1].__enter__()
+        if not (isinstance(first, torch.Tensor) and first.dim()):
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            width = first.shape[-1]
+        return _LocalReshapes(width, tp)
 
-    def leave(mod, args, output):
-        if modes:
-            modes.pop().__exit__(None, None, None)
-
-    module.register_forward_pre_hook(enter, with_kwargs=True)
-    module.register_forward_hook(leave, always_call=True)
-
-
-# ------------------------------------------------------------------------------------------------------ helpers
+    run_forward_in_mode(module, reshapes)
 
 
 def _is_count(value) -> bool:

@@ -210,9 +210,7 @@ class LocalityProbes:
         # forward without autograd may differ from the traced one by round-off (SeamlessM4T's conformer convolutions,
         # 6e-8), and a norm held in perturbed forwards only then moved every feature downstream of it.
         for name in self.reducers:
-            enter, leave = held_reductions(self.modules[name], self.calls[name].input)
-            handles += [self.modules[name].register_forward_pre_hook(enter)]
-            handles += [self.modules[name].register_forward_hook(leave, always_call=True)]
+            handles += held_reductions(self.modules[name], self.calls[name].input)
         handles += [self.modules[name].register_forward_hook(functools.partial(hold, name)) for name in self.norms]
         with contextlib.suppress(_Stop), hooks_removed(handles), torch.no_grad():
             forward_without_cache(self.model, self.inputs)

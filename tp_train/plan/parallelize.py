@@ -20,13 +20,13 @@ from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.caches import caches_kept
 from tp_train.plan.context_parallel import enable_context_parallel
-from tp_train.plan.layout import block_layout
+from tp_train.plan.layout import block_layout, blocks_if_any
 from tp_train.plan.match import match_plan
 from tp_train.plan.region_check import RegionCheck
 from tp_train.plan.resolve import SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
 from tp_train.plan.styles import PlannedModule, adapted_model, linear_shape
-from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
+from tp_train.plan.verify import SwapCheck, raise_first, unsharded_reference, unsharded_skeleton, verify_parallelized
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
 # gradients and a probe's activations per rank, a few times the model's size for a moment.
@@ -86,7 +86,7 @@ def parallelize(
         layout = block_layout(model, planned, feature)
         if sequence_parallel:
             check_sequence_parallel(model, layout)
-    blocks = layout.blocks if layout is not None else _blocks_if_any(model, planned)
+    blocks = layout.blocks if layout is not None else blocks_if_any(model, planned)
     device = torch.device(device) if device is not None else _default_device(model)
     # Also syncs the default generator, so every rank inits alike.
     rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
@@ -94,7 +94,7 @@ def parallelize(
         regions.record(model, example_input)
     apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
     if check is not None:
-        check.raise_on_difference()
+        raise_first(check.problem, group)  # every rank raises when any rank's check found a difference
         regions.check(model)  # before pretrained weights replace those its references were computed with
     load_pretrained_modules(model, group, weights)
     counter = CommunicationCounter()
@@ -131,14 +131,6 @@ def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> 
     if plan or size == 1:
         return resolve_plan(model, plan, size, example_input)
     return first_rank_decides(lambda: resolve_plan(model, plan, size, example_input), group)
-
-
-def _blocks_if_any(model: nn.Module, planned: list) -> list[str]:
-    """The transformer blocks' names, or none when the plan's layers are not in one ModuleList."""
-    try:
-        return block_layout(model, planned, "per-block wrapping").blocks
-    except ValueError:
-        return []
 
 
 def _head_vocab_size(planned: list[PlannedModule], source: str) -> int:

@@ -103,15 +103,12 @@ def probe_token_ids(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1
     embeddings = [module for module in model.modules() if isinstance(module, nn.Embedding)]
     vocabulary = getattr(getattr(model, "config", None), "vocab_size", None)  # I-BERT's embeddings are its own
     if not embeddings and not isinstance(vocabulary, int):
-        raise ValueError(needs_example_input(model, "it has no nn.Embedding to draw token ids for"))
+        raise ValueError(
+            f"the auto-planner needs an example input for {forward_argument(model)} (it has no nn.Embedding to draw "
+            f"token ids for): {EXAMPLE_INPUT_HINT}"
+        )
     high = min(module.num_embeddings for module in embeddings) if embeddings else vocabulary
     return torch.randint(0, high, (batch, length), generator=torch.Generator().manual_seed(seed)).to(_device(model))
-
-
-def needs_example_input(model: nn.Module, why: str) -> str:
-    """One line: the model and the forward argument it needs an example of, why none was made up, and how to give
-    one."""
-    return f"the auto-planner needs an example input for {forward_argument(model)} ({why}): {EXAMPLE_INPUT_HINT}"
 
 
 def forward_argument(model: nn.Module) -> str:
@@ -124,9 +121,6 @@ EXAMPLE_INPUT_HINT = (
     "pass example_input=... (a tensor, a tuple of positional or a dict of keyword arguments), set the "
     "LightningModule's example_input_array, or give the model a `tp_plan`"
 )
-
-
-# -------------------------------------------------------------------------------- Hugging Face dummy batches
 
 
 def dummy_batch(model: nn.Module, length: int = PROBE_TOKENS, batch: int = 1, seed: int = 0) -> ProbeInput | None:

@@ -7,12 +7,7 @@ import torch.nn as nn
 
 from tp_train.parallel.sharding import divisors
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
-from tp_train.plan.coverage import (
-    covered_linears,
-    in_repeated_block,
-    sharded_parameters,
-    whole_beyond_small,
-)
+from tp_train.plan.coverage import covered_linears, in_repeated_block, sharded_parameters, whole_beyond_small
 from tp_train.plan.match import names_anything
 from tp_train.plan.presets import check_shardable, override_plan, plan_additions, preset_plan
 from tp_train.plan.styles import (

@@ -10,11 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from tp_train.parallel.collectives import (
-    CommunicationCounter,
-    all_reduce_gradient,
-    scatter_to_sequence_parallel_region,
-)
+from tp_train.parallel.collectives import CommunicationCounter, all_reduce_gradient, scatter_to_sequence_parallel_region
 from tp_train.parallel.layers import (
     GATHERED_INPUT,
     SEQUENCE_SHARDED_INPUT,

@@ -11,52 +11,20 @@ import torch.nn as nn
 
 from tp_train.parallel.sharding import ShardSpec
 
-LINEAR_STYLES = {
-    "colwise",
-    "colwise_gather_output",
-    "rowwise",
-    "rowwise_split_input",
-    "rowwise_scatter_output",
-    "packed_colwise",
-    "fused_qkv_colwise",
-}
 ROW_STYLES = {"rowwise", "rowwise_split_input", "rowwise_scatter_output"}
+LINEAR_STYLES = ROW_STYLES | {"colwise", "colwise_gather_output", "packed_colwise", "fused_qkv_colwise"}
 # A module reducing over split features: its parameters split as the parameter style `rowwise` splits them (their
 # last dim), its reductions over the features completed (`tp_train.parallel.reductions`).
 FEATURE_REDUCTION_STYLE = "feature_reduction_parallel"
 # Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
 REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj"}
-STYLES = (
-    LINEAR_STYLES
-    | REGION_STYLES
-    | {
-        "embedding_rowwise",
-        "attention",
-        "replicated_rng",
-        "replicated_with_grad_allreduce",
-        "replicate",
-        "local_params",
-        "channelwise",
-        "rmsnorm_parallel",
-        "gated_rmsnorm_parallel",
-        "layernorm_parallel",
-        FEATURE_REDUCTION_STYLE,
-    }
-)
 # Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
 NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel", "layernorm_parallel")
-PARAMETER_STYLES = {
-    "channelwise",
-    "colwise",
-    "rowwise",
-    "packed_colwise",
-    "packed_rowwise",
-    "replicate",
-    "replicate_once",
-    "replicated_with_grad_allreduce",
-}
+STYLES = LINEAR_STYLES | REGION_STYLES | {*NORM_STYLES, FEATURE_REDUCTION_STYLE, "embedding_rowwise", "attention"}
+STYLES |= {"replicated_rng", "replicated_with_grad_allreduce", "replicate", "local_params", "channelwise"}
 # Parameter styles that keep the parameter whole on every rank.
 WHOLE_PARAMETER_STYLES = ("replicate", "replicate_once", "replicated_with_grad_allreduce")
+PARAMETER_STYLES = {"channelwise", "colwise", "rowwise", "packed_colwise", "packed_rowwise", *WHOLE_PARAMETER_STYLES}
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 

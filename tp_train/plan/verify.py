@@ -70,10 +70,6 @@ class SwapCheck:
             )
             self.problem = f"module '{name}' ({type(module).__name__}) sharded as {type(layer).__name__} {what}"
 
-    def raise_on_difference(self) -> None:
-        """Raises `PlanVerificationError` on every rank when any rank's check found a difference (a collective)."""
-        raise_first(self.problem, self.group)
-
     def _differences(self, module: nn.Module, wrapped: nn.Module) -> dict[str, float]:
         rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         weight = module.weight
@@ -308,11 +304,8 @@ def _forward(model: nn.Module, inputs: ProbeInput) -> tuple[torch.Tensor, dict[s
 def _gradients(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]:
     """Every parameter's gradient at full size (sharded ones gathered: a collective); zeros where none."""
     specs = {name: spec for name, _, spec in named_sharded_parameters(model)}
-    gradients = {}
-    for name, param in model.named_parameters():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        gradients[name] = unshard_tensor(grad, specs[name], group) if name in specs else grad
-    return gradients
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+    return {name: unshard_tensor(grad, specs[name], group) if name in specs else grad for name, grad in grads.items()}
 
 
 def _gradient_errors(gradients: dict[str, torch.Tensor], reference: dict[str, nn.Parameter]) -> dict[str, float]:

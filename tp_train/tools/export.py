@@ -143,9 +143,6 @@ def _write_adapted(checkpoint, out_dir, stored, extra, config, trust_checkpoint:
         model.merge_and_unload().save_pretrained(out_dir)
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
 def _config(checkpoint: Path, config, extra: dict):
     from transformers import AutoConfig, PretrainedConfig
 

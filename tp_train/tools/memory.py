@@ -10,7 +10,7 @@ import torch.nn as nn
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
 from tp_train.plan.adapters import adapter_specs
-from tp_train.plan.layout import block_layout
+from tp_train.plan.layout import blocks_if_any
 from tp_train.plan.match import match_plan
 from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.styles import PlannedModule, adapted_base, adapted_model, parameter_shard_spec, style_shard_spec
@@ -116,15 +116,8 @@ def _data_parallel_piece(shape: tuple, spec: ShardSpec | None, dp: int) -> tuple
 def _gathered_elements(model: nn.Module, tp: int, plan: dict[str, str] | None) -> int:
     """Unsharded elements FSDP2 holds at once: the group outside the blocks and two blocks (see the docstring)."""
     shapes = _local_shapes(model, tp, plan)
-    planned = match_plan(model, resolve_plan(model, plan, tensor_parallel_size=tp)[0], tp)
-    try:
-        blocks = block_layout(model, planned, "estimate_memory").blocks
-    except ValueError:
-        blocks = []
-    per_block = []
-    for name in blocks:
-        block_params = {id(p) for p in model.get_submodule(name).parameters()}
-        per_block.append(sum(math.prod(shapes[i][0]) for i in block_params))
+    blocks = blocks_if_any(model, match_plan(model, resolve_plan(model, plan, tensor_parallel_size=tp)[0], tp))
+    per_block = [sum(math.prod(shapes[id(p)][0]) for p in model.get_submodule(name).parameters()) for name in blocks]
     total = sum(math.prod(shape) for shape, _ in shapes.values())
     return total - sum(per_block) + 2 * max(per_block, default=0)
 

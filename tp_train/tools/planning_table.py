@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from tp_train.tools.memory import estimate_memory
 
 GIB = 2**30
-# (hidden, layers, heads, kv heads, MLP width); vocabulary 32000, context 4096 for all three.
+# Each shape's LlamaConfig fields; vocabulary 32000, context 4096 for all three.
+FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 LLAMA_2 = {
     "Llama-2-7B": (4096, 32, 32, 32, 11008),
     "Llama-2-13B": (5120, 40, 40, 40, 13824),
@@ -23,16 +24,8 @@ LLAMA_2 = {
 
 
 def llama(name: str) -> torch.nn.Module:
-    hidden, layers, heads, kv_heads, mlp = LLAMA_2[name]
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=mlp,
-        max_position_embeddings=4096,
-    )
+    shape = dict(zip(FIELDS, LLAMA_2[name], strict=True))
+    config = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **shape)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 

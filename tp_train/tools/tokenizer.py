@@ -30,6 +30,4 @@ def run_tokenizer(checkpoint: str | Path, extra: dict) -> str | None:
     """Where the tokenizer of the run that saved `checkpoint` (`<run>/checkpoints/<name>`, its metadata `extra`) is:
     the run's own copy, else the path the checkpoint names (runs from before the copy); None when neither."""
     copy = Path(checkpoint).resolve().parent.parent / RUN_TOKENIZER
-    if copy.is_dir():
-        return str(copy)
-    return extra.get(TOKENIZER_KEY)
+    return str(copy) if copy.is_dir() else extra.get(TOKENIZER_KEY)

@@ -138,9 +138,7 @@ def _model_class(task: str, family: str):
     from transformers.models.auto import modeling_auto
 
     named = getattr(modeling_auto, TASKS[task].mapping).get(family)
-    if isinstance(named, (tuple, list)):
-        return getattr(transformers, named[0])
-    return getattr(transformers, TASKS[task].auto_class)
+    return getattr(transformers, named[0] if isinstance(named, (tuple, list)) else TASKS[task].auto_class)
 
 
 def _without_none(config: dict) -> dict:
@@ -222,13 +220,6 @@ def batches(task: str, model, steps: int) -> list[tuple]:
             raise ValueError(f"{type(model).__name__} takes no input the zoo can make up ({model.main_input_name})")
         pairs.append((inputs, lambda output, generator=generator: _random_target_loss(output, generator)))
     return pairs
-
-
-def output_tensor(output):
-    """The tensor a task's loss reads: the logits, else the first tensor (a tower's hidden states)."""
-    from tp_train.plan.compare import first_tensor
-
-    return first_tensor(output)
 
 
 def _next_token_loss(logits, idx):

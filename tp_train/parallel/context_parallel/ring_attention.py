@@ -6,13 +6,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel.collectives import all_gather_single, reduce_scatter_single
 from tp_train.parallel.context_parallel.document_mask import attention_mask
 from tp_train.parallel.context_parallel.load_balance import local_positions
 
 ROTATIONS = ("ring", "allgather")
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def context_parallel_attention(
@@ -67,9 +65,8 @@ class _ContextParallelAttention(torch.autograd.Function):
                 probs = torch.exp(scores - safe.unsqueeze(-1))
                 decay = torch.exp(row_max[..., rows] - safe)
                 row_sum[..., rows] = row_sum[..., rows] * decay + probs.sum(dim=-1)
-                acc[..., rows, :] = acc[..., rows, :] * decay.unsqueeze(-1) + probs @ values[
-                    ..., cols, :
-                ].float().unsqueeze(2)
+                block = values[..., cols, :].float().unsqueeze(2)
+                acc[..., rows, :] = acc[..., rows, :] * decay.unsqueeze(-1) + probs @ block
                 row_max[..., rows] = new_max
         out = acc / row_sum.unsqueeze(-1)  # every query sees at least its own key, so row_sum > 0
         lse = row_max + row_sum.log()
@@ -189,7 +186,7 @@ def _ring_free_grads(k, v, group, block_grads):
     for source in range(size):
         block_grads(source, keys[source], values[source], grads[source, 0], grads[source, 1])
     mine = torch.empty((2, *k.shape), dtype=torch.float32, device=k.device)
-    _reduce_scatter_single(mine, grads.flatten(0, 1), group=group)  # rank after rank along dim 0
+    reduce_scatter_single(mine, grads.flatten(0, 1), group=group)  # rank after rank along dim 0
     return mine[0], mine[1]
 
 
@@ -223,7 +220,7 @@ def _gather(x, group, dim):
     if _size(group) == 1:
         return x.unsqueeze(dim)
     out = torch.empty((_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x, group=group)  # rank after rank along dim 0
+    all_gather_single(out, x, group=group)  # rank after rank along dim 0
     return out.view(_size(group), *x.shape).movedim(0, dim)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tp_train.tools.bench.contenders import SIZES
-from tp_train.tools.bench.plot import write_plot
+from tp_train.tools.bench.plot import svg
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.bench.report import table, targets, targets_text
 from tp_train.tools.bench.run import benchmark
@@ -43,11 +43,8 @@ def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Names
         checks = targets(results)
         report = {"machine": info, "results": results, "targets": checks}
         Path(args.output).write_text(json.dumps(report, indent=1))
-        write_plot(report, args.plot)
-        print(f"machine: {info}")
-        print(table(results))
-        print("targets:")
-        print(targets_text(checks))
+        args.plot.write_text(svg(report))
+        print(f"machine: {info}", table(results), "targets:", targets_text(checks), sep="\n")
         print(f"wrote {args.output} and {args.plot}")
 
 

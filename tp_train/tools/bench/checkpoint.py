@@ -58,16 +58,12 @@ def benchmark(rank: int, world_size: int, device: torch.device, args: argparse.N
             times.setdefault("complete_s", []).append(group_max(complete, group, device))
     if rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
-        results = {
-            "model": vars(args),
-            "modes": {
-                mode: {key: statistics.median(values) for key, values in times.items()} for mode, times in rows.items()
-            },  # fmt: skip
-            "repeats": rows,
+        medians = {
+            mode: {key: statistics.median(values) for key, values in times.items()} for mode, times in rows.items()
         }
+        results = {"model": vars(args), "modes": medians, "repeats": rows}
         Path(args.output).write_text(json.dumps(results, indent=1, default=str))
-        print(table(results))
-        print(f"wrote {args.output}")
+        print(table(results), f"wrote {args.output}", sep="\n")
 
 
 def table(results: dict) -> str:

@@ -146,10 +146,8 @@ def native_plan(model: GPT) -> dict:
     }
     for index in range(len(model.blocks)):
         prefix = f"blocks.{index}"
-        plan.update({f"{prefix}.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")})
-        plan[f"{prefix}.attn.proj"] = RowwiseParallel()
-        plan[f"{prefix}.mlp.fc"] = ColwiseParallel()
-        plan[f"{prefix}.mlp.proj"] = RowwiseParallel()
+        plan |= {f"{prefix}.{name}": ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
+        plan |= {f"{prefix}.{name}": RowwiseParallel() for name in ("attn.proj", "mlp.proj")}
     return plan
 
 

@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     output = Path(args.output)
     output.write_text(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows}, indent=1))
     svg_plot(rows, output.with_suffix(".svg"))
-    print(table(rows))
-    print(f"wrote {output} and {output.with_suffix('.svg')}")
+    print(table(rows), f"wrote {output} and {output.with_suffix('.svg')}", sep="\n")
 
 
 if __name__ == "__main__":

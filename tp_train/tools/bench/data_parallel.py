@@ -68,8 +68,7 @@ def benchmark(rank: int, world_size: int, device: torch.device, args: argparse.N
         del steps
     if rank == 0:
         Path(args.output).write_text(json.dumps(results, indent=1))
-        print(table(results))
-        print(f"wrote {args.output}")
+        print(table(results), f"wrote {args.output}", sep="\n")
 
 
 def table(results: list[dict]) -> str:

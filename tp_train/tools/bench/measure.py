@@ -95,11 +95,8 @@ def collective_seconds(step: TrainingStep) -> tuple[float, float]:
         start = time.perf_counter()
         step()
         wall = time.perf_counter() - start
-    total = 0.0
-    for event in prof.events():
-        if event.name in COLLECTIVE_EVENTS and not _inside_collective(event):
-            total += event.cpu_time_total
-    return total / 1e6, wall
+    events = [event for event in prof.events() if event.name in COLLECTIVE_EVENTS and not _inside_collective(event)]
+    return sum(event.cpu_time_total for event in events) / 1e6, wall
 
 
 def _inside_collective(event) -> bool:

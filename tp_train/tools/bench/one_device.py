@@ -27,8 +27,7 @@ from tp_train.tools.memory import MIB, estimate_memory
 GPT_SMALL = Size("gpt_small", n_layer=12, n_embd=768, n_head=12, batch=8, seq=1024, vocab=50304)
 # Dense bf16 FLOP/s without sparsity, from NVIDIA's data sheets, by a name torch.cuda.get_device_name() contains.
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
-CONTENDERS = [Contender("plain", 1), Contender("ours", 1), Contender("plain", 1, compiled=True)]
-CONTENDERS.append(Contender("ours", 1, compiled=True))
+CONTENDERS = [Contender(kind, 1, compiled=compiled) for compiled in (False, True) for kind in ("plain", "ours")]
 
 
 def flops_per_token(size: Size) -> float:

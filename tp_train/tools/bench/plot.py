@@ -104,16 +104,12 @@ def svg(report: dict) -> str:
     return figure(body, 2 * PANEL_WIDTH, PANEL_HEIGHT + 60)
 
 
-def write_plot(report: dict, path: Path) -> None:
-    Path(path).write_text(svg(report))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tp_train.tools.bench.plot", description=__doc__)
     parser.add_argument("json", type=Path, help="the benchmark's JSON (tp-train-bench --output)")
     parser.add_argument("svg", type=Path, help="where the plot goes")
     args = parser.parse_args(argv)
-    write_plot(json.loads(args.json.read_text()), args.svg)
+    args.svg.write_text(svg(json.loads(args.json.read_text())))
     print(f"wrote {args.svg}")
 
 

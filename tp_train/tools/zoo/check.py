@@ -55,7 +55,8 @@ def _check_family(model_type: str, steps: int, tolerance: float, task: str, fiel
 
     import tp_train
     from tp_train.errors import first_line
-    from tp_train.tools.zoo_tasks import batches, output_tensor
+    from tp_train.plan.compare import first_tensor  # the logits, else a tower's hidden states
+    from tp_train.tools.zoo_tasks import batches
 
     torch.manual_seed(0)
     try:
@@ -69,7 +70,7 @@ def _check_family(model_type: str, steps: int, tolerance: float, task: str, fiel
             }
         steps = batches(task, reference, steps)
         with torch.no_grad():
-            if not torch.isfinite(output_tensor(steps[0][0](reference))).all():
+            if not torch.isfinite(first_tensor(steps[0][0](reference))).all():
                 return {"class": "unbuildable", "reason": "the unsharded tiny model's outputs are not finite"}
     except Exception as error:  # noqa: BLE001 - a family this config cannot build is not counted
         return {"class": "unbuildable", "reason": first_line(error)}
@@ -90,7 +91,7 @@ def _check_family(model_type: str, steps: int, tolerance: float, task: str, fiel
     worst, where = 0.0, ""
     try:
         for step, (inputs, loss_of) in enumerate(steps):
-            logits = [output_tensor(inputs(m)) for m in (reference, model)]
+            logits = [first_tensor(inputs(m)) for m in (reference, model)]
             losses = [loss_of(out) for out in logits]
             for loss in losses:
                 loss.backward()

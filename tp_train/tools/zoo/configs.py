@@ -59,12 +59,8 @@ def _tiny_fields(defaults) -> dict:
 
     config = {}
     head = SIZES["hidden_size"] // SIZES["num_attention_heads"]
-    for field, value in (
-        ("head_dim", head),
-        ("d_head", head),
-        ("attention_head_size", head),
-        ("rotary_dim", head // 2),
-    ):
+    head_widths = {"head_dim": head, "d_head": head, "attention_head_size": head, "rotary_dim": head // 2}
+    for field, value in head_widths.items():
         if isinstance(_value(defaults, field), int) and _settable(defaults, field):
             config[field] = value
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
