@@ -64,8 +64,15 @@ class AttentionViews:
             relative |= {table[len(name) + 1 :]: TABLE_STYLE for table in pair.tables if table.startswith(name + ".")}
             relative |= {own[len(name) + 1 :]: style for own, style in pair.own.items()}
             relative |= {owner[len(name) + 1 :]: style for owner, style in pair.channels.items()}
-            row, config = pair.row[len(name) + 1 :], getattr(self.model, "config", None)
-            search = partial(find_local_view, self.modules[name], calls[name], relative, row, self.shares, config)
+            search = partial(
+                find_local_view,
+                self.modules[name],
+                calls[name],
+                columns=relative,
+                row=pair.row[len(name) + 1 :],
+                tp=self.shares,
+                config=getattr(self.model, "config", None),
+            )
             called = key + (arguments_shape(calls[name]),)
             if key not in self._cache:
                 self._cache[key] = self._cache[called] = search()
