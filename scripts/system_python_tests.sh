@@ -40,4 +40,5 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
 fi
 echo "system-python: $* under $SYSTEM_PYTHON (Python $version), beside $PYTHON (Python $tested_version)"
-"$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile -p no:cacheprovider "$@"
+workers=${TEST_WORKERS:-$(($# > 1 ? 2 : 0))}  # one file: one process, no worker to start
+"$VENV/bin/python" -m pytest -q -n "$workers" --dist loadfile -p no:cacheprovider "$@"
