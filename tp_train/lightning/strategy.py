@@ -80,6 +80,10 @@ class TensorParallelStrategy(DDPStrategy):
         data_parallel: "ddp" (replicate each tensor-parallel shard over the data-parallel ranks) or "fsdp" (shard
             it, with its gradients and optimizer states, over them: about 1/dp of the model state per rank, for
             one all-gather per block forward and backward and a reduce-scatter in place of DDP's all-reduce).
+        context_parallel_size: ranks per context-parallel group, each holding a load-balanced share of every
+            sequence (devices = dp x cp x tp; the block size must be a multiple of 2 x cp); attention runs across them.
+        context_parallel_rotation: how keys and values reach every context-parallel rank: "ring" (passed rank to
+            rank, two shares in memory) or "allgather" (gathered at once).
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis (with "ddp").
     """
 
