@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -55,14 +56,13 @@ def test_a_forked_run_past_its_timeout_is_killed_and_raised(tmp_path):
 def test_a_forked_runs_child_rank_is_a_fork_and_trains_as_a_started_one(tmp_path):
     env = {**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline"}
     runs = {}
-    for how, run in (("started", subprocess.run), ("forked", train_cases.run)):
+    started = partial(subprocess.run, capture_output=True, text=True)
+    for how, run in (("started", started), ("forked", train_cases.run)):
         record = tmp_path / how / "argv"
         command = [sys.executable, "train.py", "experiment=smoke", "logger=csv", "tp=2", "trainer.max_steps=4",
                    "trainer.log_every_n_steps=1", "+callbacks.argv._target_=tests.test_train_cases.RecordCommandLine",
                    f"+callbacks.argv.path={record}", f"hydra.run.dir={tmp_path / how}"]  # fmt: skip
-        result = run(
-            command, cwd=ROOT, env=env, timeout=300, **({"capture_output": True} if run is subprocess.run else {})
-        )
+        result = run(command, cwd=ROOT, env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[how] = losses(tmp_path / how), Path(f"{record}.rank1").read_text()
     assert len(runs["started"][0]) == 4 and runs["forked"][0] == runs["started"][0]

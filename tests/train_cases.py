@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,24 +53,35 @@ def _start_case(case: dict) -> int:
     pid = os.fork()
     if pid:
         return pid
-    directory = Path(case["directory"])
+    _run_as_main(partial(_case_main, case))
+
+
+def _case_main(case: dict) -> None:
+    """The forked child's program: `case`'s output files, directory and environment, then train.py (or its
+    module, or its script) as `__main__`."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(Path(case["directory"]) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    if "cwd" in case:
+        os.chdir(case["cwd"])
+    if case.get("whole_env"):  # as subprocess.run(env=...): the case's environment and nothing else
+        os.environ.clear()
+    os.environ.update(case.get("env", {}))
+    _child_ranks_by_fork()
+    if case.get("module"):
+        sys.argv = [case["module"], *case["overrides"]]
+        runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
+    else:
+        script = case.get("script", "train.py")
+        sys.argv = [script, *case["overrides"]]
+        runpy.run_path(str(ROOT / script), run_name="__main__")  # as `python train.py` runs it
+
+
+def _run_as_main(main) -> None:
+    """Runs `main()` as this process's program and ends the process with its status, as the interpreter would: 0,
+    a SystemExit's code, or 1 after printing the traceback of any other exception."""
     status = 1
     try:
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            os.dup2(os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        if "cwd" in case:
-            os.chdir(case["cwd"])
-        if case.get("whole_env"):  # as subprocess.run(env=...): the case's environment and nothing else
-            os.environ.clear()
-        os.environ.update(case.get("env", {}))
-        _child_ranks_by_fork()
-        if case.get("module"):
-            sys.argv = [case["module"], *case["overrides"]]
-            runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
-        else:
-            script = case.get("script", "train.py")
-            sys.argv = [script, *case["overrides"]]
-            runpy.run_path(str(ROOT / script), run_name="__main__")  # as `python train.py` runs it
+        main()
         status = 0
     except SystemExit as exit_:
         status = exit_.code if isinstance(exit_.code, int) else 1
@@ -127,20 +139,15 @@ def _run_rank(read: int) -> None:
     if not request:
         os._exit(0)
     rank = json.loads(request)
-    status = 1
-    try:
+
+    def main() -> None:
         os.chdir(rank["cwd"])
         os.environ.clear()
         os.environ.update(rank["env"])
         sys.argv = rank["argv"]
         runpy.run_path(sys.argv[0], run_name="__main__")
-        status = 0
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:  # noqa: BLE001 - reported as the process would
-        traceback.print_exc()
-    finally:
-        _exit_as_the_interpreter_would(status)
+
+    _run_as_main(main)
 
 
 class _ForkedRank:
