@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel.agreement import before_collective
 from tp_train.parallel.sharding import check_divisible
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
@@ -27,6 +28,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.T
         if torch.compiler.is_compiling():
             return funcol.all_reduce(x, op, group)
         x = x.contiguous()
+        before_collective()
         with torch.profiler.record_function(COLLECTIVE_RANGE):
             dist.all_reduce(x, op=_REDUCE_OPS[op], group=group)
     return x
@@ -51,6 +53,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
         out = funcol.all_gather_tensor(x, 0, group)
     else:
         out = x.new_empty((world_size * x.size(0), *x.shape[1:]))
+        before_collective()
         with torch.profiler.record_function(COLLECTIVE_RANGE):
             all_gather_single(out, x, group=group)
     if dim % x.dim() == 0:
@@ -126,6 +129,7 @@ def all_reduce_async(
     out = x.clone(memory_format=torch.contiguous_format)
     if counter is not None:
         counter.record(_sum, x, out, group)
+    before_collective()
     with torch.profiler.record_function(COLLECTIVE_RANGE):
         work = dist.all_reduce(out, group=group, async_op=True)
     return PendingCollective(work, out)
@@ -144,6 +148,7 @@ def reduce_scatter_async(
     out = moved.new_empty((moved.size(0) // world_size, *moved.shape[1:]))
     if counter is not None:
         counter.record(_reduce_scatter, x, out, group)
+    before_collective()
     with torch.profiler.record_function(COLLECTIVE_RANGE):
         work = reduce_scatter_single(out, moved, group=group, async_op=True)
     return PendingCollective(work, out, lambda result: result.movedim(0, dim))

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from tp_train.parallel.agreement import rebuilt_error
+
 # The mesh's axes: data parallelism across replicas, context parallelism (each rank a share of every sequence) and
 # tensor parallelism within one; parameters are replicated over both data and context parallelism.
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
@@ -44,10 +46,5 @@ def first_rank_decides(decide: Callable[[], Any], group: ProcessGroup | None = N
             raise
     dist.broadcast_object_list(decision, group=group, group_src=0)
     if decision[0][0] == "error":
-        kind, message = decision[0][1:]
-        try:
-            raised = kind(message)
-        except Exception:  # noqa: BLE001 - a type that takes more than its message
-            raised = RuntimeError(f"{kind.__name__}: {message}")
-        raise raised
+        raise rebuilt_error(*decision[0][1:])
     return decision[0][1]

@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel.agreement import before_collective
+
 REPLICATED, SHARDED = "replicated", "sharded"
 _SHARDED_SEED_OFFSET = 2718  # Megatron's offset between the data-parallel and model-parallel seeds
 
@@ -36,6 +38,7 @@ class TensorParallelRNG:
         self.sync_replicated(group)
         # An unseeded process's initial seed is any 64-bit value: fold it into int64's range.
         seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
+        before_collective()
         dist.broadcast(seed, group=group, group_src=0)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self._manual_seed(int(seed) + _SHARDED_SEED_OFFSET + dist.get_rank(group))
@@ -51,6 +54,7 @@ class TensorParallelRNG:
     def sync_replicated(self, group: ProcessGroup) -> None:
         """Makes the replicated stream (the default generator) identical on every rank of `group`."""
         state = _get_state(self.device).to(self.device)  # generator states live on the CPU; NCCL needs the device
+        before_collective()
         dist.broadcast(state, group=group, group_src=0)
         _set_state(self.device, state.cpu())
 

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from tp_train.parallel.agreement import before_collective
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -130,6 +132,7 @@ def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) ->
     """Gathers every rank's shard and returns the full tensor in the source module's layout."""
     world_size = dist.get_world_size(group)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
+    before_collective()
     dist.all_gather(gathered, local.contiguous(), group=group)
     full = join_shards(gathered, spec)
     return full.t() if spec.transposed else full
@@ -183,6 +186,7 @@ def sum_replicated_gradient(grad: torch.Tensor, spec: ShardSpec, group: ProcessG
          for piece, count in zip(pieces, units, strict=True)],
         dim=spec.dim,
     )  # fmt: skip
+    before_collective()
     dist.all_reduce(buffer, group=group)
     grad = grad.clone()
     offset = 0
@@ -202,6 +206,7 @@ def fill_replicas(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) -> 
     if not replicated:
         return
     gathered = [torch.empty_like(local) for _ in range(world_size)]
+    before_collective()
     dist.all_gather(gathered, local.contiguous(), group=group)
     for start, rows, copies in replicated:
         piece, first = rows // copies, rank - rank % copies

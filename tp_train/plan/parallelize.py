@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.checkpoint.pretrained import load_pretrained_modules
+from tp_train.parallel.agreement import failures_agreed
 from tp_train.parallel.collectives import CommunicationCounter
 from tp_train.parallel.layers import Configurable
 from tp_train.parallel.mesh import as_process_group, first_rank_decides
@@ -20,13 +21,14 @@ from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.caches import caches_kept
 from tp_train.plan.context_parallel import enable_context_parallel
+from tp_train.plan.isolation import planning_isolated
 from tp_train.plan.layout import block_layout, blocks_if_any
 from tp_train.plan.match import match_plan
 from tp_train.plan.region_check import RegionCheck
 from tp_train.plan.resolve import SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
 from tp_train.plan.styles import PlannedModule, adapted_model, linear_shape
-from tp_train.plan.verify import SwapCheck, raise_first, unsharded_reference, unsharded_skeleton, verify_parallelized
+from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
 # gradients and a probe's activations per rank, a few times the model's size for a moment.
@@ -73,44 +75,46 @@ def parallelize(
         print(format_plan(resolved, source), flush=True)
     elif SKIPPED in source and dist.get_rank() == 0:
         print(f"tensor-parallel plan: {source}", flush=True)
-    planned = match_plan(model, resolved, dist.get_world_size(group), example_input)
-    vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
-    parameter_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
-    whole_model = verify or (verify is None and parameter_bytes <= WHOLE_MODEL_CHECK_BYTES)
-    skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
-    check = SwapCheck(group) if verify is not False else None
-    regions = RegionCheck(group, planned) if verify is not False else None
-    layout = None
-    if sequence_parallel or activation_checkpointing:
-        feature = "sequence_parallel" if sequence_parallel else "activation_checkpointing"
-        layout = block_layout(model, planned, feature)
+    # Past planning, a failure on one rank ends `parallelize` on every rank with that rank's error, instead of the
+    # others waiting in a collective it will not join.
+    with failures_agreed(group):
+        planned = match_plan(model, resolved, dist.get_world_size(group), example_input)
+        vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
+        parameter_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+        whole_model = verify or (verify is None and parameter_bytes <= WHOLE_MODEL_CHECK_BYTES)
+        skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
+        check = SwapCheck(group) if verify is not False else None
+        regions = RegionCheck(group, planned) if verify is not False else None
+        layout = None
+        if sequence_parallel or activation_checkpointing:
+            feature = "sequence_parallel" if sequence_parallel else "activation_checkpointing"
+            layout = block_layout(model, planned, feature)
+            if sequence_parallel:
+                check_sequence_parallel(model, layout)
+        blocks = layout.blocks if layout is not None else blocks_if_any(model, planned)
+        device = torch.device(device) if device is not None else _default_device(model)
+        # Also syncs the default generator, so every rank inits alike.
+        rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
+        if regions is not None:  # the unsharded region modules' arguments and results, before any weight changes
+            regions.record(model, example_input)
+        apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
+        if regions is not None:
+            regions.check(model)  # before pretrained weights replace those its references were computed with
+        load_pretrained_modules(model, group, weights)
+        counter = CommunicationCounter()
         if sequence_parallel:
-            check_sequence_parallel(model, layout)
-    blocks = layout.blocks if layout is not None else blocks_if_any(model, planned)
-    device = torch.device(device) if device is not None else _default_device(model)
-    # Also syncs the default generator, so every rank inits alike.
-    rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
-    if regions is not None:  # the unsharded region modules' arguments and results, before any weight changes
-        regions.record(model, example_input)
-    apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
-    if check is not None:
-        raise_first(check.problem, group)  # every rank raises when any rank's check found a difference
-        regions.check(model)  # before pretrained weights replace those its references were computed with
-    load_pretrained_modules(model, group, weights)
-    counter = CommunicationCounter()
-    if sequence_parallel:
-        apply_sequence_parallel(model, layout, group, rng, counter)
-    if activation_checkpointing:
-        checkpoint_blocks(model, layout, rng)
-    model.tp_rng = rng
-    model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
-    if vocab_size is not None:
-        model.tp_vocab_size = vocab_size
-    whole_model_errors = None
-    if skeleton is not None:
-        reference = unsharded_reference(skeleton, model, group)
-        with caches_kept(model):  # its probe forward's, from the gradient-tracking pass it backpropagates
-            whole_model_errors = verify_parallelized(model, reference, group, planned, example_input)
+            apply_sequence_parallel(model, layout, group, rng, counter)
+        if activation_checkpointing:
+            checkpoint_blocks(model, layout, rng)
+        model.tp_rng = rng
+        model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
+        if vocab_size is not None:
+            model.tp_vocab_size = vocab_size
+        whole_model_errors = None
+        if skeleton is not None:
+            reference = unsharded_reference(skeleton, model, group)
+            with caches_kept(model):  # its probe forward's, from the gradient-tracking pass it backpropagates
+                whole_model_errors = verify_parallelized(model, reference, group, planned, example_input)
     if check is not None and dist.get_rank() == 0:
         print(_verification_summary(check, regions, whole_model_errors), flush=True)
     overlap = dist.get_backend(group) == "nccl" if overlap is None else overlap
@@ -126,11 +130,15 @@ def parallelize(
 def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> tuple[dict[str, str], str]:
     """`resolve_plan` on the group's first rank, taken by every rank (or its refusal raised on every rank): the
     planner's probes run once per group, a deferred-init model is materialised on the host once, and the ranks cannot
-    decide differently (docs/planner.md)."""
+    decide differently (docs/planner.md). Planning leaves the model and the random generators as they were
+    (`planning_isolated`), so the rank that planned goes on exactly like those that did not."""
     size = dist.get_world_size(group)
-    if plan or size == 1:
-        return resolve_plan(model, plan, size, example_input)
-    return first_rank_decides(lambda: resolve_plan(model, plan, size, example_input), group)
+
+    def decide() -> tuple[dict[str, str], str]:
+        with planning_isolated(model):
+            return resolve_plan(model, plan, size, example_input)
+
+    return decide() if plan or size == 1 else first_rank_decides(decide, group)
 
 
 def _head_vocab_size(planned: list[PlannedModule], source: str) -> int:

@@ -14,13 +14,14 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.errors import first_line
+from tp_train.parallel.agreement import before_collective
 from tp_train.parallel.sharding import shard_tensor
 from tp_train.plan.compare import detached, first_tensor, relative_difference
 from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
 from tp_train.plan.styles import FEATURE_REDUCTION_STYLE, NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
-from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, raise_first
+from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, verification_error
 
 # Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
 # compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design), and
@@ -43,13 +44,26 @@ class RegionCheck:
         self._references: dict[str, _Run] = {}
 
     def record(self, model: nn.Module, example_input=None) -> None:
-        """Captures each checked module's arguments and its unsharded results (before `apply_plan`; no collective),
-        in one forward of `model` on `example_input` (`tp_train.plan.probe_input`; default the model's own)."""
+        """Captures each checked module's arguments and its unsharded results (before `apply_plan`), in one forward
+        of `model` on `example_input` (`tp_train.plan.probe_input`; default the model's own). The ranks then agree
+        (a collective): when any rank could not record, no rank checks."""
         if not self.entries:
             return
+        try:
+            self._record(model, example_input)
+        except _NotRecorded as reason:
+            self.skipped = str(reason)
+        before_collective()
+        reasons: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(reasons, self.skipped, group=self.group)
+        first = next(((rank, reason) for rank, reason in enumerate(reasons) if reason), None)
+        if first is not None:
+            self._references.clear()
+            self.skipped = first[1] if first[1] == self.skipped else f"{first[1]} on rank {first[0]}"
+
+    def _record(self, model: nn.Module, example_input) -> None:
         if any(tensor.is_meta for tensor in chain(model.parameters(), model.buffers())):
-            self.skipped = "the model is on the meta device"
-            return
+            raise _NotRecorded("the model is on the meta device")
         arguments: dict[str, tuple] = {}
 
         def capture(name, module, args, kwargs):
@@ -65,18 +79,18 @@ class RegionCheck:
             with hooks_removed(handles), eval_mode(model), torch.no_grad():
                 forward_without_cache(model, probe_input(model, example_input, length, batch=2))
         except Exception as error:  # noqa: BLE001 - not the plan's fault; the whole-model check reports it if on
-            self.skipped = f"the unsharded model cannot run a probe batch ({first_line(error)})"
-            return
+            raise _NotRecorded(f"the unsharded model cannot run a probe batch ({first_line(error)})") from error
         for name, (args, kwargs) in arguments.items():
             with eval_mode(modules[name]):
                 self._references[name] = _run(modules[name], args, kwargs, _whole(modules[name], self.entries[name]))
 
     def check(self, model: nn.Module) -> None:
-        """Runs each sharded module on its captured arguments and raises `PlanVerificationError` on every rank when
-        any rank's differs (after `apply_plan`, before other weights are loaded; a collective)."""
-        problem = None
+        """Runs each sharded module on its captured arguments (after `apply_plan`, before other weights are loaded;
+        a collective) and raises `PlanVerificationError` at the first that differs or fails on this rank (run it in
+        `failures_agreed`, so that every rank raises it)."""
         rank, tp = dist.get_rank(self.group), dist.get_world_size(self.group)
-        for name, reference in self._references.items():
+        references, self._references = self._references, {}
+        for name, reference in references.items():
             module, entry = model.get_submodule(name), self.entries[name]
             split = (rank, tp) if entry.style in FEATURE_SPLIT_STYLES else None
             if split is not None:
@@ -91,7 +105,7 @@ class RegionCheck:
                 errors, failure = {"output": math.inf}, f"fails on the probe's arguments ({first_line(error)})"
             worst = max(errors, key=errors.get)
             self.errors[name] = errors[worst]
-            if problem is None and (failure or errors[worst] > tolerance):
+            if failure or errors[worst] > tolerance:
                 entries = ", ".join(f"'{name}.{key}': '{style}'" for key, style in entry.parameters.items())
                 what = failure or (
                     f"differs from the unsharded module by {errors[worst]:.3g} in its {worst} (relative; tolerance "
@@ -99,8 +113,11 @@ class RegionCheck:
                 )
                 entries = f" with {entries}" if entries else ""
                 problem = f"module '{name}' ({type(module).__name__}) planned '{entry.style}'{entries} {what}"
-        self._references.clear()
-        raise_first(problem, self.group)
+                raise verification_error(problem, self.group)
+
+
+class _NotRecorded(Exception):
+    """Why this rank recorded no reference runs."""
 
 
 class _Run:

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.errors import PlanVerificationError, first_line
+from tp_train.parallel.agreement import failures_agreed
 from tp_train.parallel.collectives import gather_from_tensor_parallel_region
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.parallel.sharding import (
@@ -39,36 +40,35 @@ class SwapCheck:
     """Checks each module `apply_plan` swaps against the module it replaced (pass it as `apply_plan`'s `check`).
 
     `errors`: the largest relative difference per module; `skipped`: modules whose full tensors were already gone
-    (tied to one swapped before), checked through the module they are tied to. Each call is a collective."""
+    (tied to one swapped before), checked through the module they are tied to. Each call is a collective; the first
+    module that differs, or that fails to run, raises `PlanVerificationError` (run the calls in
+    `failures_agreed`, so that every rank raises it)."""
 
     def __init__(self, group: ProcessGroup, tolerance: float | None = None):
         self.group = group
         self.tolerance = tolerance
         self.errors: dict[str, float] = {}
         self.skipped: list[str] = []
-        self.problem: str | None = None
 
     def __call__(self, name: str, module: nn.Module, layer: nn.Module) -> None:
         if any(tensor.is_meta for tensor in chain(module.parameters(), module.buffers())):
             self.skipped.append(name)
             return
         tolerance = self.tolerance or TOLERANCE.get(module.weight.dtype, HALF_PRECISION_TOLERANCE)
-        failure = None
+        swapped = f"module '{name}' ({type(module).__name__}) sharded as {type(layer).__name__}"
         try:
             errors = self._differences(module, layer)
-        except Exception as error:  # noqa: BLE001 - a layer that cannot run is reported like a wrong one
-            errors, failure = {"output": math.inf}, f"fails on a probe input ({first_line(error)})"
+        except Exception as error:  # a layer that cannot run is reported like a wrong one
+            problem = f"{swapped} fails on a probe input ({first_line(error)})"
+            raise verification_error(problem, self.group) from error
         finally:
             module.zero_grad(set_to_none=True)
             layer.zero_grad(set_to_none=True)
         worst = max(errors, key=errors.get)
         self.errors[name] = errors[worst]
-        if self.problem is None and (failure or errors[worst] > tolerance):
-            what = (
-                failure
-                or f"differs from it by {errors[worst]:.3g} in its {worst} (relative; tolerance {tolerance:.0e})"
-            )
-            self.problem = f"module '{name}' ({type(module).__name__}) sharded as {type(layer).__name__} {what}"
+        if errors[worst] > tolerance:
+            what = f"differs from it by {errors[worst]:.3g} in its {worst} (relative; tolerance {tolerance:.0e})"
+            raise verification_error(f"{swapped} {what}", self.group)
 
     def _differences(self, module: nn.Module, wrapped: nn.Module) -> dict[str, float]:
         rank, world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -188,40 +188,51 @@ def verify_parallelized(
 ) -> dict[str, float]:
     """Checks the sharded `model` against the unsharded `reference` on one probe batch (a collective): outputs, then
     every parameter's gradient; returns {"output": ..., "gradient": ...} relative differences, or raises
-    `PlanVerificationError` on every rank when any rank sees one beyond `tolerance` (default 1e-4 fp32, 3e-2 half)."""
+    `PlanVerificationError` on every rank when any rank sees one beyond `tolerance` (default 1e-4 fp32, 3e-2 half).
+    Each rank reaches its verdict on its own; `failures_agreed` ends the check on every rank with the first failing
+    rank's error, wherever between two collectives that rank stopped."""
     # A length every tp divides, for sequence parallelism's split: 8 tokens at tp 1, 2, 4 and 8.
     length = math.lcm(PROBE_TOKENS, dist.get_world_size(group))
     inputs = probe_input(reference, example_input, length, batch=2)
     dtype = next(reference.parameters()).dtype
     tolerance = tolerance if tolerance is not None else TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
-    with eval_mode(model, reference):
+    with failures_agreed(group), eval_mode(model, reference):
+        built = {name: type(module) for name, module in reference.named_modules()}
         try:
             ref_output, ref_modules = _forward(reference, inputs)
         except _ForwardFailure as failure:  # the unsharded model itself cannot run the probe: not the plan's fault
             raise failure.error from None
+        _refuse_modules_replaced(built, reference)
         weight = torch.randn(ref_output.shape, generator=torch.Generator().manual_seed(0)).to(ref_output)
         (ref_output.float() * weight).sum().backward()
         errors, problem = _compare(model, inputs, group, ref_output, ref_modules, weight, tolerance)
         if problem is None:
             errors["gradient"], problem = _compare_gradients(model, reference, group, tolerance)
         model.zero_grad(set_to_none=True)
-    if problem is not None:
-        text, suspect = problem
-        problem = f"{text}{_entries_near(suspect, planned)}"
-    raise_first(problem, group)
+        if problem is not None:
+            text, suspect = problem
+            raise verification_error(f"{text}{_entries_near(suspect, planned)}", group)
     return errors
 
 
-def raise_first(problem: str | None, group: ProcessGroup) -> None:
-    """Raises the first rank's problem on every rank (a collective), or returns when no rank has one."""
-    problems: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
-    reported = next((rank, text) for rank, text in enumerate(problems + ["ok"]) if text)
-    if reported[1] != "ok":
-        raise PlanVerificationError(
-            f"tensor-parallel plan verification failed (rank {reported[0]}): {reported[1]}; fix the plan, or pass "
-            f"verify=False to skip this check"
-        )
+def _refuse_modules_replaced(built: dict[str, type], model: nn.Module) -> None:
+    """Raises when `model` swapped one of its modules for another class while it ran (BigBird's attention below its
+    block-sparse length): the swapped-in module is built whole, so a sharded model would compute with it wrong."""
+    for name, module in model.named_modules():
+        if name in built and type(module) is not built[name]:
+            raise PlanVerificationError(
+                f"the model replaced its module '{name}' ({built[name].__name__}) with a new {type(module).__name__} "
+                f"while it ran a probe batch, and a module built during a forward is not sharded; configure the model "
+                f"so that it is built with the modules it runs with"
+            )
+
+
+def verification_error(problem: str, group: ProcessGroup) -> PlanVerificationError:
+    """The error for this rank's `problem`, as every rank reports it."""
+    return PlanVerificationError(
+        f"tensor-parallel plan verification failed (rank {dist.get_rank(group)}): {problem}; fix the plan, or pass "
+        f"verify=False to skip this check"
+    )
 
 
 # What differs, as a message, and the module it points to.
