@@ -296,6 +296,47 @@ def test_a_rank_killed_by_a_signal_is_killed_not_a_pass_and_is_checked_again_alo
     assert ", killed 1, error 0" in summary(results, tp=2)
 
 
+def _rank_deadlocked(model_type: str, case: dict, rank: int, world_size: int, port: int, results) -> None:
+    """Stands in for the zoo's rank: rank 0 waits in an all-reduce that rank 1, waiting elsewhere, never joins."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    if rank == 0:
+        _waits_in_an_all_reduce()
+    else:
+        _waits_for_nothing()
+
+
+def _waits_in_an_all_reduce():
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1))
+
+
+def _waits_for_nothing():
+    import threading
+
+    threading.Event().wait()
+
+
+@pytest.mark.slow
+def test_a_family_whose_ranks_hang_is_killed_with_where_each_rank_waited():
+    results = run_zoo(["hangs"], tp=2, jobs=1, timeout=40, echo=lambda line: None, target=_rank_deadlocked)
+    result = results["hangs"]
+    assert result["class"] == "killed", result
+    assert result["reason"].startswith("killed: no result within 40s, ranks [0, 1] still running"), result
+    assert "rank 0 in all_reduce (distributed_c10d.py:" in result["reason"], result
+    assert "< _waits_in_an_all_reduce (test_zoo.py:" in result["reason"], result
+    assert "rank 1 in wait (threading.py:" in result["reason"] and "< _waits_for_nothing" in result["reason"], result
+    assert "all_reduce" in result["stacks"][0] and "_waits_for_nothing" in result["stacks"][1], result
+    assert ", killed 1, error 0" in summary(results, tp=2)
+
+
 def test_kv_heads_are_not_set_where_the_config_reads_them_as_the_query_heads():
     """Whisper's config maps `num_key_value_heads` onto `encoder_attention_heads`, its query heads: the zoo's 2 kv
     heads would make it a 2-head model that tp=4 cannot split, so the setting skips it; Llama's are set."""

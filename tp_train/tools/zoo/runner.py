@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from datetime import timedelta
 
@@ -32,6 +34,30 @@ def _rank_main(model_type: str, case: dict, rank: int, world_size: int, port: in
         results.send(result)
 
 
+def _rank_with_stacks(target, stacks: str, *args) -> None:
+    """Runs a rank's `target(*args)`, its threads' stacks written to the file `stacks` when the zoo sends SIGUSR1
+    (before it kills a family that ran past its time limit: where each rank waited)."""
+    import faulthandler
+
+    with open(stacks, "w") as file:
+        faulthandler.register(signal.SIGUSR1, file=file, all_threads=True)
+        target(*args)
+
+
+def _innermost(stacks: str, frames: int = 4) -> str:
+    """The innermost `frames` calls of the thread that took the signal (faulthandler's "Current thread"), as
+    "function (file:line)", innermost first; "no stack" when the rank wrote none."""
+    current = stacks.split("Current thread")[-1] if "Current thread" in stacks else stacks
+    calls = []
+    for line in current.splitlines():
+        line = line.strip()
+        if line.startswith("File "):  # File "/path/x.py", line 12 in func
+            path, _, rest = line[len('File "') :].partition('", line ')
+            number, _, function = rest.partition(" in ")
+            calls.append(f"{function} ({os.path.basename(path)}:{number})")
+    return " < ".join(calls[:frames]) or "no stack"
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -42,10 +68,16 @@ class _Family:
     """One family's ranks, each a process forked from a server that imported torch and transformers once."""
 
     def __init__(self, context, model_type: str, case: dict, tp: int, timeout: float, target=None):
-        self.model_type, self.deadline, port = model_type, time.monotonic() + timeout, _free_port()
+        self.model_type, self.timeout, port = model_type, timeout, _free_port()
+        self.deadline = time.monotonic() + timeout
         self.receiver, sender = context.Pipe(duplex=False)
+        self.stacks = tempfile.mkdtemp(prefix=f"zoo-{model_type}-")
         self.ranks = [
-            context.Process(target=target or _rank_main, args=(model_type, case, rank, tp, port, sender), daemon=True)
+            context.Process(
+                target=_rank_with_stacks,
+                args=(target or _rank_main, self._stack_file(rank), model_type, case, rank, tp, port, sender),
+                daemon=True,
+            )
             for rank in range(tp)
         ]
         for rank in self.ranks:
@@ -63,12 +95,30 @@ class _Family:
             if result is not None:
                 return self._killed(self._stop(timeout=10)) or result
         if all(not rank.is_alive() for rank in self.ranks):
-            codes = [rank.exitcode for rank in self.ranks]
+            codes = self._stop(timeout=0)
             return self._killed(codes) or {"class": "error", "reason": f"ranks exited with codes {codes} and no result"}
         if time.monotonic() > self.deadline:
-            self._stop(timeout=0)
-            return {"class": "error", "reason": "no result within the time limit"}
+            return self._hung()
         return None
+
+    def _stack_file(self, rank: int) -> str:
+        return os.path.join(self.stacks, f"rank{rank}.txt")
+
+    def _hung(self) -> dict:
+        """`killed` for ranks still running at the deadline (a deadlock is a hang, not slowness), with where each
+        rank was: its stacks, written when the zoo signals it, innermost calls in the reason and whole in `stacks`."""
+        alive = [rank for rank, process in enumerate(self.ranks) if process.is_alive()]
+        for rank in alive:
+            os.kill(self.ranks[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0)  # faulthandler writes from its signal handler, at once even in a collective's wait
+        stacks = {}
+        for rank in alive:  # no file: the rank had not started its work (still importing)
+            path = self._stack_file(rank)
+            stacks[rank] = open(path).read() if os.path.exists(path) else ""
+        self._stop(timeout=0)
+        where = "; ".join(f"rank {rank} in {_innermost(text)}" for rank, text in stacks.items())
+        reason = f"killed: no result within {self.timeout:.0f}s, ranks {alive} still running (a hang?): {where}"
+        return {"class": "killed", "reason": reason, "stacks": stacks}
 
     @staticmethod
     def _killed(codes: list) -> dict | None:
@@ -88,6 +138,7 @@ class _Family:
             if rank.is_alive():
                 rank.kill()
                 rank.join()
+        shutil.rmtree(self.stacks, ignore_errors=True)
         return codes
 
 
