@@ -1,4 +1,12 @@
-"""Exact attention over a context-parallel group whose ranks each hold a load-balanced share of the sequence."""
+"""Exact attention over a context-parallel group whose ranks each hold a load-balanced share of the sequence.
+
+Keys and values reach each rank by one of two rotations: "ring" passes each rank's share to the next rank while the
+current one is attended to (cp - 1 sends of one share); "allgather" gathers every share at once (memory for the
+whole sequence's K/V, one collective). Either way each (query chunk, key chunk) pair runs on torch's fused attention
+kernel (`fused_attention`), the blocks merged by their log-sum-exp in fp32; backward runs the fused backward of each
+pair from the merged output and log-sum-exp, K/V gradients travelling back to their owners. Nothing of size
+(T / cp)^2 is allocated; packed documents run one call per document of each pair (`block_pairs`).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import all_gather_single, reduce_scatter_single
-from tp_train.parallel.context_parallel.document_mask import attention_mask
-from tp_train.parallel.context_parallel.load_balance import local_positions
+from tp_train.parallel.context_parallel.block_pairs import BlockPairs
+from tp_train.parallel.context_parallel.fused_attention import block_backward, block_forward, merge_block
 
 ROTATIONS = ("ring", "allgather")
 
@@ -50,96 +58,50 @@ def context_parallel_attention(
 
 
 class _ContextParallelAttention(torch.autograd.Function):
+    """Forward: one fused call per block pair, merged by log-sum-exp in fp32. Backward: the fused backward of each
+    block pair given the merged output and log-sum-exp (`fused_attention.block_backward`)."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, causal, documents, scale, rotation):
-        plan = _Pairs(q, group, causal, documents)
-        queries = _grouped(q, k.shape[1])  # (B, Hkv, g, Tl, D)
-        acc = torch.zeros(queries.shape, dtype=torch.float32, device=q.device)
-        row_max = torch.full(queries.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        row_sum = torch.zeros(queries.shape[:-1], dtype=torch.float32, device=q.device)
+        pairs = BlockPairs(q.shape[2], _size(group), _rank(group), causal, documents)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Hq, Tl, D)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, Hq, Tl)
         for source, (keys, values) in _visits(k, v, group, rotation):
-            for rows, cols, mask in plan.pairs(source):
-                scores = _scores(queries[..., rows, :], keys[..., cols, :], mask, scale)
-                new_max = torch.maximum(row_max[..., rows], scores.amax(dim=-1))
-                safe = torch.where(new_max.isinf(), torch.zeros_like(new_max), new_max)  # a row with no key yet
-                probs = torch.exp(scores - safe.unsqueeze(-1))
-                decay = torch.exp(row_max[..., rows] - safe)
-                row_sum[..., rows] = row_sum[..., rows] * decay + probs.sum(dim=-1)
-                block = values[..., cols, :].float().unsqueeze(2)
-                acc[..., rows, :] = acc[..., rows, :] * decay.unsqueeze(-1) + probs @ block
-                row_max[..., rows] = new_max
-        out = acc / row_sum.unsqueeze(-1)  # every query sees at least its own key, so row_sum > 0
-        lse = row_max + row_sum.log()
+            for call in pairs.calls(source):
+                queries, where = q[call.batch, :, call.rows], (call.batch, slice(None), call.rows)
+                block_out, block_lse = block_forward(
+                    queries, keys[call.batch, :, call.columns], values[call.batch, :, call.columns], call.causal, scale
+                )
+                merge_block(out[where], lse[where], block_out, block_lse)
+                del block_out, block_lse
+        out = out.to(q.dtype)  # fp32 inputs: the same tensor
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale, ctx.rotation, ctx.group = plan, scale, rotation, group
-        return out.flatten(1, 2).to(q.dtype)
+        ctx.pairs, ctx.scale, ctx.rotation, ctx.group = pairs, scale, rotation, group
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
-        queries = _grouped(q, k.shape[1])
-        grad = _grouped(grad_out, k.shape[1]).float()
-        delta = (grad * out).sum(dim=-1)  # (B, Hkv, g, Tl): rowsum(dO * O), the softmax backward's correction
-        grad_q = torch.zeros(queries.shape, dtype=torch.float32, device=q.device)
+        pairs, scale = ctx.pairs, ctx.scale
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
         def block_grads(source, keys, values, grad_k, grad_v):
-            for rows, cols, mask in plan.pairs(source):
-                scores = _scores(queries[..., rows, :], keys[..., cols, :], mask, scale)
-                probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))  # masked scores are -inf: 0
-                grad_v[..., cols, :] += (probs.transpose(-1, -2) @ grad[..., rows, :]).sum(dim=2)
-                grad_probs = grad[..., rows, :] @ values[..., cols, :].float().unsqueeze(2).transpose(-1, -2)
-                grad_scores = probs * (grad_probs - delta[..., rows].unsqueeze(-1)) * scale
-                grad_q[..., rows, :] += grad_scores @ keys[..., cols, :].float().unsqueeze(2)
-                grad_k[..., cols, :] += (grad_scores.transpose(-1, -2) @ queries[..., rows, :].float()).sum(dim=2)
+            for call in pairs.calls(source):
+                where, columns = (call.batch, slice(None), call.rows), (call.batch, slice(None), call.columns)
+                dq, dk, dv = block_backward(
+                    grad_out[where], q[where], keys[columns], values[columns], out[where], lse[where], call.causal,
+                    scale,
+                )  # fmt: skip
+                grad_q[where] += dq
+                grad_k[columns] += dk
+                grad_v[columns] += dv
+                del dq, dk, dv
 
         if ctx.rotation == "allgather":
             grad_k, grad_v = _ring_free_grads(k, v, ctx.group, block_grads)
         else:
             grad_k, grad_v = _ring_grads(k, v, ctx.group, block_grads)
-        return grad_q.flatten(1, 2).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
-
-
-class _Pairs:
-    """The (query chunk, key chunk) pairs of this rank's queries against one source rank's keys, with their masks;
-    pairs masked entirely are left out."""
-
-    def __init__(self, q, group, causal, documents):
-        self.size, self.rank = _size(group), _rank(group)
-        self.length = q.shape[2] // 2  # one chunk
-        total = q.shape[2] * self.size
-        self.causal, self.documents = causal, documents  # documents: (B, cp, Tl) every rank's share
-        self.positions = [local_positions(total, self.size, r, device=q.device) for r in range(self.size)]
-
-    def pairs(self, source: int):
-        n = self.length
-        for i in range(2):
-            rows = slice(i * n, (i + 1) * n)
-            for j in range(2):
-                cols = slice(j * n, (j + 1) * n)
-                q_docs = k_docs = None
-                if self.documents is not None:
-                    q_docs, k_docs = self.documents[:, self.rank, rows], self.documents[:, source, cols]
-                mask = attention_mask(
-                    self.positions[self.rank][rows], self.positions[source][cols], q_docs, k_docs, self.causal
-                )
-                if mask is not None and not bool(mask.any()):
-                    continue  # nothing of this pair is attended: skipped, not computed
-                yield rows, cols, None if mask is None or bool(mask.all()) else mask
-
-
-def _scores(queries, keys, mask, scale):
-    """(B, Hkv, g, Tq, Tk) fp32 scores of grouped queries against one chunk of keys, masked ones -inf."""
-    scores = (queries @ keys.unsqueeze(2).transpose(-1, -2)).float() * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    return scores
-
-
-def _grouped(x, kv_heads):
-    """(B, Hq, T, D) -> (B, Hkv, Hq / Hkv, T, D): the query heads that share each key/value head."""
-    batch, heads, length, dim = x.shape
-    return x.reshape(batch, kv_heads, heads // kv_heads, length, dim)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
 
 
 def _visits(k, v, group, rotation):
