@@ -15,6 +15,11 @@ import torch
 
 from tp_train.parallel.context_parallel.load_balance import chunk_indices
 
+# The most query rows and key columns one fused call takes: a call's transient buffers (its output, its gradients,
+# the kernel's own) grow with its rows and columns, so larger blocks are tiled; 1,024 keeps a CPU kernel as fast
+# as on whole chunks (measured at 16k tokens, docs/long-sequences.md).
+TILE = 1024
+
 
 @dataclass(frozen=True)
 class BlockCall:
@@ -35,10 +40,13 @@ class BlockPairs:
         causal: keys after the query (by global position) are masked.
         documents: (B, cp, share_length) every rank's share of the document ids (non-decreasing along the
             sequence), or None for one document per row.
+        tile: the most rows and columns of one call.
     """
 
-    def __init__(self, share_length: int, size: int, rank: int, causal: bool, documents: torch.Tensor | None):
-        self.chunk, self.size, self.rank, self.causal = share_length // 2, size, rank, causal
+    def __init__(
+        self, share_length: int, size: int, rank: int, causal: bool, documents: torch.Tensor | None, tile: int = TILE
+    ):
+        self.chunk, self.size, self.rank, self.causal, self.tile = share_length // 2, size, rank, causal, tile
         self.rows = [slice(None)]
         self.spans = None  # spans[row][source][chunk]: {document id: slice of that chunk's positions}
         if documents is not None:
@@ -50,7 +58,7 @@ class BlockPairs:
             self.spans = [[[_spans(ids) for ids in share.split(self.chunk)] for share in row] for row in documents]
 
     def calls(self, source: int) -> list[BlockCall]:
-        """The fused calls against `source`'s keys, diagonal blocks first."""
+        """The fused calls against `source`'s keys, in tiles of at most TILE rows and columns."""
         calls = []
         mine, theirs = chunk_indices(self.size, self.rank), chunk_indices(self.size, source)
         for i, query_chunk in enumerate(mine):
@@ -70,10 +78,29 @@ class BlockPairs:
                             calls.append(
                                 BlockCall(batch, _shift(query_span, rows), _shift(key_span, columns), diagonal)
                             )
-        return sorted(calls, key=lambda call: not call.causal)
+        return [tile for call in calls for tile in _tiles(call, self.tile)]
 
     def _chunk(self, index: int) -> slice:
         return slice(index * self.chunk, (index + 1) * self.chunk)
+
+
+def _tiles(call: BlockCall, size: int) -> list[BlockCall]:
+    """`call` in tiles of at most `size` rows and columns; a diagonal block's tiles above the diagonal are skipped."""
+    rows, columns = range(call.rows.start, call.rows.stop, size), range(call.columns.start, call.columns.stop, size)
+    tiles = []
+    for i, row in enumerate(rows):
+        for j, column in enumerate(columns):
+            if call.causal and j > i:
+                break  # a diagonal block is square and its tiles align: these keys all follow these queries
+            tiles.append(
+                BlockCall(
+                    call.batch,
+                    slice(row, min(row + size, call.rows.stop)),
+                    slice(column, min(column + size, call.columns.stop)),
+                    call.causal and i == j,
+                )
+            )
+    return tiles
 
 
 def _spans(ids: torch.Tensor) -> dict[int, slice]:
@@ -85,7 +112,10 @@ def _spans(ids: torch.Tensor) -> dict[int, slice]:
             f"tokens must be contiguous (ids non-decreasing, as document_ids_from_separators gives)"
         )
     stops = counts.cumsum(0).tolist()
-    return {doc: slice(stop - count, stop) for doc, count, stop in zip(documents.tolist(), counts.tolist(), stops)}
+    return {
+        doc: slice(stop - count, stop)
+        for doc, count, stop in zip(documents.tolist(), counts.tolist(), stops, strict=True)
+    }
 
 
 def _shift(span: slice, chunk: slice) -> slice:

@@ -66,13 +66,13 @@ def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
 
 def merge_block(out, lse, block_out, block_lse) -> None:
     """Merges one block's output and log-sum-exp into the running fp32 `out` and `lse` in place (rows seen by no
-    block yet hold lse = -inf and out = 0):
+    block yet hold lse = -inf and out = 0); `block_out` is consumed (scaled in place when it is fp32):
 
         lse' = log(exp(lse) + exp(block_lse)),  out' = out * exp(lse - lse') + block_out * exp(block_lse - lse')
     """
     merged = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - merged).unsqueeze(-1))
-    out.add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    out.add_(block_out.float().mul_(torch.exp(block_lse - merged).unsqueeze(-1)))  # no copy of an fp32 block
     lse.copy_(merged)
 
 

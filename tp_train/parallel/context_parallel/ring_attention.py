@@ -113,27 +113,26 @@ def _visits(k, v, group, rotation):
             source = (rank - offset) % size
             yield source, (keys[source], values[source])
         return
-    buffer = torch.stack([k, v])
+    shares = [k, v]
     for step in range(size):
-        pending = _shift(buffer, group) if step < size - 1 else None  # the next share travels while this computes
-        yield (rank - step) % size, (buffer[0], buffer[1])
+        pending = _shift(shares, group) if step < size - 1 else None  # the next share travels while this computes
+        yield (rank - step) % size, shares
         if pending is not None:
-            buffer = pending()
+            shares = pending()
 
 
 def _ring_grads(k, v, group, block_grads):
     """Backward of the ring: each K/V share travels the ring with its gradient, which every rank adds to; after a
     full turn the gradient is back at the share's owner."""
     size, rank = _size(group), _rank(group)
-    buffer = torch.stack([k, v])
-    grads = torch.zeros(buffer.shape, dtype=torch.float32, device=k.device)
+    shares = [k, v]
+    grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
     for step in range(size):
-        pending = _shift(buffer, group) if step < size - 1 else None
-        block_grads((rank - step) % size, buffer[0], buffer[1], grads[0], grads[1])
-        if pending is not None:
-            buffer = pending()  # K/V first, then their gradients: one message in flight per pair of ranks
+        pending = _shift(shares, group) if step < size - 1 else None
+        block_grads((rank - step) % size, *shares, *grads)
+        shares = pending() if pending is not None else None  # K/V first, then their gradients: one message at a time
         grads = _shift(grads, group)() if size > 1 else grads
-    return grads[0], grads[1]
+    return grads
 
 
 def _ring_free_grads(k, v, group, block_grads):
@@ -152,27 +151,26 @@ def _ring_free_grads(k, v, group, block_grads):
     return mine[0], mine[1]
 
 
-def _shift(tensor, group):
-    """Starts sending `tensor` to the next rank of the group and receiving the previous rank's; returns a function
-    that waits and returns what arrived. Gloo sends only host memory, so on gloo a CUDA tensor travels through the
-    host (one GPU shared by the ranks of a test or a laptop; NCCL sends device memory)."""
+def _shift(tensors, group):
+    """Starts sending each of `tensors` to the next rank of the group and receiving the previous rank's; returns a
+    function that waits and returns what arrived. Gloo sends only host memory, so on gloo a CUDA tensor travels
+    through the host (one GPU shared by the ranks of a test or a laptop; NCCL sends device memory)."""
     size, rank = _size(group), _rank(group)
-    device = tensor.device
+    device = tensors[0].device
     if device.type != "cpu" and dist.get_backend(group) == "gloo":
-        tensor = tensor.cpu()
-    received = torch.empty_like(tensor)
+        tensors = [tensor.cpu() for tensor in tensors]
+    tensors = [tensor.contiguous() for tensor in tensors]
+    received = [torch.empty_like(tensor) for tensor in tensors]
     to_rank = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
     from_rank = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
-    ops = [
-        dist.P2POp(dist.isend, tensor.contiguous(), to_rank, group),
-        dist.P2POp(dist.irecv, received, from_rank, group),
-    ]
+    ops = [dist.P2POp(dist.isend, tensor, to_rank, group) for tensor in tensors]
+    ops += [dist.P2POp(dist.irecv, tensor, from_rank, group) for tensor in received]
     works = dist.batch_isend_irecv(ops)
 
     def wait():
         for work in works:
             work.wait()
-        return received.to(device)
+        return [tensor.to(device) for tensor in received]
 
     return wait
 
