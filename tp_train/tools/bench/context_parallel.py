@@ -3,9 +3,11 @@ forward + backward of causal attention over the whole sequence, against sequence
 and `context_parallel_attention` at cp = 1, 2 and 4 (ring and all-gather), with and without packed documents.
 Prints one table, writes JSON and an SVG plot (no plotting library needed).
 
-The peak is measured, not modelled: on CPU the process's peak resident set (VmHWM, reset before the step, freed
-blocks of 1 MiB or more handed back at once) above its resident set before the step; on CUDA the allocator's peak
-above what was allocated before. Every rank holds its own share of q, k, v and the output gradient before the step.
+Time is the slowest rank's wall time, and each rank's CPU time: on a machine shared with other work the CPU time shows
+the work a rank does, the wall time also its waits. The peak is measured, not modelled: on CPU the process's peak
+resident set (VmHWM, reset before the step, freed blocks of 1 MiB or more handed back at once) above its resident set
+before the step; on CUDA the allocator's peak above what was allocated before. Every rank holds its own share of q,
+k, v and the output gradient before the step.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _measure(rank, world_size, device, setup, lengths, args, out):
         dist.barrier(group=group)
         before = current_memory(device)
         reset_peak_memory(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if rotation is None:
             out_ = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -90,12 +92,13 @@ def _measure(rank, world_size, device, setup, lengths, args, out):
         out_.backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         peak = peak_memory(device) - before
         del out_, q, k, v, grad
         seconds = group_max(seconds, group, device)  # the slowest rank's, and the largest peak
         rows.append({"setup": name, "seq_len": length, "peak_mib_per_rank": group_max(peak, group, device) / MIB,
-                     "seconds": seconds, "tokens_per_s": args.batch * length / seconds})  # fmt: skip
+                     "seconds": seconds, "cpu_seconds_per_rank": group_max(cpu_seconds, group, device),
+                     "tokens_per_s": args.batch * length / seconds})  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(rows[1:]))
 
@@ -119,14 +122,15 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         base.setdefault(row["seq_len"], row)
     lines = [
-        "| setup | seq len | measured peak MiB / rank | vs first | seconds | tokens/s | time vs first |",
-        "|---|--:|--:|--:|--:|--:|--:|",
+        "| setup | seq len | measured peak MiB / rank | vs first | seconds | CPU s / rank | tokens/s | time vs first |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in rows:
         ref = base[row["seq_len"]]
         lines.append(
             f"| {row['setup']} | {row['seq_len']} | {row['peak_mib_per_rank']:.1f} | "
             f"{row['peak_mib_per_rank'] / ref['peak_mib_per_rank']:.2f} | {row['seconds']:.2f} | "
+            f"{row['cpu_seconds_per_rank']:.2f} | "
             f"{row['tokens_per_s']:.0f} | {row['seconds'] / ref['seconds']:.2f} |"
         )
     return "\n".join(lines)
