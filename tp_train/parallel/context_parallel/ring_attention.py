@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import all_gather_single, reduce_scatter_single
-from tp_train.parallel.context_parallel.block_pairs import BlockPairs
+from tp_train.parallel.context_parallel.block_pairs import TILE, BlockPairs
 from tp_train.parallel.context_parallel.fused_attention import block_backward, block_forward, merge_block
 
 ROTATIONS = ("ring", "allgather")
@@ -55,6 +55,34 @@ def context_parallel_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     documents = None if document_ids is None else _gather(document_ids.contiguous(), group, dim=1)
     return _ContextParallelAttention.apply(q, k, v, group, causal, documents, scale, rotation)
+
+
+def workspace_bytes(
+    batch: int, q_heads: int, kv_heads: int, head_dim: int, tokens: int, cp: int = 1, rotation: str = "ring",
+    element_size: int = 4,
+) -> int:  # fmt: skip
+    """Bytes one `context_parallel_attention` allocates at its peak, in its backward, beyond its inputs and output
+    (the activations a model saves): the fp32 gradient of the queries, the keys' and values' fp32 gradients (twice
+    while they travel the ring; every share's with the all-gather), the shares received, and one tile's call of the
+    fused backward (its dq, dk, dv and the kernel's own buffer the size of its dq).
+
+    Args:
+        batch, q_heads, kv_heads, head_dim: the attention's shape.
+        tokens: the whole sequence's length T; each rank holds T / cp.
+        cp, rotation: the context-parallel size and rotation.
+        element_size: bytes per element of q, k, v (4 for fp32, 2 for bf16).
+    """
+    share = -(-tokens // cp)
+    queries, keys = batch * q_heads * share * head_dim, batch * kv_heads * share * head_dim
+    tile = min(TILE, share)
+    tile_call = 2 * batch * (q_heads + kv_heads) * tile * head_dim * element_size
+    if cp == 1:
+        travelling = 2 * keys * 4  # the fp32 gradients of k and v
+    elif rotation == "allgather":
+        travelling = cp * 2 * keys * (element_size + 4) + 2 * keys * 4  # every share and its gradient, then mine
+    else:
+        travelling = 2 * keys * element_size + 2 * 2 * keys * 4  # the next share; the gradients sent and received
+    return queries * 4 + travelling + tile_call
 
 
 class _ContextParallelAttention(torch.autograd.Function):
