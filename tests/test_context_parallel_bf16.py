@@ -21,12 +21,12 @@ def _attention(q, k, v, grad, op):
     return [t.detach().float() for t in (out, q.grad, k.grad, v.grad)]
 
 
-def _rank_errors(rank, world_size):
+def _rank_errors(rank, world_size, device="cpu"):
     generator = torch.Generator().manual_seed(0)
-    q, grad = (torch.randn(2, 8, LENGTH, 16, generator=generator) for _ in range(2))
-    k, v = (torch.randn(2, 2, LENGTH, 16, generator=generator) for _ in range(2))
-    ids = torch.repeat_interleave(torch.arange(len(DOCUMENTS)), torch.tensor(DOCUMENTS)).expand(2, -1)
-    positions = torch.arange(LENGTH)
+    q, grad = (torch.randn(2, 8, LENGTH, 16, generator=generator).to(device) for _ in range(2))
+    k, v = (torch.randn(2, 2, LENGTH, 16, generator=generator).to(device) for _ in range(2))
+    ids = torch.repeat_interleave(torch.arange(len(DOCUMENTS)), torch.tensor(DOCUMENTS)).expand(2, -1).to(device)
+    positions = torch.arange(LENGTH, device=device)
     mask = attention_mask(positions, positions, ids, ids)[:, None]
 
     def sdpa(q, k, v):
@@ -47,7 +47,11 @@ def _rank_errors(rank, world_size):
     ]
 
 
-def test_bf16_at_cp2_is_as_close_to_fp32_as_bf16_sdpa():
-    for rank, errors in enumerate(run_on_ranks(_rank_errors, 2)):
+def check_bf16(device="cpu"):
+    for rank, errors in enumerate(run_on_ranks(_rank_errors, 2, device)):
         for name, (ours, plain) in zip(("out", "dq", "dk", "dv"), errors, strict=True):
             assert ours <= 2 * plain + 1e-3, f"rank {rank} {name}: {ours:.2e} from fp32 (bf16 SDPA: {plain:.2e})"
+
+
+def test_bf16_at_cp2_is_as_close_to_fp32_as_bf16_sdpa():
+    check_bf16()

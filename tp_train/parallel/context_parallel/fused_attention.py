@@ -56,10 +56,10 @@ def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
         )
     groups = q.shape[1] // k.shape[1]
     padded = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % _LSE_ALIGNMENT))
-    empty = torch.empty(0, device=q.device)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the random state is never read
     grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, _repeat_heads(k, groups), _repeat_heads(v, groups), empty, out, padded.contiguous(), empty,
-        empty, 0.0, [True, True, True, False], causal, scale=scale,
+        grad_out, q, _repeat_heads(k, groups), _repeat_heads(v, groups), None, out, padded.contiguous(), seed, seed,
+        0.0, [True, True, True, False], causal, scale=scale,
     )  # fmt: skip
     return grad_q, _sum_heads(grad_k, groups), _sum_heads(grad_v, groups)
 
