@@ -42,7 +42,10 @@ def _step(rank, world_size, masked):
     return peak_memory(cpu) - before
 
 
-@pytest.mark.parametrize(("cp", "masked"), [(1, True), (2, False), (2, True)])
+@pytest.mark.parametrize(
+    ("cp", "masked"),
+    [pytest.param(1, True, marks=pytest.mark.slow), (2, False), pytest.param(2, True, marks=pytest.mark.slow)],
+)
 def test_peak_stays_under_half_a_chunk_pairs_scores(cp, masked):
     chunk = LENGTH // (2 * cp)
     scores = HEADS * chunk * chunk * 4  # one fp32 (B, Hq, T / 2cp, T / 2cp) score matrix
