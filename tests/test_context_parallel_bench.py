@@ -1,5 +1,5 @@
-"""The context-parallel benchmark runs end to end on gloo ranks, writes its JSON and SVG, and shows cp=2's activation
-memory per rank at most 0.6x cp=1's at the same sequence length."""
+"""The context-parallel benchmark runs end to end on gloo ranks, writes its JSON and SVG, and measures cp=2's peak per
+rank (the process's peak resident set during the step) well under one process's SDPA on the whole sequence."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from tp_train.tools.bench.context_parallel import main
 
 
 @pytest.mark.slow
-def test_cp2_activation_memory_per_rank_is_at_most_0_6_of_cp1(tmp_path, capsys):
+def test_cp2_measured_peak_per_rank_is_at_most_0_7_of_one_process(tmp_path, capsys):
     output = tmp_path / "cp.json"
-    main(["--lengths", "64,128", "--setups", "cp=1,cp=2 ring", "--repeats", "1", "--output", str(output)])
+    main(["--lengths", "2048", "--setups", "sdpa,cp=2 ring,cp=2 ring masked", "--output", str(output)])
     rows = json.loads(output.read_text())["rows"]
     assert output.with_suffix(".svg").read_text().startswith("<svg")
-    memory = {(row["setup"], row["seq_len"]): row["activation_mib_per_rank"] for row in rows}
-    for length in (64, 128):
-        assert memory["cp=2 ring", length] <= 0.6 * memory["cp=1", length], memory
-    assert "| cp=2 ring | 128 |" in capsys.readouterr().out
+    peak = {row["setup"]: row["peak_mib_per_rank"] for row in rows}
+    assert peak["cp=2 ring"] <= 0.7 * peak["sdpa"], peak
+    assert peak["cp=2 ring masked"] <= 1.2 * peak["cp=2 ring"], peak
+    assert "| cp=2 ring | 2048 |" in capsys.readouterr().out

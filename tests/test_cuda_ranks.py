@@ -17,6 +17,7 @@ from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors
 from tests.test_compile import _parity as _compiled_parity
 from tests.test_context_parallel_attention import check_cp_attention
+from tests.test_context_parallel_bf16 import check_bf16
 from tests.test_dropout_rng import _train_with_dropout, check_dropout_streams
 from tests.test_overlap import VARIANTS, VOCAB
 
@@ -71,3 +72,8 @@ def test_context_parallel_attention_on_the_gpu_equals_sdpa():
     """cp=2 on one GPU (gloo with CUDA tensors): the ring and all-gather rotations, causal, GQA and packed documents,
     forward and backward against one process's SDPA on the GPU."""
     check_cp_attention(2, "cuda")
+
+
+def test_context_parallel_attention_in_bf16_on_the_gpu_is_as_close_as_bf16_sdpa():
+    """bf16 through the CUDA kernels (memory-efficient attention, blocks merged in fp32) at cp=2 on one GPU."""
+    check_bf16("cuda")

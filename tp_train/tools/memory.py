@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch.nn as nn
 
+from tp_train.parallel.context_parallel.ring_attention import workspace_bytes
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
 from tp_train.plan.adapters import adapter_specs
@@ -38,12 +39,15 @@ class MemoryEstimate:
     gradient_buckets: int  # DDP's flat gradient buckets, with data parallelism
     activations: int  # kept for backward, per micro-batch, with the loss's logits and their gradients
     gathered_parameters: int = 0  # FSDP2's unsharded parameters of the groups in use (fsdp only)
+    attention_workspace: int = 0  # what one attention's backward allocates beyond the activations (its kernels)
 
     @property
     def total(self) -> int:
-        """The peak: gradients are allocated while the backward pass frees the activations."""
+        """The peak: gradients are allocated while the backward pass frees the activations; one attention's
+        backward at a time adds its kernels' workspace to the activations."""
         gathered = self.gradient_buckets + self.gathered_parameters
-        return self.parameters + self.optimizer_states + gathered + max(self.gradients, self.activations)
+        working = self.activations + self.attention_workspace
+        return self.parameters + self.optimizer_states + gathered + max(self.gradients, working)
 
     @property
     def model_states(self) -> int:
@@ -147,6 +151,18 @@ def _shape(model: nn.Module) -> tuple[int, int, int, int]:
     return layers, hidden, mlp, vocab
 
 
+def _attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) from a GPTConfig or a Hugging Face config."""
+    config = getattr(model, "config", None)
+    _, hidden, _, _ = _shape(model)
+    heads = next(
+        (getattr(config, n) for n in ("n_head", "num_attention_heads", "num_heads") if getattr(config, n, None)), 1
+    )
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return heads, kv_heads, head_dim
+
+
 def activation_elements(
     model: nn.Module,
     micro_batch_size: int,
@@ -205,6 +221,16 @@ def estimate_memory(
         model, micro_batch_size, -(-seq_len // cp), tp, sequence_parallel, activation_checkpointing, loss_parallel
     )
     fsdp = data_parallel == "fsdp"
+    q_heads, kv_heads, head_dim = _attention_shape(model)
+    workspace = workspace_bytes(  # at cp=1 the model's SDPA: the same fused kernel, nothing travelling
+        micro_batch_size,
+        max(1, q_heads // tp),
+        max(1, kv_heads // tp),
+        head_dim,
+        seq_len,
+        cp,
+        element_size=activation_bytes,
+    )
     return MemoryEstimate(
         parameters=parameters,
         gradients=trained,
@@ -212,6 +238,7 @@ def estimate_memory(
         gradient_buckets=trained if replicas > 1 and not fsdp else 0,
         activations=activations * activation_bytes,
         gathered_parameters=_gathered_elements(model, tp, plan) * activation_bytes if fsdp else 0,
+        attention_workspace=workspace,
     )
 
 

@@ -1,4 +1,12 @@
-"""Exact attention over a context-parallel group whose ranks each hold a load-balanced share of the sequence."""
+"""Exact attention over a context-parallel group whose ranks each hold a load-balanced share of the sequence.
+
+Keys and values reach each rank by one of two rotations: "ring" passes each rank's share to the next rank while the
+current one is attended to (cp - 1 sends of one share); "allgather" gathers every share at once (memory for the
+whole sequence's K/V, one collective). Either way each (query chunk, key chunk) pair runs on torch's fused attention
+kernel (`fused_attention`), the blocks merged by their log-sum-exp in fp32; backward runs the fused backward of each
+pair from the merged output and log-sum-exp, K/V gradients travelling back to their owners. Nothing of size
+(T / cp)^2 is allocated; packed documents run one call per document of each pair (`block_pairs`).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import all_gather_single, reduce_scatter_single
-from tp_train.parallel.context_parallel.document_mask import attention_mask
-from tp_train.parallel.context_parallel.load_balance import local_positions
+from tp_train.parallel.context_parallel.block_pairs import TILE, BlockPairs
+from tp_train.parallel.context_parallel.fused_attention import block_backward, block_forward, merge_block
 
 ROTATIONS = ("ring", "allgather")
 
@@ -49,97 +57,79 @@ def context_parallel_attention(
     return _ContextParallelAttention.apply(q, k, v, group, causal, documents, scale, rotation)
 
 
+def workspace_bytes(
+    batch: int, q_heads: int, kv_heads: int, head_dim: int, tokens: int, cp: int = 1, rotation: str = "ring",
+    element_size: int = 4,
+) -> int:  # fmt: skip
+    """Bytes one `context_parallel_attention` allocates at its peak, in its backward, beyond its inputs and output
+    (the activations a model saves): the fp32 gradient of the queries, the keys' and values' fp32 gradients (twice
+    while they travel the ring; every share's with the all-gather), the shares received, and one tile's call of the
+    fused backward (its dq, dk, dv and the kernel's own buffer the size of its dq).
+
+    Args:
+        batch, q_heads, kv_heads, head_dim: the attention's shape.
+        tokens: the whole sequence's length T; each rank holds T / cp.
+        cp, rotation: the context-parallel size and rotation.
+        element_size: bytes per element of q, k, v (4 for fp32, 2 for bf16).
+    """
+    share = -(-tokens // cp)
+    queries, keys = batch * q_heads * share * head_dim, batch * kv_heads * share * head_dim
+    tile = min(TILE, share)
+    tile_call = 2 * batch * (q_heads + kv_heads) * tile * head_dim * element_size
+    if cp == 1:
+        travelling = 2 * keys * 4  # the fp32 gradients of k and v
+    elif rotation == "allgather":
+        travelling = cp * 2 * keys * (element_size + 4) + 2 * keys * 4  # every share and its gradient, then mine
+    else:
+        travelling = 2 * keys * element_size + 2 * 2 * keys * 4  # the next share; the gradients sent and received
+    return queries * 4 + travelling + tile_call
+
+
 class _ContextParallelAttention(torch.autograd.Function):
+    """Forward: one fused call per block pair, merged by log-sum-exp in fp32. Backward: the fused backward of each
+    block pair given the merged output and log-sum-exp (`fused_attention.block_backward`)."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, causal, documents, scale, rotation):
-        plan = _Pairs(q, group, causal, documents)
-        queries = _grouped(q, k.shape[1])  # (B, Hkv, g, Tl, D)
-        acc = torch.zeros(queries.shape, dtype=torch.float32, device=q.device)
-        row_max = torch.full(queries.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        row_sum = torch.zeros(queries.shape[:-1], dtype=torch.float32, device=q.device)
+        pairs = BlockPairs(q.shape[2], _size(group), _rank(group), causal, documents)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Hq, Tl, D)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, Hq, Tl)
         for source, (keys, values) in _visits(k, v, group, rotation):
-            for rows, cols, mask in plan.pairs(source):
-                scores = _scores(queries[..., rows, :], keys[..., cols, :], mask, scale)
-                new_max = torch.maximum(row_max[..., rows], scores.amax(dim=-1))
-                safe = torch.where(new_max.isinf(), torch.zeros_like(new_max), new_max)  # a row with no key yet
-                probs = torch.exp(scores - safe.unsqueeze(-1))
-                decay = torch.exp(row_max[..., rows] - safe)
-                row_sum[..., rows] = row_sum[..., rows] * decay + probs.sum(dim=-1)
-                block = values[..., cols, :].float().unsqueeze(2)
-                acc[..., rows, :] = acc[..., rows, :] * decay.unsqueeze(-1) + probs @ block
-                row_max[..., rows] = new_max
-        out = acc / row_sum.unsqueeze(-1)  # every query sees at least its own key, so row_sum > 0
-        lse = row_max + row_sum.log()
+            for call in pairs.calls(source):
+                queries, where = q[call.batch, :, call.rows], (call.batch, slice(None), call.rows)
+                block_out, block_lse = block_forward(
+                    queries, keys[call.batch, :, call.columns], values[call.batch, :, call.columns], call.causal, scale
+                )
+                merge_block(out[where], lse[where], block_out, block_lse)
+                del block_out, block_lse
+        out = out.to(q.dtype)  # fp32 inputs: the same tensor
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale, ctx.rotation, ctx.group = plan, scale, rotation, group
-        return out.flatten(1, 2).to(q.dtype)
+        ctx.pairs, ctx.scale, ctx.rotation, ctx.group = pairs, scale, rotation, group
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
-        queries = _grouped(q, k.shape[1])
-        grad = _grouped(grad_out, k.shape[1]).float()
-        delta = (grad * out).sum(dim=-1)  # (B, Hkv, g, Tl): rowsum(dO * O), the softmax backward's correction
-        grad_q = torch.zeros(queries.shape, dtype=torch.float32, device=q.device)
+        pairs, scale = ctx.pairs, ctx.scale
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
         def block_grads(source, keys, values, grad_k, grad_v):
-            for rows, cols, mask in plan.pairs(source):
-                scores = _scores(queries[..., rows, :], keys[..., cols, :], mask, scale)
-                probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))  # masked scores are -inf: 0
-                grad_v[..., cols, :] += (probs.transpose(-1, -2) @ grad[..., rows, :]).sum(dim=2)
-                grad_probs = grad[..., rows, :] @ values[..., cols, :].float().unsqueeze(2).transpose(-1, -2)
-                grad_scores = probs * (grad_probs - delta[..., rows].unsqueeze(-1)) * scale
-                grad_q[..., rows, :] += grad_scores @ keys[..., cols, :].float().unsqueeze(2)
-                grad_k[..., cols, :] += (grad_scores.transpose(-1, -2) @ queries[..., rows, :].float()).sum(dim=2)
+            for call in pairs.calls(source):
+                where, columns = (call.batch, slice(None), call.rows), (call.batch, slice(None), call.columns)
+                dq, dk, dv = block_backward(
+                    grad_out[where], q[where], keys[columns], values[columns], out[where], lse[where], call.causal,
+                    scale,
+                )  # fmt: skip
+                grad_q[where] += dq
+                grad_k[columns] += dk
+                grad_v[columns] += dv
+                del dq, dk, dv
 
         if ctx.rotation == "allgather":
             grad_k, grad_v = _ring_free_grads(k, v, ctx.group, block_grads)
         else:
             grad_k, grad_v = _ring_grads(k, v, ctx.group, block_grads)
-        return grad_q.flatten(1, 2).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
-
-
-class _Pairs:
-    """The (query chunk, key chunk) pairs of this rank's queries against one source rank's keys, with their masks;
-    pairs masked entirely are left out."""
-
-    def __init__(self, q, group, causal, documents):
-        self.size, self.rank = _size(group), _rank(group)
-        self.length = q.shape[2] // 2  # one chunk
-        total = q.shape[2] * self.size
-        self.causal, self.documents = causal, documents  # documents: (B, cp, Tl) every rank's share
-        self.positions = [local_positions(total, self.size, r, device=q.device) for r in range(self.size)]
-
-    def pairs(self, source: int):
-        n = self.length
-        for i in range(2):
-            rows = slice(i * n, (i + 1) * n)
-            for j in range(2):
-                cols = slice(j * n, (j + 1) * n)
-                q_docs = k_docs = None
-                if self.documents is not None:
-                    q_docs, k_docs = self.documents[:, self.rank, rows], self.documents[:, source, cols]
-                mask = attention_mask(
-                    self.positions[self.rank][rows], self.positions[source][cols], q_docs, k_docs, self.causal
-                )
-                if mask is not None and not bool(mask.any()):
-                    continue  # nothing of this pair is attended: skipped, not computed
-                yield rows, cols, None if mask is None or bool(mask.all()) else mask
-
-
-def _scores(queries, keys, mask, scale):
-    """(B, Hkv, g, Tq, Tk) fp32 scores of grouped queries against one chunk of keys, masked ones -inf."""
-    scores = (queries @ keys.unsqueeze(2).transpose(-1, -2)).float() * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    return scores
-
-
-def _grouped(x, kv_heads):
-    """(B, Hq, T, D) -> (B, Hkv, Hq / Hkv, T, D): the query heads that share each key/value head."""
-    batch, heads, length, dim = x.shape
-    return x.reshape(batch, kv_heads, heads // kv_heads, length, dim)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
 
 
 def _visits(k, v, group, rotation):
@@ -151,27 +141,26 @@ def _visits(k, v, group, rotation):
             source = (rank - offset) % size
             yield source, (keys[source], values[source])
         return
-    buffer = torch.stack([k, v])
+    shares = [k, v]
     for step in range(size):
-        pending = _shift(buffer, group) if step < size - 1 else None  # the next share travels while this computes
-        yield (rank - step) % size, (buffer[0], buffer[1])
+        pending = _shift(shares, group) if step < size - 1 else None  # the next share travels while this computes
+        yield (rank - step) % size, shares
         if pending is not None:
-            buffer = pending()
+            shares = pending()
 
 
 def _ring_grads(k, v, group, block_grads):
     """Backward of the ring: each K/V share travels the ring with its gradient, which every rank adds to; after a
     full turn the gradient is back at the share's owner."""
     size, rank = _size(group), _rank(group)
-    buffer = torch.stack([k, v])
-    grads = torch.zeros(buffer.shape, dtype=torch.float32, device=k.device)
+    shares = [k, v]
+    grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
     for step in range(size):
-        pending = _shift(buffer, group) if step < size - 1 else None
-        block_grads((rank - step) % size, buffer[0], buffer[1], grads[0], grads[1])
-        if pending is not None:
-            buffer = pending()  # K/V first, then their gradients: one message in flight per pair of ranks
+        pending = _shift(shares, group) if step < size - 1 else None
+        block_grads((rank - step) % size, *shares, *grads)
+        shares = pending() if pending is not None else None  # K/V first, then their gradients: one message at a time
         grads = _shift(grads, group)() if size > 1 else grads
-    return grads[0], grads[1]
+    return grads
 
 
 def _ring_free_grads(k, v, group, block_grads):
@@ -190,27 +179,26 @@ def _ring_free_grads(k, v, group, block_grads):
     return mine[0], mine[1]
 
 
-def _shift(tensor, group):
-    """Starts sending `tensor` to the next rank of the group and receiving the previous rank's; returns a function
-    that waits and returns what arrived. Gloo sends only host memory, so on gloo a CUDA tensor travels through the
-    host (one GPU shared by the ranks of a test or a laptop; NCCL sends device memory)."""
+def _shift(tensors, group):
+    """Starts sending each of `tensors` to the next rank of the group and receiving the previous rank's; returns a
+    function that waits and returns what arrived. Gloo sends only host memory, so on gloo a CUDA tensor travels
+    through the host (one GPU shared by the ranks of a test or a laptop; NCCL sends device memory)."""
     size, rank = _size(group), _rank(group)
-    device = tensor.device
+    device = tensors[0].device
     if device.type != "cpu" and dist.get_backend(group) == "gloo":
-        tensor = tensor.cpu()
-    received = torch.empty_like(tensor)
+        tensors = [tensor.cpu() for tensor in tensors]
+    tensors = [tensor.contiguous() for tensor in tensors]
+    received = [torch.empty_like(tensor) for tensor in tensors]
     to_rank = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
     from_rank = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
-    ops = [
-        dist.P2POp(dist.isend, tensor.contiguous(), to_rank, group),
-        dist.P2POp(dist.irecv, received, from_rank, group),
-    ]
+    ops = [dist.P2POp(dist.isend, tensor, to_rank, group) for tensor in tensors]
+    ops += [dist.P2POp(dist.irecv, tensor, from_rank, group) for tensor in received]
     works = dist.batch_isend_irecv(ops)
 
     def wait():
         for work in works:
             work.wait()
-        return received.to(device)
+        return [tensor.to(device) for tensor in received]
 
     return wait
 

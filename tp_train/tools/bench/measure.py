@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 from contextlib import contextmanager
 
@@ -64,6 +65,41 @@ def peak_bytes(step: TrainingStep, device: torch.device) -> int:
         running += event.nbytes()  # negative for a free
         peak = max(peak, running)
     return resident + peak
+
+
+def return_freed_memory_at_once(device: torch.device) -> None:
+    """On CPU, makes glibc hand every freed block of 1 MiB or more back to the system at once (a fixed
+    M_MMAP_THRESHOLD), so the resident set follows the live tensors and a step's peak is its own."""
+    if device.type == "cpu":
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new peak: CUDA's allocator peak, or on CPU the process's peak resident set (VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the peak resident set becomes the current one
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes at the peak since `reset_peak_memory`: CUDA's allocated peak, or on CPU the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _status_bytes("VmHWM:")
+
+
+def current_memory(device: torch.device) -> int:
+    """Bytes now: CUDA's allocated bytes, or on CPU the resident set (VmRSS)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _status_bytes("VmRSS:")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith(field)).split()[1]) * 1024
 
 
 class _CollectiveCounter(TorchDispatchMode):
