@@ -64,6 +64,7 @@ def test_dispatch_then_combine_returns_the_tokens_and_their_gradients(ep):
 CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, bias=False, n_expert=8, top_k=2,
               expert_hidden=24)  # fmt: skip
 BATCH, STEPS = 8, 10
+EXPERT_PARAMETERS = ("experts.w_in", "experts.w_out", "experts.gate_up_proj", "experts.down_proj")
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +80,32 @@ def _optimizer(model, name: str):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _train(rank, world_size, optimizer_name, shared_expert):
+def _our_moe(shared_expert: bool):
+    model = MoEGPT(MoEConfig(**CONFIG, shared_expert=shared_expert))
+    return model, [f"blocks.{i}.mlp.experts" for i in range(len(model.blocks))], lambda idx: model(idx)
+
+
+def _mixtral(shared_expert: bool):
+    """Hugging Face's Mixtral, tiny: its own MixtralExperts run expert-parallel unchanged."""
+    from models.hf import hugging_face_causal_lm
+
+    fields = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=2)  # fmt: skip
+    model = hugging_face_causal_lm("mixtral", config=fields)
+    names = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    return model, names, lambda idx: model(idx).logits
+
+
+MODELS = {"ours": _our_moe, "mixtral": _mixtral}
+
+
+def _train(rank, world_size, optimizer_name, shared_expert, family="ours"):
     """Each rank trains on its share of every batch with its experts' run; the dense gradients are averaged over
     the ranks (DDP's convention), the experts' scaled to the same average. Returns each step's whole-batch loss and
     the final parameters, the experts' gathered."""
     torch.manual_seed(0)
-    model = MoEGPT(MoEConfig(**CONFIG, shared_expert=shared_expert))
+    model, names, logits = MODELS[family](shared_expert)
     group = dist.group.WORLD
-    names = [f"blocks.{i}.mlp.experts" for i in range(len(model.blocks))]
     if world_size > 1:
         shard_experts(model, names, group, gradient_scale=1 / world_size)
     optimizer = _optimizer(model, optimizer_name)
@@ -94,10 +113,10 @@ def _train(rank, world_size, optimizer_name, shared_expert):
     losses = []
     for step in range(STEPS):
         idx, targets = (part[rank * share : (rank + 1) * share] for part in _batch(step))
-        loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(logits(idx).flatten(0, 1), targets.flatten())
         loss.backward()
         for name, param in model.named_parameters():
-            if not name.endswith(("experts.w_in", "experts.w_out")) and world_size > 1:
+            if not name.endswith(EXPERT_PARAMETERS) and world_size > 1:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
         optimizer.step()
         optimizer.zero_grad()
@@ -106,7 +125,7 @@ def _train(rank, world_size, optimizer_name, shared_expert):
         losses.append(total.item())
     params = {}
     for name, param in model.named_parameters():
-        if name.endswith(("experts.w_in", "experts.w_out")) and world_size > 1:
+        if name.endswith(EXPERT_PARAMETERS) and world_size > 1:
             pieces = [torch.empty_like(param) for _ in range(world_size)]
             dist.all_gather(pieces, param.detach().contiguous())
             params[name] = torch.cat(pieces)
@@ -124,5 +143,13 @@ def test_our_moe_at_ep_trains_like_one_process(ep, optimizer_name, shared_expert
     for rank, (losses, params) in enumerate(run_on_ranks(_train, ep, optimizer_name, shared_expert, timeout=180)):
         assert max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)) < 1e-5, (rank, losses)
         assert reference_losses[-1] < reference_losses[0] - 0.1  # it trains
+        for name, value in params.items():
+            assert (value - reference[name]).abs().max().item() < 1e-5, (rank, name)
+
+
+def test_hugging_face_mixtral_at_ep_2_trains_like_one_process():
+    (reference_losses, reference), *_ = run_on_ranks(_train, 1, "adamw", False, "mixtral", timeout=120)
+    for rank, (losses, params) in enumerate(run_on_ranks(_train, 2, "adamw", False, "mixtral", timeout=180)):
+        assert max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)) < 1e-5, (rank, losses)
         for name, value in params.items():
             assert (value - reference[name]).abs().max().item() < 1e-5, (rank, name)
