@@ -181,9 +181,10 @@ class TensorParallelStrategy(DDPStrategy):
             if len(sizes) != 1:
                 raise RuntimeError(f"loss_parallel: expected one sharded LM head, found vocabulary sizes {sizes}")
             (self._vocab_size,) = sizes
+        # The logits feed only this loss: their buffer takes their gradient in backward.
         return vocab_parallel_cross_entropy(
-            logits, target, self.tensor_parallel_group, self._vocab_size, ignore_index, label_smoothing
-        ).float()
+            logits, target, self.tensor_parallel_group, self._vocab_size, ignore_index, label_smoothing, True
+        )
 
     @property
     @override
