@@ -121,3 +121,46 @@ def test_loss_never_holds_a_full_fp32_copy_of_the_logits(in_place):
     bound = (1 if in_place else 2) * logits_bytes + 4 * CHUNK * COLUMNS * 4
     assert loss_dtype == torch.float32
     assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+
+
+HIDDEN = 6  # the head's input width
+
+
+def _fused_exactness(rank, world_size):
+    """The fused head + loss against `F.cross_entropy` of the full head's logits: loss, input and weight gradients."""
+    from tp_train.parallel.collectives import copy_to_tensor_parallel_region
+    from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
+
+    group, errors = dist.group.WORLD, {}
+    generator = torch.Generator().manual_seed(1)
+    for name, vocab_size, ignore, smoothing, chunk, _ in CASES:
+        hidden = torch.randn(*TOKENS, HIDDEN, generator=generator)
+        weight = torch.randn(PADDED_VOCAB, HIDDEN, generator=generator)  # padding rows: never in the softmax
+        target = torch.randint(0, vocab_size, TOKENS, generator=generator)
+        if ignore:
+            target.view(-1)[[1, 5, 11]] = -100
+        full_hidden, full_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logits = full_hidden @ full_weight[:vocab_size].T
+        expected = F.cross_entropy(logits.flatten(0, -2), target.flatten(), label_smoothing=smoothing)
+        (1.5 * expected).backward()
+
+        local_hidden = hidden.clone().requires_grad_()
+        local_weight = weight.chunk(world_size)[rank].clone().requires_grad_()
+        entered = copy_to_tensor_parallel_region(local_hidden, group)  # the head's entry: all-reduce backward
+        loss = vocab_parallel_linear_cross_entropy(
+            entered, local_weight, target, group, vocab_size, label_smoothing=smoothing, chunk_size=chunk
+        )
+        (1.5 * loss).backward()
+        errors[f"{name}/loss"] = (loss.detach() - expected.detach()).abs().item()
+        errors[f"{name}/input_grad"] = (local_hidden.grad - full_hidden.grad).abs().max().item()
+        expected_weight_grad = full_weight.grad.chunk(world_size)[rank]
+        errors[f"{name}/weight_grad"] = (local_weight.grad - expected_weight_grad).abs().max().item()
+    return errors, loss.dtype
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_head_and_loss_equal_cross_entropy_of_the_full_head(tp):
+    for rank, (errors, loss_dtype) in enumerate(run_on_ranks(_fused_exactness, tp, timeout=120)):
+        assert len(errors) == 3 * len(CASES), sorted(errors)
+        assert max(errors.values()) <= EXACT, (rank, {k: v for k, v in errors.items() if v > EXACT})
+        assert loss_dtype == torch.float32

@@ -3,6 +3,8 @@ in chunks of tokens so that no full-size fp32 copy of the logits ever exists."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -26,23 +28,26 @@ def chunk_rows(rows: int, columns: int, chunk: int | None = None) -> int:
     return max(1, CHUNK_BYTES // (4 * max(1, columns)))
 
 
-def token_statistics(logits: torch.Tensor, valid: int, chunk: int, smoothing: bool):
-    """Per token of `logits` (N, V_local), over its first `valid` columns, in fp32 chunk by chunk: (row max, sum of
-    exp(logit - row max), sum of the logits if `smoothing` else None). A shard with no real column gives -inf, 0, 0."""
-    rows = logits.size(0)
+def fp32_chunk(chunk: torch.Tensor, writable: bool) -> torch.Tensor:
+    """`chunk` in fp32, free to overwrite: a copy, or `chunk` itself when it is fp32 and `writable`."""
+    if chunk.dtype != torch.float32:
+        return chunk.float()
+    return chunk if writable else chunk.clone()
+
+
+def chunk_statistics(part: torch.Tensor, smoothing: bool):
+    """Per row of one fp32 chunk of logits (rows, real columns): (max, sum of exp(logit - max), sum of the logits if
+    `smoothing` else None)."""
+    part_max = part.max(dim=-1).values
+    sum_logits = part.sum(dim=-1) if smoothing else None
+    return part_max, (part - part_max.unsqueeze(-1)).exp_().sum(dim=-1), sum_logits
+
+
+def empty_statistics(logits: torch.Tensor, rows: int, smoothing: bool):
+    """Per-token (max, sum of exps, sum of logits) buffers in fp32, as a shard of no real column leaves them."""
     row_max = logits.new_full((rows,), float("-inf"), dtype=torch.float32)
-    sum_exp = logits.new_zeros((rows,), dtype=torch.float32)
     sum_logits = logits.new_zeros((rows,), dtype=torch.float32) if smoothing else None
-    if valid == 0:
-        return row_max, sum_exp, sum_logits
-    for start in range(0, rows, chunk):
-        part = logits[start : start + chunk, :valid].float()  # (chunk, valid) fp32: the only copy
-        part_max = part.max(dim=-1).values
-        row_max[start : start + chunk] = part_max
-        if sum_logits is not None:
-            sum_logits[start : start + chunk] = part.sum(dim=-1)
-        sum_exp[start : start + chunk] = (part - part_max.unsqueeze(-1)).exp_().sum(dim=-1)
-    return row_max, sum_exp, sum_logits
+    return row_max, logits.new_zeros((rows,), dtype=torch.float32), sum_logits
 
 
 def log_sum_exp_over_group(row_max, sum_exp, extra: list[torch.Tensor], group: ProcessGroup):
@@ -56,69 +61,96 @@ def log_sum_exp_over_group(row_max, sum_exp, extra: list[torch.Tensor], group: P
     return global_max + summed[0].log(), list(summed[1:])
 
 
-def logits_gradient(
-    logits, out, log_sum_exp, local_target, in_range, row_scale, valid: int, label_smoothing: float, vocab_size: int,
-    chunk: int,
-) -> torch.Tensor:  # fmt: skip
-    """Writes d loss / d logits into `out` (N, V_local; may be `logits` itself) chunk by chunk, in fp32 per chunk:
-    row_scale_i * (p_ij - (1 - eps) [j == target_i] - eps / V), zero on padding columns."""
-    rows = logits.size(0)
-    if valid < logits.size(-1):
-        out[:, valid:] = 0
-    if valid == 0:
-        return out
-    for start in range(0, rows, chunk):
-        stop = min(start + chunk, rows)
-        grad = (logits[start:stop, :valid].float() - log_sum_exp[start:stop].unsqueeze(-1)).exp_()  # softmax
-        if label_smoothing > 0:
-            grad -= label_smoothing / vocab_size
-        picked = torch.arange(stop - start, device=grad.device), local_target[start:stop]
-        grad[picked] -= (1 - label_smoothing) * in_range[start:stop].to(grad.dtype)
-        grad *= row_scale[start:stop].unsqueeze(-1)
-        out[start:stop, :valid] = grad
-    return out
+@dataclass(frozen=True)
+class LossTargets:
+    """What the loss knows of each token's target on this rank, from forward to backward."""
+
+    local_target: torch.Tensor  # the target's column in this shard (0 where it is elsewhere)
+    in_range: torch.Tensor  # whether this shard holds the target
+    keep: torch.Tensor  # whether the target counts (not ignore_index)
+    vocab_start: int  # this shard's first column in the vocabulary
+    valid: int  # this shard's real (not padding) columns
+    vocab_size: int
+    label_smoothing: float
+
+    @staticmethod
+    def of(target, logits_width: int, group: ProcessGroup, vocab_size, ignore_index, label_smoothing) -> LossTargets:
+        columns = section_slice(vocab_size, logits_width, dist.get_rank(group))  # the rest of the shard is padding
+        start, valid = columns.start, columns.real
+        in_range = (target >= start) & (target < start + valid)
+        local_target = (target - start).masked_fill(~in_range, 0)
+        keep = target != ignore_index
+        return LossTargets(local_target, in_range, keep, start, valid, vocab_size, label_smoothing)
+
+    def loss(self, log_sum_exp, target_logit, sum_logits) -> torch.Tensor:
+        """The mean over kept tokens of -log p(target), smoothed as `F.cross_entropy` (nan when none is kept)."""
+        loss = log_sum_exp - target_logit
+        eps = self.label_smoothing
+        if eps > 0:  # (1 - eps) * nll + eps * mean over the vocabulary of -log p(j)
+            loss = (1 - eps) * loss + eps * (log_sum_exp - sum_logits / self.vocab_size)
+        return (loss * self.keep).sum() / self.keep.sum()
+
+    def row_scale(self, grad_output) -> torch.Tensor:
+        """d loss / d (token i's loss term): grad_output / count for kept tokens, 0 for ignored ones."""
+        return self.keep.to(torch.float32) * (grad_output.float() / self.keep.sum())
+
+    def chunk_gradient(self, part, log_sum_exp, row_scale, rows: slice) -> torch.Tensor:
+        """d loss / d logits of one fp32 chunk (rows, real columns), in place of `part`:
+        row_scale_i * (p_ij - (1 - eps) [j == target_i] - eps / V)."""
+        grad = part.sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()  # the softmax
+        eps = self.label_smoothing
+        if eps > 0:
+            grad -= eps / self.vocab_size
+        picked = torch.arange(grad.size(0), device=grad.device), self.local_target[rows]
+        grad[picked] -= (1 - eps) * self.in_range[rows].to(grad.dtype)
+        return grad.mul_(row_scale[rows].unsqueeze(-1))
+
+
+def check_vocab_size(local_width: int, vocab_size: int, group: ProcessGroup) -> None:
+    """Raises one line unless `vocab_size` fits a vocabulary held `local_width` per rank over the group, as padded."""
+    world_size = dist.get_world_size(group)
+    if not local_width * world_size - local_width < vocab_size <= local_width * world_size:
+        raise ValueError(
+            f"vocab_size={vocab_size} does not fit logits sharded {local_width} wide over {world_size} ranks; "
+            f"pass the model's real vocabulary size"
+        )
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, ignore_index, label_smoothing, chunk, in_place):
-        # This rank's columns of the vocabulary; those past the real vocabulary are padding.
-        columns = section_slice(vocab_size, logits.size(-1), dist.get_rank(group))
-        vocab_start, valid = columns.start, columns.real
-        chunk = chunk_rows(logits.size(0), valid, chunk)
-
-        in_range = (target >= vocab_start) & (target < vocab_start + valid)
-        local_target = (target - vocab_start).masked_fill(~in_range, 0)
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float().masked_fill(~in_range, 0.0)
-        smoothing = label_smoothing > 0
-        row_max, sum_exp, sum_logits = token_statistics(logits, valid, chunk, smoothing)
-        log_sum_exp, summed = log_sum_exp_over_group(
-            row_max, sum_exp, [target_logit, sum_logits] if smoothing else [target_logit], group
-        )
-        loss = log_sum_exp - summed[0]  # -log p(target)
-        if smoothing:
-            # F.cross_entropy's smoothing: (1 - eps) * nll + eps * mean over the vocab of -log p(j).
-            loss = (1 - label_smoothing) * loss + label_smoothing * (log_sum_exp - summed[1] / vocab_size)
-
-        keep = target != ignore_index
-        count = keep.sum()
-        loss = (loss * keep).sum() / count  # nan when every target is ignored, as F.cross_entropy
-
+        targets = LossTargets.of(target, logits.size(-1), group, vocab_size, ignore_index, label_smoothing)
+        rows, valid, smoothing = logits.size(0), targets.valid, label_smoothing > 0
+        chunk = chunk_rows(rows, valid, chunk)
+        target_logit = logits.gather(-1, targets.local_target.unsqueeze(-1)).squeeze(-1).float()
+        target_logit = target_logit.masked_fill(~targets.in_range, 0.0)
+        row_max, sum_exp, sum_logits = empty_statistics(logits, rows, smoothing)
+        for start in range(0, rows if valid else 0, chunk):
+            part = slice(start, start + chunk)
+            # (chunk, valid) fp32: the only copy of the logits' values
+            row_max[part], sum_exp[part], chunk_sum = chunk_statistics(logits[part, :valid].float(), smoothing)
+            if smoothing:
+                sum_logits[part] = chunk_sum
+        extra = [target_logit, sum_logits] if smoothing else [target_logit]
+        log_sum_exp, summed = log_sum_exp_over_group(row_max, sum_exp, extra, group)
         # The logits themselves (their own dtype) and one fp32 number per token: backward recomputes the softmax.
-        ctx.save_for_backward(logits, log_sum_exp, local_target, in_range, keep, count)
-        ctx.settings = valid, label_smoothing, vocab_size, chunk, in_place
-        return loss
+        ctx.save_for_backward(logits, log_sum_exp)
+        ctx.targets, ctx.chunk, ctx.in_place = targets, chunk, in_place
+        return targets.loss(log_sum_exp, summed[0], summed[1] if smoothing else None)
 
     @staticmethod
     def backward(ctx, grad_output):
-        logits, log_sum_exp, local_target, in_range, keep, count = ctx.saved_tensors
-        valid, label_smoothing, vocab_size, chunk, in_place = ctx.settings
-        row_scale = keep.to(torch.float32) * (grad_output.float() / count)
-        out = logits if in_place else torch.empty_like(logits)
-        grad = logits_gradient(
-            logits, out, log_sum_exp, local_target, in_range, row_scale, valid, label_smoothing, vocab_size, chunk
-        )
-        return grad, None, None, None, None, None, None, None
+        logits, log_sum_exp = ctx.saved_tensors
+        targets, chunk = ctx.targets, ctx.chunk
+        row_scale = targets.row_scale(grad_output)
+        out = logits if ctx.in_place else torch.empty_like(logits)
+        if targets.valid < logits.size(-1):
+            out[:, targets.valid :] = 0  # padding columns never entered the softmax
+        for start in range(0, logits.size(0) if targets.valid else 0, chunk):
+            rows = slice(start, start + chunk)
+            part = fp32_chunk(logits[rows, : targets.valid], writable=ctx.in_place)
+            out[rows, : targets.valid] = targets.chunk_gradient(part, log_sum_exp, row_scale, rows)
+        return out, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -151,12 +183,7 @@ def vocab_parallel_cross_entropy(
             logits-sized buffer). Only when nothing reads the logits after backward; the strategy's loss does this.
         chunk_size: tokens per fp32 chunk; by default as many as fit 32 MiB of fp32 (all of them under compile).
     """
-    width = logits.size(-1) * dist.get_world_size(group)
-    if not width - logits.size(-1) < vocab_size <= width:
-        raise ValueError(
-            f"vocab_size={vocab_size} does not fit logits sharded {logits.size(-1)} wide over "
-            f"{dist.get_world_size(group)} ranks; pass the model's real vocabulary size"
-        )
+    check_vocab_size(logits.size(-1), vocab_size, group)
     return _VocabParallelCrossEntropy.apply(
         logits.flatten(0, -2),
         target.flatten(),

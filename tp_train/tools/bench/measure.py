@@ -47,6 +47,23 @@ def seconds_per_step(step: TrainingStep, steps: int, group: ProcessGroup, device
     return group_max(time.perf_counter() - start, group, device) / steps
 
 
+def peak_resident_bytes(device: torch.device) -> int:
+    """The process's peak resident set since the last `reset_peak` (CPU: VmHWM), or CUDA's peak allocated bytes."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def reset_peak(device: torch.device) -> None:
+    """Starts `peak_resident_bytes` afresh from what the process holds now."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the peak resident set becomes the current one
+
+
 def peak_bytes(step: TrainingStep, device: torch.device) -> int:
     """Peak bytes of live tensors during one step: those that live between steps (parameters, optimizer states)
     plus the largest growth over them while the step runs, from the allocator events torch.profiler records on

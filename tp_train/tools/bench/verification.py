@@ -13,26 +13,12 @@ import torch
 from models import GPT, GPTConfig
 from tp_train.plan.probe_input import PROBE_TOKENS
 from tp_train.plan.verify import SwapCheck
+from tp_train.tools.bench.measure import peak_resident_bytes, reset_peak
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.memory import MIB
 
 # The module (the package exports the function `tp_train.parallelize`).
 SHARDING = importlib.import_module("tp_train.plan.parallelize")
-
-
-def _peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    with open("/proc/self/status") as status:
-        return int(next(line for line in status if line.startswith("VmHWM:")).split()[1]) * 1024
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # the peak resident set becomes the current one
 
 
 class _MeasuredSwapCheck(SwapCheck):
@@ -43,10 +29,10 @@ class _MeasuredSwapCheck(SwapCheck):
 
     def __call__(self, name, module, layer):
         cls = _MeasuredSwapCheck
-        cls.between = max(cls.between, _peak_bytes(self.device) - cls.baseline)
-        _reset_peak(self.device)
+        cls.between = max(cls.between, peak_resident_bytes(self.device) - cls.baseline)
+        reset_peak(self.device)
         super().__call__(name, module, layer)
-        cls.checks = max(cls.checks, _peak_bytes(self.device) - cls.baseline)
+        cls.checks = max(cls.checks, peak_resident_bytes(self.device) - cls.baseline)
 
 
 def _peak_while_sharding(config: GPTConfig, device: torch.device, verify: bool | None) -> tuple[int, int]:
@@ -54,12 +40,12 @@ def _peak_while_sharding(config: GPTConfig, device: torch.device, verify: bool |
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(config)
-    _reset_peak(device)
-    before = _MeasuredSwapCheck.baseline = _peak_bytes(device)
+    reset_peak(device)
+    before = _MeasuredSwapCheck.baseline = peak_resident_bytes(device)
     _MeasuredSwapCheck.device = device
     with contextlib.redirect_stdout(io.StringIO()):  # verification's one line is not this report
         SHARDING.parallelize(model, device=device, verify=verify)
-    peak = max(_peak_bytes(device) - before, _MeasuredSwapCheck.between, _MeasuredSwapCheck.checks)
+    peak = max(peak_resident_bytes(device) - before, _MeasuredSwapCheck.between, _MeasuredSwapCheck.checks)
     shards = sum(param.numel() * param.element_size() for param in model.parameters())
     del model
     return peak, shards
