@@ -4,6 +4,8 @@ device; here over a tensor-parallel group, the head split along the vocabulary a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.distributed import ProcessGroup
 
@@ -102,3 +104,40 @@ def vocab_parallel_linear_cross_entropy(
         chunk_size,
         _compute_dtype(weight),
     )
+
+
+class HeadLossFusion:
+    """Joins a vocabulary-parallel head to the loss: while `deferring`, the head hands its input over (`hold`)
+    instead of computing logits, and the loss that receives that same tensor computes head and loss together
+    (`take`). Set on the head by `parallelize` (its `loss_fusion` setting); the caller that knows the head's output
+    feeds only the loss (the strategy's training and validation steps) turns it on."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self._held: tuple[torch.Tensor, torch.nn.Module] | None = None
+
+    @contextmanager
+    def deferring(self):
+        self.active, self._held = True, None
+        try:
+            yield self
+        finally:
+            self.active, self._held = False, None
+
+    def hold(self, hidden: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+        """What the head returns while deferring: its input (in the parallel region), kept for the loss."""
+        self._held = (hidden, head)
+        return hidden
+
+    def take(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Module] | None:
+        """(The head's input, the head) when `output` is what the head returned, None when the head did not run."""
+        if self._held is None:
+            return None
+        hidden, head = self._held
+        self._held = None
+        if output is not hidden:
+            raise RuntimeError(
+                f"fused head and loss: the model changed its head's output {tuple(hidden.shape)} before the loss "
+                f"(got {tuple(output.shape)}, {output.dtype}); pass fused_loss=False to compute the logits"
+            )
+        return hidden, head

@@ -118,9 +118,11 @@ class ColumnParallelLinear(Configurable, nn.Module):
         group: the tensor-parallel process group.
         gather_output: return the full (replicated) output instead of this rank's shard.
         input_layout, input_region, comm_counter, overlap: see `Configurable`.
+        loss_fusion: a `HeadLossFusion`: while it defers, forward returns its input (in the parallel region) for the
+            loss to compute this head and the loss together (`vocab_parallel_linear_cross_entropy`).
     """
 
-    SETTINGS = ("input_layout", "input_region", "comm_counter", "overlap")
+    SETTINGS = ("input_layout", "input_region", "comm_counter", "overlap", "loss_fusion")
     feature_dim = -1  # where its input and output hold the features
 
     def __init__(
@@ -139,10 +141,12 @@ class ColumnParallelLinear(Configurable, nn.Module):
         input_region: SharedInputRegion | None = None,
         comm_counter: CommunicationCounter | None = None,
         overlap: bool = True,
+        loss_fusion=None,
     ):
         super().__init__()
         self.group = group
         self.overlap = overlap  # backward: the input gradient's collective runs while the weight gradient is computed
+        self.loss_fusion = loss_fusion
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
@@ -166,6 +170,10 @@ class ColumnParallelLinear(Configurable, nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.loss_fusion is not None and self.loss_fusion.active:  # the loss computes this layer's output
+            return self.loss_fusion.hold(
+                enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)[0], self
+            )
         if self.input_region is not None:
             x = self.input_region.copy_to(x)
             deferred = self.input_region.deferred_for(x) if self.overlap else None
