@@ -243,7 +243,7 @@ class RowParallelLinear(Configurable, nn.Module):
         self.comm_counter = comm_counter
         self.in_features = in_features
         self.out_features = out_features
-        world_size = dist.get_world_size(group)
+        self.world_size = world_size = dist.get_world_size(group)  # read once: the forward asks it every call
         sections = tuple(sections or (in_features,))
         if sum(sections) != in_features or split_input and len(sections) > 1:
             raise ValueError(
@@ -268,6 +268,8 @@ class RowParallelLinear(Configurable, nn.Module):
     reset_parameters = ColumnParallelLinear.reset_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1 and not self.partial_output:  # no collective between: the bias in the matmul
+            return F.linear(x, self.weight, self.bias)
         if self.split_input:
             x = scatter_to_tensor_parallel_region(x, self.group, self.comm_counter)
         if self.partial_output:

@@ -1,0 +1,48 @@
+"""What a parallel layer costs per step at tp=1 against the torch layer it replaced: the same aten operators, so a
+user who adds tensor parallelism does not pay for it on one device (the row-parallel bias inside the matmul)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.distributed import run_on_ranks
+
+
+class _Operators(TorchDispatchMode):
+    """The aten operators called while the mode is on, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.called = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.called.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _operators(layer: nn.Module, x: torch.Tensor) -> list[str]:
+    x = x.clone().requires_grad_()
+    with _Operators() as mode:
+        layer(x).sum().backward()
+    return mode.called
+
+
+def _layer_operators(rank, world_size):
+    from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    group, x = dist.group.WORLD, torch.randn(2, 3, 8)
+    reference = nn.Linear(8, 6)
+    return {
+        "linear": _operators(reference, x),
+        "column": _operators(ColumnParallelLinear(8, 6, group), x),
+        "row": _operators(RowParallelLinear(8, 6, group), x),
+    }
+
+
+def test_parallel_linears_at_tp1_run_the_operators_of_nn_linear():
+    [operators] = run_on_ranks(_layer_operators, 1)
+    assert operators["column"] == operators["linear"], operators
+    assert operators["row"] == operators["linear"], operators
