@@ -46,3 +46,29 @@ def test_parallel_linears_at_tp1_run_the_operators_of_nn_linear():
     [operators] = run_on_ranks(_layer_operators, 1)
     assert operators["column"] == operators["linear"], operators
     assert operators["row"] == operators["linear"], operators
+
+
+def _stream_switches(rank, world_size):
+    """Generator-state writes during one training step of a sharded GPT, without and with dropout."""
+    import tp_train
+    import tp_train.parallel.random as random
+    from models import GPT, GPTConfig
+
+    writes = []
+    set_state = random._set_state
+    random._set_state = lambda device, state: (writes.append(1), set_state(device, state))
+    counts = {}
+    for dropout in (0.0, 0.1):
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout)
+        model = tp_train.parallelize(GPT(config), dist.group.WORLD, verify=False)
+        writes.clear()
+        logits = model(torch.randint(0, 64, (2, 8)))
+        logits.sum().backward()
+        counts[dropout] = len(writes)
+    return counts
+
+
+def test_no_random_stream_switch_in_eager_when_the_model_draws_no_dropout():
+    for counts in run_on_ranks(_stream_switches, 2):
+        assert counts[0.0] == 0 and counts[0.1] > 0, counts  # the control: with dropout the streams do switch
