@@ -164,3 +164,36 @@ def test_fused_head_and_loss_equal_cross_entropy_of_the_full_head(tp):
         assert len(errors) == 3 * len(CASES), sorted(errors)
         assert max(errors.values()) <= EXACT, (rank, {k: v for k, v in errors.items() if v > EXACT})
         assert loss_dtype == torch.float32
+
+
+def _fused_peak(rank, world_size, tokens):
+    """Peak bytes allocated while the fused head and loss run forward and backward under bf16 autocast on `tokens`
+    tokens (the profiler's allocator events), a narrow head over a wide vocabulary in chunks of CHUNK tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, 32, generator=generator).requires_grad_()
+    weight = torch.randn(COLUMNS, 32, generator=generator).requires_grad_()
+    target = torch.randint(0, COLUMNS, (tokens,), generator=generator)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = vocab_parallel_linear_cross_entropy(
+                hidden, weight, target, dist.group.WORLD, COLUMNS, chunk_size=CHUNK
+            )
+        loss.backward()
+    events = [event for event in prof.profiler.kineto_results.events() if event.name() == "[memory]"]
+    running = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        running += event.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def test_fused_head_and_loss_peak_follows_the_chunk_not_the_tokens():
+    [short] = run_on_ranks(_fused_peak, 1, 1024)
+    [long] = run_on_ranks(_fused_peak, 1, 4096)
+    logits_bytes = 4096 * COLUMNS * 2  # the bf16 logits the unfused head would make for the long sequence
+    assert long <= 1.1 * short, (short, long)
+    assert long < logits_bytes / 4, (long, logits_bytes)
