@@ -32,6 +32,7 @@ from tp_train.parallel.collectives import (
     scatter_to_tensor_parallel_region,
 )
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.parallel.random import TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
@@ -95,4 +96,5 @@ __all__ = [
     "unshard_tensor",
     "verify_parallelized",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
 ]
