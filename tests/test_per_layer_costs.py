@@ -1,5 +1,7 @@
 """What a parallel layer costs per step at tp=1 against the torch layer it replaced: the same aten operators, so a
-user who adds tensor parallelism does not pay for it on one device (the row-parallel bias inside the matmul)."""
+user who adds tensor parallelism does not pay for it on one device (the row-parallel bias inside the matmul, the
+embedding's plain lookup, no slice of an unpadded head), the whole sharded GPT as the plain one; and no random-stream
+switching for a model without dropout."""
 
 from __future__ import annotations
 
@@ -23,11 +25,30 @@ class _Operators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _operators(layer: nn.Module, x: torch.Tensor) -> list[str]:
-    x = x.clone().requires_grad_()
+def _operators(layer: nn.Module, x: torch.Tensor, grad_input: bool = True) -> list[str]:
+    x = x.clone().requires_grad_(grad_input)
     with _Operators() as mode:
         layer(x).sum().backward()
     return mode.called
+
+
+def _model_operators(rank, world_size):
+    import copy
+
+    import tp_train
+    from models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    ours = tp_train.parallelize(copy.deepcopy(plain), dist.group.WORLD, verify=False)
+    idx = torch.randint(0, 64, (2, 8))
+    return {name: _operators(model, idx, grad_input=False) for name, model in (("plain", plain), ("ours", ours))}
+
+
+def test_a_sharded_gpt_at_tp1_runs_the_operators_of_the_plain_one():
+    """Forward and backward of the whole model (its loss aside): no mask, slice or add that plain does not do."""
+    [operators] = run_on_ranks(_model_operators, 1)
+    assert operators["ours"] == operators["plain"], (len(operators["ours"]), len(operators["plain"]))
 
 
 def _layer_operators(rank, world_size):

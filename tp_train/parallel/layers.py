@@ -193,7 +193,7 @@ class ColumnParallelLinear(Configurable, nn.Module):
             local = list(self.shard_specs["weight"].local_sections(world_size))
             per_rank = [chunk.split(local, dim=-1) for chunk in y.chunk(world_size, dim=-1)]
             y = torch.cat([piece[i] for i in range(len(sections)) for piece in per_rank], dim=-1)
-        return y[..., : self.out_features]
+        return y if y.size(-1) == self.out_features else y[..., : self.out_features]  # the padding cut
 
     def extra_repr(self) -> str:
         return (
@@ -372,7 +372,8 @@ class VocabParallelEmbedding(Configurable, nn.Module):
             padding_idx += num_embeddings
         self.padding_idx = padding_idx
         spec = ShardSpec(dim=0, sections=(num_embeddings,), padded=True)
-        rows = spec.slices(dist.get_rank(group), dist.get_world_size(group))[0]
+        self.world_size = dist.get_world_size(group)  # read once: the forward asks it every call
+        rows = spec.slices(dist.get_rank(group), self.world_size)[0]
         self.vocab_start, self.vocab_end = rows.start, rows.start + rows.real
         self.weight = nn.Parameter(torch.empty(rows.local, embedding_dim, device=device, dtype=dtype))
         self.shard_specs = {"weight": spec}
@@ -389,15 +390,17 @@ class VocabParallelEmbedding(Configurable, nn.Module):
         _init_from_full(self, (self.num_embeddings, self.embedding_dim), init)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:  # the whole table: nn.Embedding's lookup, nothing to mask or sum
+            return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         local_padding_idx = None
         if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
             local_padding_idx = self.padding_idx - self.vocab_start
         out = F.embedding(local_ids, self.weight, padding_idx=local_padding_idx)
-        # In place on the lookup's own output, which the embedding's backward does not read: no copies.
-        if dist.get_world_size(self.group) > 1:
-            out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        out.masked_fill_(
+            outside.unsqueeze(-1), 0.0
+        )  # in place on the lookup's own output, which its backward does not read
         return reduce_from_tensor_parallel_region_(out, self.group, self.comm_counter)
 
     def extra_repr(self) -> str:
