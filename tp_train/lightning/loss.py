@@ -50,6 +50,7 @@ class StrategyLoss:
         self.loss_parallel = loss_parallel
         self.fused = fused
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
+        self._head_fusions: list | None = None
         self._sharded = _compiled(self._sharded_loss, compile)
         self._whole = _compiled(_whole_logits_loss, compile)
         self._fused = _compiled(vocab_parallel_linear_cross_entropy, compile)
@@ -60,9 +61,15 @@ class StrategyLoss:
         fuse = self.fused if self.fused is not None else getattr(root, HEAD_FEEDS_ONLY_LOSS, False)
         with ExitStack() as stack:
             if self.loss_parallel and fuse:
-                for fusion in attached(root, "tp_loss_fusion"):
+                for fusion in self._fusions(root):
                     stack.enter_context(fusion.deferring())
             yield
+
+    def _fusions(self, root: nn.Module) -> list:
+        """The `HeadLossFusion`s `parallelize` set on the heads inside `root`, looked up once (sharded once)."""
+        if self._head_fusions is None:
+            self._head_fusions = attached(root, "tp_loss_fusion")
+        return self._head_fusions
 
     def __call__(self, root: nn.Module, group: ProcessGroup, logits, target, ignore_index, label_smoothing):
         if not self.loss_parallel:
@@ -72,7 +79,7 @@ class StrategyLoss:
             if len(sizes) != 1:
                 raise RuntimeError(f"loss_parallel: expected one sharded LM head, found vocabulary sizes {sizes}")
             (self._vocab_size,) = sizes
-        for fusion in attached(root, "tp_loss_fusion"):
+        for fusion in self._fusions(root):
             held = fusion.take(logits)
             if held is not None:  # `logits` are the head's input: the head runs here, chunk by chunk
                 hidden, head = held
