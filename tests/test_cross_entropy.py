@@ -74,7 +74,7 @@ def _results(tp):
     return run_on_ranks(_exactness, tp, timeout=120)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_chunked_loss_equals_cross_entropy_of_gathered_logits(tp):
     for rank, (errors, loss_dtype, grad_dtype) in enumerate(_results(tp)):
         assert len(errors) == 2 * len(CASES) + 2, sorted(errors)
@@ -158,7 +158,7 @@ def _fused_exactness(rank, world_size):
     return errors, loss.dtype
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fused_head_and_loss_equal_cross_entropy_of_the_full_head(tp):
     for rank, (errors, loss_dtype) in enumerate(run_on_ranks(_fused_exactness, tp, timeout=120)):
         assert len(errors) == 3 * len(CASES), sorted(errors)
