@@ -20,6 +20,7 @@ from tests.distributed import run_on_ranks
 VOCAB = 1001  # no tp divides it: the sharded head is padded
 BATCH, SEQ, WIDTH = 4, 16, 32  # tokens per step (64) > width, so the logits are the largest tensor by far
 STEPS = 4
+CHUNK = 16  # tokens per chunk of the loss
 
 
 class LargestTensor(TorchDispatchMode):
@@ -50,13 +51,18 @@ class TrainingStepRecorder(L.Callback):
         self.losses.append(outputs["loss"].item())
 
 
-def _train(rank, world_size, loss_parallel):
+def _train(rank, world_size, loss_parallel, fused_loss=None):
+    import tp_train.parallel.cross_entropy as cross_entropy
+
+    cross_entropy.CHUNK_BYTES = CHUNK * -(-VOCAB // world_size) * 4  # chunks of CHUNK tokens
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=WIDTH, dropout=0.0))
     module = tp_train.CausalLMModule(model, functools.partial(torch.optim.AdamW, lr=1e-2))
     recorder = TrainingStepRecorder()
     trainer = L.Trainer(
-        strategy=tp_train.TensorParallelStrategy(tensor_parallel_size=world_size, loss_parallel=loss_parallel),
+        strategy=tp_train.TensorParallelStrategy(
+            tensor_parallel_size=world_size, loss_parallel=loss_parallel, fused_loss=fused_loss
+        ),
         accelerator="cpu",
         devices=world_size,
         max_steps=STEPS,
@@ -73,16 +79,21 @@ def _train(rank, world_size, loss_parallel):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])
-def test_the_app_loss_never_holds_full_logits_and_logs_the_gathered_losses(tp):
+@pytest.mark.parametrize(("tp", "fused"), [(2, False), (2, None), (4, None)], ids=["tp2", "tp2-fused", "tp4-fused"])
+def test_the_app_loss_never_holds_full_logits_and_logs_the_gathered_losses(tp, fused):
+    """`CausalLMModule` says its head feeds only the loss: by default (fused_loss=None) head and loss are fused, and
+    no rank holds even its own shard of the logits, only a chunk's."""
     full_logits = BATCH * SEQ * VOCAB
+    shard_logits = BATCH * SEQ * -(-VOCAB // tp)
     gathered = run_on_ranks(_train, tp, False, timeout=240)
-    sharded = run_on_ranks(_train, tp, True, timeout=240)
+    sharded = run_on_ranks(_train, tp, True, fused, timeout=240)
     for rank in range(tp):
         gathered_losses, gathered_largest = gathered[rank]
         losses, largest = sharded[rank]
         assert gathered_largest >= full_logits  # the control: the gathered path does hold them
-        assert largest <= BATCH * SEQ * -(-VOCAB // tp) < full_logits, (largest, full_logits)
+        assert largest <= shard_logits < full_logits, (largest, full_logits)
+        if fused is None:
+            assert largest < shard_logits, (largest, shard_logits)  # a chunk's logits, and the head's weight shard
         assert len(losses) == STEPS
         assert max(abs(a - b) for a, b in zip(losses, gathered_losses, strict=True)) < 1e-5, (losses, gathered_losses)
 

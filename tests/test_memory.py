@@ -145,3 +145,51 @@ def test_fsdp_estimate_splits_the_model_state_over_dp_and_drops_the_buckets():
     assert 0 < fsdp.gathered_parameters <= ddp.parameters  # outside the blocks + two blocks: all of 2 blocks
     with pytest.raises(ValueError, match="data_parallel='zero'"):
         estimate_memory(model, 2, 64, tp=2, dp=4, data_parallel="zero")
+
+
+def _measured_and_estimated_peaks(rank, world_size, cases):
+    """(layers, width, precision, measured peak bytes of our training step, estimate_memory's peak) per case: one
+    step of the sharded model with the vocabulary-parallel loss and AdamW, measured as the benchmark does (the live
+    tensors between steps plus the largest growth during one, from the profiler's allocator events)."""
+    import functools
+
+    import torch.distributed as dist
+
+    from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from tp_train.plan.parallelize import parallelize
+    from tp_train.tools.bench.contenders import TrainingStep
+    from tp_train.tools.bench.measure import peak_bytes
+
+    results = []
+    for layers, width, heads, batch, seq, precision in cases:
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=PEAK_VOCAB, block_size=seq, n_layer=layers, n_head=heads, n_embd=width)
+        model = parallelize(GPT(config), dist.group.WORLD, loss_parallel=True, verify=False)
+        loss = functools.partial(
+            vocab_parallel_cross_entropy, group=dist.group.WORLD, vocab_size=PEAK_VOCAB, in_place_backward=True
+        )
+        mixed = precision == "bf16-mixed"
+        context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=mixed)
+        step = TrainingStep(model, torch.randint(0, PEAK_VOCAB, (batch, seq + 1)), loss, context=context)
+        step()  # AdamW's states
+        measured = peak_bytes(step, torch.device("cpu"))
+        with torch.device("meta"):
+            estimate = estimate_memory(GPT(config), batch, seq, precision=precision, loss_parallel=True)
+        results.append((layers, width, precision, measured, estimate.total))
+    return results
+
+
+PEAK_VOCAB = 8192  # the data's default vocabulary
+# gpt_tiny's and gpt_small's shapes (conf/model), in fp32 and under bf16 autocast.
+PEAK_CASES = [
+    (layers, width, heads, batch, seq, precision)
+    for layers, width, heads, batch, seq in ((4, 128, 4, 2, 128), (12, 768, 12, 2, 64))
+    for precision in ("32-true", "bf16-mixed")
+]
+
+
+@pytest.mark.slow
+def test_estimate_is_within_15_percent_of_the_measured_peak():
+    [results] = run_on_ranks(_measured_and_estimated_peaks, 1, PEAK_CASES, timeout=600)
+    for layers, width, precision, measured, estimated in results:
+        assert abs(estimated / measured - 1) <= 0.15, (layers, width, precision, measured, estimated)

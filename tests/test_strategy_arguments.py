@@ -16,8 +16,9 @@ from tp_train import TensorParallelStrategy
         ({"data_parallel": "fsdp", "bucket_cap_mb": 5}, TypeError, "got DistributedDataParallel arguments"),
         ({"bucket_cap": 5}, TypeError, "TensorParallelStrategy got unknown arguments ['bucket_cap']; other keyword"),
         ({"context_parallel_rotation": "allgathr"}, ValueError, "context_parallel_rotation='allgathr'): use one of"),
+        ({"data_parallel": "fsdp", "fused_loss": True}, ValueError, "fused_loss=True) with data_parallel='fsdp'"),
     ],
-    ids=["tp", "cp", "data_parallel", "fsdp_with_ddp_arguments", "unknown", "rotation"],
+    ids=["tp", "cp", "data_parallel", "fsdp_with_ddp_arguments", "unknown", "rotation", "fused_loss_with_fsdp"],
 )
 def test_a_wrong_argument_is_refused_in_one_line(arguments, error, message):
     with pytest.raises(error) as refused:

@@ -33,6 +33,7 @@ from tp_train.parallel.collectives import (
 )
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.experts import shard_experts
+from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tp_train.parallel.random import TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
@@ -97,4 +98,5 @@ __all__ = [
     "unshard_tensor",
     "verify_parallelized",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
 ]

@@ -34,6 +34,9 @@ class CausalLMModule(L.LightningModule):
             layers).
     """
 
+    # Its steps pass the model's output to the strategy's loss and nothing else: the head and loss may run fused.
+    head_feeds_only_loss = True
+
     def __init__(
         self,
         model: Callable[[], nn.Module] | nn.Module,

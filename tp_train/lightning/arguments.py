@@ -42,3 +42,12 @@ def check_arguments(
             f"TensorParallelStrategy(context_parallel_rotation={rotation!r}): use one of "
             f"{', '.join(map(repr, ROTATIONS))} (docs/long-sequences.md)"
         )
+
+
+def check_fused_loss(fused_loss: bool | None, data_parallel: str) -> None:
+    """Raises ValueError for a fused head and loss forced on with FSDP."""
+    if fused_loss and data_parallel == "fsdp":
+        raise ValueError(
+            "TensorParallelStrategy(fused_loss=True) with data_parallel='fsdp': FSDP frees the head's gathered "
+            "weight when the forward ends, before the loss; use data_parallel='ddp' or fused_loss=None"
+        )

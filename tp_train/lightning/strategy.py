@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -31,11 +30,11 @@ from tp_train.checkpoint import consolidated, on_disk
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.lightning import rendezvous
-from tp_train.lightning.arguments import check_arguments
+from tp_train.lightning.arguments import check_arguments, check_fused_loss
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
+from tp_train.lightning.loss import StrategyLoss
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
-from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, REPLICAS, TENSOR_PARALLEL, first_rank_decides
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
@@ -62,6 +61,10 @@ class TensorParallelStrategy(DDPStrategy):
             `strategy.cross_entropy(logits, targets)`, which then never gathers them (Megatron's vocab-parallel
             cross-entropy). `CausalLMModule` does this by default; your own LightningModule calls
             `self.trainer.strategy.cross_entropy` where it called `F.cross_entropy`.
+        fused_loss: with `loss_parallel`, compute the LM head and the loss together, chunk by chunk of tokens, so the
+            logits never exist (`tp_train.parallel.fused_cross_entropy`); in training and validation steps only.
+            Default None: when the LightningModule sets `head_feeds_only_loss = True` (`CausalLMModule` does), and
+            not with `data_parallel="fsdp"`.
         compile: compile each sharded model with `torch.compile` (see `tp_train.parallelize`'s `compile`): no graph
             break for a model without dropout.
         overlap: overlap each column-parallel layer's input-gradient collective with its weight gradient in backward
@@ -101,6 +104,7 @@ class TensorParallelStrategy(DDPStrategy):
         verify_plan: bool | None = None,
         data_parallel: str = "ddp",
         loss_parallel: bool = False,
+        fused_loss: bool | None = None,
         compile: bool = False,
         overlap: bool | None = None,
         async_checkpoint: bool = True,
@@ -133,7 +137,8 @@ class TensorParallelStrategy(DDPStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._replicas: DeviceMesh | None = None  # 1-D: data x context parallel ranks, flattened (setup_environment)
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
-        self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
+        check_fused_loss(fused_loss, data_parallel)
+        self._loss = StrategyLoss(loss_parallel, fused_loss if data_parallel != "fsdp" else False, compile)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -171,19 +176,18 @@ class TensorParallelStrategy(DDPStrategy):
         return self._cross_entropy(logits, target, ignore_index, label_smoothing)
 
     def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
-        if not self.loss_parallel:
-            logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-            return F.cross_entropy(
-                logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing
-            )
-        if self._vocab_size is None:
-            sizes = set(attached(self.lightning_module, "tp_vocab_size"))
-            if len(sizes) != 1:
-                raise RuntimeError(f"loss_parallel: expected one sharded LM head, found vocabulary sizes {sizes}")
-            (self._vocab_size,) = sizes
-        return vocab_parallel_cross_entropy(
-            logits, target, self.tensor_parallel_group, self._vocab_size, ignore_index, label_smoothing
-        ).float()
+        group = self.tensor_parallel_group if self.loss_parallel else None
+        return self._loss(self.lightning_module, group, logits, target, ignore_index, label_smoothing)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss.fusing(self.lightning_module):  # the head and the loss fused, where they may be
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss.fusing(self.lightning_module):
+            return super().validation_step(*args, **kwargs)
 
     @property
     @override

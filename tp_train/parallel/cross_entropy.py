@@ -1,6 +1,9 @@
-"""Cross-entropy over logits that are sharded along the vocabulary (Megatron-LM's vocab-parallel loss)."""
+"""Cross-entropy over logits that are sharded along the vocabulary (Megatron-LM's vocab-parallel loss), computed
+in chunks of tokens so that no full-size fp32 copy of the logits ever exists."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -9,60 +12,145 @@ from torch.distributed import ProcessGroup
 from tp_train.parallel.collectives import all_reduce
 from tp_train.parallel.sharding import section_slice
 
+# fp32 bytes of logits one chunk turns into at once (the chunk's rows are this over the shard's width): small
+# beside bf16 logits of a real vocabulary (8 x 1024 tokens x 50,304 columns x 2 bytes = 786 MiB), large enough
+# that a chunk's kernels stay efficient.
+CHUNK_BYTES = 32 * 2**20
+
+
+def chunk_rows(rows: int, columns: int, chunk: int | None = None) -> int:
+    """Tokens per chunk: `chunk` if given, else as many as fit CHUNK_BYTES of fp32 (all of them when compiling:
+    inductor fuses the reductions without materialising the fp32 copy)."""
+    if chunk is not None:
+        return max(1, chunk)
+    if torch.compiler.is_compiling():
+        return max(1, rows)
+    return max(1, CHUNK_BYTES // (4 * max(1, columns)))
+
+
+def fp32_chunk(chunk: torch.Tensor, writable: bool) -> torch.Tensor:
+    """`chunk` in fp32, free to overwrite: a copy, or `chunk` itself when it is fp32 and `writable`."""
+    if chunk.dtype != torch.float32:
+        return chunk.float()
+    return chunk if writable else chunk.clone()
+
+
+def chunk_statistics(part: torch.Tensor, smoothing: bool):
+    """Per row of one fp32 chunk of logits (rows, real columns): (max, sum of exp(logit - max), sum of the logits if
+    `smoothing` else None)."""
+    part_max = part.max(dim=-1).values
+    sum_logits = part.sum(dim=-1) if smoothing else None
+    return part_max, (part - part_max.unsqueeze(-1)).exp_().sum(dim=-1), sum_logits
+
+
+def empty_statistics(logits: torch.Tensor, rows: int, smoothing: bool):
+    """Per-token (max, sum of exps, sum of logits) buffers in fp32, as a shard of no real column leaves them."""
+    row_max = logits.new_full((rows,), float("-inf"), dtype=torch.float32)
+    sum_logits = logits.new_zeros((rows,), dtype=torch.float32) if smoothing else None
+    return row_max, logits.new_zeros((rows,), dtype=torch.float32), sum_logits
+
+
+def log_sum_exp_over_group(row_max, sum_exp, extra: list[torch.Tensor], group: ProcessGroup):
+    """(log-sum-exp over the whole vocabulary per token, `extra` summed over the group): each rank's sum of exps is
+    rescaled to the group's max, so the ranks exchange one max and one stacked sum (two all-reduces)."""
+    if dist.get_world_size(group) == 1:
+        return row_max + sum_exp.log(), extra
+    global_max = all_reduce(row_max.clone(), group, "max")
+    scaled = sum_exp * (row_max - global_max).exp()  # a shard of no real column: exp(-inf) * 0 = 0
+    summed = all_reduce(torch.stack([scaled, *extra]), group)
+    return global_max + summed[0].log(), list(summed[1:])
+
+
+@dataclass(frozen=True)
+class LossTargets:
+    """What the loss knows of each token's target on this rank, from forward to backward."""
+
+    local_target: torch.Tensor  # the target's column in this shard (0 where it is elsewhere)
+    in_range: torch.Tensor  # whether this shard holds the target
+    keep: torch.Tensor  # whether the target counts (not ignore_index)
+    vocab_start: int  # this shard's first column in the vocabulary
+    valid: int  # this shard's real (not padding) columns
+    vocab_size: int
+    label_smoothing: float
+
+    @staticmethod
+    def of(target, logits_width: int, group: ProcessGroup, vocab_size, ignore_index, label_smoothing) -> LossTargets:
+        columns = section_slice(vocab_size, logits_width, dist.get_rank(group))  # the rest of the shard is padding
+        start, valid = columns.start, columns.real
+        in_range = (target >= start) & (target < start + valid)
+        local_target = (target - start).masked_fill(~in_range, 0)
+        keep = target != ignore_index
+        return LossTargets(local_target, in_range, keep, start, valid, vocab_size, label_smoothing)
+
+    def loss(self, log_sum_exp, target_logit, sum_logits) -> torch.Tensor:
+        """The mean over kept tokens of -log p(target), smoothed as `F.cross_entropy` (nan when none is kept)."""
+        loss = log_sum_exp - target_logit
+        eps = self.label_smoothing
+        if eps > 0:  # (1 - eps) * nll + eps * mean over the vocabulary of -log p(j)
+            loss = (1 - eps) * loss + eps * (log_sum_exp - sum_logits / self.vocab_size)
+        return (loss * self.keep).sum() / self.keep.sum()
+
+    def row_scale(self, grad_output) -> torch.Tensor:
+        """d loss / d (token i's loss term): grad_output / count for kept tokens, 0 for ignored ones."""
+        return self.keep.to(torch.float32) * (grad_output.float() / self.keep.sum())
+
+    def chunk_gradient(self, part, log_sum_exp, row_scale, rows: slice) -> torch.Tensor:
+        """d loss / d logits of one fp32 chunk (rows, real columns), in place of `part`:
+        row_scale_i * (p_ij - (1 - eps) [j == target_i] - eps / V)."""
+        grad = part.sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()  # the softmax
+        eps = self.label_smoothing
+        if eps > 0:
+            grad -= eps / self.vocab_size
+        picked = torch.arange(grad.size(0), device=grad.device), self.local_target[rows]
+        grad[picked] -= (1 - eps) * self.in_range[rows].to(grad.dtype)
+        return grad.mul_(row_scale[rows].unsqueeze(-1))
+
+
+def check_vocab_size(local_width: int, vocab_size: int, group: ProcessGroup) -> None:
+    """Raises one line unless `vocab_size` fits a vocabulary held `local_width` per rank over the group, as padded."""
+    world_size = dist.get_world_size(group)
+    if not local_width * world_size - local_width < vocab_size <= local_width * world_size:
+        raise ValueError(
+            f"vocab_size={vocab_size} does not fit logits sharded {local_width} wide over {world_size} ranks; "
+            f"pass the model's real vocabulary size"
+        )
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, ignore_index, label_smoothing):
-        rank = dist.get_rank(group)
-        # This rank's columns of the vocabulary; those past the real vocabulary are padding.
-        columns = section_slice(vocab_size, logits.size(-1), rank)
-        vocab_start, valid_columns = columns.start, columns.real
-        logits = logits.float()
-
-        max_logits = (
-            logits[:, :valid_columns].max(dim=-1).values
-            if valid_columns
-            else logits.new_full((logits.size(0),), float("-inf"))
-        )
-        max_logits = all_reduce(max_logits, group, "max")
-        shifted = logits - max_logits.unsqueeze(-1)
-        shifted[:, valid_columns:] = float("-inf")
-
-        in_range = (target >= vocab_start) & (target < vocab_start + valid_columns)
-        local_target = (target - vocab_start).masked_fill(~in_range, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        exp = shifted.exp()
-        # One all-reduce for the three per-token sums.
-        stats = torch.stack([target_logit, exp.sum(dim=-1), shifted[:, :valid_columns].sum(dim=-1)])
-        stats = all_reduce(stats, group)
-        target_logit, sum_exp, sum_logits = stats
-
-        log_sum_exp = sum_exp.log()
-        loss = log_sum_exp - target_logit  # -log p(target)
-        if label_smoothing > 0:
-            # F.cross_entropy's smoothing: (1 - eps) * nll + eps * mean over the vocab of -log p(j).
-            loss = (1 - label_smoothing) * loss + label_smoothing * (log_sum_exp - sum_logits / vocab_size)
-
-        keep = target != ignore_index
-        count = keep.sum()
-        loss = (loss * keep).sum() / count  # nan when every target is ignored, as F.cross_entropy
-
-        softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, local_target, in_range, keep, count)
-        ctx.label_smoothing, ctx.valid_columns, ctx.vocab_size = label_smoothing, valid_columns, vocab_size
-        return loss
+    def forward(ctx, logits, target, group, vocab_size, ignore_index, label_smoothing, chunk, in_place):
+        targets = LossTargets.of(target, logits.size(-1), group, vocab_size, ignore_index, label_smoothing)
+        rows, valid, smoothing = logits.size(0), targets.valid, label_smoothing > 0
+        chunk = chunk_rows(rows, valid, chunk)
+        target_logit = logits.gather(-1, targets.local_target.unsqueeze(-1)).squeeze(-1).float()
+        target_logit = target_logit.masked_fill(~targets.in_range, 0.0)
+        row_max, sum_exp, sum_logits = empty_statistics(logits, rows, smoothing)
+        for start in range(0, rows if valid else 0, chunk):
+            part = slice(start, start + chunk)
+            # (chunk, valid) fp32: the only copy of the logits' values
+            row_max[part], sum_exp[part], chunk_sum = chunk_statistics(logits[part, :valid].float(), smoothing)
+            if smoothing:
+                sum_logits[part] = chunk_sum
+        extra = [target_logit, sum_logits] if smoothing else [target_logit]
+        log_sum_exp, summed = log_sum_exp_over_group(row_max, sum_exp, extra, group)
+        # The logits themselves (their own dtype) and one fp32 number per token: backward recomputes the softmax.
+        ctx.save_for_backward(logits, log_sum_exp)
+        ctx.targets, ctx.chunk, ctx.in_place = targets, chunk, in_place
+        return targets.loss(log_sum_exp, summed[0], summed[1] if smoothing else None)
 
     @staticmethod
     def backward(ctx, grad_output):
-        softmax, local_target, in_range, keep, count = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        grad = softmax  # d loss_i / d logit_j = p_j - (1 - eps) [j == target] - eps / V
-        rows = torch.arange(grad.size(0), device=grad.device)
-        grad[rows, local_target] -= (1 - eps) * in_range.to(grad.dtype)
-        if eps > 0:
-            grad[:, : ctx.valid_columns] -= eps / ctx.vocab_size
-        grad *= (keep.to(grad.dtype) * grad_output / count).unsqueeze(-1)
-        return grad, None, None, None, None, None
+        logits, log_sum_exp = ctx.saved_tensors
+        targets, chunk = ctx.targets, ctx.chunk
+        row_scale = targets.row_scale(grad_output)
+        out = logits if ctx.in_place else torch.empty_like(logits)
+        if targets.valid < logits.size(-1):
+            out[:, targets.valid :] = 0  # padding columns never entered the softmax
+        for start in range(0, logits.size(0) if targets.valid else 0, chunk):
+            rows = slice(start, start + chunk)
+            part = fp32_chunk(logits[rows, : targets.valid], writable=ctx.in_place)
+            out[rows, : targets.valid] = targets.chunk_gradient(part, log_sum_exp, row_scale, rows)
+        return out, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -72,8 +160,15 @@ def vocab_parallel_cross_entropy(
     vocab_size: int,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
+    in_place_backward: bool = False,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Mean cross-entropy of vocab-sharded logits; equals `F.cross_entropy` on the gathered logits.
+    """Mean cross-entropy of vocab-sharded logits; equals `F.cross_entropy` on the gathered logits, and is float32
+    whatever the logits' dtype (as `F.cross_entropy` under autocast).
+
+    The logits stay in their dtype: the row max, the sum of exps and the target logit are computed in fp32 over
+    chunks of tokens, so the loss holds one chunk's fp32 copy at a time and saves only the logits and one fp32
+    log-sum-exp per token for backward. Across the group, one max and one stacked sum are all-reduced per call.
 
     Args:
         logits: (..., V_padded / tp), this rank's contiguous slice of the (padded) vocabulary, as produced by a
@@ -84,15 +179,18 @@ def vocab_parallel_cross_entropy(
             padding columns must not enter the softmax.
         ignore_index: targets with this value do not count towards the mean.
         label_smoothing: as in `F.cross_entropy`.
+        in_place_backward: write the logits' gradient into the logits' own buffer in backward (no second
+            logits-sized buffer). Only when nothing reads the logits after backward; the strategy's loss does this.
+        chunk_size: tokens per fp32 chunk; by default as many as fit 32 MiB of fp32 (all of them under compile).
     """
-    width = logits.size(-1) * dist.get_world_size(group)
-    if not width - logits.size(-1) < vocab_size <= width:
-        raise ValueError(
-            f"vocab_size={vocab_size} does not fit logits sharded {logits.size(-1)} wide over "
-            f"{dist.get_world_size(group)} ranks; pass the model's real vocabulary size"
-        )
-    out_dtype = logits.dtype
-    loss = _VocabParallelCrossEntropy.apply(
-        logits.flatten(0, -2), target.flatten(), group, vocab_size, ignore_index, label_smoothing
+    check_vocab_size(logits.size(-1), vocab_size, group)
+    return _VocabParallelCrossEntropy.apply(
+        logits.flatten(0, -2),
+        target.flatten(),
+        group,
+        vocab_size,
+        ignore_index,
+        label_smoothing,
+        chunk_size,
+        in_place_backward,
     )
-    return loss.to(out_dtype)

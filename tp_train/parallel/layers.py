@@ -118,9 +118,11 @@ class ColumnParallelLinear(Configurable, nn.Module):
         group: the tensor-parallel process group.
         gather_output: return the full (replicated) output instead of this rank's shard.
         input_layout, input_region, comm_counter, overlap: see `Configurable`.
+        loss_fusion: a `HeadLossFusion`: while it defers, forward returns its input (in the parallel region) for the
+            loss to compute this head and the loss together (`vocab_parallel_linear_cross_entropy`).
     """
 
-    SETTINGS = ("input_layout", "input_region", "comm_counter", "overlap")
+    SETTINGS = ("input_layout", "input_region", "comm_counter", "overlap", "loss_fusion")
     feature_dim = -1  # where its input and output hold the features
 
     def __init__(
@@ -139,10 +141,12 @@ class ColumnParallelLinear(Configurable, nn.Module):
         input_region: SharedInputRegion | None = None,
         comm_counter: CommunicationCounter | None = None,
         overlap: bool = True,
+        loss_fusion=None,
     ):
         super().__init__()
         self.group = group
         self.overlap = overlap  # backward: the input gradient's collective runs while the weight gradient is computed
+        self.loss_fusion = loss_fusion
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
@@ -166,6 +170,10 @@ class ColumnParallelLinear(Configurable, nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.loss_fusion is not None and self.loss_fusion.active:  # the loss computes this layer's output
+            return self.loss_fusion.hold(
+                enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)[0], self
+            )
         if self.input_region is not None:
             x = self.input_region.copy_to(x)
             deferred = self.input_region.deferred_for(x) if self.overlap else None
@@ -185,7 +193,7 @@ class ColumnParallelLinear(Configurable, nn.Module):
             local = list(self.shard_specs["weight"].local_sections(world_size))
             per_rank = [chunk.split(local, dim=-1) for chunk in y.chunk(world_size, dim=-1)]
             y = torch.cat([piece[i] for i in range(len(sections)) for piece in per_rank], dim=-1)
-        return y[..., : self.out_features]
+        return y if y.size(-1) == self.out_features else y[..., : self.out_features]  # the padding cut
 
     def extra_repr(self) -> str:
         return (
@@ -235,7 +243,7 @@ class RowParallelLinear(Configurable, nn.Module):
         self.comm_counter = comm_counter
         self.in_features = in_features
         self.out_features = out_features
-        world_size = dist.get_world_size(group)
+        self.world_size = world_size = dist.get_world_size(group)  # read once: the forward asks it every call
         sections = tuple(sections or (in_features,))
         if sum(sections) != in_features or split_input and len(sections) > 1:
             raise ValueError(
@@ -260,6 +268,8 @@ class RowParallelLinear(Configurable, nn.Module):
     reset_parameters = ColumnParallelLinear.reset_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1 and not self.partial_output:  # no collective between: the bias in the matmul
+            return F.linear(x, self.weight, self.bias)
         if self.split_input:
             x = scatter_to_tensor_parallel_region(x, self.group, self.comm_counter)
         if self.partial_output:
@@ -362,7 +372,8 @@ class VocabParallelEmbedding(Configurable, nn.Module):
             padding_idx += num_embeddings
         self.padding_idx = padding_idx
         spec = ShardSpec(dim=0, sections=(num_embeddings,), padded=True)
-        rows = spec.slices(dist.get_rank(group), dist.get_world_size(group))[0]
+        self.world_size = dist.get_world_size(group)  # read once: the forward asks it every call
+        rows = spec.slices(dist.get_rank(group), self.world_size)[0]
         self.vocab_start, self.vocab_end = rows.start, rows.start + rows.real
         self.weight = nn.Parameter(torch.empty(rows.local, embedding_dim, device=device, dtype=dtype))
         self.shard_specs = {"weight": spec}
@@ -379,15 +390,17 @@ class VocabParallelEmbedding(Configurable, nn.Module):
         _init_from_full(self, (self.num_embeddings, self.embedding_dim), init)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:  # the whole table: nn.Embedding's lookup, nothing to mask or sum
+            return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         local_padding_idx = None
         if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
             local_padding_idx = self.padding_idx - self.vocab_start
         out = F.embedding(local_ids, self.weight, padding_idx=local_padding_idx)
-        # In place on the lookup's own output, which the embedding's backward does not read: no copies.
-        if dist.get_world_size(self.group) > 1:
-            out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        out.masked_fill_(
+            outside.unsqueeze(-1), 0.0
+        )  # in place on the lookup's own output, which its backward does not read
         return reduce_from_tensor_parallel_region_(out, self.group, self.comm_counter)
 
     def extra_repr(self) -> str:

@@ -31,8 +31,8 @@ class TensorParallelRNG:
     """The two dropout streams of one TP group on one device. Creating it is a collective over `group`."""
 
     def __init__(self, group: ProcessGroup, device: torch.device, dropout: bool = True):
-        """`dropout`: whether the model may draw dropout masks (`may_draw_dropout`); when False, compiled
-        forwards skip the stream switches."""
+        """`dropout`: whether the model may draw dropout masks (`may_draw_dropout`); when False, forwards skip the
+        stream switches."""
         self.device = device
         self.dropout = dropout
         self.sync_replicated(group)
@@ -59,18 +59,23 @@ class TensorParallelRNG:
         _set_state(self.device, state.cpu())
 
     def enter(self, region: str) -> None:
-        """Switches the default generator to `region`'s stream until the matching `exit`."""
-        if not self.dropout and torch.compiler.is_compiling():
-            return
+        """Switches the default generator to `region`'s stream until the matching `exit`; a model that draws no
+        dropout stays in the replicated stream (no switch per module, eager or compiled)."""
+        if self.dropout:
+            self._enter(region)
+
+    def exit(self) -> None:
+        if self.dropout:
+            self._exit()
+
+    def _enter(self, region: str) -> None:
         current = self._stack[-1]
         self._stack.append(region)
         if region != current:
             self._states[current] = _get_state(self.device)
             _set_state(self.device, self._states[region])
 
-    def exit(self) -> None:
-        if not self.dropout and torch.compiler.is_compiling():
-            return
+    def _exit(self) -> None:
         region = self._stack.pop()
         previous = self._stack[-1]
         if region != previous:
@@ -86,12 +91,14 @@ class TensorParallelRNG:
         if data_parallel_rank == 0:
             return
         for region in (REPLICATED, SHARDED):
-            self.enter(region)
+            self._enter(region)
             self._manual_seed(int(torch.randint(2**62, ())) + data_parallel_rank)
-            self.exit()
+            self._exit()
 
     def run_in(self, module: nn.Module, region: str) -> None:
-        """Runs every forward of `module` in `region`'s stream."""
+        """Runs every forward of `module` in `region`'s stream (nothing to run when the model draws no dropout)."""
+        if not self.dropout:
+            return
         module.register_forward_pre_hook(lambda *_: self.enter(region))
         module.register_forward_hook(lambda *_: self.exit(), always_call=True)
 

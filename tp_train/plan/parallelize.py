@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from tp_train.checkpoint.pretrained import load_pretrained_modules
 from tp_train.parallel.agreement import failures_agreed
 from tp_train.parallel.collectives import CommunicationCounter
-from tp_train.parallel.layers import Configurable
+from tp_train.parallel.fused_cross_entropy import HeadLossFusion
+from tp_train.parallel.layers import ColumnParallelLinear, Configurable
 from tp_train.parallel.mesh import as_process_group, first_rank_decides
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.activation_checkpointing import checkpoint_blocks
@@ -110,6 +111,7 @@ def parallelize(
         model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
         if vocab_size is not None:
             model.tp_vocab_size = vocab_size
+            model.tp_loss_fusion = _head_loss_fusion(model, planned)
         whole_model_errors = None
         if skeleton is not None:
             reference = unsharded_reference(skeleton, model, group)
@@ -151,6 +153,18 @@ def _head_vocab_size(planned: list[PlannedModule], source: str) -> int:
             f"{source}; found {found} (plan the LM head 'colwise_gather_output', or pass loss_parallel=False)"
         )
     return next(iter(heads.values()))
+
+
+def _head_loss_fusion(model: nn.Module, planned: list[PlannedModule]) -> HeadLossFusion | None:
+    """A `HeadLossFusion` set on the one vocabulary-parallel head, when it is a plain column layer without bias (the
+    fused head and loss compute `hidden @ weight.T`); None otherwise."""
+    names = [entry.name for entry in planned if entry.style == "colwise_gather_output"]
+    head = model.get_submodule(names[0]) if len(names) == 1 else None
+    if type(head) is not ColumnParallelLinear or head.bias is not None or len(head.shard_specs["weight"].sections) > 1:
+        return None
+    fusion = HeadLossFusion()
+    head.configure(loss_fusion=fusion)
+    return fusion
 
 
 def _verification_summary(check: SwapCheck, regions: RegionCheck, whole_model: dict[str, float] | None) -> str:

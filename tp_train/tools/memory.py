@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 import torch.nn as nn
 
 from tp_train.parallel.context_parallel.ring_attention import workspace_bytes
+from tp_train.parallel.cross_entropy import CHUNK_BYTES
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
 from tp_train.plan.adapters import adapter_specs
@@ -27,6 +28,7 @@ PRECISION_BYTES = {
     "16-true": (2, 2),
     "bf16-true": (2, 2),
 }
+MIXED_PRECISIONS = ("16-mixed", "bf16-mixed")  # autocast: fp32 parameters and residual stream, matmuls in half
 
 
 @dataclass
@@ -172,15 +174,55 @@ def activation_elements(
     activation_checkpointing: bool = False,
     loss_parallel: bool = False,
 ) -> int:
-    """Elements autograd keeps for one micro-batch's backward on one rank (see the module docstring)."""
+    """Elements autograd keeps for one micro-batch's backward on one rank in one precision (see the module
+    docstring), with `F.cross_entropy`'s four logits-sized tensors (or the vocabulary-parallel loss's one)."""
     layers, hidden, mlp, vocab = _shape(model)
     tokens = micro_batch_size * seq_len
     replicated = tokens * hidden // (tp if sequence_parallel else 1)
     block = 4 * replicated + (4 * hidden + 2 * mlp) * tokens // tp
-    loss = 4 * tokens * (ceil_div(vocab, tp) if loss_parallel else vocab)
+    loss = tokens * ceil_div(vocab, tp) if loss_parallel else 4 * tokens * vocab
     if activation_checkpointing:  # the recomputed block comes after the loss's backward has freed the logits
         return layers * replicated + 2 * replicated + max(loss, block)
     return layers * block + 2 * replicated + loss
+
+
+def activation_bytes(
+    model: nn.Module,
+    micro_batch_size: int,
+    seq_len: int,
+    tp: int = 1,
+    precision: str = "32-true",
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
+    loss_parallel: bool = False,
+) -> int:
+    """Bytes a micro-batch holds for backward on one rank at the step's peak (the loss's forward), by precision.
+
+    One precision: `activation_elements` at its width. Mixed precision (autocast): the residual stream and the
+    norms' inputs stay fp32 (2 per block, with the stream's ends); each linear saves its own low-precision copy of
+    its input (q, k, v and fc cast the same norm output separately) and autocast's low-precision copy of its weight;
+    the blocks' other tensors are low precision. `F.cross_entropy` turns the logits to fp32 (four fp32 tensors of
+    them); the vocabulary-parallel loss keeps the logits in their dtype and adds up to two fp32 chunks (CHUNK_BYTES)."""
+    _, activation_width = PRECISION_BYTES[precision]
+    layers, hidden, mlp, vocab = _shape(model)
+    tokens = micro_batch_size * seq_len
+    local_vocab = ceil_div(vocab, tp) if loss_parallel else vocab
+    # fp32 chunks the loss holds at once: a copy of one and its exps (fp32 logits: the exps alone).
+    copies = 1 if activation_width == 4 else 2
+    chunks = copies * min(CHUNK_BYTES, tokens * local_vocab * 4) if loss_parallel else 0
+    if precision not in MIXED_PRECISIONS:
+        elements = activation_elements(
+            model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing, loss_parallel
+        )
+        return elements * activation_width + chunks
+    replicated = tokens * hidden // (tp if sequence_parallel else 1)
+    block = 2 * replicated * 4 + (4 * tokens * hidden + (4 * hidden + 2 * mlp) * tokens // tp) * activation_width
+    loss = tokens * local_vocab * activation_width + chunks if loss_parallel else 4 * tokens * vocab * 4
+    weights = parameters_per_rank(model, tp) * activation_width  # autocast's copies, saved by the matmuls
+    stream = 2 * replicated * 4
+    if activation_checkpointing:
+        return layers * replicated * 4 + stream + weights + max(loss, block)
+    return layers * block + stream + weights + loss
 
 
 def estimate_memory(
@@ -212,14 +254,15 @@ def estimate_memory(
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
-    param_bytes, activation_bytes = PRECISION_BYTES[precision]
+    param_bytes, activation_width = PRECISION_BYTES[precision]
     model = _planned_model(model)
     replicas = dp * cp  # ranks holding the same parameters
     parameters = parameters_per_rank(model, tp, plan, replicas, data_parallel) * param_bytes
     trained = parameters_per_rank(model, tp, plan, replicas, data_parallel, trainable=True) * param_bytes
-    activations = activation_elements(  # ring attention keeps no score matrix: activations follow the local tokens
-        model, micro_batch_size, -(-seq_len // cp), tp, sequence_parallel, activation_checkpointing, loss_parallel
-    )
+    activations = activation_bytes(  # ring attention keeps no score matrix: activations follow the local tokens
+        model, micro_batch_size, -(-seq_len // cp), tp, precision, sequence_parallel, activation_checkpointing,
+        loss_parallel,
+    )  # fmt: skip
     fsdp = data_parallel == "fsdp"
     q_heads, kv_heads, head_dim = _attention_shape(model)
     workspace = workspace_bytes(  # at cp=1 the model's SDPA: the same fused kernel, nothing travelling
@@ -229,15 +272,15 @@ def estimate_memory(
         head_dim,
         seq_len,
         cp,
-        element_size=activation_bytes,
+        element_size=activation_width,
     )
     return MemoryEstimate(
         parameters=parameters,
         gradients=trained,
         optimizer_states=ADAMW_STATES * trained,
         gradient_buckets=trained if replicas > 1 and not fsdp else 0,
-        activations=activations * activation_bytes,
-        gathered_parameters=_gathered_elements(model, tp, plan) * activation_bytes if fsdp else 0,
+        activations=activations,
+        gathered_parameters=_gathered_elements(model, tp, plan) * activation_width if fsdp else 0,
         attention_workspace=workspace,
     )
 

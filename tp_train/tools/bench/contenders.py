@@ -123,7 +123,9 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
             compile=contender.compiled,
             overlap=contender.overlap,
         )
-        loss = functools.partial(vocab_parallel_cross_entropy, group=group, vocab_size=size.vocab)
+        loss = functools.partial(
+            vocab_parallel_cross_entropy, group=group, vocab_size=size.vocab, in_place_backward=True
+        )
         return TrainingStep(model, batch, loss)
     if contender.kind == "native":
         native_parallelize(model, DeviceMesh.from_group(group, device.type))

@@ -1,0 +1,92 @@
+"""`TensorParallelStrategy`'s cross-entropy: over whole logits, over vocabulary-sharded ones, or fused with the
+vocabulary-parallel head, compiled with `torch.compile` when the model is."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
+from tp_train.plan.parallelize import attached
+
+# What a LightningModule sets to say that its training and validation steps pass the model's output to
+# `strategy.cross_entropy` and nothing else (`CausalLMModule` does): the head and the loss may then run fused.
+HEAD_FEEDS_ONLY_LOSS = "head_feeds_only_loss"
+
+
+def _whole_logits_loss(logits, target, ignore_index, label_smoothing):
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # the softmax in fp32
+    return F.cross_entropy(
+        logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing
+    )
+
+
+def _compiled(fn, compile: bool | str):
+    """`fn` through torch.compile when `compile` is True or a backend's name (tests skip code generation with
+    "aot_eager"); else `fn`."""
+    if not compile:
+        return fn
+    return torch.compile(fn, backend=compile if isinstance(compile, str) else "inductor")
+
+
+class StrategyLoss:
+    """Mean cross-entropy of a model's output against targets, whichever way its head was sharded.
+
+    Args:
+        loss_parallel: the head's logits are sharded along the vocabulary (`vocab_parallel_cross_entropy`, writing
+            their gradient into their own buffer: nothing else reads them).
+        fused: compute the head and the loss together (`vocab_parallel_linear_cross_entropy`), so the logits never
+            exist: True, False, or None for "when the LightningModule says its head feeds only the loss"
+            (`HEAD_FEEDS_ONLY_LOSS`). With `loss_parallel` and a head without bias only.
+        compile: run the loss through `torch.compile`, as the model (True, or a backend's name).
+    """
+
+    def __init__(self, loss_parallel: bool, fused: bool | None, compile: bool | str) -> None:
+        self.loss_parallel = loss_parallel
+        self.fused = fused
+        self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
+        self._head_fusions: list | None = None
+        self._sharded = _compiled(self._sharded_loss, compile)
+        self._whole = _compiled(_whole_logits_loss, compile)
+        self._fused = _compiled(vocab_parallel_linear_cross_entropy, compile)
+
+    @contextmanager
+    def fusing(self, root: nn.Module):
+        """Within: the vocabulary-parallel heads of `root` hand their input to the loss, if the head and loss fuse."""
+        fuse = self.fused if self.fused is not None else getattr(root, HEAD_FEEDS_ONLY_LOSS, False)
+        with ExitStack() as stack:
+            if self.loss_parallel and fuse:
+                for fusion in self._fusions(root):
+                    stack.enter_context(fusion.deferring())
+            yield
+
+    def _fusions(self, root: nn.Module) -> list:
+        """The `HeadLossFusion`s `parallelize` set on the heads inside `root`, looked up once (sharded once)."""
+        if self._head_fusions is None:
+            self._head_fusions = attached(root, "tp_loss_fusion")
+        return self._head_fusions
+
+    def __call__(self, root: nn.Module, group: ProcessGroup, logits, target, ignore_index, label_smoothing):
+        if not self.loss_parallel:
+            return self._whole(logits, target, ignore_index, label_smoothing)
+        if self._vocab_size is None:
+            sizes = set(attached(root, "tp_vocab_size"))
+            if len(sizes) != 1:
+                raise RuntimeError(f"loss_parallel: expected one sharded LM head, found vocabulary sizes {sizes}")
+            (self._vocab_size,) = sizes
+        for fusion in self._fusions(root):
+            held = fusion.take(logits)
+            if held is not None:  # `logits` are the head's input: the head runs here, chunk by chunk
+                hidden, head = held
+                return self._fused(hidden, head.weight, target, group, self._vocab_size, ignore_index, label_smoothing)
+        return self._sharded(logits, target, group, ignore_index, label_smoothing)
+
+    def _sharded_loss(self, logits, target, group, ignore_index, label_smoothing):
+        return vocab_parallel_cross_entropy(
+            logits, target, group, self._vocab_size, ignore_index, label_smoothing, in_place_backward=True
+        )
