@@ -56,12 +56,13 @@ def apply_plan(
     group: ProcessGroup,
     rng: TensorParallelRNG,
     device: torch.device,
-    loss_parallel: bool = False,
+    loss_parallel_heads: tuple[str, ...] = (),
     check=None,
 ) -> None:
     """Swaps each planned module for its tensor-parallel counterpart holding this rank's slice of its weights, in
     `named_modules` order, materialising meta tensors on `device` one module at a time (the same initial weights at
-    every tp); `check(name, module, layer)` runs right after each swap (`verify.SwapCheck`)."""
+    every tp); `check(name, module, layer)` runs right after each swap (`verify.SwapCheck`). The layers named in
+    `loss_parallel_heads` keep their output sharded along the vocabulary (no gather)."""
     init_weights = getattr(model, "_init_weights", None)
     materialize_adapters(model, device)  # peft's own initialisation, not the model's
     by_name = {entry.name: entry for entry in planned}
@@ -81,7 +82,8 @@ def apply_plan(
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(base, group, shared)
             else:
-                layer = _parallel_linear(base, style, group, shared, loss_parallel, entry.counts, entry.arguments)
+                sharded_output = name in loss_parallel_heads
+                layer = _parallel_linear(base, style, group, shared, sharded_output, entry.counts, entry.arguments)
                 _sum_replicas(model, name, layer, group, replicated_parents)
             layer = _keep_subclass_forward(base, layer, SWAPPED_BASES[style])
             if wrapper is not None:  # its adapters split to go with the base (tp_train.plan.adapters)
