@@ -27,7 +27,7 @@ SIZE_ALIASES = {"intermediate_size": ("n_inner", "ffn_dim")}  # GPT-2 / GPT-J, O
 
 
 def hugging_face_causal_lm(
-    type: str | None = "llama", path: str | None = None, config: dict | None = None
+    type: str | None = "llama", path: str | None = None, config: dict | None = None, token_ids: dict | None = None
 ) -> nn.Module:
     """A Hugging Face `AutoModelForCausalLM` built from a family's config, or from a local directory.
 
@@ -41,6 +41,11 @@ def hugging_face_causal_lm(
             precision), not the dtype the files hold.
         config: fields of the family's config; the generic size fields (`SIZE_FIELDS`) are skipped where the family
             has no such field, any other key must be one of the family's fields.
+        token_ids: the special token ids of the tokenizer the model is trained with (`pad_token_id`,
+            `bos_token_id`, `eos_token_id`; None where it has no such token), set in place of the family's defaults
+            where its config has the field (Phi-3's pad id 32000 lies outside a 512-token vocabulary, and Gemma's
+            pad id 0 would freeze the embedding row of the data's EOS); a key also in `config` keeps config's value.
+            Ignored with `path`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -58,7 +63,17 @@ def hugging_face_causal_lm(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.pretrained_weights = str(directory)
         return model
-    return hugging_face_model(type, config, AutoModelForCausalLM)
+    return hugging_face_model(type, {**_special_fields(type, token_ids or {}), **(config or {})}, AutoModelForCausalLM)
+
+
+def _special_fields(model_type: str | None, token_ids: dict) -> dict:
+    """The entries of `token_ids` that `model_type`'s config has as fields."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return {}  # `_config_fields` names the family that does not exist
+    defaults = CONFIG_MAPPING[model_type]()
+    return {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
 
 
 def hugging_face_model(type: str, config: dict | None = None, auto_class=None) -> nn.Module:

@@ -100,3 +100,21 @@ def test_preflight_builds_model_hf_on_meta_and_refuses_what_cannot_run(tmp_path)
         check("tp=8")
     with pytest.raises(preflight.ConfigError, match="model: config.n_layer=2: LlamaConfig has no field 'n_layer'"):
         check("experiment=smoke")  # the smoke preset sizes models.GPT
+
+
+@pytest.mark.parametrize("family", ["phi3", "smollm3", "glm4"])
+def test_a_config_built_from_model_type_takes_the_special_ids_of_the_datas_tokenizer(tmp_path, family):
+    """Phi-3's, SmolLM3's and GLM-4's default pad/eos ids lie outside the data's vocabulary (the embedding refused
+    Phi-3's pad id 32000): the tokenizer trained on the corpus has EOS (id 0) alone, so pad and bos are dropped; a
+    value set in model.config still wins (issue 41)."""
+    from hydra.utils import instantiate
+
+    from tests.test_configs import _compose
+
+    cfg = _compose(tmp_path, ["model=hf", f"model.type={family}", "data.vocab_size=512"])
+    with torch.device("meta"):
+        config = instantiate(cfg.model)().config
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (None, None, 0)
+    cfg = _compose(tmp_path, ["model=hf", f"model.type={family}", "data.vocab_size=512", "+model.config.pad_token_id=7"])
+    with torch.device("meta"):
+        assert instantiate(cfg.model)().config.pad_token_id == 7
