@@ -115,6 +115,8 @@ def test_a_config_built_from_model_type_takes_the_special_ids_of_the_datas_token
     with torch.device("meta"):
         config = instantiate(cfg.model)().config
     assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (None, None, 0)
-    cfg = _compose(tmp_path, ["model=hf", f"model.type={family}", "data.vocab_size=512", "+model.config.pad_token_id=7"])
+    cfg = _compose(
+        tmp_path, ["model=hf", f"model.type={family}", "data.vocab_size=512", "+model.config.pad_token_id=7"]
+    )
     with torch.device("meta"):
         assert instantiate(cfg.model)().config.pad_token_id == 7
