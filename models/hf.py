@@ -27,7 +27,11 @@ SIZE_ALIASES = {"intermediate_size": ("n_inner", "ffn_dim")}  # GPT-2 / GPT-J, O
 
 
 def hugging_face_causal_lm(
-    type: str | None = "llama", path: str | None = None, config: dict | None = None, token_ids: dict | None = None
+    type: str | None = "llama",
+    path: str | None = None,
+    config: dict | None = None,
+    token_ids: dict | None = None,
+    family_fields: dict | None = None,
 ) -> nn.Module:
     """A Hugging Face `AutoModelForCausalLM` built from a family's config, or from a local directory.
 
@@ -46,6 +50,10 @@ def hugging_face_causal_lm(
             where its config has the field (Phi-3's pad id 32000 lies outside a 512-token vocabulary, and Gemma's
             pad id 0 would freeze the embedding row of the data's EOS); a key also in `config` keeps config's value.
             Ignored with `path`.
+        family_fields: fields the family needs to run at tiny sizes (the app passes tp_train's `FamilySpec.zoo_fields`,
+            which the zoo builds with: DeepSeek-V3's latent attention needs as many kv heads as query heads); each
+            replaces a generic size field of `config` naming the same field, and any other key of `config` wins over
+            it. Ignored with `path`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -63,17 +71,27 @@ def hugging_face_causal_lm(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.pretrained_weights = str(directory)
         return model
-    return hugging_face_model(type, {**_special_fields(type, token_ids or {}), **(config or {})}, AutoModelForCausalLM)
+    fields = _layered_fields(type, config or {}, token_ids or {}, family_fields or {})
+    return hugging_face_model(type, fields, AutoModelForCausalLM)
 
 
-def _special_fields(model_type: str | None, token_ids: dict) -> dict:
-    """The entries of `token_ids` that `model_type`'s config has as fields."""
+def _layered_fields(model_type: str | None, config: dict, token_ids: dict, family_fields: dict) -> dict:
+    """`config` over `family_fields` over the entries of `token_ids` the family has, a generic size field of `config`
+    dropped where `family_fields` sets the field it names."""
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        return {}  # `_config_fields` names the family that does not exist
+        return dict(config)  # `_config_fields` names the family that does not exist
     defaults = CONFIG_MAPPING[model_type]()
-    return {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
+    aliases = type(defaults).attribute_map
+
+    def named(key: str) -> str:
+        return aliases.get(key, key)
+
+    needed = {named(key) for key in family_fields}
+    kept = {key: value for key, value in config.items() if key not in SIZE_FIELDS or named(key) not in needed}
+    specials = {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
+    return {**specials, **family_fields, **kept}
 
 
 def hugging_face_model(type: str, config: dict | None = None, auto_class=None) -> nn.Module:

@@ -120,3 +120,25 @@ def test_a_config_built_from_model_type_takes_the_special_ids_of_the_datas_token
     )
     with torch.device("meta"):
         assert instantiate(cfg.model)().config.pad_token_id == 7
+
+
+def test_a_family_takes_its_records_fields_and_a_model_that_cannot_run_one_batch_is_one_line(tmp_path):
+    """DeepSeek-V3 with the generic 2 kv heads failed inside its attention at any tp: the app takes its record's
+    fields (kv heads as many as query heads); without them, preflight refuses in one line naming the family and
+    the fields, before any rank starts. MoE experts that refuse fp32 on the meta device still pass (issue 41)."""
+    from hydra.utils import instantiate
+
+    from tests.test_configs import _compose
+    from tp_train.app import preflight
+
+    def check(*overrides):
+        cfg = _compose(tmp_path, ["model=hf", "data.vocab_size=512", "tp=2", *overrides])
+        preflight.check(cfg, lambda: instantiate(cfg.model))
+
+    check("model.type=deepseek_v3")
+    check("model.type=mixtral")
+    with pytest.raises(preflight.ConfigError) as refused:
+        check("model.type=deepseek_v3", "model.family_fields={}")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("model.type=deepseek_v3 cannot run one batch of (2, ")
+    assert "num_attention_heads=4, num_key_value_heads=2" in message
