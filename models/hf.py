@@ -24,6 +24,9 @@ SIZE_FIELDS = (
     "num_key_value_heads",
 )
 SIZE_ALIASES = {"intermediate_size": ("n_inner", "ffn_dim")}  # GPT-2 / GPT-J, OPT
+# GPT-2's names for generic sizes, which `models.GPTConfig` uses too: a preset sizing both kinds of model
+# (`experiment=smoke`) sets these, and a family without them takes them as the generic field.
+GPT_NAMES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size"}
 
 
 def hugging_face_causal_lm(
@@ -140,10 +143,14 @@ def _config_fields(model_type: str | None, config: dict) -> dict:
     fields = {}
     for key, value in config.items():
         name = key if _has_field(defaults, key) else None
+        if name is None and key in GPT_NAMES and _has_field(defaults, GPT_NAMES[key]):
+            name = GPT_NAMES[key]
         if name is None:
             name = next((alias for alias in SIZE_ALIASES.get(key, ()) if _has_field(defaults, alias)), None)
-        if name is not None:
-            fields[name] = value
+        if (
+            name is not None
+        ):  # in the config's own name, so a size given twice (hidden_size, n_embd) is set once: the later
+            fields[type(defaults).attribute_map.get(name, name)] = value
         elif key not in SIZE_FIELDS:
             raise ValueError(
                 f"config.{key}={value}: {config_class.__name__} has no field '{key}'; "

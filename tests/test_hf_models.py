@@ -98,8 +98,14 @@ def test_preflight_builds_model_hf_on_meta_and_refuses_what_cannot_run(tmp_path)
     check("tp=4")  # 2 kv heads over 4 ranks: each held by the 2 ranks whose query heads use it
     with pytest.raises(preflight.ConfigError, match="config.num_attention_heads=4 is not divisible by .*=8"):
         check("tp=8")
-    with pytest.raises(preflight.ConfigError, match="model: config.n_layer=2: LlamaConfig has no field 'n_layer'"):
-        check("experiment=smoke")  # the smoke preset sizes models.GPT
+    check("experiment=smoke")  # the smoke preset's GPT sizes (n_layer, ...) size a Hugging Face model too
+    for family in ("llama", "gpt2"):
+        cfg = _compose(tmp_path, ["model=hf", f"model.type={family}", "experiment=smoke"])
+        with torch.device("meta"):
+            config = instantiate(cfg.model)().config
+        assert (config.num_hidden_layers, config.num_attention_heads, config.hidden_size) == (2, 4, 64), family
+    with pytest.raises(preflight.ConfigError, match="model: config.n_layr=2: LlamaConfig has no field 'n_layr'"):
+        check("+model.config.n_layr=2")
 
 
 @pytest.mark.parametrize("family", ["phi3", "smollm3", "glm4"])
