@@ -34,3 +34,30 @@ def test_a_family_trains_through_train_py_at_tp2_with_the_tp1_losses(tmp_path, f
     assert worst < 1e-5, f"{family}: tp=2 {losses[2]} vs tp=1 {losses[1]}"
     if family == "mixtral":  # its FLOPs cannot be counted on meta: said once, and the run went on
         assert outputs[2].stderr.count("counting FLOPs failed") == 1, outputs[2].stderr[-3000:]
+
+
+@pytest.mark.parametrize("family", ["dbrx", "gpt_neo", "deepseek_v3"])
+def test_the_zoos_tiny_fields_reach_train_py_as_overrides(tmp_path, family):
+    """`--train` passes the zoo's tiny config (nested dicts, lists of lists, None) as `model.config` overrides; they
+    compose to the same values."""
+    from omegaconf import OmegaConf
+
+    from tests.test_configs import _compose
+    from tp_train.tools.zoo.configs import tiny_config
+    from tp_train.tools.zoo.train_path import NOT_FIELDS, train_overrides
+
+    cfg = _compose(tmp_path, train_overrides(family, {"num_key_value_heads": 2}))
+    composed = OmegaConf.to_container(cfg.model.config, resolve=True)
+    expected = {**tiny_config(family), "num_key_value_heads": 2}
+    for key, value in expected.items():
+        if key not in NOT_FIELDS:
+            value = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, list) else value
+            assert composed[key] == (list(value) if isinstance(value, tuple) else value), key
+
+
+@pytest.mark.slow
+def test_the_zoos_train_mode_trains_a_family_at_tp2_with_the_tp1_losses():
+    from tp_train.tools.zoo.train_path import train_family
+
+    result = train_family("qwen2", 2, {"num_key_value_heads": 2})
+    assert result["class"] == "trains", result
