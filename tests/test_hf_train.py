@@ -1,6 +1,6 @@
 """Hugging Face families through the user's whole path, `python train.py model=hf model.type=X tp=2` (issue 41):
 each trains 4 steps with the losses of the same command at tp=1. Mixtral (grouped-GEMM experts the metrics' meta
-FLOP count refuses in fp32), OLMoE (its plan gathers q, k and v beside the LM head), Phi-3 (a default pad id outside
+FLOP count refused in fp32), OLMoE (its plan gathers q, k and v beside the LM head), Phi-3 (a default pad id outside
 the data's vocabulary), StableLM (rotary buffers built on meta) and DeepSeek-V3 (latent attention that needs its
 record's kv heads) each ended the run before their fix. Slow: two train.py runs per family, real ranks."""
 
@@ -32,8 +32,8 @@ def test_a_family_trains_through_train_py_at_tp2_with_the_tp1_losses(tmp_path, f
     assert len(losses[1]) == STEPS and all(math.isfinite(loss) for loss in losses[1]), losses
     worst = max(abs(a - b) for a, b in zip(losses[1], losses[2], strict=True))
     assert worst < 1e-5, f"{family}: tp=2 {losses[2]} vs tp=1 {losses[1]}"
-    if family == "mixtral":  # its FLOPs cannot be counted on meta: said once, and the run went on
-        assert outputs[2].stderr.count("counting FLOPs failed") == 1, outputs[2].stderr[-3000:]
+    if family == "mixtral":  # its experts refuse fp32 on meta: its FLOPs are counted in bf16, nothing failed
+        assert "counting FLOPs failed" not in outputs[2].stderr, outputs[2].stderr[-3000:]
 
 
 @pytest.mark.parametrize("family", ["dbrx", "gpt_neo", "deepseek_v3"])

@@ -59,7 +59,7 @@ def test_a_flop_counter_that_raises_leaves_the_run_training_with_one_warning_and
     callback = tp_train.TrainingMetrics(window_size=2)
     trainer, failures = _fit([callback])
     assert trainer.global_step == STEPS
-    assert len(calls) == 1, "counted again after it failed"
+    assert len(calls) == 2, "counted again after it failed (once in the model's dtype, once in bf16, then never)"
     assert failures == [
         "TrainingMetrics: counting FLOPs failed (RuntimeError: Expected inputs of BF16 type but got "
         "mat_a.dtype=torch.float32); FLOPs/s and MFU are not logged; training goes on"
@@ -124,3 +124,15 @@ def test_a_samples_table_that_cannot_be_written_leaves_the_run_training(monkeypa
     failures = [str(w.message) for w in caught if "failed (" in str(w.message)]
     assert trainer.global_step == STEPS
     assert len(failures) == 1 and "writing the samples table failed (OSError" in failures[0], failures
+
+
+def test_flops_of_grouped_gemm_experts_are_counted_in_bf16_on_the_meta_device():
+    """Mixtral's experts (torch._grouped_mm) refuse fp32 on meta: the count runs again in bf16, the same FLOPs."""
+    from types import SimpleNamespace
+
+    from models import hugging_face_causal_lm
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=4)  # fmt: skip
+    module = SimpleNamespace(_model_factory=functools.partial(hugging_face_causal_lm, "mixtral", config=config))
+    assert tp_train.TrainingMetrics()._measure_flops(module, 2, 8) > 0

@@ -140,7 +140,9 @@ class TrainingMetrics(L.Callback):
             self._paused += time.perf_counter() - self._validation_start
 
     def _measure_flops(self, pl_module: L.LightningModule, batch_size: int, block: int) -> int | None:
-        """FLOPs of one forward and backward of the unsharded model, counted on a meta-device copy."""
+        """FLOPs of one forward and backward of the unsharded model, counted on a meta-device copy: in bf16 where its
+        own dtype cannot run there (Hugging Face's grouped-GEMM experts, `torch._grouped_mm`, refuse fp32 on meta);
+        a matmul's FLOPs are the same in any dtype."""
         factory = getattr(pl_module, "_model_factory", None)
         if factory is None:
             rank_zero_warn("TrainingMetrics: no model factory on the module; FLOPs and MFU are not logged")
@@ -153,7 +155,11 @@ class TrainingMetrics(L.Callback):
             out = model(idx)
             return getattr(out, "logits", out)
 
-        return int(measure_flops(model, forward, lambda logits: logits.sum()))
+        try:
+            return int(measure_flops(model, forward, lambda logits: logits.sum()))
+        except RuntimeError:
+            model.to(torch.bfloat16)
+            return int(measure_flops(model, forward, lambda logits: logits.sum()))
 
     def _sizes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
