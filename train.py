@@ -102,8 +102,8 @@ def summarize(trainer: L.Trainer) -> dict | None:
     metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
     monitor = next((c for c in trainer.callbacks if isinstance(c, TrainingMetrics)), None)
     wandb_dir = None
-    if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger):
-        wandb_dir = str(Path(trainer.logger.experiment.dir).parent)
+    if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger) and not getattr(trainer.logger, "failed", None):
+        wandb_dir = str(Path(trainer.logger.experiment.dir).parent)  # None: W&B failed, which the run said once
     return {
         **_tokenizer(trainer.datamodule),
         "steps": trainer.global_step,

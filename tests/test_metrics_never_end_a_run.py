@@ -136,3 +136,21 @@ def test_flops_of_grouped_gemm_experts_are_counted_in_bf16_on_the_meta_device():
                   num_key_value_heads=4)  # fmt: skip
     module = SimpleNamespace(_model_factory=functools.partial(hugging_face_causal_lm, "mixtral", config=config))
     assert tp_train.TrainingMetrics()._measure_flops(module, 2, 8) > 0
+
+
+def test_a_wandb_that_fails_leaves_the_run_training_with_one_warning(monkeypatch, tmp_path):
+    """`wandb.init` raising (an online run without network) is one warning; every later log call is skipped."""
+    import wandb
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("wandb: network unreachable")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    logger = tp_train.WandbLogger(project="tp_train", save_dir=str(tmp_path), mode="offline")
+    trainer, failures = _fit([tp_train.TrainingMetrics(window_size=2)], logger=logger)
+    assert trainer.global_step == STEPS and "train/loss" in trainer.callback_metrics
+    assert failures == [
+        "WandbLogger: logging to W&B failed (ConnectionError: wandb: network unreachable); nothing more is sent to "
+        "W&B; training goes on"
+    ]
+    assert logger.failed == "ConnectionError: wandb: network unreachable"

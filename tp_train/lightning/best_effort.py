@@ -33,8 +33,8 @@ class BestEffort:
         Args:
             piece: what `action` does, in the warning ("counting FLOPs").
             consequence: what the run goes without ("MFU is not logged").
-            every_rank: the piece fails alike on every rank (a meta-device count): rank 0 alone warns. Else the
-                rank it failed on warns, naming itself.
+            every_rank: the piece fails alike on every rank (a meta-device count), or runs on rank 0 alone (a
+                logger): rank 0 warns. Else the rank it failed on warns, naming itself.
         """
         if piece in self.failed:
             return default
