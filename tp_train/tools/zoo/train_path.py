@@ -22,19 +22,36 @@ DATA = ("data.max_files=20", "data.vocab_size=300", "data.block_size=32")
 SETTINGS = ("logger=csv", "ckpt_path=null", "scheduler=constant", f"trainer.max_steps={STEPS}",
             f"trainer.val_check_interval={STEPS}", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
             "trainer.enable_progress_bar=false", "~callbacks.progress_bar")  # fmt: skip
-NOT_FIELDS = ("vocab_size", "max_position_embeddings")  # the data's: train.py's config sets them
+# The data's: train.py's config sets the sizes, and the special token ids are its tokenizer's.
+NOT_FIELDS = ("vocab_size", "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
 
 
 def train_overrides(model_type: str, fields: dict | None = None) -> list[str]:
-    """`train.py` overrides building `model_type` from the zoo's tiny config with `fields` set (its kv heads)."""
-    config = {
-        key: value for key, value in {**tiny_config(model_type), **(fields or {})}.items() if key not in NOT_FIELDS
+    """`train.py` overrides building `model_type` from the zoo's tiny config with `fields` set (its kv heads), its
+    dropout off: ranks draw their own masks in a sharded region, so with dropout on no tp=N run repeats tp=1's
+    losses (GPT-2's 0.1 by default: 3e-3 apart at step 4)."""
+    tiny = {**_no_dropout(model_type), **tiny_config(model_type), **(fields or {})}
+    config = {key: value for key, value in tiny.items() if key not in NOT_FIELDS}
+    overrides = [f"++model.config.{key}={hydra_value(value)}" for key, value in config.items()]
+    return ["model=hf", f"model.type={model_type}", *overrides]
+
+
+def _no_dropout(model_type: str) -> dict:
+    """0.0 for each dropout probability of the family's config (`*dropout*`, `*pdrop*`) above 0."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        defaults = vars(CONFIG_MAPPING[model_type]())
+    except Exception:  # noqa: BLE001 - the run reports a family that does not build
+        return {}
+    return {
+        key: 0.0
+        for key, value in defaults.items()
+        if ("dropout" in key or "pdrop" in key)
+        and isinstance(value, float)
+        and not isinstance(value, bool)
+        and value > 0
     }
-    return [
-        "model=hf",
-        f"model.type={model_type}",
-        *(f"++model.config.{key}={hydra_value(v)}" for key, v in config.items()),
-    ]
 
 
 def hydra_value(value) -> str:
