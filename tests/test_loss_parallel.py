@@ -126,6 +126,7 @@ def _olmoe_losses(rank, world_size):
     return logits.shape[-1], -(-vocab // world_size), abs(loss.item() - expected.item())
 
 
+@pytest.mark.slow
 def test_loss_parallel_keeps_only_the_output_embedding_sharded_where_other_layers_gather_too():
     for local, expected, error in run_on_ranks(_olmoe_losses, 2):
         assert local == expected and error < 1e-5, (local, expected, error)
