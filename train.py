@@ -78,6 +78,16 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
     return instantiate(cfg.trainer, precision=precision, plugins=plugins, callbacks=callbacks, logger=logger)
 
 
+def end_progress_bars(trainer: L.Trainer) -> None:
+    """Closes the progress bars a fit that raised left open (Lightning's TQDM bar has no exception hook): the train
+    bar ends its line, the validation bar clears its own, so an error printed next starts on its own line."""
+    callback = trainer.progress_bar_callback
+    for name in ("_val_progress_bar", "_train_progress_bar"):
+        bar = getattr(callback, name, None)
+        if bar is not None and not bar.disable:
+            bar.close()
+
+
 def summarize(trainer: L.Trainer) -> dict | None:
     """The run's outcome, on rank 0 (every rank must call: peak memory is gathered)."""
     device = trainer.strategy.root_device
@@ -92,8 +102,8 @@ def summarize(trainer: L.Trainer) -> dict | None:
     metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
     monitor = next((c for c in trainer.callbacks if isinstance(c, TrainingMetrics)), None)
     wandb_dir = None
-    if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger):
-        wandb_dir = str(Path(trainer.logger.experiment.dir).parent)
+    if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger) and not getattr(trainer.logger, "failed", None):
+        wandb_dir = str(Path(trainer.logger.experiment.dir).parent)  # None: W&B failed, which the run said once
     return {
         **_tokenizer(trainer.datamodule),
         "steps": trainer.global_step,
@@ -188,7 +198,11 @@ def run(cfg: DictConfig) -> float | None:
     if trainer.logger:
         trainer.logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), **_tokenizer(datamodule)})
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except BaseException:
+            end_progress_bars(trainer)  # what is printed next starts on its own line, not glued to a bar's
+            raise
     except Preempted as stop:  # a checkpoint was saved: exit cleanly (status 0) with one line
         if trainer.is_global_zero:
             print(stop, file=sys.stderr)

@@ -24,10 +24,17 @@ SIZE_FIELDS = (
     "num_key_value_heads",
 )
 SIZE_ALIASES = {"intermediate_size": ("n_inner", "ffn_dim")}  # GPT-2 / GPT-J, OPT
+# GPT-2's names for generic sizes, which `models.GPTConfig` uses too: a preset sizing both kinds of model
+# (`experiment=smoke`) sets these, and a family without them takes them as the generic field.
+GPT_NAMES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size"}
 
 
 def hugging_face_causal_lm(
-    type: str | None = "llama", path: str | None = None, config: dict | None = None
+    type: str | None = "llama",
+    path: str | None = None,
+    config: dict | None = None,
+    token_ids: dict | None = None,
+    family_fields: dict | None = None,
 ) -> nn.Module:
     """A Hugging Face `AutoModelForCausalLM` built from a family's config, or from a local directory.
 
@@ -41,6 +48,15 @@ def hugging_face_causal_lm(
             precision), not the dtype the files hold.
         config: fields of the family's config; the generic size fields (`SIZE_FIELDS`) are skipped where the family
             has no such field, any other key must be one of the family's fields.
+        token_ids: the special token ids of the tokenizer the model is trained with (`pad_token_id`,
+            `bos_token_id`, `eos_token_id`; None where it has no such token), set in place of the family's defaults
+            where its config has the field (Phi-3's pad id 32000 lies outside a 512-token vocabulary, and Gemma's
+            pad id 0 would freeze the embedding row of the data's EOS); a key also in `config` keeps config's value.
+            Ignored with `path`.
+        family_fields: fields the family needs to run at tiny sizes (the app passes tp_train's `FamilySpec.zoo_fields`,
+            which the zoo builds with: DeepSeek-V3's latent attention needs as many kv heads as query heads); each
+            replaces a generic size field of `config` naming the same field, and any other key of `config` wins over
+            it. Ignored with `path`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -58,7 +74,27 @@ def hugging_face_causal_lm(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.pretrained_weights = str(directory)
         return model
-    return hugging_face_model(type, config, AutoModelForCausalLM)
+    fields = _layered_fields(type, config or {}, token_ids or {}, family_fields or {})
+    return hugging_face_model(type, fields, AutoModelForCausalLM)
+
+
+def _layered_fields(model_type: str | None, config: dict, token_ids: dict, family_fields: dict) -> dict:
+    """`config` over `family_fields` over the entries of `token_ids` the family has, a generic size field of `config`
+    dropped where `family_fields` sets the field it names."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return dict(config)  # `_config_fields` names the family that does not exist
+    defaults = CONFIG_MAPPING[model_type]()
+    aliases = type(defaults).attribute_map
+
+    def named(key: str) -> str:
+        return aliases.get(key, key)
+
+    needed = {named(key) for key in family_fields}
+    kept = {key: value for key, value in config.items() if key not in SIZE_FIELDS or named(key) not in needed}
+    specials = {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
+    return {**specials, **family_fields, **kept}
 
 
 def hugging_face_model(type: str, config: dict | None = None, auto_class=None) -> nn.Module:
@@ -107,10 +143,14 @@ def _config_fields(model_type: str | None, config: dict) -> dict:
     fields = {}
     for key, value in config.items():
         name = key if _has_field(defaults, key) else None
+        if name is None and key in GPT_NAMES and _has_field(defaults, GPT_NAMES[key]):
+            name = GPT_NAMES[key]
         if name is None:
             name = next((alias for alias in SIZE_ALIASES.get(key, ()) if _has_field(defaults, alias)), None)
-        if name is not None:
-            fields[name] = value
+        if (
+            name is not None
+        ):  # in the config's own name, so a size given twice (hidden_size, n_embd) is set once: the later
+            fields[type(defaults).attribute_map.get(name, name)] = value
         elif key not in SIZE_FIELDS:
             raise ValueError(
                 f"config.{key}={value}: {config_class.__name__} has no field '{key}'; "

@@ -67,3 +67,23 @@ def test_meta_init_peak_memory_per_rank_is_below_the_model_size():
     growth_tp2, full_bytes = run_on_ranks(_init_peak, 2)[0]
     # Shards are half the model; one full layer is ~12% more.
     assert growth_tp2 < 0.75 * full_bytes, (growth_tp2 / 2**20, full_bytes / 2**20)
+
+
+def test_computed_buffers_of_a_model_planned_through_a_wrapper_are_recomputed_as_its_own_init_does():
+    """StableLM has no Hugging Face plan, so the app's auto-planner plans the LightningModule holding it; its rotary
+    embedding (non-persistent `inv_freq`, no reset_parameters) built on meta was refused. Each module is initialised
+    by the innermost enclosing model's `_init_weights`, which recomputes the buffers (issue 41)."""
+    from models import hugging_face_causal_lm
+    from tp_train.plan.meta_init import init_weights_of, materialize
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=4)  # fmt: skip
+    with torch.device("meta"):
+        wrapper = torch.nn.ModuleDict({"model": hugging_face_causal_lm("stablelm", config=config)})
+    materialized = {}
+    for name, module in wrapper.named_modules():
+        materialize(name, module, torch.device("cpu"), materialized, init_weights_of(wrapper, name))
+    built = hugging_face_causal_lm("stablelm", config=config)
+    for buffer in ("inv_freq", "original_inv_freq"):
+        expected = getattr(built.model.rotary_emb, buffer)
+        assert torch.equal(getattr(wrapper["model"].model.rotary_emb, buffer), expected), buffer

@@ -98,5 +98,53 @@ def test_preflight_builds_model_hf_on_meta_and_refuses_what_cannot_run(tmp_path)
     check("tp=4")  # 2 kv heads over 4 ranks: each held by the 2 ranks whose query heads use it
     with pytest.raises(preflight.ConfigError, match="config.num_attention_heads=4 is not divisible by .*=8"):
         check("tp=8")
-    with pytest.raises(preflight.ConfigError, match="model: config.n_layer=2: LlamaConfig has no field 'n_layer'"):
-        check("experiment=smoke")  # the smoke preset sizes models.GPT
+    check("experiment=smoke")  # the smoke preset's GPT sizes (n_layer, ...) size a Hugging Face model too
+    for family in ("llama", "gpt2"):
+        cfg = _compose(tmp_path, ["model=hf", f"model.type={family}", "experiment=smoke"])
+        with torch.device("meta"):
+            config = instantiate(cfg.model)().config
+        assert (config.num_hidden_layers, config.num_attention_heads, config.hidden_size) == (2, 4, 64), family
+    with pytest.raises(preflight.ConfigError, match="model: config.n_layr=2: LlamaConfig has no field 'n_layr'"):
+        check("+model.config.n_layr=2")
+
+
+@pytest.mark.parametrize("family", ["phi3", "smollm3", "glm4"])
+def test_a_config_built_from_model_type_takes_the_special_ids_of_the_datas_tokenizer(tmp_path, family):
+    """Phi-3's, SmolLM3's and GLM-4's default pad/eos ids lie outside the data's vocabulary (the embedding refused
+    Phi-3's pad id 32000): the tokenizer trained on the corpus has EOS (id 0) alone, so pad and bos are dropped; a
+    value set in model.config still wins (issue 41)."""
+    from hydra.utils import instantiate
+
+    from tests.test_configs import _compose
+
+    cfg = _compose(tmp_path, ["model=hf", f"model.type={family}", "data.vocab_size=512"])
+    with torch.device("meta"):
+        config = instantiate(cfg.model)().config
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (None, None, 0)
+    cfg = _compose(
+        tmp_path, ["model=hf", f"model.type={family}", "data.vocab_size=512", "+model.config.pad_token_id=7"]
+    )
+    with torch.device("meta"):
+        assert instantiate(cfg.model)().config.pad_token_id == 7
+
+
+def test_a_family_takes_its_records_fields_and_a_model_that_cannot_run_one_batch_is_one_line(tmp_path):
+    """DeepSeek-V3 with the generic 2 kv heads failed inside its attention at any tp: the app takes its record's
+    fields (kv heads as many as query heads); without them, preflight refuses in one line naming the family and
+    the fields, before any rank starts. MoE experts that refuse fp32 on the meta device still pass (issue 41)."""
+    from hydra.utils import instantiate
+
+    from tests.test_configs import _compose
+    from tp_train.app import preflight
+
+    def check(*overrides):
+        cfg = _compose(tmp_path, ["model=hf", "data.vocab_size=512", "tp=2", *overrides])
+        preflight.check(cfg, lambda: instantiate(cfg.model))
+
+    check("model.type=deepseek_v3")
+    check("model.type=mixtral")
+    with pytest.raises(preflight.ConfigError) as refused:
+        check("model.type=deepseek_v3", "model.family_fields={}")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("model.type=deepseek_v3 cannot run one batch of (2, ")
+    assert "num_attention_heads=4, num_key_value_heads=2" in message

@@ -113,3 +113,31 @@ def test_loss_parallel_without_a_vocabulary_sharded_head_is_one_line():
     (message, _) = run_on_ranks(_without_a_sharded_head, 2)
     assert message is not None and "\n" not in message
     assert "loss_parallel=True" in message and "colwise_gather_output" in message and "found none" in message
+
+
+def _olmoe_losses(rank, world_size):
+    """OLMoE's own plan gathers q, k and v as well as the LM head (its q/k norms span every head): only the head,
+    its output embedding, keeps its logits sharded (issue 41)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from tp_train.tools.zoo.configs import build_family
+
+    torch.manual_seed(0)
+    model = build_family("causal-lm", "olmoe").eval()
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, model.config.vocab_size, (2, 9))
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    expected = F.cross_entropy(reference(inputs).logits.flatten(0, 1), targets.flatten())
+    tp_train.parallelize(model, loss_parallel=True, verify=False)
+    logits = model(inputs).logits
+    vocab = model.config.vocab_size
+    loss = tp_train.vocab_parallel_cross_entropy(logits, targets, torch.distributed.group.WORLD, vocab)
+    return logits.shape[-1], -(-vocab // world_size), abs(loss.item() - expected.item())
+
+
+@pytest.mark.slow
+def test_loss_parallel_keeps_only_the_output_embedding_sharded_where_other_layers_gather_too():
+    for local, expected, error in run_on_ranks(_olmoe_losses, 2):
+        assert local == expected and error < 1e-5, (local, expected, error)

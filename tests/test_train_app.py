@@ -118,3 +118,24 @@ def test_gemma_through_train_py_at_tp2_trains_with_the_tp1_losses(tmp_path):
         losses[tp] = _csv_losses(run_dir)
     assert len(losses[1]) == 6 and len(losses[2]) == 6
     assert max(abs(a - b) for a, b in zip(losses[1], losses[2], strict=True)) < 1e-5, losses
+
+
+def test_an_error_after_a_progress_bar_starts_on_its_own_line():
+    """The disk-full line was glued to the bar's (`...tokens_per_sec=9.43e+3]error: checkpoint ...`): a fit that
+    raises closes its bars first, the train bar ending its line (issue 41)."""
+    import io
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+    import train
+
+    stream = io.StringIO()
+    callback = TQDMProgressBar()
+    callback.train_progress_bar = Tqdm(total=4, file=stream, desc="Epoch 0", leave=True)
+    callback.train_progress_bar.update(1)
+    assert not stream.getvalue().endswith("\n")
+    train.end_progress_bars(SimpleNamespace(progress_bar_callback=callback))
+    assert stream.getvalue().endswith("\n")
+    train.end_progress_bars(SimpleNamespace(progress_bar_callback=None))  # no bar: nothing to do

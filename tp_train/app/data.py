@@ -269,6 +269,23 @@ def _tokenize_and_pack(batch: dict[str, list], tokenizer: PreTrainedTokenizerFas
     return {"input_ids": [stream[start : start + length] for start in range(0, len(stream) - length + 1, length)]}
 
 
+# The special token ids of a tokenizer trained here (`_train_tokenizer`): EOS is its one special token, given the
+# first id; it has no pad or bos token.
+TRAINED_TOKEN_IDS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 0}
+
+
+def special_token_ids(tokenizer_path: str | None) -> dict[str, int | None]:
+    """The pad, bos and eos ids (None where it has no such token) of the tokenizer a `TextDataModule` with
+    `tokenizer_path` uses: one trained on the corpus (`TRAINED_TOKEN_IDS`), else the one at the path."""
+    if tokenizer_path is None:
+        return dict(TRAINED_TOKEN_IDS)
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+    except FileNotFoundError:  # the data module reports it, naming data.tokenizer_path
+        return {}
+    return {name: getattr(tokenizer, name) for name in TRAINED_TOKEN_IDS}
+
+
 def _train_tokenizer(documents: datasets.Dataset, vocab_size: int) -> PreTrainedTokenizerFast:
     """A GPT-2-style byte-level BPE tokenizer trained on the documents, with EOS as its one special token."""
     tokenizer = Tokenizer(models.BPE())
@@ -278,7 +295,10 @@ def _train_tokenizer(documents: datasets.Dataset, vocab_size: int) -> PreTrained
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=alphabet)
     batches = (batch["text"] for batch in documents.iter(batch_size=_MAP_BATCH))
     tokenizer.train_from_iterator(batches, trainer=trainer, length=len(documents))
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+    trained = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS)
+    ids = {name: getattr(trained, name) for name in TRAINED_TOKEN_IDS}
+    assert ids == TRAINED_TOKEN_IDS, f"a trained tokenizer's special ids {ids}, not {TRAINED_TOKEN_IDS}"
+    return trained
 
 
 def _hub_reachable(timeout: float = 5.0) -> bool:

@@ -67,6 +67,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             model = build_model()()
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model: {error}") from None
+    _check_one_batch(cfg, model)
     try:
         match_plan(model, resolve_plan(model, tensor_parallel_size=tp)[0], tp)
     except ValueError as error:
@@ -130,6 +131,30 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
         return embedding.num_embeddings
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     return vocab if isinstance(vocab, int) else None
+
+
+def _check_one_batch(cfg: DictConfig, model: torch.nn.Module) -> None:
+    """A Hugging Face model built from its family's config (`model.type`) runs one batch on one device: on the meta
+    device (shapes only), in bf16 (Hugging Face's grouped-GEMM experts refuse fp32 there), before any rank starts or
+    any sharding; `model` is left in bf16. An error about the meta device itself proves nothing and passes."""
+    if cfg.model.get("path") is not None or cfg.model.get("type") is None:
+        return  # a saved model ran as it was saved; a model of your own may need other inputs
+    block = cfg.data.get("block_size") or 8
+    try:
+        with torch.no_grad():
+            model.to(torch.bfloat16)(torch.zeros(2, block, dtype=torch.long, device="meta"))
+    except NotImplementedError:
+        return
+    except Exception as error:  # noqa: BLE001 - whatever the family's forward raises is the reason
+        reason = " ".join(str(error).split())
+        if "meta" in reason.lower():
+            return
+        fields = ", ".join(f"{key}={value}" for key, value in (cfg.model.get("config") or {}).items())
+        raise ConfigError(
+            f"model.type={cfg.model.type} cannot run one batch of (2, {block}) tokens on one device with "
+            f"model.config {fields}: {type(error).__name__}: {reason[:200]}; change those fields (the zoo's tiny "
+            f"config for the family runs: python -m tp_train.tools.zoo --families {cfg.model.type})"
+        ) from None
 
 
 def _setting(cfg: DictConfig, name: str, default=None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -35,10 +36,29 @@ def tokenizer_of(model_path: str | None) -> str | None:
     return str(model_path) if any((directory / name).is_file() for name in TOKENIZER_FILES) else None
 
 
+@functools.lru_cache(maxsize=8)
+def _special_token_ids(tokenizer_path: str | None) -> dict:
+    from tp_train.app.data import special_token_ids
+
+    return special_token_ids(tokenizer_path)
+
+
+def family_fields(model_type: str | None) -> dict:
+    """The fields `model_type` needs to run at tiny sizes: its `FamilySpec.zoo_fields` ({} without any)."""
+    from tp_train.plan.families import family
+
+    spec = family(model_type)
+    return dict(spec.zoo_fields) if spec is not None and spec.zoo_fields else {}
+
+
 def register_resolvers() -> None:
-    """`${mul:a,b}` (devices = tp x dp), `${precision:16}` and `${tokenizer_of:${model.path}}` (a pretrained model's
-    own tokenizer, so its token ids mean what it learned) for the configs in conf/."""
-    resolvers = {"mul": lambda a, b: int(a) * int(b), "precision": lightning_precision, "tokenizer_of": tokenizer_of}
+    """`${mul:a,b}` (devices = tp x dp), `${precision:16}`, `${tokenizer_of:${model.path}}` (a pretrained model's
+    own tokenizer, so its token ids mean what it learned) and `${special_token_ids:${data.tokenizer_path}}` (the
+    data's tokenizer's pad, bos and eos ids, which a model built from its family's config takes) and
+    `${family_fields:${model.type}}` for conf/."""
+    resolvers = {"mul": lambda a, b: int(a) * int(b), "precision": lightning_precision, "tokenizer_of": tokenizer_of,
+                 "special_token_ids": lambda path: dict(_special_token_ids(path)),
+                 "family_fields": family_fields}  # fmt: skip
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)

@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
+from tp_train.lightning.best_effort import BestEffort
 from tp_train.parallel.sharding import full_numel, local_part, named_sharded_parameters
 from tp_train.plan.parallelize import attached
 
@@ -38,6 +39,9 @@ class TrainingMetrics(L.Callback):
     `memory/peak_mib`, `memory/params_mib`, `train/grad_norm` (when clipping by norm) and `comm/tp_bytes_per_step`
     (what the tensor-parallel collectives of the step moved, from each sharded model's `tp_comm_counter`).
 
+    A metric never ends a run: counting FLOPs, probing memory or logging the run's sizes that raises is skipped
+    from then on with one warning (`BestEffort`); FLOPs that cannot be counted leave MFU and FLOPs/s unlogged.
+
     Args:
         window_size: batches in the moving window the rates are averaged over.
     """
@@ -50,6 +54,7 @@ class TrainingMetrics(L.Callback):
         self._throughput: Throughput | None = None
         self.parameters = self.trainable_parameters = None  # of the whole model, counted as training starts
         self._counted_step: int | None = None  # the optimizer step the communication counters count
+        self._optional = BestEffort(type(self).__name__)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
@@ -63,24 +68,17 @@ class TrainingMetrics(L.Callback):
         self._samples = self._tokens = self._batches = 0
         params = sum(local_part(p).numel() * p.element_size() for p in pl_module.parameters())  # FSDP2: this rank's
         # The largest rank's (ranks of a tensor-parallel group hold different shards): a reduction, so every rank
-        # logs it.
+        # logs it; not through BestEffort, since a rank that skipped it would leave its peers in the collective.
         pl_module.log("memory/params_mib", params / MIB, reduce_fx="max", sync_dist=True)
         specs = {id(param): spec for _, param, spec in named_sharded_parameters(pl_module)}
         full = {id(p): full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in pl_module.parameters()}
         self.parameters = sum(full.values())  # the unsharded model's
         self.trainable_parameters = sum(full[id(p)] for p in pl_module.parameters() if p.requires_grad)
         if trainer.logger:
-            tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
-            trainer.logger.log_hyperparams(
-                {
-                    "tp": tp,
-                    "dp": trainer.world_size // tp,
-                    "precision": str(trainer.precision),
-                    "parameters": self.parameters,
-                    "trainable_parameters": self.trainable_parameters,
-                    "parameters_per_rank": sum(local_part(p).numel() for p in pl_module.parameters()),
-                    "data_parallel": getattr(trainer.strategy, "data_parallel", "ddp"),
-                }
+            self._optional(
+                "logging the run's sizes",
+                lambda: trainer.logger.log_hyperparams(self._sizes(trainer, pl_module)),
+                "they are not in the logger's hyperparameters",
             )
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
@@ -95,8 +93,11 @@ class TrainingMetrics(L.Callback):
         if self.first_loss is None and isinstance(outputs, dict) and "loss" in outputs:
             self.first_loss = outputs["loss"].item()
         batch_size, block = batch.shape[0], batch.shape[1] - 1
-        if self.flops_per_batch is None:
-            self.flops_per_batch = self._measure_flops(pl_module, batch_size, block)
+        if self.flops_per_batch is None:  # 0 once they cannot be counted: not tried again
+            self.flops_per_batch = self._optional(
+                "counting FLOPs", lambda: self._measure_flops(pl_module, batch_size, block),
+                "FLOPs/s and MFU are not logged", default=0, every_rank=True,
+            )  # fmt: skip
         self._batches += 1
         self._samples += batch_size
         self._tokens += batch_size * block
@@ -110,7 +111,11 @@ class TrainingMetrics(L.Callback):
         )
         metrics = self._throughput.compute()
         data_parallel = trainer.world_size // tp
-        logged: dict[str, Any] = {"memory/peak_mib": peak_memory_mib(trainer.strategy.root_device)}
+        logged: dict[str, Any] = {}
+        peak = self._optional("probing peak memory", lambda: peak_memory_mib(trainer.strategy.root_device),
+                              "memory/peak_mib is not logged")  # fmt: skip
+        if peak is not None:
+            logged["memory/peak_mib"] = peak
         if "device/items_per_sec" in metrics:
             self.tokens_per_sec = metrics["device/items_per_sec"] * data_parallel
             logged["throughput/tokens_per_sec"] = self.tokens_per_sec
@@ -135,7 +140,9 @@ class TrainingMetrics(L.Callback):
             self._paused += time.perf_counter() - self._validation_start
 
     def _measure_flops(self, pl_module: L.LightningModule, batch_size: int, block: int) -> int | None:
-        """FLOPs of one forward and backward of the unsharded model, counted on a meta-device copy."""
+        """FLOPs of one forward and backward of the unsharded model, counted on a meta-device copy: in bf16 where its
+        own dtype cannot run there (Hugging Face's grouped-GEMM experts, `torch._grouped_mm`, refuse fp32 on meta);
+        a matmul's FLOPs are the same in any dtype."""
         factory = getattr(pl_module, "_model_factory", None)
         if factory is None:
             rank_zero_warn("TrainingMetrics: no model factory on the module; FLOPs and MFU are not logged")
@@ -148,4 +155,20 @@ class TrainingMetrics(L.Callback):
             out = model(idx)
             return getattr(out, "logits", out)
 
-        return int(measure_flops(model, forward, lambda logits: logits.sum()))
+        try:
+            return int(measure_flops(model, forward, lambda logits: logits.sum()))
+        except RuntimeError:
+            model.to(torch.bfloat16)
+            return int(measure_flops(model, forward, lambda logits: logits.sum()))
+
+    def _sizes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
+        return {
+            "tp": tp,
+            "dp": trainer.world_size // tp,
+            "precision": str(trainer.precision),
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "parameters_per_rank": sum(local_part(p).numel() for p in pl_module.parameters()),
+            "data_parallel": getattr(trainer.strategy, "data_parallel", "ddp"),
+        }

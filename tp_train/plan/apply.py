@@ -30,7 +30,7 @@ from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import SUM_OVER_RANKS, SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
-from tp_train.plan.meta_init import materialize
+from tp_train.plan.meta_init import init_weights_of, materialize
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
     FEEDS_PARALLEL_REGION,
@@ -56,13 +56,13 @@ def apply_plan(
     group: ProcessGroup,
     rng: TensorParallelRNG,
     device: torch.device,
-    loss_parallel: bool = False,
+    loss_parallel_heads: tuple[str, ...] = (),
     check=None,
 ) -> None:
     """Swaps each planned module for its tensor-parallel counterpart holding this rank's slice of its weights, in
     `named_modules` order, materialising meta tensors on `device` one module at a time (the same initial weights at
-    every tp); `check(name, module, layer)` runs right after each swap (`verify.SwapCheck`)."""
-    init_weights = getattr(model, "_init_weights", None)
+    every tp); `check(name, module, layer)` runs right after each swap (`verify.SwapCheck`). The layers named in
+    `loss_parallel_heads` keep their output sharded along the vocabulary (no gather)."""
     materialize_adapters(model, device)  # peft's own initialisation, not the model's
     by_name = {entry.name: entry for entry in planned}
     shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
@@ -77,11 +77,12 @@ def apply_plan(
             base = adapted_base(module) or module
             base.tp_origins = dict(base.named_parameters(recurse=False))  # what ties are keyed by
             if not all(id(param) in shared for param in base.tp_origins.values()):
-                materialize(name, base, device, {}, init_weights)  # its full tensors die once sliced
+                materialize(name, base, device, {}, init_weights_of(model, name))  # its full tensors die once sliced
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(base, group, shared)
             else:
-                layer = _parallel_linear(base, style, group, shared, loss_parallel, entry.counts, entry.arguments)
+                sharded_output = name in loss_parallel_heads
+                layer = _parallel_linear(base, style, group, shared, sharded_output, entry.counts, entry.arguments)
                 _sum_replicas(model, name, layer, group, replicated_parents)
             layer = _keep_subclass_forward(base, layer, SWAPPED_BASES[style])
             if wrapper is not None:  # its adapters split to go with the base (tp_train.plan.adapters)
@@ -98,7 +99,7 @@ def apply_plan(
                 layer.register_forward_hook(lambda _, __, output: copy_to_tensor_parallel_region(output, group))
             base._parameters.update(base.tp_origins)  # the dropped module lets go of its full tensors
             continue
-        materialize(name, module, device, materialized, init_weights)
+        materialize(name, module, device, materialized, init_weights_of(model, name))
         if entry is not None and entry.parameters:
             _shard_parameters(module, entry.parameters, group, shared)
         if style in REGION_STYLES:

@@ -7,6 +7,21 @@ import torch
 import torch.nn as nn
 
 
+def init_weights_of(root: nn.Module, name: str):
+    """The weight initialiser of the innermost module enclosing `root`'s submodule `name` that has one (a Hugging
+    Face model's `_init_weights`), or None: a model planned from a wrapper (a LightningModule holding a Hugging Face
+    model the auto-planner plans through) initialises each module as the model itself would. Its rotary
+    embeddings' computed buffers (StableLM's `inv_freq`, no `reset_parameters`) are recomputed so, as Hugging
+    Face's own meta-device loading does (issue 41)."""
+    parts = name.split(".") if name else []
+    for depth in range(len(parts), -1, -1):
+        owner = root.get_submodule(".".join(parts[:depth]))
+        init_weights = getattr(owner, "_init_weights", None)
+        if callable(init_weights):
+            return init_weights
+    return None
+
+
 def materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
     """Gives `module`'s own meta-device tensors storage on `device` and initialises them: `init_weights(module)`
     when given, else `module.reset_parameters()`."""

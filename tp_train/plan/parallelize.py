@@ -80,7 +80,7 @@ def parallelize(
     # others waiting in a collective it will not join.
     with failures_agreed(group):
         planned = match_plan(model, resolved, dist.get_world_size(group), example_input)
-        vocab_size = _head_vocab_size(planned, source) if loss_parallel else None
+        heads, vocab_size = _loss_parallel_heads(model, planned, source) if loss_parallel else ((), None)
         parameter_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
         whole_model = verify or (verify is None and parameter_bytes <= WHOLE_MODEL_CHECK_BYTES)
         skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
@@ -98,7 +98,7 @@ def parallelize(
         rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
         if regions is not None:  # the unsharded region modules' arguments and results, before any weight changes
             regions.record(model, example_input)
-        apply_plan(model, planned, group, rng, device, loss_parallel=loss_parallel, check=check)
+        apply_plan(model, planned, group, rng, device, loss_parallel_heads=heads, check=check)
         if regions is not None:
             regions.check(model)  # before pretrained weights replace those its references were computed with
         load_pretrained_modules(model, group, weights)
@@ -111,7 +111,7 @@ def parallelize(
         model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
         if vocab_size is not None:
             model.tp_vocab_size = vocab_size
-            model.tp_loss_fusion = _head_loss_fusion(model, planned)
+            model.tp_loss_fusion = _head_loss_fusion(model, heads)
         whole_model_errors = None
         if skeleton is not None:
             reference = unsharded_reference(skeleton, model, group)
@@ -143,23 +143,32 @@ def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> 
     return decide() if plan or size == 1 else first_rank_decides(decide, group)
 
 
-def _head_vocab_size(planned: list[PlannedModule], source: str) -> int:
-    """The real vocabulary size of the one head whose logits `loss_parallel` keeps sharded."""
-    heads = {entry.name: linear_shape(entry.module)[1] for entry in planned if entry.style == "colwise_gather_output"}
-    if len(set(heads.values())) != 1:
-        found = ", ".join(f"'{name}' ({size})" for name, size in heads.items()) or "none"
+def _loss_parallel_heads(model: nn.Module, planned: list[PlannedModule], source: str) -> tuple[tuple[str, ...], int]:
+    """The LM head whose logits `loss_parallel` keeps sharded, and its real vocabulary size: the model's output
+    embedding (Hugging Face's `get_output_embeddings()`, the module whose output is the logits) where it is planned
+    'colwise_gather_output'; else (a model of your own without one) every layer planned so, which must share one
+    vocabulary size. Not every gathered layer is a head: OLMoE's own plan gathers q, k and v (issue 41)."""
+    gathered = {entry.name: entry for entry in planned if entry.style == "colwise_gather_output"}
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
+    for name, entry in gathered.items():
+        if head is not None and entry.module is head:
+            return (name,), linear_shape(head)[1]
+    sizes = {name: linear_shape(entry.module)[1] for name, entry in gathered.items()}
+    if len(set(sizes.values())) != 1:
+        found = ", ".join(f"'{name}' ({size})" for name, size in sizes.items()) or "none"
         raise ValueError(
-            f"loss_parallel=True needs one vocabulary size among the heads planned 'colwise_gather_output' by "
-            f"{source}; found {found} (plan the LM head 'colwise_gather_output', or pass loss_parallel=False)"
+            f"loss_parallel=True needs the LM head planned 'colwise_gather_output' by {source}: the model's "
+            f"get_output_embeddings() is not among the layers planned so, and they do not share one vocabulary size; "
+            f"found {found} (plan the LM head 'colwise_gather_output', or pass loss_parallel=False)"
         )
-    return next(iter(heads.values()))
+    return tuple(sizes), next(iter(sizes.values()))
 
 
-def _head_loss_fusion(model: nn.Module, planned: list[PlannedModule]) -> HeadLossFusion | None:
-    """A `HeadLossFusion` set on the one vocabulary-parallel head, when it is a plain column layer without bias (the
-    fused head and loss compute `hidden @ weight.T`); None otherwise."""
-    names = [entry.name for entry in planned if entry.style == "colwise_gather_output"]
-    head = model.get_submodule(names[0]) if len(names) == 1 else None
+def _head_loss_fusion(model: nn.Module, heads: tuple[str, ...]) -> HeadLossFusion | None:
+    """A `HeadLossFusion` set on the one vocabulary-parallel head (`heads`: `_loss_parallel_heads`' names), when it
+    is a plain column layer without bias (the fused head and loss compute `hidden @ weight.T`); None otherwise."""
+    head = model.get_submodule(heads[0]) if len(heads) == 1 else None
     if type(head) is not ColumnParallelLinear or head.bias is not None or len(head.shard_specs["weight"].sections) > 1:
         return None
     fusion = HeadLossFusion()

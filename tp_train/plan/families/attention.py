@@ -186,7 +186,9 @@ RECORDS = (
     FamilySpec(model_type="bitnet", preset=BITNET),
     FamilySpec(model_type="phi3", override=PHI3),
     FamilySpec(model_type="gpt_oss", additions=GPT_OSS),
-    FamilySpec(model_type="deepseek_v3", additions=LATENT_ATTENTION),
+    # its latent attention repeats keys by num_attention_heads // num_key_value_heads yet makes one per query head:
+    # None is the config's own "as many as query heads" (the generic 2 kv heads ran at no tp, issue 41)
+    FamilySpec(model_type="deepseek_v3", additions=LATENT_ATTENTION, zoo_fields=dict(num_key_value_heads=None)),
     FamilySpec(model_type="youtu", additions=LATENT_ATTENTION),
     # the zoo sets rope_theta and clip_qkv, which every DBRX checkpoint sets and the defaults leave out
     FamilySpec(

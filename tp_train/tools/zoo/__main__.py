@@ -9,6 +9,7 @@ import time
 import tp_train.tools.zoo as zoo
 from tp_train.tools.zoo.configs import SIZES
 from tp_train.tools.zoo.runner import run_zoo, summary
+from tp_train.tools.zoo.train_path import run_train_zoo, train_table
 from tp_train.tools.zoo_tasks import TASKS, task_families
 
 
@@ -24,8 +25,24 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-heads", type=int, help=f"kv heads of every family that has them (default: as many as the "
         f"{SIZES['num_attention_heads']} query heads; 2 is grouped-query attention)",
     )  # fmt: skip
+    parser.add_argument(
+        "--train", action="store_true", help="run the user's path instead: a few steps of `train.py model=hf "
+        "model.type=X tp=N` per family, compared with tp=1 (causal LM only; tp_train.tools.zoo.train_path)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     fields = {"num_key_value_heads": args.kv_heads} if args.kv_heads else None
+    if args.train:
+        if args.task != "causal-lm":
+            parser.error("--train runs train.py, which trains causal LMs: use --task causal-lm")
+        chosen = args.families.split(",") if args.families else task_families(args.task)
+        results = run_train_zoo(chosen, args.tp, fields, timeout=max(args.timeout, 300))
+        trained = sum(result["class"] == "trains" for result in results.values())
+        print(f"\n{trained} of {len(results)} families train at tp={args.tp} with tp=1's losses\n")
+        print(train_table(results))
+        if args.output:
+            with open(args.output, "w") as file:
+                json.dump(results, file, indent=1, sort_keys=True)
+        return
     tasks = list(TASKS) if args.task == "all" else [args.task]
     everything = {}
     for task in tasks:

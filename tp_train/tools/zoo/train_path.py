@@ -1,0 +1,131 @@
+"""`python -m tp_train.tools.zoo --task causal-lm --train`: the user's whole path per family. For each family, a
+few steps of `python train.py model=hf model.type=X tp=N` (the zoo's tiny fields as `model.config` overrides, the
+data's own vocabulary) and of the same command at tp=1, compared loss by loss (`TRAIN_TOLERANCE`). Each run is its
+own process, as a user's is; families run one after another."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tp_train.tools.zoo.configs import tiny_config
+
+TRAIN_TOLERANCE = 1e-4
+STEPS = 4
+# The data's sizes, not the zoo's: the tokenizer trained on the corpus needs 258 tokens at least.
+DATA = ("data.max_files=20", "data.vocab_size=300", "data.block_size=32")
+SETTINGS = ("logger=csv", "ckpt_path=null", "scheduler=constant", f"trainer.max_steps={STEPS}",
+            f"trainer.val_check_interval={STEPS}", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
+            "trainer.enable_progress_bar=false", "~callbacks.progress_bar")  # fmt: skip
+# The data's: train.py's config sets the sizes, and the special token ids are its tokenizer's.
+NOT_FIELDS = ("vocab_size", "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def train_overrides(model_type: str, fields: dict | None = None) -> list[str]:
+    """`train.py` overrides building `model_type` from the zoo's tiny config with `fields` set (its kv heads), its
+    dropout off: ranks draw their own masks in a sharded region, so with dropout on no tp=N run repeats tp=1's
+    losses (GPT-2's 0.1 by default: 3e-3 apart at step 4)."""
+    tiny = {**_no_dropout(model_type), **tiny_config(model_type), **(fields or {})}
+    config = {key: value for key, value in tiny.items() if key not in NOT_FIELDS}
+    overrides = [f"++model.config.{key}={hydra_value(value)}" for key, value in config.items()]
+    return ["model=hf", f"model.type={model_type}", *overrides]
+
+
+def _no_dropout(model_type: str) -> dict:
+    """0.0 for each dropout probability of the family's config (`*dropout*`, `*pdrop*`) above 0."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        defaults = vars(CONFIG_MAPPING[model_type]())
+    except Exception:  # noqa: BLE001 - the run reports a family that does not build
+        return {}
+    return {
+        key: 0.0
+        for key, value in defaults.items()
+        if ("dropout" in key or "pdrop" in key)
+        and isinstance(value, float)
+        and not isinstance(value, bool)
+        and value > 0
+    }
+
+
+def hydra_value(value) -> str:
+    """`value` in Hydra's override grammar."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{hydra_value(item)}" for key, item in value.items()) + "}"
+    return "'" + str(value).replace("'", "\\'") + "'"
+
+
+def train_family(model_type: str, tp: int, fields: dict | None = None, timeout: float = 600) -> dict:
+    """{"class": "trains" | "differs" | "fails", "reason", "losses": {tp: [...]}} for one family."""
+    losses = {}
+    with tempfile.TemporaryDirectory(prefix=f"zoo-train-{model_type}-") as directory:
+        for size in (tp, 1):
+            run_dir = Path(directory) / f"tp{size}"
+            command = [sys.executable, "train.py", *train_overrides(model_type, fields), *DATA, *SETTINGS,
+                       f"tp={size}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+            env = {**os.environ, "WANDB_MODE": "offline", "TRANSFORMERS_VERBOSITY": "error"}
+            try:
+                done = subprocess.run(command, cwd=_root(), env=env, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return {"class": "fails", "reason": f"tp={size}: no end within {timeout:.0f} s", "losses": losses}
+            if done.returncode != 0:
+                return {"class": "fails", "reason": f"tp={size}: {_last_error(done.stderr)}", "losses": losses}
+            losses[size] = _losses(run_dir)
+    if len(losses[tp]) != STEPS or not all(math.isfinite(loss) for loss in losses[tp]):
+        return {"class": "fails", "reason": f"tp={tp}: losses {losses[tp]}", "losses": losses}
+    worst = max(abs(a - b) for a, b in zip(losses[tp], losses[1], strict=True))
+    if worst > TRAIN_TOLERANCE:
+        return {"class": "differs", "reason": f"losses differ from tp=1's by {worst:.1e}", "losses": losses}
+    return {"class": "trains", "reason": f"{STEPS} steps, largest loss difference {worst:.1e}", "losses": losses}
+
+
+def run_train_zoo(model_types: list[str], tp: int, fields: dict | None = None, timeout: float = 600, echo=print):
+    """{family: train_family(...)} for each family, one after another, each echoed as it ends."""
+    results = {}
+    for model_type in model_types:
+        results[model_type] = train_family(model_type, tp, fields, timeout)
+        echo(f"{model_type:<28} {results[model_type]['class']:<8} {results[model_type]['reason']}")
+    return results
+
+
+def train_table(results: dict[str, dict], parity: dict[str, dict] | None = None) -> str:
+    """A markdown table, per family: parity (the zoo's class, where given) and train."""
+    lines = ["| family | parity | train |", "|---|---|---|"]
+    for name, result in sorted(results.items()):
+        shown = (parity or {}).get(name, {}).get("class", "")
+        lines.append(f"| {name} | {shown} | {result['class']}: {result['reason']} |")
+    return "\n".join(lines)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    paths = sorted(run_dir.glob("csv/version_*/metrics.csv"))
+    if not paths:
+        return []
+    with open(paths[0]) as metrics:
+        return [float(row["train/loss"]) for row in csv.DictReader(metrics) if row.get("train/loss")]
+
+
+def _last_error(stderr: str) -> str:
+    """The run's one-line reason: its last line naming an error, else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or line.startswith("error:")]
+    return (named or lines or ["no output"])[-1][:300]
+
+
+def _root() -> Path:
+    """The project's root, where train.py and conf/ are."""
+    return Path(__file__).resolve().parents[3]
