@@ -65,6 +65,7 @@ class Pipeline:
         microbatches: int,
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        in_place: bool = False,
     ) -> None:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if split.num_stages % size:
@@ -74,7 +75,10 @@ class Pipeline:
         self.group, self.microbatches, self.split = group, microbatches, split
         self.ties = tied_parameters(model)
         self.stage_indices = list(range(rank, split.num_stages, size))
-        self.models = [cut_stage(copy.deepcopy(model), split, index) for index in self.stage_indices]
+        if in_place and len(self.stage_indices) != 1:
+            raise ValueError(f"a rank holding {len(self.stage_indices)} stages cuts copies of the model, not the model")
+        copies = [model] if in_place else [copy.deepcopy(model) for _ in self.stage_indices]
+        self.models = [cut_stage(cut, split, index) for cut, index in zip(copies, self.stage_indices, strict=True)]
         self.stages = [
             PipelineStage(StageForward(cut, split, index), index, split.num_stages, device, group=group)
             for cut, index in zip(self.models, self.stage_indices, strict=True)
@@ -106,19 +110,48 @@ class Pipeline:
         self._check_batch(ids)
         if isinstance(self.loss_fn, TokenWeightedCrossEntropy):
             self.loss_fn.batch_tokens = int((targets != self.loss_fn.ignore_index).sum().clamp(min=1))
+        held = self.set_aside_gradients()
+        losses = self.run(ids, targets)
+        self.finish_gradients(held)
+        return self.from_last_stage(torch.stack(losses).sum() if losses else None, ids.device)
+
+    def run(self, ids: torch.Tensor | None, target: torch.Tensor | None, train: bool = True) -> list[torch.Tensor]:
+        """One pass of the schedule: `ids` go to the first stage, `target` (split like them) to `loss_fn` on the
+        last; forward and backward with `train`, forward only without. Returns the last stage's per-microbatch
+        losses (detached; empty elsewhere). Tied gradients are not summed yet (`sum_tied_gradients`)."""
         losses: list[torch.Tensor] = []
         inputs = (ids,) if self.holds_first else ()
-        keywords = {"target": targets, "losses": losses} if self.holds_last else {}
-        self._torch_schedule.step(*inputs, **keywords, return_outputs=False)
-        sum_tied_gradients(self.models, self.ties, self.group)
-        return self._batch_loss(losses, ids.device)
+        keywords = {"target": target, "losses": losses} if self.holds_last else {}
+        if train:
+            self._torch_schedule.step(*inputs, **keywords, return_outputs=False)
+        else:
+            self._torch_schedule.eval(*inputs, **keywords)
+        return [loss.detach() for loss in losses]
 
-    def _batch_loss(self, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The sum of the microbatches' losses (each a share of the batch's mean), broadcast from the last stage."""
-        loss = torch.stack([item.detach() for item in losses]).sum() if losses else torch.zeros((), device=device)
-        loss = loss.float()
-        dist.broadcast(loss, group=self.group, group_src=self.last_rank)
-        return loss
+    def set_aside_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Takes the gradients accumulated so far off the parameters, so that a step's own are scaled and tied alone
+        (`finish_gradients` adds them back)."""
+        held = {}
+        for param in self.parameters():
+            if param.grad is not None:
+                held[param], param.grad = param.grad, None
+        return held
+
+    def finish_gradients(self, held: dict[nn.Parameter, torch.Tensor], scale: float = 1.0) -> None:
+        """This step's gradients times `scale`, tied copies summed across stages, plus those `held` from before."""
+        for param in self.parameters():
+            if param.grad is not None and scale != 1.0:
+                param.grad.mul_(scale)
+        sum_tied_gradients(self.models, self.ties, self.group)
+        for param in self.parameters():
+            if param in held:
+                param.grad = held[param] if param.grad is None else held[param] + param.grad
+
+    def from_last_stage(self, value: torch.Tensor | None, device: torch.device, size: int = 1) -> torch.Tensor:
+        """`value` (fp32, `size` elements; None except on the last stage's rank) broadcast from the last stage."""
+        value = torch.zeros(size, device=device) if value is None else value.detach().float().reshape(size)
+        dist.broadcast(value, group=self.group, group_src=self.last_rank)
+        return value if size > 1 else value[0]
 
     def _check_batch(self, ids: torch.Tensor) -> None:
         if ids.shape[0] % self.microbatches:
