@@ -26,14 +26,21 @@ class PlainLM(L.LightningModule):
         super().__init__()
         self.model = tiny_gpt(n_layer)
 
-    def training_step(self, batch, batch_idx):
+    def _loss(self, batch):
         ids, targets = batch
         logits = self.model(ids)
-        if isinstance(self.trainer.strategy, TensorParallelStrategy):
-            loss = self.trainer.strategy.cross_entropy(logits, targets)
-        else:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if isinstance(self.trainer.strategy, TensorParallelStrategy):  # token-weighted across microbatches
+            return self.trainer.strategy.cross_entropy(logits, targets)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
         return loss
 
     def configure_optimizers(self):
@@ -66,29 +73,33 @@ def _fit(rank, world_size, n_layer, strategy_kwargs):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=1,  # validation through the pipeline before its first training step
+        val_check_interval=5,
         use_distributed_sampler=False,  # the batches in order, on one device as on both stages
     )
-    trainer.fit(module, data)
+    held_out = DataLoader(TensorDataset(ids[:8] % 7, targets[:8]), batch_size=4)
+    trainer.fit(module, data, held_out)
+    (validated,) = trainer.validate(module, held_out, verbose=False)
     params = {name: p.detach().clone() for name, p in module.model.named_parameters(remove_duplicate=False)}
     norm = trainer.strategy.precision_plugin.last_grad_norm if not plain else None
-    return recorder.logged, recorder.returned, params, None if norm is None else norm.item()
+    return recorder.logged, recorder.returned, params, None if norm is None else norm.item(), validated["val_loss"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,microbatches", [("1f1b", 4), ("gpipe", 2)])
 def test_pipeline_through_lightning_equals_plain_lightning(schedule, microbatches):
     n_layer = 3
-    (reference_logged, _, reference_params, _) = run_on_ranks(_fit, 1, n_layer, None)[0]
+    (reference_logged, _, reference_params, _, reference_validated) = run_on_ranks(_fit, 1, n_layer, None)[0]
     kwargs = dict(pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=microbatches)
     results = run_on_ranks(_fit, 2, n_layer, kwargs, timeout=240)
-    for logged, returned, _, _ in results:
+    for logged, returned, _, _, validated in results:
+        assert validated == pytest.approx(reference_validated, abs=1e-5)  # trainer.validate through the pipeline
         assert len(logged) == STEPS
         assert logged == pytest.approx(reference_logged, abs=1e-5)  # self.log saw the batch's loss on every rank
         assert returned == pytest.approx(reference_logged, abs=1e-5)
     # the module's parameters against plain Lightning's: each stage's, under the model's own names
     merged = {}
-    for _, _, params, _ in results:
+    for _, _, params, _, _ in results:
         merged.update(params)
     assert set(merged) == set(reference_params)
     error = max((merged[name] - reference_params[name]).abs().max().item() for name in merged)

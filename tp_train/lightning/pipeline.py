@@ -94,20 +94,36 @@ class LightningPipeline:
         self.token_counts: list[int] | None = None  # per microbatch, where strategy.cross_entropy counted them
         self._batch: list[Any] = []
         self._step: Callable | None = None
+        self._batch_idx = 0
         self._logged: list[list[tuple[str, Any, dict]]] = []
         self._losses: list[torch.Tensor] = []
         self._pending: dict[nn.Parameter, torch.Tensor] = {}  # the last step's gradients, until backward
 
     def training_step(self, step: Callable, batch: Any, batch_idx: int, device: torch.device) -> torch.Tensor:
         """Runs `step` (the user's training_step) through the pipeline over the microbatches of `batch`; returns
-        the batch's loss on every rank, with the gradients accumulated into this stage's parameters."""
+        the batch's loss on every rank; the gradients wait for `backward`."""
+        held = self.pipeline.set_aside_gradients()
+        loss, divisor = self._run(step, batch, batch_idx, device, train=True)
+        self.pipeline.finish_gradients({}, 1.0 / divisor)
+        # Lightning zeroes the gradients after training_step and before backward: this step's wait for `backward`
+        self._pending = self.pipeline.set_aside_gradients()
+        for param, grad in held.items():
+            param.grad = grad
+        return loss
+
+    def evaluation_step(self, step: Callable, batch: Any, batch_idx: int, device: torch.device) -> torch.Tensor:
+        """`step` (the user's validation_step or test_step) through the pipeline, forward only; the batch's loss on
+        every rank, and what `step` logged logged on every rank."""
+        return self._run(step, batch, batch_idx, device, train=False)[0]
+
+    def _run(self, step: Callable, batch: Any, batch_idx: int, device: torch.device, train: bool):
         self._batch = split_batch(batch, self.microbatches)
         self._step, self._logged, self._losses, self.token_counts = step, [], [], []
+        self._batch_idx = batch_idx
         inputs = None
         if self.pipeline.holds_first:
             inputs = torch.cat([self._model_input(step, part, batch_idx) for part in self._batch])
-        held = self.pipeline.set_aside_gradients()
-        self.pipeline.run(inputs, torch.arange(self.microbatches, device=device))
+        self.pipeline.run(inputs, torch.arange(self.microbatches, device=device), train=train)
         # torch's first step infers the stages' shapes with a forward (and a loss) on placeholder tensors: keep the
         # microbatches' own, the last ones
         self.token_counts = self.token_counts[-self.microbatches :]
@@ -118,14 +134,9 @@ class LightningPipeline:
         total = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=device)
         value = torch.stack([total.float(), torch.tensor(divisor, device=device)]) if self.pipeline.holds_last else None
         loss_sum, divisor = self.pipeline.from_last_stage(value, device, size=2)
-        self.pipeline.finish_gradients({}, 1.0 / divisor.item())
-        # Lightning zeroes the gradients after training_step and before backward: this step's wait for `backward`
-        self._pending = self.pipeline.set_aside_gradients()
-        for param, grad in held.items():
-            param.grad = grad
         loss = loss_sum / divisor
         self._log_on_every_rank(loss)
-        return loss
+        return loss, divisor.item()
 
     def backward(self) -> None:
         """Adds the gradients of the last `training_step` to the parameters' (Lightning's backward, after its
@@ -173,7 +184,7 @@ class LightningPipeline:
         counted = len(self.token_counts)
         logged: list[tuple[str, Any, dict]] = []
         with self._model_as(_StageOutput(output)), self._logs_kept(logged):
-            result = self._step(self._batch[int(index.reshape(-1)[0])], 0)
+            result = self._step(self._batch[int(index.reshape(-1)[0])], self._batch_idx)
         loss = result["loss"] if isinstance(result, dict) else result
         self._logged.append([(name, value is result or value is loss, value, kw) for name, value, kw in logged])
         weight = self.token_counts[-1] if len(self.token_counts) == counted + 1 else 1

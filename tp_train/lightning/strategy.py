@@ -418,13 +418,22 @@ class TensorParallelStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._refuse_under_pipeline("validation")
-        return super().validation_step(*args, **kwargs)
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._evaluate(self.lightning_module.validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._refuse_under_pipeline("test")
-        return super().test_step(*args, **kwargs)
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._evaluate(self.lightning_module.test_step, *args, **kwargs)
+
+    def _evaluate(self, step: Callable, *args: Any, **kwargs: Any) -> Any:
+        assert self._pipeline is not None
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        with self.precision_plugin.val_step_context():  # the schedule's forward only
+            return self._pipeline.evaluation_step(step, batch, batch_idx, self.root_device)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -435,7 +444,7 @@ class TensorParallelStrategy(DDPStrategy):
         if self._pipeline is not None:
             raise NotImplementedError(
                 f"{what} does not run through the pipeline yet (pipeline_parallel_size={self.pipeline_parallel_size});"
-                f" set limit_val_batches=0 (or validate with pipeline_parallel_size=1)"
+                f" {what} with pipeline_parallel_size=1"
             )
 
     @contextmanager
