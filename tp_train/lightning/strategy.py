@@ -139,7 +139,8 @@ class TensorParallelStrategy(DDPStrategy):
         self.context_parallel_rotation = context_parallel_rotation
         self._plan = plan
         self._verify_plan = verify_plan
-        self.loss_parallel = loss_parallel
+        # Under a pipeline tp is 1 (for now): the head's logits are whole, and its stage may not be this rank's.
+        self.loss_parallel = loss_parallel and pipeline_parallel_size == 1
         self.compile = compile
         self.overlap = overlap
         self.async_checkpoint = async_checkpoint
