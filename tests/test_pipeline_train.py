@@ -20,6 +20,8 @@ SIZED = "model._target_=tests.preflight_models.SizedLM"
 CASES = {
     "pp_not_dividing_devices": (["tp=1", "pp=2", "trainer.devices=3"],
                                 "= 3 ranks is not a multiple of tp=1 x cp=1 x pp=2; use trainer.devices in [2, 4, 6"),
+    "pp_with_dp": (["tp=1", "pp=2", "dp=2"], "pp=2 with dp: trainer.devices=4 x trainer.num_nodes=1 = 4 ranks, 2 "
+                                            "pipelines; data parallelism over pipelines is not composed yet"),
     "pp_above_blocks": (["tp=1", "pp=3", "trainer.strategy.pipeline_microbatches=4"],
                         "pp=3: pipeline parallelism: 3 stages (pipeline_parallel_size x virtual stages) but GPT has 2 "
                         "blocks in 'blocks'; use at most 2 stages"),

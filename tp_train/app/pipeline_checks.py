@@ -38,6 +38,12 @@ def check_pipeline(cfg: DictConfig, model: nn.Module) -> None:
             f"tp={cfg.tp} x cp={cfg.get('cp', 1)} x pp={pp}; use trainer.devices in {fits} (or leave it: tp x dp x "
             f"cp x pp)"
         )
+    if isinstance(devices, int) and devices * nodes != model_parallel:
+        raise ConfigError(
+            f"pp={pp} with dp: trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks, "
+            f"{devices * nodes // model_parallel} pipelines; data parallelism over pipelines is not composed yet, use "
+            f"trainer.devices={model_parallel} (dp=1)"
+        )
     batch_size = cfg.data.get("batch_size")
     if isinstance(batch_size, int) and batch_size % microbatches:
         fit = batch_size + microbatches - batch_size % microbatches

@@ -228,6 +228,12 @@ class TensorParallelStrategy(DDPStrategy):
                 f"{self.world_size} (devices={self.num_processes} x num_nodes={self.num_nodes}); use devices x "
                 f"num_nodes that is a multiple of {model_parallel}"
             )
+        if self.pipeline_parallel_size > 1 and self.world_size != model_parallel:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} with data parallelism (world size "
+                f"{self.world_size} = {self.world_size // model_parallel} x {model_parallel}) is not composed yet; use "
+                f"devices x num_nodes = {model_parallel}"
+            )
         super().setup_environment()
         # Pipeline outermost: its ranks exchange only activations, so its neighbours may sit on other nodes while
         # tensor parallelism, innermost, keeps its every-layer collectives within a node.
