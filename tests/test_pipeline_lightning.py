@@ -57,7 +57,7 @@ class LoggedLoss(L.Callback):
         self.returned.append(outputs["loss"].item())
 
 
-def _fit(rank, world_size, n_layer, strategy_kwargs):
+def _fit(rank, world_size, n_layer, strategy_kwargs, accumulate=1):
     ids, targets = (torch.cat(parts) for parts in zip(*batches(STEPS), strict=True))
     data = DataLoader(TensorDataset(ids, targets), batch_size=ids.shape[0] // STEPS)
     module, recorder = PlainLM(n_layer), LoggedLoss()
@@ -66,7 +66,8 @@ def _fit(rank, world_size, n_layer, strategy_kwargs):
         strategy="auto" if plain else TensorParallelStrategy(**strategy_kwargs),
         accelerator="cpu",
         devices=1 if plain else dist.get_world_size(),
-        max_steps=STEPS,
+        max_steps=STEPS // accumulate,
+        accumulate_grad_batches=accumulate,
         callbacks=[recorder],
         gradient_clip_val=CLIP,
         logger=False,
@@ -86,17 +87,18 @@ def _fit(rank, world_size, n_layer, strategy_kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,microbatches", [("1f1b", 4), ("gpipe", 2)])
-def test_pipeline_through_lightning_equals_plain_lightning(schedule, microbatches):
+@pytest.mark.parametrize("schedule,microbatches,accumulate", [("1f1b", 4, 1), ("gpipe", 2, 1), ("1f1b", 2, 2)])
+def test_pipeline_through_lightning_equals_plain_lightning(schedule, microbatches, accumulate):
     n_layer = 3
-    (reference_logged, _, reference_params, _, reference_validated) = run_on_ranks(_fit, 1, n_layer, None)[0]
+    reference = run_on_ranks(_fit, 1, n_layer, None, accumulate)[0]
+    reference_logged, reference_returned, reference_params, _, reference_validated = reference
     kwargs = dict(pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=microbatches)
-    results = run_on_ranks(_fit, 2, n_layer, kwargs, timeout=240)
+    results = run_on_ranks(_fit, 2, n_layer, kwargs, accumulate, timeout=240)
     for logged, returned, _, _, validated in results:
         assert validated == pytest.approx(reference_validated, abs=1e-5)  # trainer.validate through the pipeline
         assert len(logged) == STEPS
         assert logged == pytest.approx(reference_logged, abs=1e-5)  # self.log saw the batch's loss on every rank
-        assert returned == pytest.approx(reference_logged, abs=1e-5)
+        assert returned == pytest.approx(reference_returned, abs=1e-5)  # what training_step returned, to callbacks
     # the module's parameters against plain Lightning's: each stage's, under the model's own names
     merged = {}
     for _, _, params, _, _ in results:
@@ -104,7 +106,7 @@ def test_pipeline_through_lightning_equals_plain_lightning(schedule, microbatche
     assert set(merged) == set(reference_params)
     error = max((merged[name] - reference_params[name]).abs().max().item() for name in merged)
     loss_error = max(abs(a - b) for a, b in zip(results[0][0], reference_logged, strict=True))
-    print(f"{schedule} m={microbatches}: loss {loss_error:.2e} param {error:.2e}")
+    print(f"{schedule} m={microbatches} accumulate={accumulate}: loss {loss_error:.2e} param {error:.2e}")
     assert error < 1e-5
     assert results[0][3] == pytest.approx(results[1][3])  # one clipping norm on both stages
     assert results[0][3] > CLIP  # clipping was active to the last step: its norm counted every stage

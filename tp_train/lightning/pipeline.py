@@ -138,10 +138,11 @@ class LightningPipeline:
         self._log_on_every_rank(loss)
         return loss, divisor.item()
 
-    def backward(self) -> None:
-        """Adds the gradients of the last `training_step` to the parameters' (Lightning's backward, after its
-        zero_grad)."""
+    def backward(self, scale: float = 1.0) -> None:
+        """Adds the gradients of the last `training_step`, times `scale` (1 / accumulate_grad_batches, as Lightning
+        divides the loss), to the parameters' (Lightning's backward, after its zero_grad)."""
         for param, grad in self._pending.items():
+            grad = grad.mul_(scale) if scale != 1.0 else grad
             param.grad = grad if param.grad is None else param.grad + grad
         self._pending = {}
 

@@ -318,6 +318,11 @@ class TensorParallelStrategy(DDPStrategy):
         if self.pipeline_parallel_size > 1 and self._pipeline is None:  # decided on the model as written
             split = decide_split(self.lightning_module, self.pipeline_parallel_size, self.pipeline_split)
         self._shard(self.lightning_module)
+        if split is not None and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "precision=16-mixed scales the loss before backward, which a pipeline's schedule runs itself; use "
+                "bf16-mixed or 32 with pipeline_parallel_size > 1"
+            )
         if split is not None:  # cut the model: this rank's stage only
             self._pipeline = LightningPipeline(
                 self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
@@ -420,7 +425,8 @@ class TensorParallelStrategy(DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._pipeline is None:
             return super().backward(closure_loss, *args, **kwargs)
-        self._pipeline.backward()  # the schedule ran backward in training_step; its gradients land now
+        # The schedule ran backward in training_step; its gradients land now, divided as Lightning divides the loss
+        self._pipeline.backward(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
         return closure_loss
 
     @override
