@@ -69,7 +69,7 @@ def _fit(rank, world_size, n_layer, strategy_kwargs, accumulate=1):
         max_steps=STEPS // accumulate,
         accumulate_grad_batches=accumulate,
         callbacks=[recorder],
-        gradient_clip_val=CLIP,
+        gradient_clip_val=CLIP if accumulate == 1 else None,  # unclipped: clipping would hide a gradient's scale
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -108,5 +108,6 @@ def test_pipeline_through_lightning_equals_plain_lightning(schedule, microbatche
     loss_error = max(abs(a - b) for a, b in zip(results[0][0], reference_logged, strict=True))
     print(f"{schedule} m={microbatches} accumulate={accumulate}: loss {loss_error:.2e} param {error:.2e}")
     assert error < 1e-5
-    assert results[0][3] == pytest.approx(results[1][3])  # one clipping norm on both stages
-    assert results[0][3] > CLIP  # clipping was active to the last step: its norm counted every stage
+    if accumulate == 1:
+        assert results[0][3] == pytest.approx(results[1][3])  # one clipping norm on both stages
+        assert results[0][3] > CLIP  # clipping was active to the last step: its norm counted every stage
