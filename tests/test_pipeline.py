@@ -47,6 +47,10 @@ def test_split_balances_parameters_with_embedding_and_head():
     assert split.stages == ((0, 1), (2, 3, 4))  # the embedding outweighs the head: the first stage takes fewer
     assert plan_pipeline_split(tiny_gpt(5), 2, explicit=[4, 1]).stages == ((0, 1, 2, 3), (4,))
     assert [len(s) for s in plan_pipeline_split(tiny_gpt(4), 4).stages] == [1, 1, 1, 1]
+    model = tiny_gpt(5)
+    model.pipeline_split = [1, 4]  # the model's own split, as data beside its tp_plan
+    assert plan_pipeline_split(model, 2).stages == ((0,), (1, 2, 3, 4))
+    assert plan_pipeline_split(model, 2, explicit=[3, 2]).stages == ((0, 1, 2), (3, 4))  # the argument wins
 
 
 def test_split_refuses_in_one_line():

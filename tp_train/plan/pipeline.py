@@ -40,7 +40,8 @@ def plan_pipeline_split(
     model: nn.Module, num_stages: int, explicit: list[int] | tuple[int, ...] | None = None, blocks: str | None = None
 ) -> PipelineSplit:
     """The split of `model` into `num_stages` stages: `explicit` blocks per stage (e.g. [3, 2]) when given, else the
-    contiguous split whose heaviest stage holds the fewest parameters. One-line `ValueError` when the stages
+    model's own `pipeline_split` attribute (data beside its `tp_plan`, for that many stages), else the contiguous
+    split whose heaviest stage holds the fewest parameters. One-line `ValueError` when the stages
     outnumber the blocks or `explicit` does not add up to them."""
     blocks = blocks or find_blocks(model)
     block_list = model.get_submodule(blocks)
@@ -51,6 +52,9 @@ def plan_pipeline_split(
             f"{type(model).__name__} has {count} blocks in '{blocks}'; use at most {count} stages"
         )
     before, after = _outside_blocks(model, blocks)
+    own = getattr(model, "pipeline_split", None)
+    if explicit is None and own is not None and len(own) == num_stages:
+        explicit = own
     if explicit is not None:
         sizes = list(explicit)
         if len(sizes) != num_stages or sum(sizes) != count or min(sizes) < 1:
