@@ -28,8 +28,8 @@ CASES = {
     "microbatches_not_dividing_batch": (["tp=1", "pp=2", "trainer.strategy.pipeline_microbatches=3"],
                                         "data.batch_size=8 is not a multiple of trainer.strategy.pipeline_microbatches"
                                         "=3 (each batch runs as that many microbatches); use data.batch_size=9"),
-    "schedule_refused": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=zbv_zero_bubble"],
-                         "pipeline_schedule='zbv_zero_bubble' is refused: it places stages in a V"),
+    "zero_bubble_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=zbv_zero_bubble"],
+                         "pipeline_schedule='zbv_zero_bubble' runs several stages per rank, which the strategy"),
     "virtual_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b"],
                                      "runs several stages per rank, which the strategy does not offer yet"),
     "pp_with_tp": (["tp=2", "pp=2"], "pp=2: pipeline_parallel_size=2 composes with tensor_parallel_size=1"),

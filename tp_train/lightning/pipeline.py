@@ -247,7 +247,7 @@ def check_pipeline_arguments(
     if key in SCHEDULES and SCHEDULES[key].virtual:
         raise ValueError(
             f"pipeline_schedule={schedule!r} runs several stages per rank, which the strategy does not offer yet; "
-            f"use '1f1b' or 'gpipe' (tp_train.parallel.pipeline.Pipeline runs it outside Lightning)"
+            f"use '1f1b' or 'gpipe' (tp_train.Pipeline runs it outside Lightning)"
         )
     schedule_named(schedule, 1)  # unknown or refused: its one line
     if tensor_parallel > 1 or context_parallel > 1 or data_parallel != "ddp":

@@ -74,7 +74,10 @@ class Pipeline:
         self.schedule = schedule_named(schedule_name, self.virtual_stages)
         self.group, self.microbatches, self.split = group, microbatches, split
         self.ties = tied_parameters(model)
-        self.stage_indices = list(range(rank, split.num_stages, size))
+        if self.schedule.placement == "v":  # rank r: stages r and 2pp - 1 - r, the first and last on rank 0
+            self.stage_indices = [rank, split.num_stages - 1 - rank]
+        else:
+            self.stage_indices = list(range(rank, split.num_stages, size))
         if in_place and len(self.stage_indices) != 1:
             raise ValueError(f"a rank holding {len(self.stage_indices)} stages cuts copies of the model, not the model")
         copies = [model] if in_place else [copy.deepcopy(model) for _ in self.stage_indices]
@@ -88,7 +91,8 @@ class Pipeline:
         self._torch_schedule = self.schedule.torch_class(
             stages, n_microbatches=microbatches, loss_fn=self.loss_fn, scale_grads=False
         )
-        self.last_rank = (split.num_stages - 1) % size  # the group rank running the last stage
+        # the group rank running the last stage
+        self.last_rank = 0 if self.schedule.placement == "v" else (split.num_stages - 1) % size
 
     @property
     def holds_first(self) -> bool:

@@ -12,7 +12,8 @@ from torch.distributed import pipelining
 class Schedule:
     name: str  # what the user writes: pipeline_schedule="1f1b"
     torch_class: type  # the torch schedule that runs it
-    virtual: bool  # several stages per rank (looped: rank r runs stages r, r + pp, ...), at least 2 of them
+    virtual: bool  # several stages per rank, at least 2 of them
+    placement: str = "loop"  # "loop": rank r runs stages r, r + pp, ...; "v": rank r runs stages r and 2pp - 1 - r
 
 
 SCHEDULES = {
@@ -22,18 +23,14 @@ SCHEDULES = {
         Schedule("1f1b", pipelining.Schedule1F1B, virtual=False),
         Schedule("interleaved_1f1b", pipelining.ScheduleInterleaved1F1B, virtual=True),
         Schedule("looped_bfs", pipelining.ScheduleLoopedBFS, virtual=True),
+        Schedule("interleaved_zero_bubble", pipelining.ScheduleInterleavedZeroBubble, virtual=True),
+        Schedule("zbv_zero_bubble", pipelining.ScheduleZBVZeroBubble, virtual=True, placement="v"),
+        Schedule("dualpipev", pipelining.ScheduleDualPipeV, virtual=True, placement="v"),
     )
 }
 
 # Exported by torch but refused: each reason is what keeps it from running here.
-REFUSED = {
-    "interleaved_zero_bubble": "splits each backward into input- and weight-gradient passes, which tp_train's stages "
-    "(a cut of the model's own forward, with hooks) do not run yet",
-    "zbv_zero_bubble": "places stages in a V (rank r runs stages r and 2pp-1-r) and splits backward into input- and "
-    "weight-gradient passes; tp_train places stages looped and runs whole backwards",
-    "dualpipev": "places stages in a V and overlaps a forward with a backward on one rank; tp_train places stages "
-    "looped and runs whole backwards",
-}
+REFUSED: dict[str, str] = {}
 
 
 def schedule_named(name: str, virtual_stages: int) -> Schedule:
@@ -45,6 +42,11 @@ def schedule_named(name: str, virtual_stages: int) -> Schedule:
     if key not in SCHEDULES:
         raise ValueError(f"pipeline_schedule={name!r} is unknown; use one of {', '.join(SCHEDULES)}")
     schedule = SCHEDULES[key]
+    if schedule.placement == "v" and virtual_stages != 2:
+        raise ValueError(
+            f"pipeline_schedule={name!r} places exactly 2 stages per rank in a V: set pipeline_virtual_stages to 2 "
+            f"(got {virtual_stages})"
+        )
     if schedule.virtual and virtual_stages < 2:
         raise ValueError(
             f"pipeline_schedule={name!r} runs several stages per rank: set pipeline_virtual_stages to 2 or more "
