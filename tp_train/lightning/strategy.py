@@ -35,6 +35,7 @@ from tp_train.lightning.arguments import check_arguments
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_arguments, decide_split
+from tp_train.lightning.pipeline_hooks import PipelineStepHooks
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.mesh import (
@@ -52,7 +53,7 @@ from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
 
 
-class TensorParallelStrategy(DDPStrategy):
+class TensorParallelStrategy(PipelineStepHooks, DDPStrategy):
     """Shards the LightningModule's model(s) column-then-row over `tensor_parallel_size` ranks; the remaining
     factor of the world size is data parallelism.
 
@@ -410,55 +411,6 @@ class TensorParallelStrategy(DDPStrategy):
             plugin.pipeline_parallel_group = self.pipeline_parallel_group
             plugin.pipeline_duplicates = self._pipeline.duplicate_parameters()
         plugin.sharded_parameters = {id(param): spec for _, param, spec in named_sharded_parameters(root)}
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
-        with self.precision_plugin.train_step_context():  # the schedule runs forward and backward
-            batch = args[0] if args else kwargs["batch"]
-            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-            step = self.lightning_module.training_step
-            return self._pipeline.training_step(step, batch, batch_idx, self.root_device)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._pipeline is None:
-            return super().backward(closure_loss, *args, **kwargs)
-        # The schedule ran backward in training_step; its gradients land now, divided as Lightning divides the loss
-        self._pipeline.backward(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
-        return closure_loss
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        return self._evaluate(self.lightning_module.validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
-        return self._evaluate(self.lightning_module.test_step, *args, **kwargs)
-
-    def _evaluate(self, step: Callable, *args: Any, **kwargs: Any) -> Any:
-        assert self._pipeline is not None
-        batch = args[0] if args else kwargs["batch"]
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        with self.precision_plugin.val_step_context():  # the schedule's forward only
-            return self._pipeline.evaluation_step(step, batch, batch_idx, self.root_device)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._refuse_under_pipeline("predict")
-        return super().predict_step(*args, **kwargs)
-
-    def _refuse_under_pipeline(self, what: str) -> None:
-        if self._pipeline is not None:
-            raise NotImplementedError(
-                f"{what} does not run through the pipeline yet (pipeline_parallel_size={self.pipeline_parallel_size});"
-                f" {what} with pipeline_parallel_size=1"
-            )
 
     @contextmanager
     @override
