@@ -28,7 +28,7 @@ FRAMEWORK_LAYERS = ("lightning", "app")
 # shared `ShardSpec`s and local views that `apply_plan` uses); `shared` imports only `shared`.
 PLAN_JOBS = {
     "decide": ("autoplan", "coverage", "families", "head_shapes", "isolation", "local_search", "locality", "match",
-               "pairs", "presets", "resolve", "running_statistics", "structure_rules", "views"),
+               "pairs", "pipeline", "presets", "resolve", "running_statistics", "structure_rules", "views"),
     "apply": ("activation_checkpointing", "adapters", "apply", "context_parallel", "data_parallel",
               "sequence_parallel"),
     "check": ("region_check", "verify"),

@@ -35,11 +35,14 @@ from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.experts import shard_experts
 from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tp_train.parallel.pipeline import Pipeline
+from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.parallel.random import TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
 from tp_train.plan.autoplan import infer_plan
 from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
+from tp_train.plan.pipeline import plan_pipeline_split
 from tp_train.plan.verify import PlanVerificationError, verify_parallelized
 from tp_train.tools.export import export_hugging_face
 from tp_train.tools.generation import Sampling, generate
@@ -56,6 +59,8 @@ __all__ = [
     "HangDetector",
     "NonFiniteError",
     "NonFiniteGuard",
+    "Pipeline",
+    "PipelineSplit",
     "PlanVerificationError",
     "Preempted",
     "PreemptionCheckpoint",
@@ -89,6 +94,7 @@ __all__ = [
     "gather_from_tensor_parallel_region",
     "named_sharded_parameters",
     "parallelize",
+    "plan_pipeline_split",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "save_checkpoint",

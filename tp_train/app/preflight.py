@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from tp_train.app.config_values import check_values
+from tp_train.app.pipeline_checks import check_pipeline
 from tp_train.app.resolvers import lightning_precision
 from tp_train.checkpoint import consolidated
 from tp_train.checkpoint.checks import check_files
@@ -72,6 +73,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         match_plan(model, resolve_plan(model, tensor_parallel_size=tp)[0], tp)
     except ValueError as error:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
+    check_pipeline(cfg, model)
     if cp > 1:
         try:
             check_context_parallel(model, block_size)

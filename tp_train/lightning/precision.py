@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
-from tp_train.parallel.clipping import clip_grad_norm_
+from tp_train.parallel.clipping import clip_grad_norm_, global_grad_norm
 from tp_train.parallel.sharding import ShardSpec
 
 
@@ -24,11 +24,20 @@ class _TensorParallelClipping:
     tensor_parallel_group: ProcessGroup | None = None
     sharded_parameters: Mapping[int, ShardSpec] = MappingProxyType({})  # id(shard) -> how it is split
     last_grad_norm: torch.Tensor | None = None
+    pipeline_parallel_group: ProcessGroup | None = None  # with pipeline stages: the norm is over all of them
+    pipeline_duplicates: frozenset[int] = frozenset()  # id() of tied copies an earlier stage holds (counted once)
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         if self.tensor_parallel_group is None:
             raise RuntimeError("the tensor-parallel precision plugin was used before the strategy's setup()")
+        if self.pipeline_parallel_group is not None:  # each stage's parameters are its own: summed over the stages
+            params = list(self.main_params(optimizer))
+            counted = [p for p in params if id(p) not in self.pipeline_duplicates]
+            norm = global_grad_norm(counted, {id(p) for p in counted}, self.pipeline_parallel_group)
+            torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+            self.last_grad_norm = norm
+            return
         self.last_grad_norm = clip_grad_norm_(
             self.main_params(optimizer), clip_val, self.sharded_parameters, self.tensor_parallel_group
         )

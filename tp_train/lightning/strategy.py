@@ -34,8 +34,17 @@ from tp_train.lightning.arguments import check_arguments, check_fused_loss
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.loss import StrategyLoss
+from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_arguments, decide_split
+from tp_train.lightning.pipeline_hooks import PipelineStepHooks
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
-from tp_train.parallel.mesh import CONTEXT_PARALLEL, DATA_PARALLEL, REPLICAS, TENSOR_PARALLEL, first_rank_decides
+from tp_train.parallel.mesh import (
+    CONTEXT_PARALLEL,
+    DATA_PARALLEL,
+    PIPELINE_PARALLEL,
+    REPLICAS,
+    TENSOR_PARALLEL,
+    first_rank_decides,
+)
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
@@ -43,7 +52,7 @@ from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
 
 
-class TensorParallelStrategy(DDPStrategy):
+class TensorParallelStrategy(PipelineStepHooks, DDPStrategy):
     """Shards the LightningModule's model(s) column-then-row over `tensor_parallel_size` ranks; the remaining
     factor of the world size is data parallelism.
 
@@ -112,9 +121,21 @@ class TensorParallelStrategy(DDPStrategy):
         save_distributed_checkpoint: bool = True,
         context_parallel_size: int = 1,
         context_parallel_rotation: str = "ring",
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1f1b",
+        pipeline_microbatches: int | None = None,
+        pipeline_split: list[int] | None = None,
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
+        self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
+        check_pipeline_arguments(
+            pipeline_parallel_size, pipeline_schedule, self.pipeline_microbatches, tensor_parallel_size,
+            context_parallel_size, data_parallel,
+        )  # fmt: skip
+        self._pipeline: LightningPipeline | None = None
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )
@@ -123,7 +144,8 @@ class TensorParallelStrategy(DDPStrategy):
         self.context_parallel_rotation = context_parallel_rotation
         self._plan = plan
         self._verify_plan = verify_plan
-        self.loss_parallel = loss_parallel
+        # Under a pipeline tp is 1 (for now): the head's logits are whole, and its stage may not be this rank's.
+        self.loss_parallel = loss_parallel and pipeline_parallel_size == 1
         self.compile = compile
         self.overlap = overlap
         self.async_checkpoint = async_checkpoint
@@ -159,8 +181,12 @@ class TensorParallelStrategy(DDPStrategy):
         return self.device_mesh[CONTEXT_PARALLEL].get_group()
 
     @property
+    def pipeline_parallel_group(self) -> ProcessGroup:
+        return self.device_mesh[PIPELINE_PARALLEL].get_group()
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size)
+        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size)
 
     def cross_entropy(
         self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0
@@ -173,6 +199,8 @@ class TensorParallelStrategy(DDPStrategy):
             return context_parallel_cross_entropy(
                 self._cross_entropy, logits, target, self.lightning_module, ignore_index, label_smoothing
             )
+        if self._pipeline is not None:  # the microbatch's share of the batch's tokens (tp_train.lightning.pipeline)
+            self._pipeline.count_tokens(int((target != ignore_index).sum()))
         return self._cross_entropy(logits, target, ignore_index, label_smoothing)
 
     def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
@@ -197,18 +225,28 @@ class TensorParallelStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        model_parallel = self.tensor_parallel_size * self.context_parallel_size
+        model_parallel = self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size
         if self.world_size % model_parallel:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} x context_parallel_size={self.context_parallel_size}"
-                f" does not divide the world size {self.world_size} (devices={self.num_processes} x num_nodes="
-                f"{self.num_nodes}); use devices x num_nodes that is a multiple of {model_parallel}"
+                f" x pipeline_parallel_size={self.pipeline_parallel_size} does not divide the world size "
+                f"{self.world_size} (devices={self.num_processes} x num_nodes={self.num_nodes}); use devices x "
+                f"num_nodes that is a multiple of {model_parallel}"
+            )
+        if self.pipeline_parallel_size > 1 and self.world_size != model_parallel:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} with data parallelism (world size "
+                f"{self.world_size} = {self.world_size // model_parallel} x {model_parallel}) is not composed yet; use "
+                f"devices x num_nodes = {model_parallel}"
             )
         super().setup_environment()
+        # Pipeline outermost: its ranks exchange only activations, so its neighbours may sit on other nodes while
+        # tensor parallelism, innermost, keeps its every-layer collectives within a node.
+        sizes = (self.pipeline_parallel_size, self.data_parallel_size)
         self._device_mesh = init_device_mesh(
             self.root_device.type,
-            (self.data_parallel_size, self.context_parallel_size, self.tensor_parallel_size),
-            mesh_dim_names=(DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL),
+            (*sizes, self.context_parallel_size, self.tensor_parallel_size),
+            mesh_dim_names=(PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL),
             backend_override=self._mesh_timeouts(),
         )
         # DDP (or FSDP2) averages gradients over data x context parallel ranks, which hold the same parameters.
@@ -264,7 +302,8 @@ class TensorParallelStrategy(DDPStrategy):
             options._timeout = self._timeout
         else:
             options = C10dBackend.Options(backend, self._timeout)
-        return {name: (backend, options) for name in (DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL)}
+        names = (PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL)
+        return {name: (backend, options) for name in names}
 
     @contextmanager
     @override
@@ -280,7 +319,20 @@ class TensorParallelStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         if not any(t.is_meta for t in self.lightning_module.parameters()):
             self.model_to_device()  # shard on the device: the collectives below run on it
+        split = None
+        if self.pipeline_parallel_size > 1 and self._pipeline is None:  # decided on the model as written
+            split = decide_split(self.lightning_module, self.pipeline_parallel_size, self.pipeline_split)
         self._shard(self.lightning_module)
+        if split is not None and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "precision=16-mixed scales the loss before backward, which a pipeline's schedule runs itself; use "
+                "bf16-mixed or 32 with pipeline_parallel_size > 1"
+            )
+        if split is not None:  # cut the model: this rank's stage only
+            self._pipeline = LightningPipeline(
+                self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
+                self.pipeline_microbatches, self.root_device, split,
+            )  # fmt: skip
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self.data_parallel == "fsdp":
@@ -359,6 +411,9 @@ class TensorParallelStrategy(DDPStrategy):
         """The clipping norm's group and the tensor-parallel shards (by id: FSDP2 replaces the parameters)."""
         plugin = self.precision_plugin
         plugin.tensor_parallel_group = self.tensor_parallel_group
+        if self._pipeline is not None:  # the norm over every stage, each tied parameter once
+            plugin.pipeline_parallel_group = self.pipeline_parallel_group
+            plugin.pipeline_duplicates = self._pipeline.duplicate_parameters()
         plugin.sharded_parameters = {id(param): spec for _, param, spec in named_sharded_parameters(root)}
 
     @contextmanager

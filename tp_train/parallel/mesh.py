@@ -16,6 +16,8 @@ from tp_train.parallel.agreement import rebuilt_error
 # tensor parallelism within one; parameters are replicated over both data and context parallelism.
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
 CONTEXT_PARALLEL = "context_parallel"
+# Pipeline stages, the outermost axis: only activations cross it, once per microbatch, so it can span nodes.
+PIPELINE_PARALLEL = "pipeline_parallel"
 REPLICAS = "data_context_parallel"  # data x context parallel, flattened: the group gradients are averaged over
 # How the data-parallel axis holds a tensor-parallel shard: whole on every rank (DDP), or split over it (FSDP2).
 DATA_PARALLEL_MODES = ("ddp", "fsdp")

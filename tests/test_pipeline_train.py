@@ -1,0 +1,94 @@
+"""`python train.py pp=2` as users type it: bad pipeline settings refused in one line before any rank starts, and a
+run at pp=2 logging the same losses as at pp=1 (train.py's CSV metrics, to 1e-5)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import train_cases
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZED = "model._target_=tests.preflight_models.SizedLM"
+
+CASES = {
+    "pp_not_dividing_devices": (["tp=1", "pp=2", "trainer.devices=3"],
+                                "= 3 ranks is not a multiple of tp=1 x cp=1 x pp=2; use trainer.devices in [2, 4, 6"),
+    "pp_with_dp": (["tp=1", "pp=2", "dp=2"], "pp=2 with dp: trainer.devices=4 x trainer.num_nodes=1 = 4 ranks, 2 "
+                                            "pipelines; data parallelism over pipelines is not composed yet"),
+    "pp_above_blocks": (["tp=1", "pp=3", "trainer.strategy.pipeline_microbatches=4"],
+                        "pp=3: pipeline parallelism: 3 stages (pipeline_parallel_size x virtual stages) but GPT has 2 "
+                        "blocks in 'blocks'; use at most 2 stages"),
+    "microbatches_not_dividing_batch": (["tp=1", "pp=2", "trainer.strategy.pipeline_microbatches=3"],
+                                        "data.batch_size=8 is not a multiple of trainer.strategy.pipeline_microbatches"
+                                        "=3 (each batch runs as that many microbatches); use data.batch_size=9"),
+    "zero_bubble_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=zbv_zero_bubble"],
+                         "pipeline_schedule='zbv_zero_bubble' runs several stages per rank, which the strategy"),
+    "virtual_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b"],
+                                     "runs several stages per rank, which the strategy does not offer yet"),
+    "pp_with_tp": (["tp=2", "pp=2"], "pp=2: pipeline_parallel_size=2 composes with tensor_parallel_size=1"),
+    "model_without_blocks": ([SIZED, "+model.planned=false", "tp=1", "pp=2"], "SizedLM"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    directories = {case: tmp_path_factory.mktemp(case) for case in CASES}
+    cases = [
+        {
+            "overrides": ["experiment=smoke", "logger=none", f"hydra.run.dir={directories[case]}", *overrides],
+            "env": {"TP_TRAIN_CACHE": str(directories[case] / "cache")},
+            "directory": str(directories[case]),
+        }
+        for case, (overrides, _) in CASES.items()
+    ]
+    command = [sys.executable, "-m", "tests.train_cases"]
+    done = subprocess.run(command, cwd=ROOT, input=json.dumps(cases), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {case: (result, directories[case]) for case, result in zip(CASES, json.loads(done.stdout), strict=True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_pipeline_config_is_one_line_before_any_rank(outcomes, case):
+    _, expected = CASES[case]
+    result, directory = outcomes[case]
+    assert result["status"] == 2, result["stderr"][-2000:]
+    assert "Traceback" not in result["stderr"]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], result["stderr"][-2000:]
+    assert not (directory / "cache").exists()  # refused before any data was prepared
+
+
+def _metrics(run_dir: Path) -> dict[str, dict[int, float]]:
+    """series -> step -> value, from the CSV logger's metrics.csv."""
+    series: dict[str, dict[int, float]] = {}
+    with open(next(run_dir.glob("csv/version_*/metrics.csv"))) as file:
+        for row in csv.DictReader(file):
+            for name in ("train/loss", "val/loss", "train/grad_norm"):
+                if row.get(name):
+                    series.setdefault(name, {})[int(row["step"])] = float(row[name])
+    return series
+
+
+@pytest.mark.slow
+def test_train_py_at_pp2_logs_the_losses_of_pp1(tmp_path):
+    runs = {}
+    for pp in (1, 2):
+        out = tmp_path / f"pp{pp}"
+        overrides = ["experiment=smoke", "logger=csv", "tp=1", f"pp={pp}", "trainer.max_steps=6",
+                     "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
+                     f"hydra.run.dir={out}"]  # fmt: skip
+        env = {**os.environ, "WANDB_MODE": "offline", "TP_TRAIN_CACHE": str(tmp_path / "cache")}
+        result = train_cases.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[pp] = _metrics(out)
+    for name in ("train/loss", "val/loss", "train/grad_norm"):
+        assert runs[2][name], name
+        assert runs[2][name] == pytest.approx(runs[1][name], abs=1e-5), name

@@ -1,0 +1,57 @@
+"""`pp=N` checked before any rank starts, each problem in one line: the devices it does not divide, more stages than
+the model has blocks, a model whose blocks cannot be found, microbatches that do not divide the batch, and a schedule
+or composition the strategy refuses."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from tp_train.errors import ConfigError
+from tp_train.lightning.pipeline import check_pipeline_arguments
+from tp_train.plan.pipeline import plan_pipeline_split
+
+
+def check_pipeline(cfg: DictConfig, model: nn.Module) -> None:
+    """Raises `ConfigError` for the first problem with `cfg.pp` (and the strategy's pipeline_* keys) on `model`
+    (built on the meta device)."""
+    pp = cfg.get("pp", 1)
+    if not isinstance(pp, int) or pp < 1:
+        raise ConfigError(f"pp={pp} must be a positive integer (the pipeline stages), e.g. pp=2")
+    if pp == 1:
+        return
+    strategy = cfg.trainer.get("strategy") or {}
+    schedule = strategy.get("pipeline_schedule", "1f1b")
+    microbatches = strategy.get("pipeline_microbatches") or pp
+    try:
+        check_pipeline_arguments(
+            pp, schedule, microbatches, cfg.tp, cfg.get("cp", 1), str(cfg.get("data_parallel", "ddp"))
+        )
+    except ValueError as error:
+        raise ConfigError(f"pp={pp}: {error}") from None
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    model_parallel = cfg.tp * cfg.get("cp", 1) * pp
+    if isinstance(devices, int) and (devices * nodes) % model_parallel:
+        fits = [n * model_parallel for n in range(1, 5)]
+        raise ConfigError(
+            f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
+            f"tp={cfg.tp} x cp={cfg.get('cp', 1)} x pp={pp}; use trainer.devices in {fits} (or leave it: tp x dp x "
+            f"cp x pp)"
+        )
+    if isinstance(devices, int) and devices * nodes != model_parallel:
+        raise ConfigError(
+            f"pp={pp} with dp: trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks, "
+            f"{devices * nodes // model_parallel} pipelines; data parallelism over pipelines is not composed yet, use "
+            f"trainer.devices={model_parallel} (dp=1)"
+        )
+    batch_size = cfg.data.get("batch_size")
+    if isinstance(batch_size, int) and batch_size % microbatches:
+        fit = batch_size + microbatches - batch_size % microbatches
+        raise ConfigError(
+            f"data.batch_size={batch_size} is not a multiple of trainer.strategy.pipeline_microbatches={microbatches}"
+            f" (each batch runs as that many microbatches); use data.batch_size={fit}"
+        )
+    try:
+        plan_pipeline_split(model, pp, explicit=strategy.get("pipeline_split"))
+    except ValueError as error:
+        raise ConfigError(f"pp={pp}: {error}") from None

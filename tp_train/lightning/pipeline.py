@@ -1,0 +1,276 @@
+"""Pipeline parallelism inside `TensorParallelStrategy`: the user's `training_step` runs unchanged, once per
+microbatch, while torch's schedule (`tp_train.parallel.pipeline.Pipeline`) runs the model's stages.
+
+How one step goes, on every rank of the pipeline group:
+1. The batch is split along dim 0 into the microbatches. Where the first stage is, `training_step` runs on each of
+   them until it calls the model, which stops it: what it passes to the model is that microbatch's input.
+2. The schedule runs the stages over the microbatches. On the last stage, its loss for microbatch k is the user's
+   `training_step` on microbatch k, with the model standing in by the stage's output: the user computes the loss
+   their own way. `strategy.cross_entropy` there counts the microbatch's targets, so the gradients are those of the
+   batch's token-weighted mean (a mean of the microbatches' means where the loss does not go through it).
+3. Tied parameters' gradients are summed across stages; the loss, and what `training_step` logged, are broadcast
+   from the last stage and logged on every rank, so `self.log`, callbacks and the progress bar see the batch's.
+The strategy owns backward: the schedule runs it in `training_step`, and Lightning's `backward` (after its
+`zero_grad`) only adds those gradients to the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from tp_train.parallel.pipeline import SCHEDULES, Pipeline, schedule_named
+from tp_train.parallel.pipeline.split import PipelineSplit
+from tp_train.plan.pipeline import plan_pipeline_split
+from tp_train.plan.resolve import modules_with_plans
+
+
+class _Captured(Exception):  # noqa: N818 - control flow: training_step called the model, with these inputs
+    def __init__(self, args: tuple) -> None:
+        super().__init__()
+        self.args = args
+
+
+class _CaptureInput(nn.Module):
+    def forward(self, *args, **kwargs):
+        raise _Captured(args)
+
+
+class _StageOutput(nn.Module):
+    """Stands in for the model in the last stage's `training_step`: returns that stage's output for the microbatch."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+def pipelined_model(module: pl.LightningModule) -> tuple[str, nn.Module]:
+    """The one submodule of `module` with a plan (its model), which the pipeline cuts; one-line error otherwise."""
+    found = [(name, model) for name, model in modules_with_plans(module) if name and "." not in name]
+    if len(found) != 1:
+        names = [name for name, _ in found] or "none"
+        raise ValueError(
+            f"pipeline_parallel_size > 1 needs {type(module).__name__} to hold its model as one attribute with a "
+            f"plan (e.g. self.model = GPT(...)); found {names}"
+        )
+    return found[0]
+
+
+def decide_split(module: pl.LightningModule, stages: int, explicit: list[int] | None) -> PipelineSplit:
+    """Where `module`'s model splits into `stages` stages, read off the unsharded model (before the planner swaps its
+    layers)."""
+    return plan_pipeline_split(pipelined_model(module)[1], stages, explicit=explicit)
+
+
+class LightningPipeline:
+    """The pipeline of `module`'s model on this rank (cut in place along `split`), run by `training_step`."""
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        group: ProcessGroup,
+        schedule: str,
+        microbatches: int,
+        device: torch.device,
+        split: PipelineSplit,
+    ) -> None:
+        self.module = module
+        self.name, model = pipelined_model(module)
+        self.split = split
+        self.microbatches = microbatches
+        self.pipeline = Pipeline(
+            model, self.split, group, schedule, microbatches, device, loss_fn=self._microbatch_loss, in_place=True
+        )
+        self.token_counts: list[int] | None = None  # per microbatch, where strategy.cross_entropy counted them
+        self._batch: list[Any] = []
+        self._step: Callable | None = None
+        self._batch_idx = 0
+        self._logged: list[list[tuple[str, Any, dict]]] = []
+        self._losses: list[torch.Tensor] = []
+        self._pending: dict[nn.Parameter, torch.Tensor] = {}  # the last step's gradients, until backward
+
+    def training_step(self, step: Callable, batch: Any, batch_idx: int, device: torch.device) -> torch.Tensor:
+        """Runs `step` (the user's training_step) through the pipeline over the microbatches of `batch`; returns
+        the batch's loss on every rank; the gradients wait for `backward`."""
+        held = self.pipeline.set_aside_gradients()
+        loss, divisor = self._run(step, batch, batch_idx, device, train=True)
+        self.pipeline.finish_gradients({}, 1.0 / divisor)
+        # Lightning zeroes the gradients after training_step and before backward: this step's wait for `backward`
+        self._pending = self.pipeline.set_aside_gradients()
+        for param, grad in held.items():
+            param.grad = grad
+        return loss
+
+    def evaluation_step(self, step: Callable, batch: Any, batch_idx: int, device: torch.device) -> torch.Tensor:
+        """`step` (the user's validation_step or test_step) through the pipeline, forward only; the batch's loss on
+        every rank, and what `step` logged logged on every rank."""
+        return self._run(step, batch, batch_idx, device, train=False)[0]
+
+    def _run(self, step: Callable, batch: Any, batch_idx: int, device: torch.device, train: bool):
+        self._batch = split_batch(batch, self.microbatches)
+        self._step, self._logged, self._losses, self.token_counts = step, [], [], []
+        self._batch_idx = batch_idx
+        inputs = None
+        if self.pipeline.holds_first:
+            inputs = torch.cat([self._model_input(step, part, batch_idx) for part in self._batch])
+        self.pipeline.run(inputs, torch.arange(self.microbatches, device=device), train=train)
+        # torch's first step infers the stages' shapes with a forward (and a loss) on placeholder tensors: keep the
+        # microbatches' own, the last ones
+        self.token_counts = self.token_counts[-self.microbatches :]
+        self._losses, self._logged = self._losses[-self.microbatches :], self._logged[-self.microbatches :]
+        counted = self.pipeline.holds_last and len(self.token_counts) == self.microbatches
+        # The divisor: the batch's targets where every microbatch's loss counted its own, else the microbatches.
+        divisor = float(sum(self.token_counts)) if counted else float(self.microbatches)
+        total = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=device)
+        value = torch.stack([total.float(), torch.tensor(divisor, device=device)]) if self.pipeline.holds_last else None
+        loss_sum, divisor = self.pipeline.from_last_stage(value, device, size=2)
+        loss = loss_sum / divisor
+        self._log_on_every_rank(loss)
+        return loss, divisor.item()
+
+    def backward(self, scale: float = 1.0) -> None:
+        """Adds the gradients of the last `training_step`, times `scale` (1 / accumulate_grad_batches, as Lightning
+        divides the loss), to the parameters' (Lightning's backward, after its zero_grad)."""
+        for param, grad in self._pending.items():
+            grad = grad.mul_(scale) if scale != 1.0 else grad
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._pending = {}
+
+    def duplicate_parameters(self) -> frozenset[int]:
+        """`id()` of this rank's copies of tied parameters that an earlier stage also holds: a norm over the stages
+        counts each tied parameter once, on the first stage holding it."""
+        duplicates = set()
+        held = dict(self.pipeline.models[0].named_parameters(remove_duplicate=False))
+        (stage,) = self.pipeline.stage_indices
+        for tie in self.pipeline.ties:
+            holders = [self._stage_holding(name) for name in tie.names]
+            for name, holder in zip(tie.names, holders, strict=True):
+                if holder == stage and stage > min(holders) and name in held:
+                    duplicates.add(id(held[name]))
+        return frozenset(duplicates)
+
+    def _stage_holding(self, parameter: str) -> int:
+        for stage in range(self.split.num_stages):
+            if any(parameter.startswith(module + ".") for module in self.split.stage_modules(stage)):
+                return stage
+        raise ValueError(f"pipeline: no stage holds the tied parameter '{parameter}'")
+
+    def count_tokens(self, count: int) -> None:
+        """Called by strategy.cross_entropy inside the last stage's training_step: that microbatch's targets."""
+        if self.token_counts is not None:
+            self.token_counts.append(count)
+
+    def _model_input(self, step: Callable, part: Any, batch_idx: int) -> torch.Tensor:
+        with self._model_as(_CaptureInput()), self._logs_dropped():
+            try:
+                step(part, batch_idx)
+            except _Captured as captured:
+                return captured.args[0]
+        raise RuntimeError(f"pipeline: {type(self.module).__name__}.training_step never called self.{self.name}")
+
+    def _microbatch_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn on the last stage: the user's training_step on microbatch `index`, weighted by its
+        targets when it counted them (the sum over its tokens; the gradients are divided by the batch's later)."""
+        assert self._step is not None
+        counted = len(self.token_counts)
+        logged: list[tuple[str, Any, dict]] = []
+        with self._model_as(_StageOutput(output)), self._logs_kept(logged):
+            result = self._step(self._batch[int(index.reshape(-1)[0])], self._batch_idx)
+        loss = result["loss"] if isinstance(result, dict) else result
+        self._logged.append([(name, value is result or value is loss, value, kw) for name, value, kw in logged])
+        weight = self.token_counts[-1] if len(self.token_counts) == counted + 1 else 1
+        weighted = loss * weight
+        self._losses.append(weighted.detach())
+        return weighted
+
+    def _log_on_every_rank(self, loss: torch.Tensor) -> None:
+        """What training_step logged on the last stage, logged on every rank: the loss as the batch's, any other
+        value as its mean over the microbatches."""
+        entries = None
+        if self.pipeline.holds_last and self._logged:
+            entries = []
+            for position, (name, is_loss, _, kwargs) in enumerate(self._logged[0]):
+                values = [float(torch.as_tensor(logs[position][2]).float().mean()) for logs in self._logged]
+                entries.append((name, is_loss, sum(values) / len(values), kwargs))
+        box = [entries]
+        dist.broadcast_object_list(box, group=self.pipeline.group, group_src=self.pipeline.last_rank)
+        for name, is_loss, value, kwargs in box[0] or []:
+            self.module.log(name, loss if is_loss else torch.tensor(value, device=loss.device), **kwargs)
+
+    @contextmanager
+    def _model_as(self, stand_in: nn.Module):
+        model = getattr(self.module, self.name)
+        setattr(self.module, self.name, stand_in)
+        try:
+            yield
+        finally:
+            setattr(self.module, self.name, model)
+
+    @contextmanager
+    def _logs_dropped(self):
+        with self._logs_kept([]):
+            yield
+
+    @contextmanager
+    def _logs_kept(self, into: list):
+        def record(name, value, *args, **kwargs):
+            into.append((name, value, kwargs))
+
+        self.module.log = record
+        try:
+            yield
+        finally:
+            del self.module.log
+
+
+def check_pipeline_arguments(
+    size: int, schedule: str, microbatches: int, tensor_parallel: int, context_parallel: int, data_parallel: str
+) -> None:
+    """One-line `ValueError` for pipeline arguments the strategy cannot run (yet), before any rank starts."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"pipeline_parallel_size={size!r} must be a positive integer")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline_microbatches={microbatches!r} must be a positive integer")
+    if size == 1:
+        return
+    key = schedule.lower().replace("-", "_")
+    if key in SCHEDULES and SCHEDULES[key].virtual:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} runs several stages per rank, which the strategy does not offer yet; "
+            f"use '1f1b' or 'gpipe' (tp_train.Pipeline runs it outside Lightning)"
+        )
+    schedule_named(schedule, 1)  # unknown or refused: its one line
+    if tensor_parallel > 1 or context_parallel > 1 or data_parallel != "ddp":
+        raise ValueError(
+            f"pipeline_parallel_size={size} composes with tensor_parallel_size=1, context_parallel_size=1 and "
+            f"data_parallel='ddp' only so far (got {tensor_parallel}, {context_parallel}, {data_parallel!r})"
+        )
+
+
+def split_batch(batch: Any, microbatches: int) -> list[Any]:
+    """`batch` (a tensor, or a tuple/list/dict of them) as `microbatches` equal parts along dim 0; one-line error when
+    they do not divide its size."""
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % microbatches:
+            raise ValueError(
+                f"pipeline_microbatches={microbatches} does not divide the batch size {batch.shape[0]}; use a batch "
+                f"size that is a multiple of it"
+            )
+        return list(batch.chunk(microbatches))
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(item, microbatches) for item in batch]
+        return [type(batch)(part[k] for part in parts) for k in range(microbatches)]
+    if isinstance(batch, dict):
+        parts = {key: split_batch(value, microbatches) for key, value in batch.items()}
+        return [{key: value[k] for key, value in parts.items()} for k in range(microbatches)]
+    return [batch] * microbatches

@@ -1,0 +1,101 @@
+"""One pipeline stage cut out of a whole model, and the forward that runs just its part of the model's own forward.
+
+`cut_stage` deletes from a model (a copy, per stage) what other stages run, keeping every parameter's name: blocks
+are removed from the block list without renumbering the rest (`blocks.3` stays `blocks.3`), so a stage's state dict
+is a slice of the model's and checkpoints reshard across stages (torchtitan's way: split a copy, keep the names).
+
+`StageForward` runs the model's own `forward` on a stage, so no model is rewritten for pipelining:
+- a stage after the first receives the hidden state (and the model's first input, the token ids, passed along so
+  the model's code before the blocks sees the shapes it expects); the modules before the blocks it does not hold
+  return zeros of the hidden state's shape, and a hook on its first block replaces that block's input with the
+  hidden state received;
+- a stage before the last stops the forward at the end of its last block (a hook raises with the block's output),
+  and sends that hidden state and the token ids on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tp_train.parallel.pipeline.split import PipelineSplit
+
+
+class _Elsewhere(nn.Module):
+    """Stands in for a module another stage holds. Before the blocks it returns zeros shaped like the hidden state
+    the stage received (its value is replaced at the first block); after them it is never reached."""
+
+    def __init__(self, name: str, hidden: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._name = name
+        self._hidden = hidden
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        if "value" not in self._hidden:
+            raise RuntimeError(f"pipeline stage: '{self._name}' runs on another stage but was reached on this one")
+        return torch.zeros_like(self._hidden["value"]).detach()
+
+
+class _StageEnd(Exception):  # noqa: N818 - control flow, not an error: the stage's last block has run
+    def __init__(self, output) -> None:
+        super().__init__()
+        self.output = output
+
+
+def cut_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module:
+    """Removes from `model` (in place: pass a copy) every block and outside module that stage `stage` does not run;
+    the remaining parameters keep their names. Returns `model`."""
+    kept = set(split.stages[stage])
+    block_list = model.get_submodule(split.blocks)
+    for index in range(len(block_list)):
+        if index not in kept:
+            del block_list._modules[str(index)]  # not `del block_list[index]`: that renumbers the rest
+    first, last = stage == 0, stage == split.num_stages - 1
+    hidden: dict[str, torch.Tensor] = {}
+    model._pipeline_hidden = hidden
+    for name in ([] if first else list(split.before)) + ([] if last else list(split.after)):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, _Elsewhere(name, hidden))
+    return model
+
+
+class StageForward(nn.Module):
+    """The module a `torch.distributed.pipelining.PipelineStage` runs for stage `stage` of `split`: `model` is the
+    cut model (`cut_stage`). Inputs: the token ids (first stage) or (hidden, token ids); outputs: (hidden, token ids)
+    or, on the last stage, whatever the model returns (its logits). Parameters are the model's, under `module.`."""
+
+    def __init__(self, model: nn.Module, split: PipelineSplit, stage: int) -> None:
+        super().__init__()
+        self.module = model
+        self.first, self.last = stage == 0, stage == split.num_stages - 1
+        blocks = model.get_submodule(split.blocks)
+        self._hidden: dict[str, torch.Tensor] = model._pipeline_hidden
+        indices = split.stages[stage]
+        if not self.first:
+            blocks.get_submodule(str(indices[0])).register_forward_pre_hook(self._take_hidden, with_kwargs=True)
+        if not self.last:
+            blocks.get_submodule(str(indices[-1])).register_forward_hook(self._stop)
+
+    def forward(self, *inputs: torch.Tensor):
+        hidden, ids = (None, inputs[0]) if self.first else inputs
+        if hidden is not None:
+            self._hidden["value"] = hidden
+        try:
+            output = self.module(ids)
+        except _StageEnd as end:
+            return end.output, ids
+        finally:
+            self._hidden.pop("value", None)
+        if not self.last:
+            raise RuntimeError("pipeline stage: the model's forward ended before this stage's last block ran")
+        return output
+
+    def _take_hidden(self, module, args, kwargs):
+        hidden = self._hidden["value"]
+        if args:
+            return (hidden, *args[1:]), kwargs
+        key = next(iter(kwargs))  # the block's first argument, passed by keyword
+        return args, {**kwargs, key: hidden}
+
+    def _stop(self, module, args, output):
+        raise _StageEnd(output[0] if isinstance(output, tuple) else output)

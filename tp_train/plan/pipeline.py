@@ -1,0 +1,122 @@
+"""Where a model splits into pipeline stages, decided as data (`PipelineSplit`): which of its repeated blocks each
+stage runs, and which modules outside the blocks run before them (the embedding, on the first stage) and after them
+(the final norm and the head, on the last stage).
+
+Deciding only: `tp_train.parallel.pipeline` cuts a model along a split and runs the stages. The blocks are the ones
+the planner finds (`tp_train.plan.layout`); stages are balanced by parameters, the embedding counting as the first
+stage's work and the head as the last's. An explicit split (`pipeline_split`: blocks per stage) overrides it.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from tp_train.parallel.pipeline.split import PipelineSplit
+from tp_train.plan.layout import blocks_if_any
+from tp_train.plan.match import match_plan
+from tp_train.plan.resolve import resolve_plan
+
+
+def find_blocks(model: nn.Module) -> str:
+    """The name of `model`'s nn.ModuleList of repeated blocks, found as the planner finds them (the list holding the
+    plan's parallel linears); a one-line `ValueError` naming the model and what to write instead when there is none."""
+    try:
+        plan, _ = resolve_plan(model, None, tensor_parallel_size=1)
+        blocks = blocks_if_any(model, match_plan(model, plan, 1))
+    except ValueError as error:
+        blocks, why = [], f" ({str(error).splitlines()[0]})"
+    else:
+        why = ""
+    if not blocks:
+        raise ValueError(
+            f"pipeline parallelism: no repeated blocks found in {type(model).__name__}{why}; give the model a "
+            f"`tp_plan` naming its blocks' linears (e.g. {{'layers.*.mlp.up': 'colwise', ...}}) with the blocks in "
+            f"one nn.ModuleList"
+        )
+    return blocks[0].rpartition(".")[0]
+
+
+def plan_pipeline_split(
+    model: nn.Module, num_stages: int, explicit: list[int] | tuple[int, ...] | None = None, blocks: str | None = None
+) -> PipelineSplit:
+    """The split of `model` into `num_stages` stages: `explicit` blocks per stage (e.g. [3, 2]) when given, else the
+    model's own `pipeline_split` attribute (data beside its `tp_plan`, for that many stages), else the contiguous
+    split whose heaviest stage holds the fewest parameters. One-line `ValueError` when the stages
+    outnumber the blocks or `explicit` does not add up to them."""
+    blocks = blocks or find_blocks(model)
+    block_list = model.get_submodule(blocks)
+    count = len(block_list)
+    if num_stages > count:
+        raise ValueError(
+            f"pipeline parallelism: {num_stages} stages (pipeline_parallel_size x virtual stages) but "
+            f"{type(model).__name__} has {count} blocks in '{blocks}'; use at most {count} stages"
+        )
+    before, after = _outside_blocks(model, blocks)
+    own = getattr(model, "pipeline_split", None)
+    if explicit is None and own is not None and len(own) == num_stages:
+        explicit = own
+    if explicit is not None:
+        sizes = list(explicit)
+        if len(sizes) != num_stages or sum(sizes) != count or min(sizes) < 1:
+            raise ValueError(
+                f"pipeline_split={sizes}: give {num_stages} positive block counts, one per stage, adding up to "
+                f"the {count} blocks of '{blocks}'"
+            )
+    else:
+        weights = [_parameters(block) for block in block_list]
+        first = sum(_parameters(model.get_submodule(name), recurse=False) for name in before)
+        last = sum(_parameters(model.get_submodule(name), recurse=False) for name in after)
+        sizes = _balanced(weights, num_stages, first, last)
+    starts = [sum(sizes[:stage]) for stage in range(num_stages)]
+    stages = tuple(tuple(range(start, start + size)) for start, size in zip(starts, sizes, strict=True))
+    return PipelineSplit(blocks, stages, tuple(before), tuple(after))
+
+
+def _outside_blocks(model: nn.Module, blocks: str) -> tuple[list[str], list[str]]:
+    """Modules that hold parameters of their own outside the blocks, before and after the block list in
+    registration order (which is call order in the models we know: embeddings, blocks, final norm, head)."""
+    before, after, seen_blocks = [], [], False
+    for name, module in model.named_modules():
+        if name == blocks or name.startswith(blocks + "."):
+            seen_blocks = True
+            continue
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        if name and blocks.startswith(name + "."):
+            before.append(name)  # an ancestor of the block list holding parameters of its own: the first stage's
+            continue
+        (after if seen_blocks else before).append(name)
+    return before, after
+
+
+def _parameters(module: nn.Module, recurse: bool = True) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=recurse))
+
+
+def _balanced(weights: list[int], stages: int, first: int, last: int) -> list[int]:
+    """Blocks per stage (each at least one, contiguous) minimising the heaviest stage, where the first stage also
+    carries `first` and the last `last` (dynamic programming over split points)."""
+    count = len(weights)
+    prefix = [0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+    infinite = float("inf")
+    # best[s][i]: the smallest heaviest-stage load placing blocks[:i] on stages[:s]; cut[s][i]: where stage s-1 starts
+    best = [[infinite] * (count + 1) for _ in range(stages + 1)]
+    cut = [[0] * (count + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for stage in range(1, stages + 1):
+        for end in range(stage, count - (stages - stage) + 1):
+            for start in range(stage - 1, end):
+                load = prefix[end] - prefix[start]
+                load += first if stage == 1 else 0
+                load += last if stage == stages else 0
+                value = max(best[stage - 1][start], load)
+                if value < best[stage][end]:
+                    best[stage][end], cut[stage][end] = value, start
+    sizes, end = [], count
+    for stage in range(stages, 0, -1):
+        start = cut[stage][end]
+        sizes.append(end - start)
+        end = start
+    return sizes[::-1]
