@@ -160,7 +160,7 @@ class TensorParallelStrategy(PipelineStepHooks, DDPStrategy):
         self._replicas: DeviceMesh | None = None  # 1-D: data x context parallel ranks, flattened (setup_environment)
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         check_fused_loss(fused_loss, data_parallel)
-        self._loss = StrategyLoss(loss_parallel, fused_loss if data_parallel != "fsdp" else False, compile)
+        self._loss = StrategyLoss(self.loss_parallel, fused_loss if data_parallel != "fsdp" else False, compile)
 
     @property
     def device_mesh(self) -> DeviceMesh:
