@@ -140,6 +140,7 @@ def _config_fields(model_type: str | None, config: dict) -> dict:
         )
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()  # resolves the family's attribute_map: hasattr(GPT2Config(), "hidden_size")
+    aliases = type(defaults).attribute_map
     fields = {}
     for key, value in config.items():
         name = key if _has_field(defaults, key) else None
@@ -147,10 +148,12 @@ def _config_fields(model_type: str | None, config: dict) -> dict:
             name = GPT_NAMES[key]
         if name is None:
             name = next((alias for alias in SIZE_ALIASES.get(key, ()) if _has_field(defaults, alias)), None)
-        if (
-            name is not None
-        ):  # in the config's own name, so a size given twice (hidden_size, n_embd) is set once: the later
-            fields[type(defaults).attribute_map.get(name, name)] = value
+        if name is not None:
+            # A size given twice under two names of one field (hidden_size, n_embd) is set once: the later. The key
+            # stays the name it was given in: a config that derives fields from its sizes in __init__ (Switch
+            # Transformers' encoder_sparse_step from num_layers) saw the generic names after __init__ before.
+            fields = {k: v for k, v in fields.items() if aliases.get(k, k) != aliases.get(name, name)}
+            fields[name] = value
         elif key not in SIZE_FIELDS:
             raise ValueError(
                 f"config.{key}={value}: {config_class.__name__} has no field '{key}'; "
