@@ -18,7 +18,14 @@ ATOL = 1e-5
 
 
 def _compiled_loss_parity(rank, world_size, fused):
+    import os
+    import tempfile
+
     import torch._dynamo
+
+    # Each rank compiles into its own inductor cache: two ranks writing the same kernel's library into the shared one
+    # at once made one load a half-written file ("file too short") in CI's run of the merged tree.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"tp-train-test-inductor-rank{rank}")
 
     import tp_train
     from models import GPT, GPTConfig
