@@ -11,13 +11,15 @@ from tp_train.tools.bench.context_parallel import main
 
 
 @pytest.mark.slow
-def test_cp2_measured_peak_per_rank_is_at_most_0_7_of_one_process(tmp_path, capsys):
+def test_cp2_measured_peak_per_rank_is_below_one_process(tmp_path, capsys):
     output = tmp_path / "cp.json"
     # 4,096 tokens: at 2,048 a rank's peak is within what the process already holds, and read 0.0 MiB once in CI
     main(["--lengths", "4096", "--setups", "sdpa,cp=2 ring,cp=2 ring masked", "--output", str(output)])
     rows = json.loads(output.read_text())["rows"]
     assert output.with_suffix(".svg").read_text().startswith("<svg")
     peak = {row["setup"]: row["peak_mib_per_rank"] for row in rows}
-    assert peak["cp=2 ring"] <= 0.7 * peak["sdpa"], peak
+    # At 4,096 tokens the ratio measured 0.63-0.71 (0.52 at 16k, docs/long-sequences.md); a ring holding a block of
+    # scores again would hold 8 heads x 2,048^2 fp32 = 128 MiB, over 5x one process's peak.
+    assert peak["cp=2 ring"] <= 0.85 * peak["sdpa"], peak
     assert peak["cp=2 ring masked"] <= 1.2 * peak["cp=2 ring"] + 1.0, peak  # 1 MiB: the resident set's granularity
     assert "| cp=2 ring | 4096 |" in capsys.readouterr().out
