@@ -1,12 +1,11 @@
-"""`python train.py pp=2` as users type it: bad pipeline settings refused in one line before any rank starts, and a
-run at pp=2 logging the same losses as at pp=1 (train.py's CSV metrics, to 1e-5)."""
+"""`python train.py pp=2` as users type it: bad pipeline settings refused in one line before any rank starts
+(`PIPELINE_CASES`, run by test_preflight), and a run at pp=2 logging the same losses as at pp=1 (train.py's CSV
+metrics, to 1e-5)."""
 
 from __future__ import annotations
 
 import csv
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from tests import train_cases
 ROOT = Path(__file__).resolve().parents[1]
 SIZED = "model._target_=tests.preflight_models.SizedLM"
 
-CASES = {
+# Bad pipeline settings and their one line; test_preflight runs them with its own cases, in one start-up.
+PIPELINE_CASES = {
     "pp_not_dividing_devices": (["tp=1", "pp=2", "trainer.devices=3"],
                                 "= 3 ranks is not a multiple of tp=1 x cp=1 x pp=2; use trainer.devices in [2, 4, 6"),
     "pp_with_dp": (["tp=1", "pp=2", "dp=2"], "pp=2 with dp: trainer.devices=4 x trainer.num_nodes=1 = 4 ranks, 2 "
@@ -35,35 +35,6 @@ CASES = {
     "pp_with_tp": (["tp=2", "pp=2"], "pp=2: pipeline_parallel_size=2 composes with tensor_parallel_size=1"),
     "model_without_blocks": ([SIZED, "+model.planned=false", "tp=1", "pp=2"], "SizedLM"),
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
-    directories = {case: tmp_path_factory.mktemp(case) for case in CASES}
-    cases = [
-        {
-            "overrides": ["experiment=smoke", "logger=none", f"hydra.run.dir={directories[case]}", *overrides],
-            "env": {"TP_TRAIN_CACHE": str(directories[case] / "cache")},
-            "directory": str(directories[case]),
-        }
-        for case, (overrides, _) in CASES.items()
-    ]
-    command = [sys.executable, "-m", "tests.train_cases"]
-    done = subprocess.run(command, cwd=ROOT, input=json.dumps(cases), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {case: (result, directories[case]) for case, result in zip(CASES, json.loads(done.stdout), strict=True)}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_pipeline_config_is_one_line_before_any_rank(outcomes, case):
-    _, expected = CASES[case]
-    result, directory = outcomes[case]
-    assert result["status"] == 2, result["stderr"][-2000:]
-    assert "Traceback" not in result["stderr"]
-    errors = [line for line in result["stderr"].splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and expected in errors[0], result["stderr"][-2000:]
-    assert not (directory / "cache").exists()  # refused before any data was prepared
 
 
 def _metrics(run_dir: Path) -> dict[str, dict[int, float]]:

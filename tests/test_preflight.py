@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_pipeline_train import PIPELINE_CASES
+
 ROOT = Path(__file__).resolve().parents[1]
 SIZED = "model._target_=tests.preflight_models.SizedLM"  # widths set one by one (GPT derives them from each other)
 
@@ -78,6 +80,7 @@ CASES = {
                              "cp=2: blocks.0.attn: attention dropout 0.1 cannot be context-parallel; set it to 0"),
     "cp_samples": (["cp=2", "samples.prompts=[x]"], "samples.prompts=['x'] with cp=2: samples are drawn one token"),
 }  # fmt: skip
+CASES |= PIPELINE_CASES  # python train.py pp=2's refusals, in the same start-up
 
 
 @pytest.fixture(scope="module")
