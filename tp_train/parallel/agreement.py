@@ -48,17 +48,17 @@ def failures_agreed(group: ProcessGroup) -> Iterator[None]:
         return
     _agreeing.append(group)
     error: Exception | None = None
+    peer_failed = False
     try:
         yield
-        _agreeing.pop()
-        failed = _any_rank_failed(group, failed=False)  # the fixed point: every rank that did not raise comes here
     except _PeerFailed:
-        _agreeing.pop()
-        failed = True
+        peer_failed = True
     except Exception as raised:
+        error = raised
+    finally:  # also when a KeyboardInterrupt leaves the block: later collectives are no longer in it
         _agreeing.pop()
-        error, failed = raised, _any_rank_failed(group, failed=True)
-    if failed:
+    # The fixed point: every rank that did not stop at another's flag comes here, with its own verdict.
+    if peer_failed or _any_rank_failed(group, failed=error is not None):
         raise_first_error(error, group)
 
 
