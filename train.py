@@ -169,7 +169,8 @@ def run(cfg: DictConfig) -> float | None:
                 print(f"note: no memory estimate: {error}", flush=True)
             else:
                 cp = f", cp={cfg.cp}" if cfg.get("cp", 1) > 1 else ""
-                sizes = f"tp={cfg.tp}{cp}, {cfg.data_parallel}, precision={cfg.precision}"
+                pp = f", pp={cfg.pp} (the pipeline rank holding the most)" if cfg.get("pp", 1) > 1 else ""
+                sizes = f"tp={cfg.tp}{cp}{pp}, {cfg.data_parallel}, precision={cfg.precision}"
                 print(estimate.table(f"predicted memory per rank ({sizes})"), flush=True)
         if cfg.get("dry_run"):
             return None

@@ -193,3 +193,30 @@ def test_estimate_is_within_15_percent_of_the_measured_peak():
     [results] = run_on_ranks(_measured_and_estimated_peaks, 1, PEAK_CASES, timeout=600)
     for layers, width, precision, measured, estimated in results:
         assert abs(estimated / measured - 1) <= 0.15, (layers, width, precision, measured, estimated)
+
+
+def test_pipeline_estimate_holds_the_rank_stages_and_its_schedule_microbatches():
+    """Each pipeline rank holds its stages' parameters and the microbatches its schedule keeps in flight: all of
+    them for GPipe, p - r for 1F1B (tp_train.tools.pipeline_memory); the estimate is the rank holding the most."""
+    from tp_train.tools.pipeline_memory import in_flight
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=8, n_head=4, n_embd=64))
+    one = estimate_memory(model, 8, 64)
+    per_microbatch = estimate_memory(model, 1, 64)  # one process at the microbatch's size
+    at = {
+        schedule: estimate_memory(model, 8, 64, pp=2, pipeline_schedule=schedule, pipeline_microbatches=8)
+        for schedule in ("gpipe", "1f1b")
+    }
+    # each rank's stages: half the blocks, the embedding on one and the head on the other (tied: on both)
+    assert one.parameters / 2 < at["1f1b"].parameters < one.parameters * 0.6
+    assert at["1f1b"].gradients == at["1f1b"].parameters and at["1f1b"].pipelined and not one.pipelined
+    # GPipe keeps all 8 microbatches of the rank's 4 blocks, 1F1B two on rank 0: a quarter of that
+    assert at["gpipe"].activations == pytest.approx(one.activations / 2, rel=0.1)
+    assert at["1f1b"].activations == pytest.approx(2 * per_microbatch.activations / 2, rel=0.1)
+    assert at["1f1b"].total == at["1f1b"].parameters * 4 + at["1f1b"].activations + at["1f1b"].attention_workspace
+    assert [in_flight("1f1b", 4, rank, 8) for rank in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 0, 2) == 2 and in_flight("gpipe", 4, 3, 8) == 8
+    assert in_flight("interleaved_1f1b", 2, 0, 8, 2) == (1 * 2 + 2 * 1 + 1) / 2
+    with pytest.raises(ValueError, match="pipeline_microbatches=3 does not divide the micro-batch of 8 sequences"):
+        estimate_memory(model, 8, 64, pp=2, pipeline_microbatches=3)

@@ -243,13 +243,13 @@ def meta_model(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module
 
 def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], nn.Module]]) -> MemoryEstimate:
     """`estimate_memory` for a training config (conf/train.yaml): the model `build_model()()` builds on the meta
-    device, `data.batch_size` x `data.block_size` micro-batches, `tp`, the data-parallel size the trainer's devices
-    leave, `precision`, `data_parallel`, and `sequence_parallel` / `activation_checkpointing` / `loss_parallel` (top
-    level or on the strategy)."""
+    device, `data.batch_size` x `data.block_size` micro-batches, `tp`, `cp`, `pp` and its schedule, the data-parallel
+    size the trainer's devices leave, `precision`, `data_parallel`, and `sequence_parallel` /
+    `activation_checkpointing` / `loss_parallel` (top level or on the strategy)."""
     model = meta_model(cfg, build_model)
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    cp = cfg.get("cp", 1)
-    dp = devices * nodes // (cfg.tp * cp) if isinstance(devices, int) else cfg.get("dp", 1)
+    cp, pp = cfg.get("cp", 1), cfg.get("pp", 1)
+    dp = devices * nodes // (cfg.tp * cp * pp) if isinstance(devices, int) else cfg.get("dp", 1)
     return estimate_memory(
         model,
         micro_batch_size=cfg.data.batch_size,
@@ -262,4 +262,8 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
         activation_checkpointing=bool(_setting(cfg, "activation_checkpointing")),
         data_parallel=str(_setting(cfg, "data_parallel", "ddp")),
         loss_parallel=bool(_setting(cfg, "loss_parallel")),
+        pp=pp,
+        pipeline_schedule=str(_setting(cfg, "pipeline_schedule", "1f1b")),
+        pipeline_microbatches=_setting(cfg, "pipeline_microbatches"),
+        pipeline_virtual_stages=int(_setting(cfg, "pipeline_virtual_stages", 1)),
     )

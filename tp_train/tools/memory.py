@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch.nn as nn
 
@@ -14,8 +15,10 @@ from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_
 from tp_train.plan.adapters import adapter_specs
 from tp_train.plan.layout import blocks_if_any
 from tp_train.plan.match import match_plan
+from tp_train.plan.pipeline import plan_pipeline_split
 from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.styles import PlannedModule, adapted_base, adapted_model, parameter_shard_spec, style_shard_spec
+from tp_train.tools.pipeline_memory import in_flight, rank_parameter_ids, rank_stages
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter
@@ -42,14 +45,17 @@ class MemoryEstimate:
     activations: int  # kept for backward, per micro-batch, with the loss's logits and their gradients
     gathered_parameters: int = 0  # FSDP2's unsharded parameters of the groups in use (fsdp only)
     attention_workspace: int = 0  # what one attention's backward allocates beyond the activations (its kernels)
+    pipelined: bool = False  # a pipeline stage: its gradients are allocated while microbatches are still in flight
 
     @property
     def total(self) -> int:
-        """The peak: gradients are allocated while the backward pass frees the activations; one attention's
-        backward at a time adds its kernels' workspace to the activations."""
+        """The peak: gradients are allocated while the backward pass frees the activations (in a pipeline, at the
+        first microbatch's backward, beside the activations of those still in flight); one attention's backward at
+        a time adds its kernels' workspace to the activations."""
         gathered = self.gradient_buckets + self.gathered_parameters
         working = self.activations + self.attention_workspace
-        return self.parameters + self.optimizer_states + gathered + max(self.gradients, working)
+        grown = self.gradients + working if self.pipelined else max(self.gradients, working)
+        return self.parameters + self.optimizer_states + gathered + grown
 
     @property
     def model_states(self) -> int:
@@ -57,7 +63,7 @@ class MemoryEstimate:
         return self.parameters + self.gradients + self.optimizer_states
 
     def table(self, title: str = "predicted memory per rank") -> str:
-        rows = [(field.name.replace("_", " "), getattr(self, field.name)) for field in fields(self)]
+        rows = [(f.name.replace("_", " "), getattr(self, f.name)) for f in fields(self) if f.type == "int"]
         rows.append(("peak", self.total))
         width = max(len(name) for name, _ in rows)
         return "\n".join([f"{title}:", *(f"  {name:<{width}}  {value / MIB:10.1f} MiB" for name, value in rows)])
@@ -70,18 +76,30 @@ def parameters_per_rank(
     dp: int = 1,
     data_parallel: str = "ddp",
     trainable: bool = False,
+    only: set[int] | None = None,
 ) -> int:
     """Elements of the parameters one rank holds once `model` is sharded over `tp` ranks with `plan` (default: the
     model's own, as `parallelize` resolves it), and with `data_parallel="fsdp"` over `dp` ranks once more (rank 0,
     whose piece of an uneven split is the largest); with `trainable`, of those that train only (which have
-    gradients and optimizer states: a model's adapters, not its frozen base)."""
+    gradients and optimizer states: a model's adapters, not its frozen base); with `only`, of the parameters whose
+    id() it holds (a pipeline rank's)."""
+    _check_data_parallel(data_parallel)
+    model = _planned_model(model)
+    return _elements(model, _local_shapes(model, tp, plan), dp, data_parallel, trainable, only)
+
+
+def _check_data_parallel(data_parallel: str) -> None:
     if data_parallel not in DATA_PARALLEL_MODES:
         raise ValueError(f"data_parallel={data_parallel!r}: use one of {DATA_PARALLEL_MODES}")
-    model = _planned_model(model)
-    shapes = _local_shapes(model, tp, plan)
+
+
+def _elements(model, shapes: dict, dp: int, data_parallel: str, trainable: bool, only: set[int] | None) -> int:
+    """`parameters_per_rank` from the local `shapes` (`_local_shapes`)."""
     if trainable:
         training = {id(param) for param in model.parameters() if param.requires_grad}
         shapes = {key: value for key, value in shapes.items() if key in training}
+    if only is not None:
+        shapes = {key: value for key, value in shapes.items() if key in only}
     if data_parallel == "ddp":
         return sum(math.prod(shape) for shape, _ in shapes.values())
     return sum(math.prod(_data_parallel_piece(shape, spec, dp)) for shape, spec in shapes.values())
@@ -119,11 +137,15 @@ def _data_parallel_piece(shape: tuple, spec: ShardSpec | None, dp: int) -> tuple
     return shape[:dim] + (ceil_div(shape[dim], dp),) + shape[dim + 1 :]
 
 
-def _gathered_elements(model: nn.Module, tp: int, plan: dict[str, str] | None) -> int:
-    """Unsharded elements FSDP2 holds at once: the group outside the blocks and two blocks (see the docstring)."""
-    shapes = _local_shapes(model, tp, plan)
-    blocks = blocks_if_any(model, match_plan(model, resolve_plan(model, plan, tensor_parallel_size=tp)[0], tp))
-    per_block = [sum(math.prod(shapes[id(p)][0]) for p in model.get_submodule(name).parameters()) for name in blocks]
+def _gathered_elements(model: nn.Module, shapes: dict, blocks: list[str], only: set[int] | None = None) -> int:
+    """Unsharded elements FSDP2 holds at once: the group outside the blocks and two blocks (see the docstring); with
+    `only`, among the parameters whose id() it holds (a pipeline rank's). `shapes`: `_local_shapes`."""
+    if only is not None:
+        shapes = {key: value for key, value in shapes.items() if key in only}
+    per_block = [
+        sum(math.prod(shapes[id(p)][0]) for p in model.get_submodule(name).parameters() if id(p) in shapes)
+        for name in blocks
+    ]
     total = sum(math.prod(shape) for shape, _ in shapes.values())
     return total - sum(per_block) + 2 * max(per_block, default=0)
 
@@ -165,6 +187,43 @@ def _attention_shape(model: nn.Module) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
+@dataclass(frozen=True)
+class ActivationParts:
+    """What a micro-batch holds for backward on one rank, in parts (bytes, or elements from `activation_elements`),
+    so that a pipeline stage can take its own blocks' share: each block's saved tensors, the block input kept under
+    activation checkpointing, the residual stream's two ends, autocast's low-precision weight copies, the loss's
+    tensors, and what the loss adds beyond them (its fp32 chunks)."""
+
+    block: int
+    kept: int
+    ends: int
+    weights: int
+    loss: int
+    extra: int = 0
+
+    def total(
+        self, layers: int, activation_checkpointing: bool = False, loss: bool = True, in_flight: float = 1
+    ) -> int:
+        """Held at the peak (the loss's forward) by `layers` blocks for `in_flight` micro-batches at once (a pipeline
+        schedule's); without `loss`, by a pipeline stage before the last. Autocast's weight copies are made once."""
+        own_loss, extra = (self.loss, self.extra) if loss else (0, 0)
+        if activation_checkpointing:  # the recomputed block comes after the loss's backward has freed the logits
+            kept = int(in_flight * (layers * self.kept + self.ends))
+            return kept + self.weights + max(own_loss, self.block) + extra
+        return int(in_flight * (layers * self.block + self.ends + own_loss)) + self.weights + extra
+
+
+def _element_parts(
+    model: nn.Module, micro_batch_size: int, seq_len: int, tp: int, sequence_parallel: bool, loss_parallel: bool
+) -> ActivationParts:
+    _, hidden, mlp, vocab = _shape(model)
+    tokens = micro_batch_size * seq_len
+    replicated = tokens * hidden // (tp if sequence_parallel else 1)
+    block = 4 * replicated + (4 * hidden + 2 * mlp) * tokens // tp
+    loss = tokens * ceil_div(vocab, tp) if loss_parallel else 4 * tokens * vocab
+    return ActivationParts(block=block, kept=replicated, ends=2 * replicated, weights=0, loss=loss)
+
+
 def activation_elements(
     model: nn.Module,
     micro_batch_size: int,
@@ -176,14 +235,43 @@ def activation_elements(
 ) -> int:
     """Elements autograd keeps for one micro-batch's backward on one rank in one precision (see the module
     docstring), with `F.cross_entropy`'s four logits-sized tensors (or the vocabulary-parallel loss's one)."""
-    layers, hidden, mlp, vocab = _shape(model)
+    layers = _shape(model)[0]
+    parts = _element_parts(model, micro_batch_size, seq_len, tp, sequence_parallel, loss_parallel)
+    return parts.total(layers, activation_checkpointing)
+
+
+def activation_parts(
+    model: nn.Module,
+    micro_batch_size: int,
+    seq_len: int,
+    tp: int = 1,
+    precision: str = "32-true",
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    parameters: int | None = None,
+) -> ActivationParts:
+    """`activation_bytes` in parts; `parameters` (default: all of the model's on one tensor-parallel rank) are the
+    elements whose autocast copies the matmuls save under mixed precision."""
+    _, activation_width = PRECISION_BYTES[precision]
+    _, hidden, mlp, vocab = _shape(model)
     tokens = micro_batch_size * seq_len
+    local_vocab = ceil_div(vocab, tp) if loss_parallel else vocab
+    # fp32 chunks the loss holds at once: a copy of one and its exps (fp32 logits: the exps alone).
+    copies = 1 if activation_width == 4 else 2
+    chunks = copies * min(CHUNK_BYTES, tokens * local_vocab * 4) if loss_parallel else 0
+    if precision not in MIXED_PRECISIONS:
+        elements = _element_parts(model, micro_batch_size, seq_len, tp, sequence_parallel, loss_parallel)
+        width = activation_width
+        return ActivationParts(
+            elements.block * width, elements.kept * width, elements.ends * width, 0, elements.loss * width, chunks
+        )
     replicated = tokens * hidden // (tp if sequence_parallel else 1)
-    block = 4 * replicated + (4 * hidden + 2 * mlp) * tokens // tp
-    loss = tokens * ceil_div(vocab, tp) if loss_parallel else 4 * tokens * vocab
-    if activation_checkpointing:  # the recomputed block comes after the loss's backward has freed the logits
-        return layers * replicated + 2 * replicated + max(loss, block)
-    return layers * block + 2 * replicated + loss
+    block = 2 * replicated * 4 + (4 * tokens * hidden + (4 * hidden + 2 * mlp) * tokens // tp) * activation_width
+    loss = tokens * local_vocab * activation_width + chunks if loss_parallel else 4 * tokens * vocab * 4
+    parameters = parameters_per_rank(model, tp) if parameters is None else parameters
+    return ActivationParts(
+        block=block, kept=replicated * 4, ends=2 * replicated * 4, weights=parameters * activation_width, loss=loss
+    )
 
 
 def activation_bytes(
@@ -203,26 +291,8 @@ def activation_bytes(
     its input (q, k, v and fc cast the same norm output separately) and autocast's low-precision copy of its weight;
     the blocks' other tensors are low precision. `F.cross_entropy` turns the logits to fp32 (four fp32 tensors of
     them); the vocabulary-parallel loss keeps the logits in their dtype and adds up to two fp32 chunks (CHUNK_BYTES)."""
-    _, activation_width = PRECISION_BYTES[precision]
-    layers, hidden, mlp, vocab = _shape(model)
-    tokens = micro_batch_size * seq_len
-    local_vocab = ceil_div(vocab, tp) if loss_parallel else vocab
-    # fp32 chunks the loss holds at once: a copy of one and its exps (fp32 logits: the exps alone).
-    copies = 1 if activation_width == 4 else 2
-    chunks = copies * min(CHUNK_BYTES, tokens * local_vocab * 4) if loss_parallel else 0
-    if precision not in MIXED_PRECISIONS:
-        elements = activation_elements(
-            model, micro_batch_size, seq_len, tp, sequence_parallel, activation_checkpointing, loss_parallel
-        )
-        return elements * activation_width + chunks
-    replicated = tokens * hidden // (tp if sequence_parallel else 1)
-    block = 2 * replicated * 4 + (4 * tokens * hidden + (4 * hidden + 2 * mlp) * tokens // tp) * activation_width
-    loss = tokens * local_vocab * activation_width + chunks if loss_parallel else 4 * tokens * vocab * 4
-    weights = parameters_per_rank(model, tp) * activation_width  # autocast's copies, saved by the matmuls
-    stream = 2 * replicated * 4
-    if activation_checkpointing:
-        return layers * replicated * 4 + stream + weights + max(loss, block)
-    return layers * block + stream + weights + loss
+    parts = activation_parts(model, micro_batch_size, seq_len, tp, precision, sequence_parallel, loss_parallel)
+    return parts.total(_shape(model)[0], activation_checkpointing)
 
 
 def estimate_memory(
@@ -238,12 +308,18 @@ def estimate_memory(
     data_parallel: str = "ddp",
     loss_parallel: bool = False,
     cp: int = 1,
+    pp: int = 1,
+    pipeline_schedule: str = "1f1b",
+    pipeline_microbatches: int | None = None,
+    pipeline_virtual_stages: int = 1,
 ) -> MemoryEstimate:
-    """Per-rank memory of training `model` with AdamW at `tp` x `dp` x `cp` (see the module docstring).
+    """Per-rank memory of training `model` with AdamW at `pp` x `dp` x `cp` x `tp` (see the module docstring); with
+    `pp` > 1, of the pipeline rank that holds the most.
 
     Args:
         model: the unsharded model; built on the meta device is enough.
-        micro_batch_size: sequences per micro-batch on one data-parallel rank.
+        micro_batch_size: sequences per micro-batch on one data-parallel rank (with `pp` > 1, the batch the schedule
+            splits into `pipeline_microbatches`).
         seq_len: tokens per sequence.
         precision: one of Lightning's names ("32-true", "16-mixed", "bf16-mixed", "bf16-true", ...).
         data_parallel: "ddp" or "fsdp", as `TensorParallelStrategy(data_parallel=...)`.
@@ -251,38 +327,98 @@ def estimate_memory(
             `loss_parallel`).
         cp: context-parallel size: each rank holds seq_len / cp tokens of every sequence (its activations), and
             parameters are replicated over dp x cp (FSDP2 shards them over dp x cp, DDP reduces over it).
+        pp, pipeline_schedule, pipeline_microbatches, pipeline_virtual_stages: the pipeline (`TensorParallelStrategy`'s
+            arguments of those names; microbatches default to `pp`): each rank holds its stages' parameters and the
+            activations of the microbatches its schedule keeps in flight (`tp_train.tools.pipeline_memory`).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
-    param_bytes, activation_width = PRECISION_BYTES[precision]
+    _check_data_parallel(data_parallel)
     model = _planned_model(model)
-    replicas = dp * cp  # ranks holding the same parameters
-    parameters = parameters_per_rank(model, tp, plan, replicas, data_parallel) * param_bytes
-    trained = parameters_per_rank(model, tp, plan, replicas, data_parallel, trainable=True) * param_bytes
-    activations = activation_bytes(  # ring attention keeps no score matrix: activations follow the local tokens
-        model, micro_batch_size, -(-seq_len // cp), tp, precision, sequence_parallel, activation_checkpointing,
-        loss_parallel,
-    )  # fmt: skip
-    fsdp = data_parallel == "fsdp"
-    q_heads, kv_heads, head_dim = _attention_shape(model)
-    workspace = workspace_bytes(  # at cp=1 the model's SDPA: the same fused kernel, nothing travelling
-        micro_batch_size,
-        max(1, q_heads // tp),
-        max(1, kv_heads // tp),
-        head_dim,
-        seq_len,
-        cp,
-        element_size=activation_width,
-    )
-    return MemoryEstimate(
-        parameters=parameters,
-        gradients=trained,
-        optimizer_states=ADAMW_STATES * trained,
-        gradient_buckets=trained if replicas > 1 and not fsdp else 0,
-        activations=activations,
-        gathered_parameters=_gathered_elements(model, tp, plan) * activation_width if fsdp else 0,
-        attention_workspace=workspace,
-    )
+    rank = _RankMemory(model, seq_len, tp, dp * cp, precision, sequence_parallel, activation_checkpointing, plan,
+                       data_parallel, loss_parallel, cp)  # fmt: skip
+    if pp == 1:
+        return rank.estimate(micro_batch_size, None, _shape(model)[0], in_flight=1, last=True, pipelined=False)
+    microbatches = pipeline_microbatches or pp
+    if micro_batch_size % microbatches:
+        raise ValueError(
+            f"estimate_memory: pipeline_microbatches={microbatches} does not divide the micro-batch of "
+            f"{micro_batch_size} sequences; use a divisor of it"
+        )
+    split = plan_pipeline_split(model, pp * pipeline_virtual_stages)
+    estimates = []
+    for pipeline_rank in range(pp):
+        stages = rank_stages(pipeline_schedule, split, pp, pipeline_rank)
+        estimates.append(
+            rank.estimate(
+                micro_batch_size // microbatches,
+                only=rank_parameter_ids(model, split, stages),
+                blocks=sum(len(split.stages[stage]) for stage in stages),
+                in_flight=in_flight(pipeline_schedule, pp, pipeline_rank, microbatches, pipeline_virtual_stages),
+                last=split.num_stages - 1 in stages,
+                pipelined=True,
+            )
+        )
+    return max(estimates, key=lambda estimate: estimate.total)
+
+
+@dataclass
+class _RankMemory:
+    """`estimate_memory`'s settings, estimating one rank that holds some of the parameters and blocks."""
+
+    model: nn.Module
+    seq_len: int
+    tp: int
+    replicas: int  # ranks holding the same parameters: dp x cp
+    precision: str
+    sequence_parallel: bool
+    activation_checkpointing: bool
+    plan: dict[str, str] | None
+    data_parallel: str
+    loss_parallel: bool
+    cp: int
+
+    @cached_property
+    def shapes(self) -> dict[int, tuple[tuple, ShardSpec | None]]:
+        return _local_shapes(self.model, self.tp, self.plan)
+
+    @cached_property
+    def blocks(self) -> list[str]:
+        planned = match_plan(self.model, resolve_plan(self.model, self.plan, tensor_parallel_size=self.tp)[0], self.tp)
+        return blocks_if_any(self.model, planned)
+
+    def estimate(self, micro_batch, only: set[int] | None, blocks, in_flight: float, last: bool, pipelined: bool):
+        """`only`: the parameters' ids (None: all); `blocks` of the model's, `in_flight` micro-batches of `micro_batch`
+        sequences held at once; `last`: the rank computes the loss; `pipelined`: a pipeline stage."""
+        param_bytes, activation_width = PRECISION_BYTES[self.precision]
+        model, tp, shapes, fsdp = self.model, self.tp, self.shapes, self.data_parallel == "fsdp"
+        parameters = _elements(model, shapes, self.replicas, self.data_parallel, False, only)
+        trained = _elements(model, shapes, self.replicas, self.data_parallel, True, only) * param_bytes
+        parts = activation_parts(  # ring attention keeps no score matrix: activations follow the local tokens
+            model, micro_batch, -(-self.seq_len // self.cp), tp, self.precision, self.sequence_parallel,
+            self.loss_parallel, parameters=_elements(model, shapes, 1, "ddp", False, only),
+        )  # fmt: skip
+        q_heads, kv_heads, head_dim = _attention_shape(model)
+        workspace = workspace_bytes(  # at cp=1 the model's SDPA: the same fused kernel, nothing travelling
+            micro_batch,
+            max(1, q_heads // tp),
+            max(1, kv_heads // tp),
+            head_dim,
+            self.seq_len,
+            self.cp,
+            element_size=activation_width,
+        )
+        gathered = _gathered_elements(model, shapes, self.blocks, only) * activation_width if fsdp else 0
+        return MemoryEstimate(
+            parameters=parameters * param_bytes,
+            gradients=trained,
+            optimizer_states=ADAMW_STATES * trained,
+            gradient_buckets=trained if self.replicas > 1 and not fsdp else 0,
+            activations=parts.total(blocks, self.activation_checkpointing, loss=last, in_flight=in_flight),
+            gathered_parameters=gathered,
+            attention_workspace=workspace,
+            pipelined=pipelined,
+        )
 
 
 def tensor_parallel_bytes_per_step(

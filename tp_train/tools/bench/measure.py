@@ -67,11 +67,11 @@ def peak_bytes(step: TrainingStep, device: torch.device) -> int:
     return resident + peak
 
 
-def return_freed_memory_at_once(device: torch.device) -> None:
-    """On CPU, makes glibc hand every freed block of 1 MiB or more back to the system at once (a fixed
+def return_freed_memory_at_once(device: torch.device, threshold: int = 1 << 20) -> None:
+    """On CPU, makes glibc hand every freed block of `threshold` bytes or more back to the system at once (a fixed
     M_MMAP_THRESHOLD), so the resident set follows the live tensors and a step's peak is its own."""
     if device.type == "cpu":
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)
 
 
 def reset_peak_memory(device: torch.device) -> None:

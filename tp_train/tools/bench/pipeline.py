@@ -8,6 +8,10 @@ reported as idle over busy time, the form of the textbook bubble: (p - 1) / m fo
 for interleaved schedules with v stages per rank, p ranks and m microbatches, when every stage does the same work.
 The model's blocks are spread evenly over the stages, and its embedding and head are small, so that holds here.
 
+The peak per rank is the step's growth of the resident set over what the rank held before it (its parameters):
+the activations its schedule keeps in flight and the gradients, which a pipeline allocates at its first backward
+while later microbatches' activations are still held; `estimate_memory` predicts it (the "predicted" column).
+
 On CPU each rank runs one intra-op thread. A run with more ranks than cores shares them (pp=4 on a 2-core machine):
 a rank's chunks then take longer while its neighbours compute too, so its busy time and the bubble move with the
 other ranks' load; the table says when ranks outnumber the cores.
@@ -30,10 +34,16 @@ import torch.nn.functional as F
 from models import GPT, GPTConfig
 from tp_train.parallel.pipeline import SCHEDULES, Pipeline, TokenWeightedCrossEntropy
 from tp_train.plan.pipeline import plan_pipeline_split
-from tp_train.tools.bench.measure import current_memory, group_max, peak_memory, reset_peak_memory
+from tp_train.tools.bench.measure import (
+    current_memory,
+    group_max,
+    peak_memory,
+    reset_peak_memory,
+    return_freed_memory_at_once,
+)
 from tp_train.tools.bench.plot import PANEL_HEIGHT, PANEL_WIDTH, figure, legend, panel
 from tp_train.tools.bench.ranks import start_ranks
-from tp_train.tools.memory import MIB
+from tp_train.tools.memory import MIB, estimate_memory
 
 # (pp, schedule, stages per rank); pp=1 is the model in one process, forward and backward over the whole batch
 SETUPS = [
@@ -108,6 +118,8 @@ def _model(args) -> GPT:
 
 def _measure(rank, world_size, device, setup, args, out):
     pp, schedule, virtual = setup
+    # else a step's peak hides in what the warm-up freed and malloc kept: a microbatch's tensors are small
+    return_freed_memory_at_once(device, threshold=64 << 10)
     model = _model(args).to(device)
     batch = args.microbatches * args.microbatch_size
     generator = torch.Generator().manual_seed(1)
@@ -115,13 +127,21 @@ def _measure(rank, world_size, device, setup, args, out):
     targets = torch.randint(0, args.vocab, (batch, args.seq), generator=generator).to(device)
     timeline = Timeline()
     if pp == 1:
-        step = lambda: F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()  # noqa: E731
+        parameters = list(model.parameters())
+        run = lambda: F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()  # noqa: E731
     else:
         stages = pp * virtual
         split = plan_pipeline_split(model, stages, explicit=[args.layers // stages] * stages)
         pipeline = Pipeline(model, split, dist.group.WORLD, schedule, args.microbatches, device, TimedLoss(timeline))
         timeline.watch(pipeline)
-        step = lambda: pipeline.train_step(ids, targets)  # noqa: E731
+        parameters = list(pipeline.parameters())
+        run = lambda: pipeline.train_step(ids, targets)  # noqa: E731
+
+    def step():
+        for param in parameters:  # as a training loop's zero_grad: the step's peak holds its own gradients
+            param.grad = None
+        run()
+
     for _ in range(args.warmup):
         step()
     walls, bubbles, busy_fractions = [], [], []
@@ -154,6 +174,19 @@ def _measure(rank, world_size, device, setup, args, out):
         Path(out).write_text(json.dumps(row))
 
 
+def predicted_growth(setup: tuple, args) -> int:
+    """`estimate_memory`'s peak of the step above the parameters (no optimizer runs here), for the rank that holds
+    the most."""
+    pp, schedule, virtual = setup
+    with torch.device("meta"):
+        model = _model(args)
+    estimate = estimate_memory(
+        model, args.microbatches * args.microbatch_size, args.seq, pp=pp, pipeline_schedule="1f1b" if pp == 1 else
+        schedule, pipeline_microbatches=args.microbatches, pipeline_virtual_stages=virtual,
+    )  # fmt: skip
+    return estimate.total - estimate.parameters - estimate.optimizer_states
+
+
 def svg_plot(rows: list[dict], path: Path) -> None:
     """Two panels against pp, one line per schedule: tokens/s and the measured bubble (the formula's, dashed)."""
     schedules = list(dict.fromkeys(row["schedule"] for row in rows if row["pp"] > 1))
@@ -177,8 +210,8 @@ def table(rows: list[dict]) -> str:
     """Markdown rows, tokens/s against pp=1's."""
     base = next((row for row in rows if row["pp"] == 1), None)
     lines = [
-        "| pp | schedule | v | m | tokens/s | vs pp=1 | peak MiB / rank | bubble measured (ranks) | formula |",
-        "|--:|---|--:|--:|--:|--:|--:|---|--:|",
+        "| pp | schedule | v | m | tokens/s | vs pp=1 | peak MiB / rank | predicted | bubble (per rank) | formula |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for row in rows:
         ratio = f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
@@ -187,8 +220,8 @@ def table(rows: list[dict]) -> str:
         expected = "-" if row["formula"] is None else f"{row['formula']:.3f}"
         lines.append(
             f"| {row['pp']} | {row['schedule']}{shared} | {row['virtual_stages']} | {row['microbatches']} | "
-            f"{row['tokens_per_s']:.0f} | {ratio} | {row['peak_mib_per_rank']:.1f} | {row['bubble']:.3f} "
-            f"({per_rank}) | {expected} |"
+            f"{row['tokens_per_s']:.0f} | {ratio} | {row['peak_mib_per_rank']:.1f} | "
+            f"{row['predicted_mib_per_rank']:.1f} | {row['bubble']:.3f} ({per_rank}) | {expected} |"
         )
     return "\n".join(lines)
 
@@ -218,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             assert setup[0] == 1 or setup[1] in SCHEDULES, setup
             out = Path(scratch) / "row.json"
             start_ranks(_measure, setup[0], setup, args, str(out))
-            rows.append(json.loads(out.read_text()))
+            rows.append(json.loads(out.read_text()) | {"predicted_mib_per_rank": predicted_growth(setup, args) / MIB})
     output = Path(args.output)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu, one thread per rank"
     output.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1))
