@@ -14,10 +14,10 @@ from tests import train_cases
 from tests.distributed import run_on_ranks
 from tests.test_parallelize import VOCAB, SwiGLUModel, _hf_gpt2, _hf_llama
 from tests.test_train_app import ROOT
+from tp_train.tools.activation_model import activation_elements
 from tp_train.tools.memory import (
     ADAMW_STATES,
     MemoryEstimate,
-    activation_elements,
     estimate_memory,
     parameters_per_rank,
 )
