@@ -24,9 +24,11 @@ SMALL = (
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "phi3", "stablelm", "deepseek_v3"])
 def test_a_family_trains_through_train_py_at_tp2_with_the_tp1_losses(tmp_path, family):
     losses, outputs = {}, {}
+    # Mixtral trains its routers' balance too: the auxiliary loss over the global batch joins the loss
+    aux = ["+model.config.output_router_logits=true"] if family == "mixtral" else []
     for tp in (1, 2):
         run_dir = tmp_path / f"tp{tp}"
-        outputs[tp] = run_train(*SMALL, f"model.type={family}", f"tp={tp}", f"hydra.run.dir={run_dir}",
+        outputs[tp] = run_train(*SMALL, f"model.type={family}", f"tp={tp}", f"hydra.run.dir={run_dir}", *aux,
                                 cache=tmp_path / "cache")  # fmt: skip
         losses[tp] = _csv_losses(run_dir)
     assert len(losses[1]) == STEPS and all(math.isfinite(loss) for loss in losses[1]), losses
@@ -34,6 +36,8 @@ def test_a_family_trains_through_train_py_at_tp2_with_the_tp1_losses(tmp_path, f
     assert worst < 1e-5, f"{family}: tp=2 {losses[2]} vs tp=1 {losses[1]}"
     if family == "mixtral":  # its experts refuse fp32 on meta: its FLOPs are counted in bf16, nothing failed
         assert "counting FLOPs failed" not in outputs[2].stderr, outputs[2].stderr[-3000:]
+        aux_losses = _csv_losses(tmp_path / "tp2", "train/aux_loss")
+        assert len(aux_losses) == STEPS and all(loss > 1.0 for loss in aux_losses), aux_losses  # k = 2 at balance
 
 
 @pytest.mark.parametrize("family", ["dbrx", "gpt_neo", "deepseek_v3"])

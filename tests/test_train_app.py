@@ -94,11 +94,11 @@ def test_multirun_over_tp_runs_each_job_once(tmp_path):
     assert [len(s["peak_memory_mib_per_rank"]) for s in summaries] == [1, 2]
 
 
-def _csv_losses(run_dir: Path) -> list[float]:
+def _csv_losses(run_dir: Path, key: str = "train/loss") -> list[float]:
     import csv
 
     with open(next(run_dir.glob("csv/version_*/metrics.csv"))) as metrics:
-        return [float(row["train/loss"]) for row in csv.DictReader(metrics) if row.get("train/loss")]
+        return [float(row[key]) for row in csv.DictReader(metrics) if row.get(key)]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tp_train.checkpoint.dcp import ADAPTER_CONFIG_KEY, HUGGING_FACE_CONFIG_KEY, TOKENIZER_KEY
 from tp_train.lightning.strategy import TensorParallelStrategy
+from tp_train.parallel.experts.load_balance import load_balancing_loss
 from tp_train.plan.adapters import adapter_config_dict
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
@@ -63,17 +64,39 @@ class CausalLMModule(L.LightningModule):
         out = self.model(idx)
         return getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+    def _loss(self, batch: torch.Tensor, train: bool = False) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-        logits = self(inputs)
-        if isinstance(self.trainer.strategy, TensorParallelStrategy):
+        out = self.model(inputs)
+        logits = getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
+        strategy = self.trainer.strategy
+        if isinstance(strategy, TensorParallelStrategy):
             # Vocab-sharded logits under `loss_parallel` (the app's default): never gathered.
-            return self.trainer.strategy.cross_entropy(logits, targets)
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # the softmax in fp32
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss = strategy.cross_entropy(logits, targets)
+        else:
+            logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # softmax in fp32
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        router_logits = getattr(out, "router_logits", None)
+        if train and router_logits:  # a Hugging Face MoE with output_router_logits: its routers' balance trains
+            return loss + self._load_balancing_loss(router_logits)
+        return loss
+
+    def _load_balancing_loss(self, router_logits) -> torch.Tensor:
+        """The model's auxiliary loss times its `router_aux_loss_coef`, over the global batch: the same at any
+        dp, cp, tp and ep (`tp_train.parallel.experts.load_balance`)."""
+        strategy, config = self.trainer.strategy, self.model.config
+        if isinstance(strategy, TensorParallelStrategy):
+            group = strategy.replica_group
+        else:
+            group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        experts = router_logits[0].shape[-1]
+        aux, loads = load_balancing_loss(router_logits, experts, config.num_experts_per_tok, group)
+        self.log("train/aux_loss", aux.detach())
+        for layer, load in enumerate(loads):  # max over mean of each layer's tokens per expert: 1 when balanced
+            self.log(f"train/moe/imbalance_{layer}", load.max() / load.mean().clamp(min=1e-9))
+        return config.router_aux_loss_coef * aux
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        loss = self._loss(batch, train=True)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

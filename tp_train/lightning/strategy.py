@@ -180,6 +180,11 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         return self.device_mesh[CONTEXT_PARALLEL].get_group()
 
     @property
+    def replica_group(self) -> ProcessGroup:
+        """The data x context parallel ranks: those whose tokens differ, over which DDP (or FSDP2) averages."""
+        return self._replicas.get_group()
+
+    @property
     def pipeline_parallel_group(self) -> ProcessGroup:
         return self.device_mesh[PIPELINE_PARALLEL].get_group()
 
