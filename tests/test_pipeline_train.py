@@ -20,8 +20,6 @@ SIZED = "model._target_=tests.preflight_models.SizedLM"
 PIPELINE_CASES = {
     "pp_not_dividing_devices": (["tp=1", "pp=2", "trainer.devices=3"],
                                 "= 3 ranks is not a multiple of tp=1 x cp=1 x pp=2; use trainer.devices in [2, 4, 6"),
-    "pp_with_dp": (["tp=1", "pp=2", "dp=2"], "pp=2 with dp: trainer.devices=4 x trainer.num_nodes=1 = 4 ranks, 2 "
-                                            "pipelines; data parallelism over pipelines is not composed yet"),
     "pp_above_blocks": (["tp=1", "pp=3", "trainer.strategy.pipeline_microbatches=4"],
                         "pp=3: pipeline parallelism: 3 stages (pipeline_parallel_size x virtual stages) but GPT has 2 "
                         "blocks in 'blocks'; use at most 2 stages"),
@@ -32,7 +30,6 @@ PIPELINE_CASES = {
                          "pipeline_schedule='zbv_zero_bubble' runs several stages per rank, which the strategy"),
     "virtual_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b"],
                                      "runs several stages per rank, which the strategy does not offer yet"),
-    "pp_with_tp": (["tp=2", "pp=2"], "pp=2: pipeline_parallel_size=2 composes with tensor_parallel_size=1"),
     "model_without_blocks": ([SIZED, "+model.planned=false", "tp=1", "pp=2"], "SizedLM"),
 }  # fmt: skip
 
