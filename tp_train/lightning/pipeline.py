@@ -100,7 +100,11 @@ class LightningPipeline:
         # DDP's group: the gradients are averaged over it once per optimizer step, in `backward` (not per batch)
         self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
         self.synchronize = True
-        self.token_counts: list[int] | None = None  # per microbatch, where strategy.cross_entropy counted them
+        # 16-mixed: the scaler's scale, by which each microbatch's loss is multiplied before the schedule's backward
+        # (Lightning scales the loss before its own backward; here the schedule runs it)
+        self.loss_scale: torch.Tensor | None = None
+        # per microbatch, where strategy.cross_entropy counted them: its targets not ignored, over the batch's size
+        self.token_counts: list[float] | None = None
         self._batch: list[Any] = []
         self._step: Callable | None = None
         self._batch_idx = 0
@@ -138,8 +142,9 @@ class LightningPipeline:
         self.token_counts = self.token_counts[-self.microbatches :]
         self._losses, self._logged = self._losses[-self.microbatches :], self._logged[-self.microbatches :]
         counted = self.pipeline.holds_last and len(self.token_counts) == self.microbatches
-        # The divisor: the batch's targets where every microbatch's loss counted its own, else the microbatches.
-        divisor = float(sum(self.token_counts)) if counted else float(self.microbatches)
+        # The divisor: the sum of the fractions counted where every microbatch's loss counted its own (the batch's
+        # targets over its size), else the microbatches.
+        divisor = sum(self.token_counts) if counted else float(self.microbatches)
         total = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=device)
         value = torch.stack([total.float(), torch.tensor(divisor, device=device)]) if self.pipeline.holds_last else None
         loss_sum, divisor = self.pipeline.from_last_stage(value, device, size=2)
@@ -178,10 +183,13 @@ class LightningPipeline:
                 return stage
         raise ValueError(f"pipeline: no stage holds the tied parameter '{parameter}'")
 
-    def count_tokens(self, count: int) -> None:
-        """Called by strategy.cross_entropy inside the last stage's training_step: that microbatch's targets."""
+    def count_tokens(self, count: int, size: int) -> None:
+        """Called by strategy.cross_entropy inside the last stage's training_step: that microbatch's `count` of
+        targets (not ignored) out of its `size`. Kept as a fraction of the batch's size (the microbatches are of one
+        size): weighted by it, a microbatch's loss has the gradients it has in the whole batch's mean, of the same
+        magnitude in fp16 (a count would multiply them by the microbatch's tokens, overflowing fp16)."""
         if self.token_counts is not None:
-            self.token_counts.append(count)
+            self.token_counts.append(count / max(size * self.microbatches, 1))
 
     def _model_input(self, step: Callable, part: Any, batch_idx: int) -> torch.Tensor:
         with self._model_as(_CaptureInput()), self._logs_dropped():
@@ -192,8 +200,9 @@ class LightningPipeline:
         raise RuntimeError(f"pipeline: {type(self.module).__name__}.training_step never called self.{self.name}")
 
     def _microbatch_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss_fn on the last stage: the user's training_step on microbatch `index`, weighted by its
-        targets when it counted them (the sum over its tokens; the gradients are divided by the batch's later)."""
+        """The schedule's loss_fn on the last stage: the user's training_step on microbatch `index`, weighted by the
+        fraction of its targets counted (when it counted them; the gradients are divided by the batch's sum of those
+        later), times the loss scale under 16-mixed."""
         assert self._step is not None
         counted = len(self.token_counts)
         logged: list[tuple[str, Any, dict]] = []
@@ -204,7 +213,7 @@ class LightningPipeline:
         weight = self.token_counts[-1] if len(self.token_counts) == counted + 1 else 1
         weighted = loss * weight
         self._losses.append(weighted.detach())
-        return weighted
+        return weighted * self.loss_scale if self.loss_scale is not None else weighted
 
     def _log_on_every_rank(self, loss: torch.Tensor) -> None:
         """What training_step logged on the last stage, logged on every rank: the loss as the batch's, any other

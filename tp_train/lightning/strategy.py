@@ -192,7 +192,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
         half precision are reduced in fp32."""
         if self._pipeline is not None:  # the microbatch's share of the batch's tokens (tp_train.lightning.pipeline)
-            self._pipeline.count_tokens(int((target != ignore_index).sum()))
+            self._pipeline.count_tokens(int((target != ignore_index).sum()), target.numel())
         if self.context_parallel_size > 1:  # logits of this rank's share of the tokens; the mean over all of them
             return context_parallel_cross_entropy(
                 self._cross_entropy, logits, target, self.lightning_module, ignore_index, label_smoothing
@@ -313,11 +313,6 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         if self.pipeline_parallel_size > 1 and self._pipeline is None:  # decided on the model as written
             split = decide_split(self.lightning_module, self.pipeline_parallel_size, self.pipeline_split)
         self._shard(self.lightning_module)
-        if split is not None and getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "precision=16-mixed scales the loss before backward, which a pipeline's schedule runs itself; use "
-                "bf16-mixed or 32 with pipeline_parallel_size > 1"
-            )
         if split is not None:  # cut the model: this rank's stage only, data-parallel over its replicas
             fsdp = self.data_parallel == "fsdp"
             self._pipeline = LightningPipeline(
