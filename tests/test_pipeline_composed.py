@@ -114,13 +114,22 @@ def test_pipeline_composed_with_tp_dp_cp_equals_one_process():
 # Through Lightning: name -> (devices, strategy arguments beyond pp=2); one 4-rank start-up fits each in turn.
 LIGHTNING_COMPOSITIONS = {
     "pp2_tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True),
-    "pp2_dp2_ddp": dict(),
-    "pp2_dp2_fsdp": dict(data_parallel="fsdp"),
+    "pp2_dp2_ddp": dict(accumulate=2),  # averaged over dp once per optimizer step
+    "pp2_dp2_fsdp": dict(data_parallel="fsdp", accumulate=2),
     "pp2_cp2": dict(context_parallel_size=2),
     # the loss scaled in the schedule, the inf check agreed by every rank: the same steps skipped as on one device
     "pp2_tp2_16mixed": dict(tensor_parallel_size=2, precision="16-mixed"),
 }
-PLAIN = {"plain": "32-true", "plain_16mixed": "16-mixed"}  # plain Lightning on one device, at each precision
+# plain Lightning on one device, at each precision and accumulation the compositions use
+PLAIN = {"plain": dict(), "plain_16mixed": dict(precision="16-mixed"), "plain_accumulate2": dict(accumulate=2)}
+
+
+def _reference_of(name: str) -> str:
+    settings = LIGHTNING_COMPOSITIONS[name]
+    wanted = {key: settings[key] for key in ("precision", "accumulate") if key in settings}
+    return next(plain for plain, those in PLAIN.items() if those == wanted)
+
+
 LIGHTNING_STEPS, CLIP = 6, 0.5
 
 
@@ -147,8 +156,8 @@ def _fit_composed(rank, world_size, names):
     for name in names:
         plain = name in PLAIN
         kwargs = {} if plain else dict(pipeline_parallel_size=2, pipeline_microbatches=2)
-        kwargs.update(LIGHTNING_COMPOSITIONS.get(name, {}))
-        precision = PLAIN[name] if plain else kwargs.pop("precision", "32-true")
+        kwargs.update(PLAIN[name] if plain else LIGHTNING_COMPOSITIONS[name])
+        precision, accumulate = kwargs.pop("precision", "32-true"), kwargs.pop("accumulate", 1)
         plugins = None
         if precision == "16-mixed":  # Lightning turns 16-mixed into bf16-mixed on CPU unless given the plugin
             scaler = torch.amp.GradScaler("cpu") if plain else ShardedGradScaler("cpu")
@@ -163,7 +172,8 @@ def _fit_composed(rank, world_size, names):
             devices=1 if plain else world_size,
             precision=precision,
             plugins=plugins,
-            max_steps=LIGHTNING_STEPS,
+            max_steps=LIGHTNING_STEPS // accumulate,
+            accumulate_grad_batches=accumulate,
             callbacks=[recorder],
             gradient_clip_val=CLIP,
             logger=False,
@@ -196,7 +206,7 @@ def test_pipeline_composed_through_lightning_equals_plain_lightning():
     results = run_on_ranks(_fit_composed, 4, list(LIGHTNING_COMPOSITIONS), timeout=300)
     errors = {}
     for name in LIGHTNING_COMPOSITIONS:
-        reference = references["plain_16mixed" if "16mixed" in name else "plain"]
+        reference = references[_reference_of(name)]
         reference_logged, reference_params, _, reference_scale = reference
         # a replica logs its own mean: the replicas' average is the batch's (equal counts of targets)
         logged = [sum(values) / len(values) for values in zip(*(rank[name][0] for rank in results), strict=True)]
