@@ -1,6 +1,6 @@
 """`python train.py pp=2` as users type it: bad pipeline settings refused in one line before any rank starts
-(`PIPELINE_CASES`, run by test_preflight), and a run at pp=2 logging the same losses as at pp=1 (train.py's CSV
-metrics, to 1e-5)."""
+(`PIPELINE_CASES`, run by test_preflight), and runs at pp=2 and at pp=2 x tp=2 with sequence parallelism logging the
+same losses as at pp=1 (train.py's CSV metrics, to 1e-5)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ SIZED = "model._target_=tests.preflight_models.SizedLM"
 PIPELINE_CASES = {
     "pp_not_dividing_devices": (["tp=1", "pp=2", "trainer.devices=3"],
                                 "= 3 ranks is not a multiple of tp=1 x cp=1 x pp=2; use trainer.devices in [2, 4, 6"),
-    "pp_with_dp": (["tp=1", "pp=2", "dp=2"], "pp=2 with dp: trainer.devices=4 x trainer.num_nodes=1 = 4 ranks, 2 "
-                                            "pipelines; data parallelism over pipelines is not composed yet"),
     "pp_above_blocks": (["tp=1", "pp=3", "trainer.strategy.pipeline_microbatches=4"],
                         "pp=3: pipeline parallelism: 3 stages (pipeline_parallel_size x virtual stages) but GPT has 2 "
                         "blocks in 'blocks'; use at most 2 stages"),
@@ -32,7 +30,6 @@ PIPELINE_CASES = {
                          "pipeline_schedule='zbv_zero_bubble' runs several stages per rank, which the strategy"),
     "virtual_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b"],
                                      "runs several stages per rank, which the strategy does not offer yet"),
-    "pp_with_tp": (["tp=2", "pp=2"], "pp=2: pipeline_parallel_size=2 composes with tensor_parallel_size=1"),
     "model_without_blocks": ([SIZED, "+model.planned=false", "tp=1", "pp=2"], "SizedLM"),
 }  # fmt: skip
 
@@ -51,15 +48,20 @@ def _metrics(run_dir: Path) -> dict[str, dict[int, float]]:
 @pytest.mark.slow
 def test_train_py_at_pp2_logs_the_losses_of_pp1(tmp_path):
     runs = {}
-    for pp in (1, 2):
-        out = tmp_path / f"pp{pp}"
-        overrides = ["experiment=smoke", "logger=csv", "tp=1", f"pp={pp}", "trainer.max_steps=6",
-                     "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
-                     f"hydra.run.dir={out}"]  # fmt: skip
+    shapes = {
+        "pp1": ["tp=1", "pp=1"],
+        "pp2": ["tp=1", "pp=2"],
+        "pp2_tp2_sp": ["tp=2", "pp=2", "sequence_parallel=true"],
+    }
+    for shape, sizes in shapes.items():
+        out = tmp_path / shape
+        overrides = ["experiment=smoke", "logger=csv", *sizes, "trainer.max_steps=6", "trainer.val_check_interval=3",
+                     "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", f"hydra.run.dir={out}"]  # fmt: skip
         env = {**os.environ, "WANDB_MODE": "offline", "TP_TRAIN_CACHE": str(tmp_path / "cache")}
         result = train_cases.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env, timeout=600)
         assert result.returncode == 0, result.stderr[-4000:]
-        runs[pp] = _metrics(out)
-    for name in ("train/loss", "val/loss", "train/grad_norm"):
-        assert runs[2][name], name
-        assert runs[2][name] == pytest.approx(runs[1][name], abs=1e-5), name
+        runs[shape] = _metrics(out)
+    for shape in ("pp2", "pp2_tp2_sp"):
+        for name in ("train/loss", "val/loss", "train/grad_norm"):
+            assert runs[shape][name], name
+            assert runs[shape][name] == pytest.approx(runs["pp1"][name], abs=1e-5), (shape, name)

@@ -24,9 +24,7 @@ def check_pipeline(cfg: DictConfig, model: nn.Module) -> None:
     schedule = strategy.get("pipeline_schedule", "1f1b")
     microbatches = strategy.get("pipeline_microbatches") or pp
     try:
-        check_pipeline_arguments(
-            pp, schedule, microbatches, cfg.tp, cfg.get("cp", 1), str(cfg.get("data_parallel", "ddp"))
-        )
+        check_pipeline_arguments(pp, schedule, microbatches)
     except ValueError as error:
         raise ConfigError(f"pp={pp}: {error}") from None
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
@@ -37,12 +35,6 @@ def check_pipeline(cfg: DictConfig, model: nn.Module) -> None:
             f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
             f"tp={cfg.tp} x cp={cfg.get('cp', 1)} x pp={pp}; use trainer.devices in {fits} (or leave it: tp x dp x "
             f"cp x pp)"
-        )
-    if isinstance(devices, int) and devices * nodes != model_parallel:
-        raise ConfigError(
-            f"pp={pp} with dp: trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks, "
-            f"{devices * nodes // model_parallel} pipelines; data parallelism over pipelines is not composed yet, use "
-            f"trainer.devices={model_parallel} (dp=1)"
         )
     batch_size = cfg.data.get("batch_size")
     if isinstance(batch_size, int) and batch_size % microbatches:

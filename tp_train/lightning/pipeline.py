@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.pipeline import SCHEDULES, Pipeline, schedule_named
+from tp_train.parallel.pipeline.runner import average_gradients
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.plan.pipeline import plan_pipeline_split
 from tp_train.plan.resolve import modules_with_plans
@@ -46,9 +47,11 @@ class _CaptureInput(nn.Module):
 class _StageOutput(nn.Module):
     """Stands in for the model in the last stage's `training_step`: returns that stage's output for the microbatch."""
 
-    def __init__(self, output: Any) -> None:
+    def __init__(self, output: Any, model: nn.Module) -> None:
         super().__init__()
         self.output = output
+        if hasattr(model, "tp_context_parallel"):  # the loss finds the model's context-parallel group on it
+            self.tp_context_parallel = model.tp_context_parallel
 
     def forward(self, *args, **kwargs):
         return self.output
@@ -83,15 +86,25 @@ class LightningPipeline:
         microbatches: int,
         device: torch.device,
         split: PipelineSplit,
+        replicas: ProcessGroup | None = None,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
     ) -> None:
         self.module = module
         self.name, model = pipelined_model(module)
         self.split = split
         self.microbatches = microbatches
         self.pipeline = Pipeline(
-            model, self.split, group, schedule, microbatches, device, loss_fn=self._microbatch_loss, in_place=True
-        )
-        self.token_counts: list[int] | None = None  # per microbatch, where strategy.cross_entropy counted them
+            model, self.split, group, schedule, microbatches, device, loss_fn=self._microbatch_loss, in_place=True,
+            wrap=wrap,
+        )  # fmt: skip
+        # DDP's group: the gradients are averaged over it once per optimizer step, in `backward` (not per batch)
+        self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
+        self.synchronize = True
+        # 16-mixed: the scaler's scale, by which each microbatch's loss is multiplied before the schedule's backward
+        # (Lightning scales the loss before its own backward; here the schedule runs it)
+        self.loss_scale: torch.Tensor | None = None
+        # per microbatch, where strategy.cross_entropy counted them: its targets not ignored, over the batch's size
+        self.token_counts: list[float] | None = None
         self._batch: list[Any] = []
         self._step: Callable | None = None
         self._batch_idx = 0
@@ -129,8 +142,9 @@ class LightningPipeline:
         self.token_counts = self.token_counts[-self.microbatches :]
         self._losses, self._logged = self._losses[-self.microbatches :], self._logged[-self.microbatches :]
         counted = self.pipeline.holds_last and len(self.token_counts) == self.microbatches
-        # The divisor: the batch's targets where every microbatch's loss counted its own, else the microbatches.
-        divisor = float(sum(self.token_counts)) if counted else float(self.microbatches)
+        # The divisor: the sum of the fractions counted where every microbatch's loss counted its own (the batch's
+        # targets over its size), else the microbatches.
+        divisor = sum(self.token_counts) if counted else float(self.microbatches)
         total = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=device)
         value = torch.stack([total.float(), torch.tensor(divisor, device=device)]) if self.pipeline.holds_last else None
         loss_sum, divisor = self.pipeline.from_last_stage(value, device, size=2)
@@ -140,11 +154,15 @@ class LightningPipeline:
 
     def backward(self, scale: float = 1.0) -> None:
         """Adds the gradients of the last `training_step`, times `scale` (1 / accumulate_grad_batches, as Lightning
-        divides the loss), to the parameters' (Lightning's backward, after its zero_grad)."""
+        divides the loss), to the parameters' (Lightning's backward, after its zero_grad). On the last batch Lightning
+        accumulates (`synchronize`: outside the strategy's `block_backward_sync`) the sum is averaged over the
+        data-parallel replicas, as DDP would."""
         for param, grad in self._pending.items():
             grad = grad.mul_(scale) if scale != 1.0 else grad
             param.grad = grad if param.grad is None else param.grad + grad
         self._pending = {}
+        if self.synchronize and self.replicas is not None:
+            average_gradients(list(self.pipeline.parameters()), self.replicas)
 
     def duplicate_parameters(self) -> frozenset[int]:
         """`id()` of this rank's copies of tied parameters that an earlier stage also holds: a norm over the stages
@@ -165,10 +183,13 @@ class LightningPipeline:
                 return stage
         raise ValueError(f"pipeline: no stage holds the tied parameter '{parameter}'")
 
-    def count_tokens(self, count: int) -> None:
-        """Called by strategy.cross_entropy inside the last stage's training_step: that microbatch's targets."""
+    def count_tokens(self, count: int, size: int) -> None:
+        """Called by strategy.cross_entropy inside the last stage's training_step: that microbatch's `count` of
+        targets (not ignored) out of its `size`. Kept as a fraction of the batch's size (the microbatches are of one
+        size): weighted by it, a microbatch's loss has the gradients it has in the whole batch's mean, of the same
+        magnitude in fp16 (a count would multiply them by the microbatch's tokens, overflowing fp16)."""
         if self.token_counts is not None:
-            self.token_counts.append(count)
+            self.token_counts.append(count / max(size * self.microbatches, 1))
 
     def _model_input(self, step: Callable, part: Any, batch_idx: int) -> torch.Tensor:
         with self._model_as(_CaptureInput()), self._logs_dropped():
@@ -179,19 +200,20 @@ class LightningPipeline:
         raise RuntimeError(f"pipeline: {type(self.module).__name__}.training_step never called self.{self.name}")
 
     def _microbatch_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss_fn on the last stage: the user's training_step on microbatch `index`, weighted by its
-        targets when it counted them (the sum over its tokens; the gradients are divided by the batch's later)."""
+        """The schedule's loss_fn on the last stage: the user's training_step on microbatch `index`, weighted by the
+        fraction of its targets counted (when it counted them; the gradients are divided by the batch's sum of those
+        later), times the loss scale under 16-mixed."""
         assert self._step is not None
         counted = len(self.token_counts)
         logged: list[tuple[str, Any, dict]] = []
-        with self._model_as(_StageOutput(output)), self._logs_kept(logged):
+        with self._model_as(_StageOutput(output, getattr(self.module, self.name))), self._logs_kept(logged):
             result = self._step(self._batch[int(index.reshape(-1)[0])], self._batch_idx)
         loss = result["loss"] if isinstance(result, dict) else result
         self._logged.append([(name, value is result or value is loss, value, kw) for name, value, kw in logged])
         weight = self.token_counts[-1] if len(self.token_counts) == counted + 1 else 1
         weighted = loss * weight
         self._losses.append(weighted.detach())
-        return weighted
+        return weighted * self.loss_scale if self.loss_scale is not None else weighted
 
     def _log_on_every_rank(self, loss: torch.Tensor) -> None:
         """What training_step logged on the last stage, logged on every rank: the loss as the batch's, any other
@@ -233,9 +255,7 @@ class LightningPipeline:
             del self.module.log
 
 
-def check_pipeline_arguments(
-    size: int, schedule: str, microbatches: int, tensor_parallel: int, context_parallel: int, data_parallel: str
-) -> None:
+def check_pipeline_arguments(size: int, schedule: str, microbatches: int) -> None:
     """One-line `ValueError` for pipeline arguments the strategy cannot run (yet), before any rank starts."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"pipeline_parallel_size={size!r} must be a positive integer")
@@ -250,11 +270,6 @@ def check_pipeline_arguments(
             f"use '1f1b' or 'gpipe' (tp_train.Pipeline runs it outside Lightning)"
         )
     schedule_named(schedule, 1)  # unknown or refused: its one line
-    if tensor_parallel > 1 or context_parallel > 1 or data_parallel != "ddp":
-        raise ValueError(
-            f"pipeline_parallel_size={size} composes with tensor_parallel_size=1, context_parallel_size=1 and "
-            f"data_parallel='ddp' only so far (got {tensor_parallel}, {context_parallel}, {data_parallel!r})"
-        )
 
 
 def split_batch(batch: Any, microbatches: int) -> list[Any]:

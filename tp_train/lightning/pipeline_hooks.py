@@ -27,14 +27,21 @@ class PipelineStepHooks:
             batch = args[0] if args else kwargs["batch"]
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
             step = self.lightning_module.training_step
+            scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: the loss scaled as Lightning would
+            one = torch.ones((), device=self.root_device)
+            self._pipeline.loss_scale = scaler.scale(one) if scaler is not None and scaler.is_enabled() else None
             return self._pipeline.training_step(step, batch, batch_idx, self.root_device)
 
     @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._pipeline is None:
             return super().backward(closure_loss, *args, **kwargs)
-        # The schedule ran backward in training_step; its gradients land now, divided as Lightning divides the loss
-        self._pipeline.backward(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        # The schedule ran backward in training_step; its gradients land now, divided as Lightning divides the loss,
+        # between the precision plugin's hooks (on_before_backward, on_after_backward for the callbacks)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._pipeline.backward(1.0 / module.trainer.accumulate_grad_batches)
+        self.precision_plugin.post_backward(closure_loss, module)
         return closure_loss
 
     @override

@@ -34,7 +34,11 @@ class _TensorParallelClipping:
         if self.pipeline_parallel_group is not None:  # each stage's parameters are its own: summed over the stages
             params = list(self.main_params(optimizer))
             counted = [p for p in params if id(p) not in self.pipeline_duplicates]
-            norm = global_grad_norm(counted, {id(p) for p in counted}, self.pipeline_parallel_group)
+            # this stage's norm over tp (and FSDP2's dp), then its square summed over the stages
+            stage = global_grad_norm(counted, self.sharded_parameters, self.tensor_parallel_group)
+            squared = stage.square().reshape(1)
+            torch.distributed.all_reduce(squared, group=self.pipeline_parallel_group)
+            norm = squared[0].sqrt()
             torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
             self.last_grad_norm = norm
             return

@@ -130,10 +130,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
-        check_pipeline_arguments(
-            pipeline_parallel_size, pipeline_schedule, self.pipeline_microbatches, tensor_parallel_size,
-            context_parallel_size, data_parallel,
-        )  # fmt: skip
+        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, self.pipeline_microbatches)
         self._pipeline: LightningPipeline | None = None
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
@@ -143,7 +140,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self.context_parallel_rotation = context_parallel_rotation
         self._plan = plan
         self._verify_plan = verify_plan
-        # Under a pipeline tp is 1 (for now): the head's logits are whole, and its stage may not be this rank's.
+        # Under a pipeline the head's logits are gathered whole: its stage may not be this rank's (loss_parallel off).
         self.loss_parallel = loss_parallel and pipeline_parallel_size == 1
         self.compile = compile
         self.overlap = overlap
@@ -199,12 +196,12 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
         statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
         half precision are reduced in fp32."""
+        if self._pipeline is not None:  # the microbatch's share of the batch's tokens (tp_train.lightning.pipeline)
+            self._pipeline.count_tokens(int((target != ignore_index).sum()), target.numel())
         if self.context_parallel_size > 1:  # logits of this rank's share of the tokens; the mean over all of them
             return context_parallel_cross_entropy(
                 self._cross_entropy, logits, target, self.lightning_module, ignore_index, label_smoothing
             )
-        if self._pipeline is not None:  # the microbatch's share of the batch's tokens (tp_train.lightning.pipeline)
-            self._pipeline.count_tokens(int((target != ignore_index).sum()))
         return self._cross_entropy(logits, target, ignore_index, label_smoothing)
 
     def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
@@ -236,12 +233,6 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 f" x pipeline_parallel_size={self.pipeline_parallel_size} does not divide the world size "
                 f"{self.world_size} (devices={self.num_processes} x num_nodes={self.num_nodes}); use devices x "
                 f"num_nodes that is a multiple of {model_parallel}"
-            )
-        if self.pipeline_parallel_size > 1 and self.world_size != model_parallel:
-            raise ValueError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size} with data parallelism (world size "
-                f"{self.world_size} = {self.world_size // model_parallel} x {model_parallel}) is not composed yet; use "
-                f"devices x num_nodes = {model_parallel}"
             )
         super().setup_environment()
         # Pipeline outermost: its ranks exchange only activations, so its neighbours may sit on other nodes while
@@ -327,23 +318,21 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         if self.pipeline_parallel_size > 1 and self._pipeline is None:  # decided on the model as written
             split = decide_split(self.lightning_module, self.pipeline_parallel_size, self.pipeline_split)
         self._shard(self.lightning_module)
-        if split is not None and getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "precision=16-mixed scales the loss before backward, which a pipeline's schedule runs itself; use "
-                "bf16-mixed or 32 with pipeline_parallel_size > 1"
-            )
-        if split is not None:  # cut the model: this rank's stage only
+        if split is not None:  # cut the model: this rank's stage only, data-parallel over its replicas
+            fsdp = self.data_parallel == "fsdp"
             self._pipeline = LightningPipeline(
                 self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
                 self.pipeline_microbatches, self.root_device, split,
+                replicas=None if fsdp else self._replicas.get_group(), wrap=self._fully_shard_stage if fsdp else None,
             )  # fmt: skip
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self.data_parallel == "fsdp":
+        if self.data_parallel == "fsdp" and self._pipeline is None:
             self._fully_shard(self.lightning_module)
         self._tell_precision_plugin(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.data_parallel_size * self.context_parallel_size > 1 and self.data_parallel == "ddp":
+        replicated = self.data_parallel_size * self.context_parallel_size > 1 and self.data_parallel == "ddp"
+        if fitting and replicated and self._pipeline is None:  # a pipeline averages its stages' gradients itself
             self.configure_ddp()
         if fitting:
             self.setup_optimizers(trainer)
@@ -411,6 +400,14 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
         )
 
+    def _fully_shard_stage(self, stage: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 over the data-parallel axis on one pipeline stage's module (its blocks, then the stage), as
+        torchtitan does; torch's `PipelineStage` reduce-scatters its gradients after the last microbatch."""
+        refuse_replicated_shards(stage, self.tensor_parallel_size)
+        policy = fsdp_mixed_precision_policy(self.precision_plugin)
+        fully_shard_data_parallel(stage, list(stage.children()), self._replicas, mp_policy=policy)
+        return stage
+
     def _tell_precision_plugin(self, root: torch.nn.Module) -> None:
         """The clipping norm's group and the tensor-parallel shards (by id: FSDP2 replaces the parameters)."""
         plugin = self.precision_plugin
@@ -426,6 +423,13 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         """No data-parallel gradient reduction while Lightning accumulates micro-batches (DDP's `no_sync`, FSDP2's
         `set_requires_gradient_sync(False)`); the last micro-batch's backward reduces the sum."""
         root = self.lightning_module
+        if self._pipeline is not None:  # its backward averages over the replicas only outside this block
+            self._pipeline.synchronize = False
+            try:
+                yield
+            finally:
+                self._pipeline.synchronize = True
+            return
         if not isinstance(root, FSDPModule):
             with super().block_backward_sync():
                 yield

@@ -46,7 +46,9 @@ def fully_shard_data_parallel(
         return Shard(data_parallel_shard_dim(tuple(param.shape), specs.get(id(param)), dp))
 
     options = dict(mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy or MixedPrecisionPolicy())
-    blocks = [model.get_submodule(name) for model in models for name in getattr(model, "tp_blocks", [])]
+    # A pipeline stage holds some of the blocks only (tp_train.parallel.pipeline.stage): those it holds
+    names = [(model, name) for model in models for name in getattr(model, "tp_blocks", [])]
+    blocks = [model.get_submodule(name) for model, name in names if _holds(model, name)]
     wrapped = [fully_shard(block, **options) for block in blocks]
     wrapped.extend(fully_shard(model, **options) for model in models if model is not root)
     wrapped.append(fully_shard(root, **options))
@@ -55,3 +57,11 @@ def fully_shard_data_parallel(
         if callable(getattr(root, method, None)):
             register_fsdp_forward_method(root, method)
     return wrapped
+
+
+def _holds(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

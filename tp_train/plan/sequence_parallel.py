@@ -129,7 +129,14 @@ def apply_sequence_parallel(
             )
         region.active = False
 
+    def within(hidden: torch.Tensor) -> torch.Tensor:
+        # A pipeline stage starts at a later block with the stream already sharded (tp_train.parallel.pipeline)
+        region.active, region.shard_shape = True, tuple(hidden.shape)
+        return hidden
+
     _map_input(model.get_submodule(layout.blocks[0]), enter)
+    for name in layout.blocks[1:]:
+        _map_input(model.get_submodule(name), within)
     head.register_forward_pre_hook(reach_head)
     model.register_forward_pre_hook(leave)  # a forward that failed midway leaves no stale state
     _reduce_replicated_gradients(model, layout, group, region)

@@ -17,7 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 from tp_train.parallel.pipeline.schedules import schedule_named
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.parallel.pipeline.stage import StageForward, cut_stage
-from tp_train.parallel.pipeline.ties import sum_tied_gradients, tied_parameters
+from tp_train.parallel.pipeline.ties import Tie, sum_tied_gradients, tied_parameters
 
 IGNORE_INDEX = -100
 
@@ -39,6 +39,31 @@ class TokenWeightedCrossEntropy:
         return total / self.batch_tokens
 
 
+def refuse_sharded_ties(ties: list[Tie], size: int) -> None:
+    """One line for tied parameters over more than 2 stages with FSDP2: a middle stage, holding no copy, would add
+    zeros of the tensor-parallel shard's shape to the copies' data-parallel shards."""
+    if ties and size > 2:
+        raise ValueError(
+            f"pipeline_parallel_size={size} with data_parallel='fsdp' and tied parameters ('{ties[0].names[0]}') is "
+            f"not supported yet (only 2 stages are); use pipeline_parallel_size=2 or data_parallel='ddp'"
+        )
+
+
+def average_gradients(parameters: list[nn.Parameter], group: ProcessGroup) -> None:
+    """Averages the gradients of `parameters` over `group` (DDP's all-reduce, once per step: one flat bucket per
+    dtype). Every rank of `group` holds the same parameters, so the buckets line up."""
+    grads: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            grads.setdefault(param.grad.dtype, []).append(param.grad)
+    for same_dtype in grads.values():
+        flat = torch.cat([grad.reshape(-1) for grad in same_dtype])
+        dist.all_reduce(flat, group=group)
+        flat.div_(dist.get_world_size(group))
+        for grad, average in zip(same_dtype, flat.split([grad.numel() for grad in same_dtype]), strict=True):
+            grad.copy_(average.view_as(grad))
+
+
 class Pipeline:
     """`model`'s stages on this rank of `group` (the pipeline-parallel group), run by schedule `schedule_name`.
 
@@ -54,6 +79,10 @@ class Pipeline:
         microbatches: how many microbatches each step splits its batch into (along dim 0).
         loss_fn: the last stage's loss per microbatch, `loss_fn(output, target)`; by default the token-weighted
             cross-entropy (`TokenWeightedCrossEntropy`).
+        wrap: applied to each stage's module before torch's `PipelineStage` takes it: FSDP2's `fully_shard` over
+            the data-parallel ranks, whose gradients the stage then reduce-scatters after the last microbatch only.
+        replicas: the ranks holding this rank's stages whole (data x context parallel, DDP's group): the step's
+            gradients are averaged over them once, after the last microbatch's backward.
     """
 
     def __init__(
@@ -66,6 +95,8 @@ class Pipeline:
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         in_place: bool = False,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+        replicas: ProcessGroup | None = None,
     ) -> None:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if split.num_stages % size:
@@ -73,7 +104,10 @@ class Pipeline:
         self.virtual_stages = split.num_stages // size
         self.schedule = schedule_named(schedule_name, self.virtual_stages)
         self.group, self.microbatches, self.split = group, microbatches, split
+        self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
         self.ties = tied_parameters(model)
+        if wrap is not None:
+            refuse_sharded_ties(self.ties, size)
         if self.schedule.placement == "v":  # rank r: stages r and 2pp - 1 - r, the first and last on rank 0
             self.stage_indices = [rank, split.num_stages - 1 - rank]
         else:
@@ -82,8 +116,9 @@ class Pipeline:
             raise ValueError(f"a rank holding {len(self.stage_indices)} stages cuts copies of the model, not the model")
         copies = [model] if in_place else [copy.deepcopy(model) for _ in self.stage_indices]
         self.models = [cut_stage(cut, split, index) for cut, index in zip(copies, self.stage_indices, strict=True)]
+        wrap = wrap or (lambda module: module)
         self.stages = [
-            PipelineStage(StageForward(cut, split, index), index, split.num_stages, device, group=group)
+            PipelineStage(wrap(StageForward(cut, split, index)), index, split.num_stages, device, group=group)
             for cut, index in zip(self.models, self.stage_indices, strict=True)
         ]
         self.loss_fn = loss_fn if loss_fn is not None else TokenWeightedCrossEntropy()
@@ -142,10 +177,13 @@ class Pipeline:
         return held
 
     def finish_gradients(self, held: dict[nn.Parameter, torch.Tensor], scale: float = 1.0) -> None:
-        """This step's gradients times `scale`, tied copies summed across stages, plus those `held` from before."""
+        """This step's gradients times `scale`, averaged over the replicas, tied copies summed across stages, plus
+        those `held` from before."""
         for param in self.parameters():
             if param.grad is not None and scale != 1.0:
                 param.grad.mul_(scale)
+        if self.replicas is not None:
+            average_gradients(list(self.parameters()), self.replicas)
         sum_tied_gradients(self.models, self.ties, self.group)
         for param in self.parameters():
             if param in held:

@@ -72,7 +72,9 @@ class StageForward(nn.Module):
         self._hidden: dict[str, torch.Tensor] = model._pipeline_hidden
         indices = split.stages[stage]
         if not self.first:
-            blocks.get_submodule(str(indices[0])).register_forward_pre_hook(self._take_hidden, with_kwargs=True)
+            blocks.get_submodule(str(indices[0])).register_forward_pre_hook(
+                self._take_hidden, with_kwargs=True, prepend=True
+            )  # before the model's own hooks
         if not self.last:
             blocks.get_submodule(str(indices[-1])).register_forward_hook(self._stop)
 

@@ -10,6 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from tp_train.parallel.sharding import local_part
 
 
 @dataclass(frozen=True)
@@ -45,17 +48,26 @@ def sum_tied_gradients(models: list[nn.Module], ties: list[Tie], group: ProcessG
                     copies.setdefault(id(held[name]), held[name])
         if len(copies) <= 1 and group is None:
             continue
+        # The local parts: under FSDP2 each copy's gradient is this data-parallel rank's shard of it, alike on
+        # every stage (the copies have one shape), so the sum over the stages is shard by shard.
         total = None
         for param in copies.values():
             if param.grad is not None:
-                total = param.grad.clone() if total is None else total + param.grad
+                grad = local_part(param.grad)
+                total = grad.clone() if total is None else total + grad
         if group is not None:
             if total is None:  # no copy here (a middle stage), or no gradient yet: add zeros
                 dtype = next(iter(copies.values())).dtype if copies else tie.dtype
                 total = torch.zeros(tie.shape, dtype=dtype, device=_device(models))
             dist.all_reduce(total, group=group)
         for param in copies.values():
-            param.grad = total.clone() if len(copies) > 1 else total
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                param.grad = DTensor.from_local(
+                    total.clone(), grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()
+                )
+            else:
+                param.grad = total.clone() if len(copies) > 1 else total
 
 
 def _device(models: list[nn.Module]) -> torch.device:
