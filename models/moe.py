@@ -73,6 +73,14 @@ class MoEFeedForward(nn.Module):
 class MoEGPT(GPT):
     """GPT whose blocks' MLPs are `MoEFeedForward`s."""
 
+    # Attention and the shared expert split as GPT's blocks are; the router and the experts stay whole on every
+    # tensor-parallel rank (experts are split across ranks whole, by expert parallelism, not within one).
+    tp_plan = {
+        **{name: style for name, style in GPT.tp_plan.items() if ".mlp." not in name},
+        "blocks.*.mlp.shared.fc": "colwise",
+        "blocks.*.mlp.shared.proj": "rowwise",
+    }
+
     def __init__(self, config: MoEConfig):
         super().__init__(config)
         for block in self.blocks:

@@ -1,0 +1,86 @@
+"""Expert parallelism through Lightning: our MoE GPT (models/moe.py: 8 experts, top-2, dropless) under
+TensorParallelStrategy(expert_parallel_size=2) on four data-parallel ranks (two expert-parallel groups, so each
+expert is held by two ranks) trains as plain Lightning does on one
+device (10 steps with norm clipping, SGD and AdamW: losses, clipping norms and final parameters to 1e-5), the
+experts split between the ranks and their gradients averaged over exactly the ranks that hold them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from models.moe import MoEConfig, MoEGPT
+from tests.distributed import run_on_ranks
+from tests.lightning_helpers import LitLM, StepRecorder, loader, make_trainer
+from tests.test_parallelize import VOCAB
+from tp_train.parallel.experts import named_expert_parameters
+
+STEPS, CLIP = 10, 0.05  # small enough that every step is clipped: the norm must count each expert once
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def _moe() -> MoEGPT:
+    return MoEGPT(MoEConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=16, bias=False,
+                            n_expert=8, top_k=2, expert_hidden=24, shared_expert=True))  # fmt: skip
+
+
+class MoELM(LitLM):
+    def __init__(self, optimizer: str):
+        super().__init__(lr=1e-2, build=_moe)
+        self.optimizer = optimizer
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _whole_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as one process holds it: each expert-parallel slice gathered over its group."""
+    experts = {name: region for name, _, region in named_expert_parameters(module)}
+    whole = {}
+    for name, param in module.named_parameters():
+        value = param.detach()
+        if name in experts:
+            group = experts[name].group
+            pieces = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, value.contiguous(), group=group)
+            value = torch.cat(pieces)
+        whole[name] = value.clone()
+    return whole
+
+
+def _fit(rank, world_size, expert_parallel_size):
+    """Per optimizer: (losses, clipping norms, final parameters); plain Lightning on one device at
+    expert_parallel_size=None."""
+    results = {}
+    for optimizer in OPTIMIZERS:
+        torch.manual_seed(0)
+        module, recorder = MoELM(optimizer), StepRecorder()
+        plain = expert_parallel_size is None
+        trainer = make_trainer(
+            None if plain else 1, [recorder], max_steps=STEPS, gradient_clip_val=CLIP,
+            strategy_kwargs=None if plain else {"expert_parallel_size": expert_parallel_size},
+        )  # fmt: skip
+        trainer.fit(module, loader(None if plain else 1, STEPS))
+        norms = recorder.local_norms if plain else recorder.clip_norms  # before clipping, on one device: the norm
+        held = {name: param.shape[0] for name, param, _ in named_expert_parameters(module)}  # experts on this rank
+        results[optimizer] = (recorder.losses, norms, _whole_parameters(module), held)
+    return results
+
+
+@pytest.mark.slow
+def test_our_moe_at_ep_2_dp_4_through_lightning_trains_like_one_device():
+    (reference,) = run_on_ranks(_fit, 1, None, timeout=300)
+    for rank, result in enumerate(run_on_ranks(_fit, 4, 2, timeout=300)):
+        for optimizer in OPTIMIZERS:
+            losses, norms, params, held = result[optimizer]
+            expected_losses, expected_norms, expected_params, _ = reference[optimizer]
+            assert len(held) == 4 and set(held.values()) == {4}, held  # w_in, w_out of 2 layers: 4 of 8 experts
+            assert losses == pytest.approx(expected_losses, abs=1e-5), (rank, optimizer)
+            assert norms == pytest.approx(expected_norms, rel=1e-5), (rank, optimizer)
+            assert min(expected_norms) > CLIP
+            for name, value in params.items():
+                error = (value - expected_params[name]).abs().max().item()
+                assert error < 1e-5, (rank, optimizer, name, error)
