@@ -2,7 +2,8 @@
 TensorParallelStrategy(expert_parallel_size=2) on four data-parallel ranks (two expert-parallel groups, so each
 expert is held by two ranks) trains as plain Lightning does on one
 device (10 steps with norm clipping, SGD and AdamW: losses, clipping norms and final parameters to 1e-5), the
-experts split between the ranks and their gradients averaged over exactly the ranks that hold them."""
+experts split between the ranks and their gradients averaged over exactly the ranks that hold them; and its
+checkpoint, which stores the experts by their global index, resumes at ep=1 and ep=4 with the next losses of ep=2."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.lightning_helpers import LitLM, StepRecorder, loader, make_trainer
 from tests.test_parallelize import VOCAB
 from tp_train.parallel.experts import named_expert_parameters
 
-STEPS, CLIP = 10, 0.05  # small enough that every step is clipped: the norm must count each expert once
+STEPS, NEXT, CLIP = 10, 2, 0.05  # small enough that every step is clipped: the norm must count each expert once
 OPTIMIZERS = ("sgd", "adamw")
 
 
@@ -51,29 +52,57 @@ def _whole_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return whole
 
 
-def _fit(rank, world_size, expert_parallel_size):
-    """Per optimizer: (losses, clipping norms, final parameters); plain Lightning on one device at
-    expert_parallel_size=None."""
+def _trainer(expert_parallel_size: int | None, recorder: StepRecorder, steps: int):
+    plain = expert_parallel_size is None
+    return make_trainer(
+        None if plain else 1, [recorder], max_steps=steps, gradient_clip_val=CLIP,
+        strategy_kwargs=None if plain else {"expert_parallel_size": expert_parallel_size},
+    )  # fmt: skip
+
+
+def _resume(expert_parallel_size: int | None, checkpoint: str) -> list[float]:
+    """The losses of the NEXT steps after `checkpoint` (AdamW, its moments included), at `expert_parallel_size`
+    (None: plain Lightning on one device)."""
+    torch.manual_seed(1)  # another init: everything must come from the checkpoint
+    recorder = StepRecorder()
+    trainer = _trainer(expert_parallel_size, recorder, STEPS + NEXT)
+    trainer.fit(MoELM("adamw"), loader(None if expert_parallel_size is None else 1, STEPS), ckpt_path=checkpoint)
+    return recorder.losses
+
+
+def _fit(rank, world_size, expert_parallel_size, checkpoint):
+    """Per optimizer: (losses, clipping norms, final parameters, experts held); plain Lightning on one device at
+    expert_parallel_size=None. Then, from the AdamW run's `checkpoint` (saved at ep=2 on 4 ranks): the next
+    steps' losses at each expert-parallel size this world allows."""
     results = {}
     for optimizer in OPTIMIZERS:
         torch.manual_seed(0)
         module, recorder = MoELM(optimizer), StepRecorder()
         plain = expert_parallel_size is None
-        trainer = make_trainer(
-            None if plain else 1, [recorder], max_steps=STEPS, gradient_clip_val=CLIP,
-            strategy_kwargs=None if plain else {"expert_parallel_size": expert_parallel_size},
-        )  # fmt: skip
+        trainer = _trainer(expert_parallel_size, recorder, STEPS)
         trainer.fit(module, loader(None if plain else 1, STEPS))
         norms = recorder.local_norms if plain else recorder.clip_norms  # before clipping, on one device: the norm
         held = {name: param.shape[0] for name, param, _ in named_expert_parameters(module)}  # experts on this rank
         results[optimizer] = (recorder.losses, norms, _whole_parameters(module), held)
-    return results
+        if optimizer == "adamw":
+            trainer.save_checkpoint(checkpoint if not plain else checkpoint + ".plain")
+    if world_size > 1:
+        return results, {size: _resume(size, checkpoint) for size in (2, 4)}
+    # Plain Lightning resuming its own checkpoint is what a resume must give (a resume is not the run without a
+    # stop in Lightning itself: the step after the first differs by 1e-2 on one device).
+    return results, {1: _resume(1, checkpoint), None: _resume(None, checkpoint + ".plain")}
 
 
 @pytest.mark.slow
-def test_our_moe_at_ep_2_dp_4_through_lightning_trains_like_one_device():
-    (reference,) = run_on_ranks(_fit, 1, None, timeout=300)
-    for rank, result in enumerate(run_on_ranks(_fit, 4, 2, timeout=300)):
+def test_our_moe_at_ep_2_dp_4_through_lightning_trains_like_one_device_and_resumes_at_ep_1_and_4(tmp_path):
+    checkpoint = str(tmp_path / "ep2.ckpt")
+    results = run_on_ranks(_fit, 4, 2, checkpoint, timeout=300)
+    (reference, at_one), *_ = run_on_ranks(_fit, 1, None, checkpoint, timeout=300)
+    for rank, (result, resumed) in enumerate(results):
+        assert len(at_one[None]) == NEXT
+        for size in (1, 2, 4):  # every expert and its AdamW moments stored by expert index: any ep resumes alike
+            next_losses = at_one[1] if size == 1 else resumed[size]
+            assert next_losses == pytest.approx(at_one[None], abs=1e-5), (rank, size, next_losses, at_one[None])
         for optimizer in OPTIMIZERS:
             losses, norms, params, held = result[optimizer]
             expected_losses, expected_norms, expected_params, _ = reference[optimizer]
