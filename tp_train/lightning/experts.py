@@ -17,21 +17,28 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.experts import ExpertGroups, average_expert_gradients, expert_groups, named_expert_parameters
 from tp_train.parallel.mesh import DATA_PARALLEL
-from tp_train.plan.experts import apply_expert_parallel
+from tp_train.parallel.sharding import named_sharded_parameters
+from tp_train.plan.experts import apply_expert_parallel, find_experts
 
 
 def check_expert_parallel_arguments(
-    expert_parallel_size: int, tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel: str
+    expert_parallel_size: int,
+    pipeline_parallel_size: int,
+    data_parallel: str,
+    save_distributed_checkpoint: bool = True,
+    sequence_parallel: bool = False,
 ) -> None:
-    """Raises ValueError for a size that is not a positive integer, or a composition not built yet."""
+    """Raises ValueError for a size that is not a positive integer, or a composition not built yet (a consolidated
+    checkpoint gathers tensor-parallel shards only: it would hold rank 0's experts alone)."""
     if not isinstance(expert_parallel_size, int) or isinstance(expert_parallel_size, bool) or expert_parallel_size < 1:
         raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer")
     if expert_parallel_size == 1:
         return
     others = {
-        "tensor_parallel_size": (tensor_parallel_size, 1),
         "pipeline_parallel_size": (pipeline_parallel_size, 1),
         "data_parallel": (data_parallel, "ddp"),
+        "save_distributed_checkpoint": (save_distributed_checkpoint, True),
+        "sequence_parallel": (bool(sequence_parallel), False),
     }
     for name, (value, works) in others.items():
         if value != works:
@@ -43,10 +50,11 @@ def check_expert_parallel_arguments(
 
 class StrategyExperts:
     """What the strategy does for expert parallelism at `size` ranks per expert-parallel group (1: nothing); the
-    other sizes are checked with it (`check_expert_parallel_arguments`)."""
+    `composition` (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel) is
+    checked with it (`check_expert_parallel_arguments`)."""
 
-    def __init__(self, size: int, tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel: str) -> None:
-        check_expert_parallel_arguments(size, tensor_parallel_size, pipeline_parallel_size, data_parallel)
+    def __init__(self, size: int, *composition: Any) -> None:
+        check_expert_parallel_arguments(size, *composition)
         self.size = size
         self.groups: ExpertGroups | None = None
         self._parameters: list[nn.Parameter] = []
@@ -64,6 +72,14 @@ class StrategyExperts:
         DDP wraps `root`; its broadcast from rank 0 would otherwise overwrite each rank's own experts)."""
         if self.groups is None:
             return
+        split = {id(param) for _, param, _ in named_sharded_parameters(root)}
+        for name in find_experts(root):
+            if any(id(param) in split for param in root.get_submodule(name).parameters()):
+                raise ValueError(
+                    f"expert_parallel_size={self.size}: the tensor-parallel plan splits the experts of '{name}' "
+                    f"across the tensor-parallel ranks (moe_tp_experts), which does not compose with expert "
+                    f"parallelism yet; use tensor_parallel_size=1, or a plan that leaves the experts whole"
+                )
         apply_expert_parallel(root, self.groups.expert_parallel, self.size)
         named = named_expert_parameters(root)
         self._parameters = [param for _, param, _ in named]

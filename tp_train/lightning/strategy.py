@@ -133,8 +133,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
-        sizes = (tensor_parallel_size, pipeline_parallel_size)
-        self._experts = StrategyExperts(expert_parallel_size, *sizes, data_parallel)  # checks the composition
+        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel)
+        self._experts = StrategyExperts(expert_parallel_size, *composition)  # checks it
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
