@@ -15,10 +15,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from tp_train.parallel.experts import ExpertGroups, average_expert_gradients, expert_groups, named_expert_parameters
+from tp_train.parallel.experts import (
+    ExpertGroups,
+    average_expert_gradients,
+    expert_groups,
+    named_expert_parameters,
+    shard_experts,
+)
 from tp_train.parallel.mesh import DATA_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
-from tp_train.plan.experts import apply_expert_parallel, find_experts
+from tp_train.plan.experts import check_expert_parallel
 
 
 def check_expert_parallel_arguments(
@@ -73,14 +79,17 @@ class StrategyExperts:
         if self.groups is None:
             return
         split = {id(param) for _, param, _ in named_sharded_parameters(root)}
-        for name in find_experts(root):
+        for name in check_expert_parallel(root, self.size):
             if any(id(param) in split for param in root.get_submodule(name).parameters()):
                 raise ValueError(
                     f"expert_parallel_size={self.size}: the tensor-parallel plan splits the experts of '{name}' "
                     f"across the tensor-parallel ranks (moe_tp_experts), which does not compose with expert "
                     f"parallelism yet; use tensor_parallel_size=1, or a plan that leaves the experts whole"
                 )
-        apply_expert_parallel(root, self.groups.expert_parallel, self.size)
+        # Each expert's gradient scaled by 1/ep: averaged over its replicas, it is the mean over every replica's
+        # tokens (DDP's convention for the dense ones).
+        names = list(check_expert_parallel(root, self.size))
+        shard_experts(root, names, self.groups.expert_parallel, gradient_scale=1 / self.size)
         named = named_expert_parameters(root)
         self._parameters = [param for _, param, _ in named]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, [name for name, _, _ in named])

@@ -13,8 +13,6 @@ import inspect
 
 import torch.nn as nn
 
-from tp_train.parallel.experts import shard_experts
-
 
 def find_experts(model: nn.Module) -> dict[str, int]:
     """{name of each experts module in `model`: its number of experts}, outermost first."""
@@ -60,13 +58,3 @@ def check_expert_parallel(model: nn.Module, expert_parallel_size: int) -> dict[s
                 f"({type(model).__name__}); use one of {fits}"
             )
     return found
-
-
-def apply_expert_parallel(root: nn.Module, group, expert_parallel_size: int) -> list[str]:
-    """Splits every experts module of `root` over `group` (the expert-parallel ranks), each rank keeping its run
-    of experts under the parameters' own names; returns the modules' names. The experts' gradients are scaled by
-    1 / `expert_parallel_size`, so that averaging them over the ranks holding the same experts gives the mean over
-    all ranks' tokens (DDP's convention for the dense ones)."""
-    names = list(check_expert_parallel(root, expert_parallel_size))
-    shard_experts(root, names, group, gradient_scale=1 / expert_parallel_size)
-    return names
