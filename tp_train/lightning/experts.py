@@ -73,12 +73,13 @@ class StrategyExperts:
             override = None if mesh_timeouts is None else mesh_timeouts[DATA_PARALLEL]
             self.groups = expert_groups(replicas, self.size, override)
 
-    def shard(self, root: nn.Module) -> None:
+    def shard(self, root: nn.Module, tensor_parallel_size: int) -> None:
         """Splits `root`'s experts over the expert-parallel group and keeps them out of DDP's all-reduce (before
         DDP wraps `root`; its broadcast from rank 0 would otherwise overwrite each rank's own experts)."""
         if self.groups is None:
             return
-        split = {id(param) for _, param, _ in named_sharded_parameters(root)}
+        # At tp=1 a plan's split of the experts (moe_tp_experts) is whole: only a real split is refused.
+        split = {id(param) for _, param, _ in named_sharded_parameters(root)} if tensor_parallel_size > 1 else set()
         for name in check_expert_parallel(root, self.size):
             if any(id(param) in split for param in root.get_submodule(name).parameters()):
                 raise ValueError(

@@ -407,7 +407,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             data_parallel_rank = self.device_mesh[DATA_PARALLEL].get_local_rank()
             for rng in attached(root, "tp_rng"):
                 rng.separate_data_parallel_replicas(data_parallel_rank)
-            self._experts.shard(root)  # whole experts per rank, split over the expert-parallel group
+            self._experts.shard(root, self.tensor_parallel_size)  # whole experts per rank, split over the ep group
             root._tp_sharded = True
 
     def _fully_shard(self, root: pl.LightningModule) -> None:
