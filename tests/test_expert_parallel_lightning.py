@@ -1,10 +1,9 @@
 """Expert parallelism through Lightning: our MoE GPT (models/moe.py: 8 experts, top-2, dropless) under
 TensorParallelStrategy(expert_parallel_size=2) on four data-parallel ranks (two expert-parallel groups, so each
-expert is held by two ranks) trains as plain Lightning does on one
-device (10 steps with norm clipping, SGD and AdamW: losses, clipping norms and final parameters to 1e-5), the
-experts split between the ranks and their gradients averaged over exactly the ranks that hold them; at ep=2 x tp=2
-(SGD) too; and its
-checkpoint, which stores the experts by their global index, resumes at ep=1 and ep=4 with the next losses of ep=2."""
+expert is held by two ranks) trains as plain Lightning does on one device (10 steps with norm clipping, SGD and
+AdamW: losses, clipping norms and final parameters to 1e-5), the experts split between the ranks and their
+gradients averaged over exactly the ranks that hold them; at ep=2 x tp=2 (SGD) too. Its checkpoint, which stores the
+experts by their global index, resumes at ep=1, 2 and 4 with the next losses of plain Lightning resuming its own."""
 
 from __future__ import annotations
 

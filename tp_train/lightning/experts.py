@@ -80,7 +80,8 @@ class StrategyExperts:
             return
         # At tp=1 a plan's split of the experts (moe_tp_experts) is whole: only a real split is refused.
         split = {id(param) for _, param, _ in named_sharded_parameters(root)} if tensor_parallel_size > 1 else set()
-        for name in check_expert_parallel(root, self.size):
+        names = list(check_expert_parallel(root, self.size))
+        for name in names:
             if any(id(param) in split for param in root.get_submodule(name).parameters()):
                 raise ValueError(
                     f"expert_parallel_size={self.size}: the tensor-parallel plan splits the experts of '{name}' "
@@ -89,7 +90,6 @@ class StrategyExperts:
                 )
         # Each expert's gradient scaled by 1/ep: averaged over its replicas, it is the mean over every replica's
         # tokens (DDP's convention for the dense ones).
-        names = list(check_expert_parallel(root, self.size))
         shard_experts(root, names, self.groups.expert_parallel, gradient_scale=1 / self.size)
         named = named_expert_parameters(root)
         self._parameters = [param for _, param, _ in named]
