@@ -2,5 +2,6 @@
 
 from models.gpt import GPT, GPTConfig, KVCache
 from models.hf import hugging_face_causal_lm
+from models.moe import MoEConfig, MoEGPT
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "hugging_face_causal_lm"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "MoEConfig", "MoEGPT", "hugging_face_causal_lm"]

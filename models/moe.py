@@ -73,10 +73,17 @@ class MoEFeedForward(nn.Module):
 class MoEGPT(GPT):
     """GPT whose blocks' MLPs are `MoEFeedForward`s."""
 
+    # Attention (and the shared expert, where there is one) split as GPT's blocks are; the router and the experts
+    # stay whole on every tensor-parallel rank (experts are split across ranks whole, by expert parallelism).
+    tp_plan = {name: style for name, style in GPT.tp_plan.items() if ".mlp." not in name}
+    shared_expert_plan = {"blocks.*.mlp.shared.fc": "colwise", "blocks.*.mlp.shared.proj": "rowwise"}
+
     def __init__(self, config: MoEConfig):
         super().__init__(config)
         for block in self.blocks:
             block.mlp = MoEFeedForward(config)
+        if config.shared_expert:
+            self.tp_plan = {**MoEGPT.tp_plan, **self.shared_expert_plan}
         self.reset_parameters()
 
     def _init_weights(self, module: nn.Module) -> None:

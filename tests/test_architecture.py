@@ -27,8 +27,8 @@ FRAMEWORK_LAYERS = ("lightning", "app")
 # plan/'s modules by job. Deciding never reaches into applying or checking (the rank simulation splits with the
 # shared `ShardSpec`s and local views that `apply_plan` uses); `shared` imports only `shared`.
 PLAN_JOBS = {
-    "decide": ("autoplan", "coverage", "families", "head_shapes", "isolation", "local_search", "locality", "match",
-               "pairs", "pipeline", "presets", "resolve", "running_statistics", "structure_rules", "views"),
+    "decide": ("autoplan", "coverage", "experts", "families", "head_shapes", "isolation", "local_search", "locality",
+               "match", "pairs", "pipeline", "presets", "resolve", "running_statistics", "structure_rules", "views"),
     "apply": ("activation_checkpointing", "adapters", "apply", "context_parallel", "data_parallel",
               "sequence_parallel"),
     "check": ("region_check", "verify"),

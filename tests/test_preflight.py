@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_expert_parallel_train import EXPERT_CASES
 from tests.test_pipeline_train import PIPELINE_CASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,7 @@ CASES = {
     "cp_samples": (["cp=2", "samples.prompts=[x]"], "samples.prompts=['x'] with cp=2: samples are drawn one token"),
 }  # fmt: skip
 CASES |= PIPELINE_CASES  # python train.py pp=2's refusals, in the same start-up
+CASES |= EXPERT_CASES  # and ep=2's
 
 
 @pytest.fixture(scope="module")

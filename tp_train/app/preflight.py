@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from tp_train.app.config_values import check_values
+from tp_train.app.expert_checks import check_experts
 from tp_train.app.pipeline_checks import check_pipeline
 from tp_train.app.resolvers import lightning_precision
 from tp_train.checkpoint import consolidated
@@ -74,6 +75,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     except ValueError as error:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
     check_pipeline(cfg, model)
+    check_experts(cfg, model)
     if cp > 1:
         try:
             check_context_parallel(model, block_size)

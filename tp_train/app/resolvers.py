@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -52,11 +53,13 @@ def family_fields(model_type: str | None) -> dict:
 
 
 def register_resolvers() -> None:
-    """`${mul:a,b}` (devices = tp x dp), `${precision:16}`, `${tokenizer_of:${model.path}}` (a pretrained model's
-    own tokenizer, so its token ids mean what it learned) and `${special_token_ids:${data.tokenizer_path}}` (the
-    data's tokenizer's pad, bos and eos ids, which a model built from its family's config takes) and
+    """`${mul:a,b}` (devices = tp x dp), `${lcm:a,b}` (dp x cp raised to a multiple of ep), `${precision:16}`,
+    `${tokenizer_of:${model.path}}` (a pretrained model's own tokenizer, so its token ids mean what it learned) and
+    `${special_token_ids:${data.tokenizer_path}}` (the data's tokenizer's pad, bos and eos ids, which a model built
+    from its family's config takes) and
     `${family_fields:${model.type}}` for conf/."""
-    resolvers = {"mul": lambda a, b: int(a) * int(b), "precision": lightning_precision, "tokenizer_of": tokenizer_of,
+    resolvers = {"mul": lambda a, b: int(a) * int(b), "lcm": lambda a, b: math.lcm(int(a), int(b)),
+                 "precision": lightning_precision, "tokenizer_of": tokenizer_of,
                  "special_token_ids": lambda path: dict(_special_token_ids(path)),
                  "family_fields": family_fields}  # fmt: skip
     for name, resolver in resolvers.items():

@@ -19,6 +19,7 @@ from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.checks import check_files, check_matches
 from tp_train.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_extra, unsafe_globals
 from tp_train.errors import CheckpointError
+from tp_train.parallel.experts import ExpertParallelRegion, named_expert_parameters
 from tp_train.parallel.mesh import TENSOR_PARALLEL, first_rank_decides  # TENSOR_PARALLEL: the axis a 2-D mesh shards
 from tp_train.parallel.sharding import ShardSpec, fill_replicas, local_part, named_sharded_parameters
 
@@ -42,12 +43,15 @@ def model_state_dict(model: nn.Module, mesh: DeviceMesh, write_backs: list | Non
     """
     _check_mesh(model, mesh)
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model, buffers=True)}  # persistent ones
+    experts = {id(param): region for _, param, region in named_expert_parameters(model)}
     from_base, _ = base_weights(model)
     state: dict[str, Any] = {}
     for name, value in model.state_dict(keep_vars=True).items():  # keep_vars: the parameters themselves
         if id(value) in from_base:
             continue
-        if id(value) in specs:
+        if id(value) in experts:
+            state[name] = _expert_dtensor(value.detach(), experts[id(value)])
+        elif id(value) in specs:
             state.update(_as_dtensors(name, value.detach(), specs[id(value)], mesh, write_backs))
         else:
             state[name] = value.detach() if isinstance(value, torch.Tensor) else value
@@ -92,6 +96,7 @@ def optimizer_state_dict(
     _create_missing_state(optimizer)
     names = {id(param): name for name, param in model.named_parameters()}
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
+    experts = {id(param): region for _, param, region in named_expert_parameters(model)}
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
     for group in optimizer.param_groups:
@@ -99,9 +104,11 @@ def optimizer_state_dict(
             if id(param) not in names:
                 raise ValueError(f"the optimizer updates a parameter {tuple(param.shape)} that is not the model's")
             entries = state[names[id(param)]] = {}
-            spec = specs.get(id(param))
+            spec, region = specs.get(id(param)), experts.get(id(param))
             for key, value in optimizer.state.get(param, {}).items():
-                if spec is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                if region is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    entries[key] = _expert_dtensor(value, region)
+                elif spec is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
                     entries.update(_as_dtensors(key, value, spec, mesh, write_backs))
                 else:
                     entries[key] = value
@@ -334,6 +341,15 @@ def _as_dtensors(
         name = key if len(spec.sections) == 1 else f"{key}/section{index}"
         pieces[name] = DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=stride)
     return pieces
+
+
+def _expert_dtensor(local: torch.Tensor, region: ExpertParallelRegion) -> DTensor:
+    """This rank's run of experts (a view of `local`, stacked along dim 0) as a DTensor of all the experts, split
+    over the expert-parallel group: saved by expert index, so a checkpoint loads at any expert-parallel size."""
+    mesh = DeviceMesh.from_group(region.group, local.device.type)
+    shape = (region.num_experts, *local.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
 def _write_back(shard: DTensor, gathered: torch.Tensor, dim: int) -> None:

@@ -13,6 +13,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.utilities import rank_zero_warn
 
 from tp_train.lightning.best_effort import BestEffort
+from tp_train.parallel.experts import named_expert_parameters
 from tp_train.parallel.sharding import full_numel, local_part, named_sharded_parameters
 from tp_train.plan.parallelize import attached
 
@@ -72,6 +73,8 @@ class TrainingMetrics(L.Callback):
         pl_module.log("memory/params_mib", params / MIB, reduce_fx="max", sync_dist=True)
         specs = {id(param): spec for _, param, spec in named_sharded_parameters(pl_module)}
         full = {id(p): full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in pl_module.parameters()}
+        for _, param, region in named_expert_parameters(pl_module):  # this rank's run of experts: all of them
+            full[id(param)] = param.numel() // region.local * region.num_experts
         self.parameters = sum(full.values())  # the unsharded model's
         self.trainable_parameters = sum(full[id(p)] for p in pl_module.parameters() if p.requires_grad)
         if trainer.logger:

@@ -26,6 +26,7 @@ class _TensorParallelClipping:
     last_grad_norm: torch.Tensor | None = None
     pipeline_parallel_group: ProcessGroup | None = None  # with pipeline stages: the norm is over all of them
     pipeline_duplicates: frozenset[int] = frozenset()  # id() of tied copies an earlier stage holds (counted once)
+    experts: tuple[frozenset[int], ProcessGroup] | None = None  # expert parallelism: (id() of experts, ep group)
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
@@ -43,8 +44,9 @@ class _TensorParallelClipping:
             self.last_grad_norm = norm
             return
         self.last_grad_norm = clip_grad_norm_(
-            self.main_params(optimizer), clip_val, self.sharded_parameters, self.tensor_parallel_group
-        )
+            self.main_params(optimizer), clip_val, self.sharded_parameters, self.tensor_parallel_group,
+            experts=self.experts,
+        )  # fmt: skip
 
 
 class TensorParallelPrecision(_TensorParallelClipping, Precision):

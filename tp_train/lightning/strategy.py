@@ -31,6 +31,7 @@ from tp_train.lightning import rendezvous
 from tp_train.lightning.arguments import check_arguments, check_fused_loss
 from tp_train.lightning.checkpoint_hooks import CheckpointHooks
 from tp_train.lightning.example_input import example_inputs
+from tp_train.lightning.experts import StrategyExperts
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.loss import StrategyLoss
 from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_arguments, decide_split
@@ -95,6 +96,10 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             sequence (devices = dp x cp x tp; the block size must be a multiple of 2 x cp); attention runs across them.
         context_parallel_rotation: how keys and values reach every context-parallel rank: "ring" (passed rank to
             rank, two shares in memory) or "allgather" (gathered at once).
+        expert_parallel_size: ranks among which each mixture-of-experts layer's experts are split, whole experts per
+            rank, tokens sent to their experts' ranks (all-to-all): a view over the data x context parallel ranks
+            (it divides dp x cp and does not add ranks); the experts' gradients are averaged over the ranks holding
+            the same experts (`tp_train.lightning.experts`, docs/experts.md).
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis (with "ddp").
     """
 
@@ -124,9 +129,12 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         pipeline_schedule: str = "1f1b",
         pipeline_microbatches: int | None = None,
         pipeline_split: list[int] | None = None,
+        expert_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
+        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel)
+        self._experts = StrategyExperts(expert_parallel_size, *composition)  # checks it
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
@@ -248,8 +256,18 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         cp, dp_cp = self.context_parallel_size > 1, (DATA_PARALLEL, CONTEXT_PARALLEL)
         self._replicas = self._device_mesh[dp_cp]._flatten(REPLICAS) if cp else self._device_mesh[DATA_PARALLEL]
         self._ddp_kwargs["process_group"] = self._replicas.get_group()
+        self._experts.setup_groups(self._replicas, self._mesh_timeouts())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self._experts.size
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._experts.after_backward()
 
     @override
     def setup_distributed(self) -> None:
@@ -383,6 +401,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             data_parallel_rank = self.device_mesh[DATA_PARALLEL].get_local_rank()
             for rng in attached(root, "tp_rng"):
                 rng.separate_data_parallel_replicas(data_parallel_rank)
+            self._experts.shard(root, self.tensor_parallel_size)  # whole experts per rank, split over the ep group
             root._tp_sharded = True
 
     def _fully_shard(self, root: pl.LightningModule) -> None:
@@ -416,6 +435,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             plugin.pipeline_parallel_group = self.pipeline_parallel_group
             plugin.pipeline_duplicates = self._pipeline.duplicate_parameters()
         plugin.sharded_parameters = {id(param): spec for _, param, spec in named_sharded_parameters(root)}
+        plugin.experts = self._experts.clipping()
 
     @contextmanager
     @override
@@ -431,7 +451,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 self._pipeline.synchronize = True
             return
         if not isinstance(root, FSDPModule):
-            with super().block_backward_sync():
+            with super().block_backward_sync(), self._experts.blocking():
                 yield
             return
         root.set_requires_gradient_sync(False)

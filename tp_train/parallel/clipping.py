@@ -17,9 +17,10 @@ def global_grad_norm(
     sharded: Collection[int] | Mapping[int, ShardSpec],
     group: ProcessGroup,
     norm_type: float = 2.0,
+    experts: tuple[Collection[int], ProcessGroup] | None = None,
 ) -> torch.Tensor:
     """The norm of all gradients as if the model were unsharded (collectives over `group` and, for DTensor
-    parameters, over their data-parallel mesh).
+    parameters, over their data-parallel mesh, and, with `experts`, over the expert-parallel group).
 
     Args:
         parameters: the parameters whose `.grad` count; those without a gradient are skipped.
@@ -27,7 +28,19 @@ def global_grad_norm(
             `ShardSpec` (needed where kv heads are replicated, so that each counts once).
         group: the tensor-parallel process group.
         norm_type: 2.0 or `inf`.
+        experts: `id()` of the parameters holding this rank's run of experts (whole on every tensor-parallel rank)
+            and the expert-parallel group, whose ranks hold the other runs: each expert counts once.
     """
+    if experts is not None and experts[0]:
+        expert_ids, expert_group = experts
+        parameters = list(parameters)
+        dense = [p for p in parameters if id(p) not in expert_ids]
+        total = global_grad_norm(dense, sharded, group, norm_type)
+        own = global_grad_norm([p for p in parameters if id(p) in expert_ids], (), group, norm_type).reshape(1)
+        if norm_type == 2.0:
+            own = own.square()
+        dist.all_reduce(own, op=dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX, group=expert_group)
+        return (total.square() + own[0]).sqrt() if norm_type == 2.0 else torch.maximum(total, own[0])
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"norm_type={norm_type} is not supported with tensor parallelism; use 2.0 or inf")
     parameters = list(parameters)
@@ -111,9 +124,11 @@ def clip_grad_norm_(
     sharded: Collection[int] | Mapping[int, ShardSpec],
     group: ProcessGroup,
     norm_type: float = 2.0,
+    experts: tuple[Collection[int], ProcessGroup] | None = None,
 ) -> torch.Tensor:
-    """Scales gradients in place so their global norm is at most `max_norm`; returns the norm before clipping."""
+    """Scales gradients in place so their global norm is at most `max_norm`; returns the norm before clipping
+    (`experts` as for `global_grad_norm`)."""
     parameters = list(parameters)
-    total = global_grad_norm(parameters, sharded, group, norm_type)
+    total = global_grad_norm(parameters, sharded, group, norm_type, experts)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total

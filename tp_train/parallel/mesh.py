@@ -19,6 +19,9 @@ CONTEXT_PARALLEL = "context_parallel"
 # Pipeline stages, the outermost axis: only activations cross it, once per microbatch, so it can span nodes.
 PIPELINE_PARALLEL = "pipeline_parallel"
 REPLICAS = "data_context_parallel"  # data x context parallel, flattened: the group gradients are averaged over
+# Expert parallelism, a view over the replicas (data x context): runs of `expert_parallel_size` consecutive replicas
+# each hold all of the experts between them; the ranks at one place of every run hold the same experts (replicas).
+EXPERT_PARALLEL, EXPERT_REPLICAS = "expert_parallel", "expert_data_parallel"
 # How the data-parallel axis holds a tensor-parallel shard: whole on every rank (DDP), or split over it (FSDP2).
 DATA_PARALLEL_MODES = ("ddp", "fsdp")
 

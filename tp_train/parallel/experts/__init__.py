@@ -10,9 +10,20 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.experts.dispatch import all_to_all, combine, dispatch
-from tp_train.parallel.experts.region import ExpertParallelRegion
+from tp_train.parallel.experts.groups import ExpertGroups, average_expert_gradients, expert_groups
+from tp_train.parallel.experts.region import ExpertParallelRegion, named_expert_parameters
 
-__all__ = ["ExpertParallelRegion", "all_to_all", "combine", "dispatch", "shard_experts"]
+__all__ = [
+    "ExpertGroups",
+    "ExpertParallelRegion",
+    "all_to_all",
+    "average_expert_gradients",
+    "combine",
+    "dispatch",
+    "expert_groups",
+    "named_expert_parameters",
+    "shard_experts",
+]
 
 
 def shard_experts(model: nn.Module, names: Iterable[str], group: ProcessGroup, gradient_scale: float = 1.0) -> None:

@@ -35,11 +35,14 @@ class ExpertParallelRegion:
             )
         self.group, self.num_experts, self.gradient_scale = group, num_experts, gradient_scale
         self.local = num_experts // world_size
+        self.first = dist.get_rank(group) * self.local  # this rank's first expert (global index)
+        self.stacked: tuple[str, ...] = ()  # the module's parameters sliced to its experts (names within it)
         self._pending: list[tuple[torch.Tensor, Dispatched]] = []  # one per call in flight (nested recomputes)
 
     def install(self, module: nn.Module) -> None:
-        """Slices `module`'s stacked expert parameters to this rank's experts and wraps its calls."""
-        first = dist.get_rank(self.group) * self.local
+        """Slices `module`'s stacked expert parameters to this rank's experts and wraps its calls; the module
+        keeps the region as `expert_parallel_region` (`named_expert_parameters` finds its slices by it)."""
+        first = self.first
         stacked = [(name, param) for name, param in module.named_parameters() if param.shape[:1] == (self.num_experts,)]
         if not stacked:
             raise ValueError(
@@ -54,6 +57,8 @@ class ExpertParallelRegion:
             setattr(module.get_submodule(owner) if owner else module, leaf, shard)
         if hasattr(module, "num_experts"):
             module.num_experts = self.local
+        self.stacked = tuple(name for name, _ in stacked)
+        module.expert_parallel_region = self
         module.register_forward_pre_hook(self._dispatch)
         module.register_forward_hook(self._combine)
 
@@ -66,3 +71,16 @@ class ExpertParallelRegion:
     def _combine(self, module, args, output):
         weights, state = self._pending.pop()
         return combine(output, weights, state, self.group)
+
+
+def named_expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, ExpertParallelRegion]]:
+    """(name, parameter, region) of every parameter of `model` that holds this rank's run of experts, each once."""
+    found, seen = [], set()
+    for module_name, module in model.named_modules():
+        region = getattr(module, "expert_parallel_region", None)
+        for name in region.stacked if region is not None else ():
+            param = module.get_parameter(name)
+            if id(param) not in seen:
+                seen.add(id(param))
+                found.append((f"{module_name}.{name}" if module_name else name, param, region))
+    return found

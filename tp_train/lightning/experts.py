@@ -1,0 +1,116 @@
+"""Expert parallelism under `TensorParallelStrategy`: the experts split over the data x context parallel ranks, the
+dense parameters left to DDP (or FSDP2), the experts' gradients averaged over exactly the ranks holding them.
+
+    replicas (dp x cp = 4), ep = 2:   rank  0  1 | 2  3      experts 0-3 on ranks 0, 2; experts 4-7 on ranks 1, 3
+    expert-parallel groups (tokens travel within):   {0, 1} {2, 3}
+    expert replicas (experts' gradients averaged):   {0, 2} {1, 3}
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+from tp_train.parallel.experts import (
+    ExpertGroups,
+    average_expert_gradients,
+    expert_groups,
+    named_expert_parameters,
+    shard_experts,
+)
+from tp_train.parallel.mesh import DATA_PARALLEL
+from tp_train.parallel.sharding import named_sharded_parameters
+from tp_train.plan.experts import check_expert_parallel
+
+
+def check_expert_parallel_arguments(
+    expert_parallel_size: int,
+    pipeline_parallel_size: int,
+    data_parallel: str,
+    save_distributed_checkpoint: bool = True,
+    sequence_parallel: bool = False,
+) -> None:
+    """Raises ValueError for a size that is not a positive integer, or a composition not built yet (a consolidated
+    checkpoint gathers tensor-parallel shards only: it would hold rank 0's experts alone)."""
+    if not isinstance(expert_parallel_size, int) or isinstance(expert_parallel_size, bool) or expert_parallel_size < 1:
+        raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer")
+    if expert_parallel_size == 1:
+        return
+    others = {
+        "pipeline_parallel_size": (pipeline_parallel_size, 1),
+        "data_parallel": (data_parallel, "ddp"),
+        "save_distributed_checkpoint": (save_distributed_checkpoint, True),
+        "sequence_parallel": (bool(sequence_parallel), False),
+    }
+    for name, (value, works) in others.items():
+        if value != works:
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size} with {name}={value!r} is not composed yet; use "
+                f"{name}={works!r} (or expert_parallel_size=1)"
+            )
+
+
+class StrategyExperts:
+    """What the strategy does for expert parallelism at `size` ranks per expert-parallel group (1: nothing); the
+    `composition` (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel) is
+    checked with it (`check_expert_parallel_arguments`)."""
+
+    def __init__(self, size: int, *composition: Any) -> None:
+        check_expert_parallel_arguments(size, *composition)
+        self.size = size
+        self.groups: ExpertGroups | None = None
+        self._parameters: list[nn.Parameter] = []
+        self._blocked = False  # inside the strategy's block_backward_sync (gradient accumulation)
+
+    def setup_groups(self, replicas: DeviceMesh, mesh_timeouts: dict[str, Any] | None) -> None:
+        """The expert groups, a view over `replicas` (the data x context parallel mesh), with the data-parallel
+        axis's backend and timeout (`mesh_timeouts`, by axis name); a collective."""
+        if self.size > 1:
+            override = None if mesh_timeouts is None else mesh_timeouts[DATA_PARALLEL]
+            self.groups = expert_groups(replicas, self.size, override)
+
+    def shard(self, root: nn.Module, tensor_parallel_size: int) -> None:
+        """Splits `root`'s experts over the expert-parallel group and keeps them out of DDP's all-reduce (before
+        DDP wraps `root`; its broadcast from rank 0 would otherwise overwrite each rank's own experts)."""
+        if self.groups is None:
+            return
+        # At tp=1 a plan's split of the experts (moe_tp_experts) is whole: only a real split is refused.
+        split = {id(param) for _, param, _ in named_sharded_parameters(root)} if tensor_parallel_size > 1 else set()
+        names = list(check_expert_parallel(root, self.size))
+        for name in names:
+            if any(id(param) in split for param in root.get_submodule(name).parameters()):
+                raise ValueError(
+                    f"expert_parallel_size={self.size}: the tensor-parallel plan splits the experts of '{name}' "
+                    f"across the tensor-parallel ranks (moe_tp_experts), which does not compose with expert "
+                    f"parallelism yet; use tensor_parallel_size=1, or a plan that leaves the experts whole"
+                )
+        # Each expert's gradient scaled by 1/ep: averaged over its replicas, it is the mean over every replica's
+        # tokens (DDP's convention for the dense ones).
+        shard_experts(root, names, self.groups.expert_parallel, gradient_scale=1 / self.size)
+        named = named_expert_parameters(root)
+        self._parameters = [param for _, param, _ in named]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, [name for name, _, _ in named])
+
+    def clipping(self) -> tuple[frozenset[int], Any] | None:
+        """What the precision plugin's norm needs: the experts' ids and the group holding the other experts."""
+        if self.groups is None:
+            return None
+        return frozenset(id(param) for param in self._parameters), self.groups.expert_parallel
+
+    def after_backward(self) -> None:
+        """The experts' gradients averaged over their replicas, once per optimizer step (the last micro-batch)."""
+        if self.groups is not None and not self._blocked:
+            average_expert_gradients(self._parameters, self.groups.expert_replicas)
+
+    @contextmanager
+    def blocking(self):
+        """While Lightning accumulates micro-batches: their sum is averaged after the last one."""
+        self._blocked = True
+        try:
+            yield
+        finally:
+            self._blocked = False

@@ -1,0 +1,60 @@
+"""Where a model's experts are, and whether `expert_parallel_size` fits them: decided on the model as written (it may
+be on the meta device), before anything is sharded.
+
+An experts module is recognised by its shape, not by its family: a module with an integer `num_experts` whose own
+parameters include one stacked over its experts (`(num_experts, ...)`), called as `(hidden (T, D), top_k_index
+(T, k), top_k_weights (T, k))`. That is `models.moe.Experts` and Hugging Face's `MixtralExperts`, `Qwen2MoeExperts`,
+`Qwen3MoeExperts`, `OlmoeExperts` and `GptOssExperts` (transformers 5): their routers stay the model's own code.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.nn as nn
+
+
+def find_experts(model: nn.Module) -> dict[str, int]:
+    """{name of each experts module in `model`: its number of experts}, outermost first."""
+    found: dict[str, int] = {}
+    for name, module in model.named_modules():
+        experts = getattr(module, "num_experts", None)
+        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+            continue
+        own = module.named_parameters(recurse=False)
+        stacked = any(param.dim() >= 2 and param.shape[0] == experts for _, param in own)
+        if stacked and _takes_routes(module):  # a router holds (num_experts, D) too, but takes the tokens only
+            found[name] = experts
+    return found
+
+
+def _takes_routes(module: nn.Module) -> bool:
+    """The module's forward takes (hidden, top_k_index, top_k_weights): three positional arguments or more."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+
+def check_expert_parallel(model: nn.Module, expert_parallel_size: int) -> dict[str, int]:
+    """`find_experts(model)`, once `expert_parallel_size` is known to fit every experts module: raises ValueError
+    (one line naming the model, the size and what would work) for no experts found, or a size above or not dividing
+    a layer's number of experts."""
+    found = find_experts(model)
+    if expert_parallel_size == 1:
+        return found
+    if not found:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} but {type(model).__name__} has no experts module (a module "
+            f"with num_experts and its experts' weights stacked as (num_experts, ...) tensors); use ep=1"
+        )
+    for name, experts in found.items():
+        if expert_parallel_size > experts or experts % expert_parallel_size:
+            fits = [size for size in range(1, experts + 1) if experts % size == 0]
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size} does not divide the {experts} experts of '{name}' "
+                f"({type(model).__name__}); use one of {fits}"
+            )
+    return found
