@@ -62,7 +62,8 @@ def cut_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module:
 class StageForward(nn.Module):
     """The module a `torch.distributed.pipelining.PipelineStage` runs for stage `stage` of `split`: `model` is the
     cut model (`cut_stage`). Inputs: the token ids (first stage) or (hidden, token ids); outputs: (hidden, token ids)
-    or, on the last stage, whatever the model returns (its logits). Parameters are the model's, under `module.`."""
+    or, on the last stage, the model's logits (the tensor it returns, or a Hugging Face output's `logits`).
+    Parameters are the model's, under `module.`."""
 
     def __init__(self, model: nn.Module, split: PipelineSplit, stage: int) -> None:
         super().__init__()
@@ -70,6 +71,7 @@ class StageForward(nn.Module):
         self.first, self.last = stage == 0, stage == split.num_stages - 1
         blocks = model.get_submodule(split.blocks)
         self._hidden: dict[str, torch.Tensor] = model._pipeline_hidden
+        self._output_type: type | None = None  # the model's output type where it is not a tensor (last stage)
         indices = split.stages[stage]
         if not self.first:
             blocks.get_submodule(str(indices[0])).register_forward_pre_hook(self._take_hidden, with_kwargs=True)
@@ -88,7 +90,17 @@ class StageForward(nn.Module):
             self._hidden.pop("value", None)
         if not self.last:
             raise RuntimeError("pipeline stage: the model's forward ended before this stage's last block ran")
-        return output
+        if isinstance(output, torch.Tensor):
+            return output
+        # A Hugging Face ModelOutput (logits, and a KV cache torch cannot send): the stage's output is the logits,
+        # and `model_output` rebuilds the model's own type around them for code that reads `.logits`
+        self._output_type = type(output)
+        return output["logits"]
+
+    def model_output(self, logits: torch.Tensor):
+        """What the whole model returns, around the last stage's output `logits` (a Hugging Face `ModelOutput`
+        with only its logits, or the tensor itself)."""
+        return logits if self._output_type is None else self._output_type(logits=logits)
 
     def _take_hidden(self, module, args, kwargs):
         hidden = self._hidden["value"]
