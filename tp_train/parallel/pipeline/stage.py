@@ -33,6 +33,11 @@ class _Elsewhere(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         if "value" not in self._hidden:
             raise RuntimeError(f"pipeline stage: '{self._name}' runs on another stage but was reached on this one")
+        if "blocks_started" in self._hidden:  # split by registration order (a meta model), which is not call order
+            raise RuntimeError(
+                f"pipeline stage: '{self._name}' was taken for a module running before the blocks, but runs after "
+                f"them; register the model's modules in the order its forward calls them"
+            )
         return torch.zeros_like(self._hidden["value"]).detach()
 
 
@@ -88,6 +93,7 @@ class StageForward(nn.Module):
             return end.output, ids
         finally:
             self._hidden.pop("value", None)
+            self._hidden.pop("blocks_started", None)
         if not self.last:
             raise RuntimeError("pipeline stage: the model's forward ended before this stage's last block ran")
         if isinstance(output, torch.Tensor):
@@ -104,6 +110,7 @@ class StageForward(nn.Module):
 
     def _take_hidden(self, module, args, kwargs):
         hidden = self._hidden["value"]
+        self._hidden["blocks_started"] = hidden
         if args:
             return (hidden, *args[1:]), kwargs
         key = next(iter(kwargs))  # the block's first argument, passed by keyword
