@@ -3,7 +3,7 @@
 - GPT-2 (tied embeddings, the first and last stage each holding the tie) at pp=2, saved at its step 3 and resumed
   from that checkpoint at pp=1 and at pp=4 (1F1B over 4 stages of one block each), every next loss the one
   process's, which takes the weights and the optimizer's state resharded across stages by their names; its
-  checkpoint exported as one file (`tp-train-export --lightning`) holds every stage's weights;
+  checkpoint exported (`tp-train-export`) holds every stage's weights;
 - Llama (untied) at pp=2.
 Dropout is off: a pipeline draws its masks stage by stage, not in one process's order."""
 
@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from safetensors.torch import load_file
 
 from tests import train_cases
-from tp_train.tools.export import export_lightning
+from tp_train.tools.export import export_hugging_face
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["experiment=smoke", "logger=csv", "tp=1", "model=hf", "trainer.limit_val_batches=1",
@@ -66,13 +66,13 @@ def test_hugging_face_models_at_pp_equal_one_process_and_resume_across_pp(tmp_pa
         resumed = _train(tmp_path, f"gpt2_resumed_pp{pp}", [*GPT2, f"pp={pp}", f"ckpt_path='{saved}'"])
         assert min(resumed["train/loss"]) == 3  # it went on from the checkpoint
         gaps[f"gpt2 pp=2 -> pp={pp}"] = _assert_same(resumed, reference, f"resumed at pp={pp}", from_step=3)
-    # tp-train-export --lightning: the pp=2 checkpoint as one file with every stage's weights, the one process's
-    # (to 1e-4: after 6 Adam steps, a gradient's last-bit difference moves a weight by up to the learning rate's 1e-5s)
+    # tp-train-export: the pp=2 checkpoint as one save_pretrained directory with every stage's weights, the one
+    # process's (to 1e-4: after 6 Adam steps, a gradient's last-bit difference moves a weight by up to ~1e-5)
     exported = {}
     for pp in (1, 2):
         checkpoint = tmp_path / f"gpt2_pp{pp}" / "checkpoints" / "epoch=0-step=6.ckpt"
-        file = export_lightning(checkpoint, tmp_path / f"gpt2_pp{pp}_exported.ckpt")
-        exported[pp] = torch.load(file, weights_only=True)["state_dict"]
+        directory = export_hugging_face(checkpoint, tmp_path / f"gpt2_pp{pp}_exported")
+        exported[pp] = load_file(Path(directory) / "model.safetensors")
     assert exported[2].keys() == exported[1].keys()
     gaps["gpt2 pp=2 exported"] = max((exported[2][k] - exported[1][k]).abs().max().item() for k in exported[1])
     assert gaps["gpt2 pp=2 exported"] < 1e-4

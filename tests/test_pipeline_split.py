@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tp_train.checkpoint.stages import parameter_names
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.parallel.pipeline.stage import StageForward, cut_stage
 from tp_train.plan.pipeline import plan_pipeline_split
@@ -96,3 +97,15 @@ def test_a_split_against_call_order_fails_loudly():
     last = StageForward(cut_stage(copy.deepcopy(model), wrong, 1), wrong, 1)
     with pytest.raises(RuntimeError, match="'norm' was taken for a module running before the blocks, but runs after"):
         last(hidden, ids)
+
+
+def test_a_stage_names_its_tied_parameter_as_the_whole_model_does():
+    """The last stage holds GPT-2's tied weight only as `lm_head.weight`; checkpoints name it as the whole model
+    does (the embedding's name), so its optimizer state is one entry at every pp."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **SIZES))
+    split = plan_pipeline_split(model, 2)
+    holder = nn.Module()
+    holder.model = cut_stage(copy.deepcopy(model), split, 1)  # as a LightningModule holds it
+    names = parameter_names(holder)
+    assert names[id(holder.model.lm_head.weight)] == "model.transformer.wte.weight"
+    assert names[id(holder.model.transformer.ln_f.weight)] == "model.transformer.ln_f.weight"

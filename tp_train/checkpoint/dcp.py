@@ -78,23 +78,17 @@ def load_model_state_dict(model: nn.Module, mesh: DeviceMesh, state: dict[str, A
 
 
 def optimizer_state_dict(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    mesh: DeviceMesh,
-    write_backs: list | None = None,
-    saved: set[str] | None = None,
+    model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, write_backs: list | None = None
 ) -> dict[str, Any]:
-    """The optimizer's state for DCP: `{"state": {param name: {key: value}}, "param_groups": [...]}`, each group's
-    `params` naming its parameters by every name they have on every pipeline stage (`tp_train.checkpoint.stages`).
+    """The optimizer's state for DCP: `{"state": {param name: {key: value}}, "param_groups": [...]}`, each
+    parameter under its name in the whole model and each group's `params` naming those of every pipeline stage
+    (`tp_train.checkpoint.stages`), so that the state reshards across pp by name.
 
     Args:
         model: the parallelized model whose parameters `optimizer` updates.
         optimizer: a `torch.optim.Optimizer` (not Lightning's `LightningOptimizer` wrapper).
         mesh: as for `model_state_dict`.
         write_backs: as for `model_state_dict`.
-        saved: loading: the parameter names the checkpoint holds state under (`stages.names_in_checkpoint`); a
-            parameter with several names (tied) is read under the first of them it holds. Saving (None): its state
-            is stored under each name, so that a stage holding the parameter under any one of them finds it.
     """
     _check_mesh(model, mesh)
     _create_missing_state(optimizer)
@@ -113,14 +107,10 @@ def optimizer_state_dict(
                     entries.update(_as_dtensors(key, value, spec, mesh, write_backs))
                 else:
                     entries[key] = value
-            held = [name for name in names[id(param)] if saved is None or name in saved]
-            for name in held[:1] if saved is not None else held:
-                state[name] = entries
-            if saved is not None and not held:
-                state[names[id(param)][0]] = entries  # not in the checkpoint: `check_matches` names it
+            state[names[id(param)]] = entries
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
-        held_names = [name for param in group["params"] for name in names[id(param)]]
-        param_groups.append({**hyperparameters, "params": stages.across_stages(held_names, mesh)})
+        held = [names[id(param)] for param in group["params"]]
+        param_groups.append({**hyperparameters, "params": stages.across_stages(held, mesh)})
     return {"state": state, "param_groups": param_groups}
 
 
@@ -129,10 +119,11 @@ def load_optimizer_state_dict(
 ) -> None:
     """Puts `state` (an `optimizer_state_dict` that `dcp.load` filled) into `optimizer`: tensors are copied in
     unless they already are the optimizer's, other values and the group hyperparameters are set."""
-    live = optimizer_state_dict(model, optimizer, mesh, saved=set(state["state"]))
+    live = optimizer_state_dict(model, optimizer, mesh)
     if [set(group["params"]) for group in state["param_groups"]] != [set(g["params"]) for g in live["param_groups"]]:
         raise ValueError("the checkpoint's optimizer parameter groups name other parameters than this optimizer's")
-    params = dict(model.named_parameters(remove_duplicate=False))
+    names = stages.parameter_names(model)
+    params = {names[id(param)]: param for param in model.parameters()}
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
     with torch.no_grad():
         for name, entries in state["state"].items():
@@ -237,9 +228,7 @@ def load(
             f"into a model built without pretrained weights"
         )
     write_backs: list = []
-    keys = metadata.state_dict_metadata
-    saved = [stages.names_in_checkpoint(keys, f"optimizer_{index}.state.") for index in range(len(optimizers))]
-    state = _checkpoint_state(model, optimizers, mesh, write_backs, saved)
+    state = _checkpoint_state(model, optimizers, mesh, write_backs)
     # the model's entries that any pipeline stage loads: the checkpoint may hold no other
     check_matches(path, metadata, state, stages.across_stages(state["model"], mesh))
     try:
@@ -293,15 +282,10 @@ def base_weights(model: nn.Module) -> tuple[set[int], str | None]:
 
 
 def _checkpoint_state(
-    model: nn.Module,
-    optimizers: list,
-    mesh: DeviceMesh,
-    write_backs: list | None = None,
-    saved: list[set[str]] | None = None,
+    model: nn.Module, optimizers: list, mesh: DeviceMesh, write_backs: list | None = None
 ) -> dict[str, Any]:
     optimizer_states = {
-        f"optimizer_{i}": optimizer_state_dict(model, opt, mesh, write_backs, saved[i] if saved else None)
-        for i, opt in enumerate(optimizers)
+        f"optimizer_{i}": optimizer_state_dict(model, opt, mesh, write_backs) for i, opt in enumerate(optimizers)
     }
     return {"model": model_state_dict(model, mesh, write_backs), **optimizer_states}
 

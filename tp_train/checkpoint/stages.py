@@ -1,9 +1,8 @@
 """What a checkpoint needs to know of pipeline stages: each rank holds only its stage's part of the model, under the
-model's own names, so a checkpoint is the union of the stages' states and reshards across pp by name. Three facts
-follow, each asked here: which names the other stages hold (`across_stages`), every name a parameter has (a tied
-parameter on the last stage has only its head's name there, while the whole model's first name is the
-embedding's: its optimizer state is saved under each, `parameter_names`), and which of them a checkpoint holds
-(`names_in_checkpoint`)."""
+model's own names, so a checkpoint is the union of the stages' states and reshards across pp by name. Two facts
+follow, each asked here: which names the other stages hold (`across_stages`), and the whole model's name of each
+parameter (`parameter_names`: a tied parameter on the last stage is the head's there, while the whole model names
+it by the embedding's; its optimizer state is stored under that one name on every stage and at every pp)."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.parallel.mesh import PIPELINE_PARALLEL
+from tp_train.parallel.pipeline.ties import TIED_NAMES
 
 
 def across_stages(names: Iterable[str], mesh: DeviceMesh) -> list[str]:
@@ -29,20 +29,18 @@ def across_stages(names: Iterable[str], mesh: DeviceMesh) -> list[str]:
     return sorted({name for stage in gathered for name in stage or ()})
 
 
-def parameter_names(model: nn.Module) -> dict[int, list[str]]:
-    """Every name of each parameter of `model`, by `id()`: a tied parameter has several."""
-    names: dict[int, list[str]] = {}
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """The name of each parameter of `model`, by `id()`, as the whole model names it: a tied parameter by its first
+    name there (the embedding's), also on a pipeline stage that holds it only as its head (`TIED_NAMES`)."""
+    whole: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        for name, names in getattr(module, TIED_NAMES, {}).items():
+            whole[_joined(prefix, name)] = _joined(prefix, names[0])
+    found: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return names
-
-
-def names_in_checkpoint(keys: Iterable[str], prefix: str) -> set[str]:
-    """The dotted prefixes after `prefix` of a checkpoint's flattened `keys` (`optimizer_0.state.<parameter
-    name>.<its state's key>`): every candidate parameter name the checkpoint holds state under."""
-    found = set()
-    for key in keys:
-        if key.startswith(prefix):
-            parts = key[len(prefix) :].split(".")
-            found.update(".".join(parts[:end]) for end in range(1, len(parts)))
+        found.setdefault(id(param), whole.get(name, name))
     return found
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

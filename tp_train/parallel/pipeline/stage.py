@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from tp_train.parallel.pipeline.split import PipelineSplit
+from tp_train.parallel.pipeline.ties import TIED_NAMES, tied_parameters
 
 
 class _Elsewhere(nn.Module):
@@ -49,7 +50,10 @@ class _StageEnd(Exception):  # noqa: N818 - control flow, not an error: the stag
 
 def cut_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module:
     """Removes from `model` (in place: pass a copy) every block and outside module that stage `stage` does not run;
-    the remaining parameters keep their names. Returns `model`."""
+    the remaining parameters keep their names, and the whole model's names of its tied parameters are recorded as
+    its `TIED_NAMES` attribute (checkpoints name a tied parameter by its first). Returns `model`."""
+    # each name of a tied parameter -> all its names in the whole model (a stage may hold it under one only)
+    setattr(model, TIED_NAMES, {name: tie.names for tie in tied_parameters(model) for name in tie.names})
     kept = set(split.stages[stage])
     block_list = model.get_submodule(split.blocks)
     for index in range(len(block_list)):

@@ -11,6 +11,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+# The attribute of a cut stage holding {each name of a tied parameter: all its names in the whole model}
+TIED_NAMES = "pipeline_tied_names"
+
 
 @dataclass(frozen=True)
 class Tie:
