@@ -90,6 +90,8 @@ def test_a_sharded_checkpoint_exported_with_tp_train_export_lightning_loads_in_o
     assert plain_val == pytest.approx(val_tp2, abs=1e-5)
 
 
-def test_fsdp_is_refused_in_one_line():
+def test_fsdp_and_pipeline_are_refused_in_one_line():
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False gathers whole tensor-parallel shards"):
         TensorParallelStrategy(tensor_parallel_size=2, data_parallel="fsdp", save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match="rank 0, which holds only the first of pipeline_parallel_size=2 stages"):
+        TensorParallelStrategy(pipeline_parallel_size=2, save_distributed_checkpoint=False)

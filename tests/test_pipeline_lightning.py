@@ -87,7 +87,7 @@ def _fit(rank, world_size, n_layer, strategy_kwargs, accumulate=1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,microbatches,accumulate", [("1f1b", 4, 1), ("gpipe", 2, 1), ("1f1b", 2, 2)])
+@pytest.mark.parametrize("schedule,microbatches,accumulate", [("1f1b", 4, 1), ("gpipe", 2, 1), ("1f1b", 4, 2)])
 def test_pipeline_through_lightning_equals_plain_lightning(schedule, microbatches, accumulate):
     n_layer = 3
     reference = run_on_ranks(_fit, 1, n_layer, None, accumulate)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,14 @@ def check_files(path: str | Path, trust_checkpoint: bool = False) -> Metadata:
     return metadata
 
 
-def check_matches(path: str | Path, metadata: Metadata, state: dict[str, Any]) -> None:
+def check_matches(
+    path: str | Path, metadata: Metadata, state: dict[str, Any], model_entries: Iterable[str] = ()
+) -> None:
     """Every entry `state` (what `dcp.load` will fill) expects is in the checkpoint, tensors at the same full shape,
-    and the checkpoint holds no model tensor that `state` lacks."""
+    and the checkpoint holds no model tensor that neither `state` nor `model_entries` (the names of `state["model"]`'s
+    entries on the other pipeline stages) has."""
     expected, _ = flatten_state_dict(state)
+    elsewhere = {f"model.{name}" for name in model_entries}
     saved = metadata.state_dict_metadata
     missing = [key for key in expected if key not in saved]
     if missing:
@@ -60,7 +65,7 @@ def check_matches(path: str | Path, metadata: Metadata, state: dict[str, Any]) -
         raise CheckpointError(
             f"checkpoint {path}: {missing[0]} is not there{more}; it was saved from another model or plan"
         )
-    extra = [key for key in saved if key.startswith("model.") and key not in expected]
+    extra = [key for key in saved if key.startswith("model.") and key not in expected and key not in elsewhere]
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(

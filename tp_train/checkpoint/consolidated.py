@@ -29,6 +29,16 @@ def check_data_parallel(save_distributed_checkpoint: bool, data_parallel: str) -
         )
 
 
+def check_pipeline_parallel(save_distributed_checkpoint: bool, pipeline_parallel_size: int) -> None:
+    """A consolidated checkpoint is written by global rank 0, which holds only the first pipeline stage."""
+    if not save_distributed_checkpoint and pipeline_parallel_size > 1:
+        raise ValueError(
+            f"save_distributed_checkpoint=False writes one file from rank 0, which holds only the first of "
+            f"pipeline_parallel_size={pipeline_parallel_size} stages; use save_distributed_checkpoint=True and "
+            f"tp-train-export (one file with every stage) after training"
+        )
+
+
 def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh, extra: dict) -> None:
     """Writes `extra` (Lightning's checkpoint dict) with the full `state_dict` and `optimizer_states` to the file
     `path`, from global rank 0 (see the module docstring); every rank calls it."""

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tp_train.checkpoint import on_disk
+from tp_train.checkpoint import on_disk, stages
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.checks import check_files, check_matches
 from tp_train.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_extra, unsafe_globals
@@ -84,7 +84,9 @@ def load_model_state_dict(model: nn.Module, mesh: DeviceMesh, state: dict[str, A
 def optimizer_state_dict(
     model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, write_backs: list | None = None
 ) -> dict[str, Any]:
-    """The optimizer's state for DCP: `{"state": {param name: {key: value}}, "param_groups": [...]}`.
+    """The optimizer's state for DCP: `{"state": {param name: {key: value}}, "param_groups": [...]}`, each
+    parameter under its name in the whole model and each group's `params` naming those of every pipeline stage
+    (`tp_train.checkpoint.stages`), so that the state reshards across pp by name.
 
     Args:
         model: the parallelized model whose parameters `optimizer` updates.
@@ -94,7 +96,7 @@ def optimizer_state_dict(
     """
     _check_mesh(model, mesh)
     _create_missing_state(optimizer)
-    names = {id(param): name for name, param in model.named_parameters()}
+    names = stages.parameter_names(model)
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
     experts = {id(param): region for _, param, region in named_expert_parameters(model)}
     state: dict[str, dict[str, Any]] = {}
@@ -103,7 +105,7 @@ def optimizer_state_dict(
         for param in group["params"]:
             if id(param) not in names:
                 raise ValueError(f"the optimizer updates a parameter {tuple(param.shape)} that is not the model's")
-            entries = state[names[id(param)]] = {}
+            entries: dict[str, Any] = {}
             spec, region = specs.get(id(param)), experts.get(id(param))
             for key, value in optimizer.state.get(param, {}).items():
                 if region is not None and isinstance(value, torch.Tensor) and value.shape == param.shape:
@@ -112,8 +114,10 @@ def optimizer_state_dict(
                     entries.update(_as_dtensors(key, value, spec, mesh, write_backs))
                 else:
                     entries[key] = value
+            state[names[id(param)]] = entries
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
-        param_groups.append({**hyperparameters, "params": [names[id(param)] for param in group["params"]]})
+        held = [names[id(param)] for param in group["params"]]
+        param_groups.append({**hyperparameters, "params": stages.across_stages(held, mesh)})
     return {"state": state, "param_groups": param_groups}
 
 
@@ -123,9 +127,10 @@ def load_optimizer_state_dict(
     """Puts `state` (an `optimizer_state_dict` that `dcp.load` filled) into `optimizer`: tensors are copied in
     unless they already are the optimizer's, other values and the group hyperparameters are set."""
     live = optimizer_state_dict(model, optimizer, mesh)
-    if [group["params"] for group in state["param_groups"]] != [group["params"] for group in live["param_groups"]]:
+    if [set(group["params"]) for group in state["param_groups"]] != [set(g["params"]) for g in live["param_groups"]]:
         raise ValueError("the checkpoint's optimizer parameter groups name other parameters than this optimizer's")
-    params = dict(model.named_parameters())
+    names = stages.parameter_names(model)
+    params = {names[id(param)]: param for param in model.parameters()}
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
     with torch.no_grad():
         for name, entries in state["state"].items():
@@ -231,7 +236,8 @@ def load(
         )
     write_backs: list = []
     state = _checkpoint_state(model, optimizers, mesh, write_backs)
-    check_matches(path, metadata, state)
+    # the model's entries that any pipeline stage loads: the checkpoint may hold no other
+    check_matches(path, metadata, state, stages.across_stages(state["model"], mesh))
     try:
         dcp.load(
             state,

@@ -108,6 +108,7 @@ class LightningPipeline:
         self._batch: list[Any] = []
         self._step: Callable | None = None
         self._batch_idx = 0
+        self._training = True
         self._logged: list[list[tuple[str, Any, dict]]] = []
         self._losses: list[torch.Tensor] = []
         self._pending: dict[nn.Parameter, torch.Tensor] = {}  # the last step's gradients, until backward
@@ -132,7 +133,7 @@ class LightningPipeline:
     def _run(self, step: Callable, batch: Any, batch_idx: int, device: torch.device, train: bool):
         self._batch = split_batch(batch, self.microbatches)
         self._step, self._logged, self._losses, self.token_counts = step, [], [], []
-        self._batch_idx = batch_idx
+        self._batch_idx, self._training = batch_idx, train
         inputs = None
         if self.pipeline.holds_first:
             inputs = torch.cat([self._model_input(step, part, batch_idx) for part in self._batch])
@@ -206,9 +207,17 @@ class LightningPipeline:
         assert self._step is not None
         counted = len(self.token_counts)
         logged: list[tuple[str, Any, dict]] = []
-        with self._model_as(_StageOutput(output, getattr(self.module, self.name))), self._logs_kept(logged):
+        stand_in = _StageOutput(self.pipeline.model_output(output), getattr(self.module, self.name))
+        with self._model_as(stand_in), self._logs_kept(logged):
             result = self._step(self._batch[int(index.reshape(-1)[0])], self._batch_idx)
         loss = result["loss"] if isinstance(result, dict) else result
+        if loss is None and not self._training:  # a validation_step that only logs
+            loss = torch.zeros((), device=index.device)
+        elif loss is None:
+            raise ValueError(
+                f"{type(self.module).__name__}.training_step returned None, which skips a step under plain Lightning;"
+                f" a pipeline's stages step together: return the loss on every batch"
+            )
         self._logged.append([(name, value is result or value is loss, value, kw) for name, value, kw in logged])
         weight = self.token_counts[-1] if len(self.token_counts) == counted + 1 else 1
         weighted = loss * weight

@@ -155,6 +155,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self.async_checkpoint = async_checkpoint
         self.trust_checkpoint = trust_checkpoint
         consolidated.check_data_parallel(save_distributed_checkpoint, data_parallel)
+        consolidated.check_pipeline_parallel(save_distributed_checkpoint, pipeline_parallel_size)
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self._checkpoint_writer: AsyncCheckpointWriter | None = None
         self.sequence_parallel = sequence_parallel

@@ -9,11 +9,14 @@ stage's work and the head as the last's. An explicit split (`pipeline_split`: bl
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.plan.layout import blocks_if_any
 from tp_train.plan.match import match_plan
+from tp_train.plan.probe import forward_without_cache, hooks_removed
+from tp_train.plan.probe_input import probe_input
 from tp_train.plan.resolve import resolve_plan
 
 
@@ -73,8 +76,11 @@ def plan_pipeline_split(
 
 
 def _outside_blocks(model: nn.Module, blocks: str) -> tuple[list[str], list[str]]:
-    """Modules that hold parameters of their own outside the blocks, before and after the block list in
-    registration order (which is call order in the models we know: embeddings, blocks, final norm, head)."""
+    """Modules that hold parameters of their own outside the blocks: those whose forward begins before the first
+    block's in a forward of the model (`_started_before_blocks`), and the rest, which run after the blocks. Where
+    that forward cannot run, registration order stands in for call order (embeddings, blocks, final norm, head: the
+    order of the models we know)."""
+    started = _started_before_blocks(model, blocks)
     before, after, seen_blocks = [], [], False
     for name, module in model.named_modules():
         if name == blocks or name.startswith(blocks + "."):
@@ -85,8 +91,39 @@ def _outside_blocks(model: nn.Module, blocks: str) -> tuple[list[str], list[str]
         if name and blocks.startswith(name + "."):
             before.append(name)  # an ancestor of the block list holding parameters of its own: the first stage's
             continue
-        (after if seen_blocks else before).append(name)
+        runs_before = (name in started) if started is not None else not seen_blocks
+        (before if runs_before else after).append(name)
     return before, after
+
+
+class _BlocksReached(Exception):  # noqa: N818 - control flow: the first block is about to run
+    pass
+
+
+def _started_before_blocks(model: nn.Module, blocks: str) -> set[str] | None:
+    """The names of the modules whose forward begins before the first block's, in a forward of `model` (where its
+    parameters are: on the meta device for a model built there) on its probe input, stopped there; None where that
+    forward fails before reaching the blocks."""
+    first = next(iter(model.get_submodule(blocks)))
+    started: list[str] = []
+    handles = [
+        module.register_forward_pre_hook(lambda *_, name=name: started.append(name))
+        for name, module in model.named_modules()
+        if name and module is not first
+    ]
+
+    def stop(*_):
+        raise _BlocksReached
+
+    handles.append(first.register_forward_pre_hook(stop))
+    try:
+        with torch.no_grad(), hooks_removed(handles):
+            forward_without_cache(model, probe_input(model))
+    except _BlocksReached:
+        return set(started)
+    except Exception:  # noqa: BLE001 - a forward that needs more than a probe input: registration order instead
+        return None
+    return None
 
 
 def _parameters(module: nn.Module, recurse: bool = True) -> int:

@@ -137,6 +137,10 @@ class Pipeline:
     def holds_last(self) -> bool:
         return self.split.num_stages - 1 in self.stage_indices
 
+    def model_output(self, logits: torch.Tensor):
+        """The last stage's output `logits` as the whole model returns them (`StageForward.model_output`)."""
+        return self.stages[-1].submod.model_output(logits)
+
     def parameters(self):
         """This rank's parameters (each copy of a tied parameter once per stage that holds it)."""
         for model in self.models:

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from tp_train.parallel.pipeline.split import PipelineSplit
+from tp_train.parallel.pipeline.ties import TIED_NAMES, tied_parameters
 
 
 class _Elsewhere(nn.Module):
@@ -33,6 +34,11 @@ class _Elsewhere(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         if "value" not in self._hidden:
             raise RuntimeError(f"pipeline stage: '{self._name}' runs on another stage but was reached on this one")
+        if "blocks_started" in self._hidden:  # split by registration order (a meta model), which is not call order
+            raise RuntimeError(
+                f"pipeline stage: '{self._name}' was taken for a module running before the blocks, but runs after "
+                f"them; register the model's modules in the order its forward calls them"
+            )
         return torch.zeros_like(self._hidden["value"]).detach()
 
 
@@ -44,7 +50,10 @@ class _StageEnd(Exception):  # noqa: N818 - control flow, not an error: the stag
 
 def cut_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module:
     """Removes from `model` (in place: pass a copy) every block and outside module that stage `stage` does not run;
-    the remaining parameters keep their names. Returns `model`."""
+    the remaining parameters keep their names, and the whole model's names of its tied parameters are recorded as
+    its `TIED_NAMES` attribute (checkpoints name a tied parameter by its first). Returns `model`."""
+    # each name of a tied parameter -> all its names in the whole model (a stage may hold it under one only)
+    setattr(model, TIED_NAMES, {name: tie.names for tie in tied_parameters(model) for name in tie.names})
     kept = set(split.stages[stage])
     block_list = model.get_submodule(split.blocks)
     for index in range(len(block_list)):
@@ -62,7 +71,8 @@ def cut_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module:
 class StageForward(nn.Module):
     """The module a `torch.distributed.pipelining.PipelineStage` runs for stage `stage` of `split`: `model` is the
     cut model (`cut_stage`). Inputs: the token ids (first stage) or (hidden, token ids); outputs: (hidden, token ids)
-    or, on the last stage, whatever the model returns (its logits). Parameters are the model's, under `module.`."""
+    or, on the last stage, the model's logits (the tensor it returns, or a Hugging Face output's `logits`).
+    Parameters are the model's, under `module.`."""
 
     def __init__(self, model: nn.Module, split: PipelineSplit, stage: int) -> None:
         super().__init__()
@@ -70,6 +80,7 @@ class StageForward(nn.Module):
         self.first, self.last = stage == 0, stage == split.num_stages - 1
         blocks = model.get_submodule(split.blocks)
         self._hidden: dict[str, torch.Tensor] = model._pipeline_hidden
+        self._output_type: type | None = None  # the model's output type where it is not a tensor (last stage)
         indices = split.stages[stage]
         if not self.first:
             blocks.get_submodule(str(indices[0])).register_forward_pre_hook(
@@ -88,12 +99,24 @@ class StageForward(nn.Module):
             return end.output, ids
         finally:
             self._hidden.pop("value", None)
+            self._hidden.pop("blocks_started", None)
         if not self.last:
             raise RuntimeError("pipeline stage: the model's forward ended before this stage's last block ran")
-        return output
+        if isinstance(output, torch.Tensor):
+            return output
+        # A Hugging Face ModelOutput (logits, and a KV cache torch cannot send): the stage's output is the logits,
+        # and `model_output` rebuilds the model's own type around them for code that reads `.logits`
+        self._output_type = type(output)
+        return output["logits"]
+
+    def model_output(self, logits: torch.Tensor):
+        """What the whole model returns, around the last stage's output `logits` (a Hugging Face `ModelOutput`
+        with only its logits, or the tensor itself)."""
+        return logits if self._output_type is None else self._output_type(logits=logits)
 
     def _take_hidden(self, module, args, kwargs):
         hidden = self._hidden["value"]
+        self._hidden["blocks_started"] = hidden
         if args:
             return (hidden, *args[1:]), kwargs
         key = next(iter(kwargs))  # the block's first argument, passed by keyword

@@ -14,6 +14,9 @@ from torch.distributed.tensor import DTensor
 
 from tp_train.parallel.sharding import local_part
 
+# The attribute of a cut stage holding {each name of a tied parameter: all its names in the whole model}
+TIED_NAMES = "pipeline_tied_names"
+
 
 @dataclass(frozen=True)
 class Tie:
