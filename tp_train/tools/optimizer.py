@@ -30,7 +30,7 @@ def adamw(params: Iterable, implementation: str = "auto", **kwargs) -> torch.opt
 
 
 def auto_implementation(device_types: set[str]) -> str:
-    """"foreach" when every parameter is on CUDA, else "default" (torch decides: what works on CPU)."""
+    """`foreach` when every parameter is on CUDA, else `default` (torch decides: what works on CPU)."""
     return "foreach" if device_types == {"cuda"} else "default"
 
 
