@@ -5,6 +5,7 @@ switching for a model without dropout."""
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -64,6 +65,7 @@ def _model_costs(rank, world_size):
     idx = torch.randint(0, 64, (2, 8))
     parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     return {
+        "layers": _layer_operators(),  # the single layers' check shares this start-up
         "operators": {
             name: _operators(model, idx, grad_input=False) for name, model in (("plain", plain), ("ours", ours))
         },
@@ -72,12 +74,18 @@ def _model_costs(rank, world_size):
     }
 
 
+@functools.cache
+def _costs_at_tp1():
+    [costs] = run_on_ranks(_model_costs, 1)
+    return costs
+
+
 def test_a_sharded_gpt_at_tp1_runs_the_operators_of_the_plain_one():
     """Forward and backward of the whole model (its loss aside): no mask, slice or add that plain does not do, and
     in Python only its layers' own calls: none into torch.distributed (group sizes are read from the group object,
     not `dist.get_world_size`'s 11 calls per collective wrapper), at most 3 more calls per parallel layer than plain
     (its forward, the region entry and `f`; 36 for 14 layers, against 102 before)."""
-    [costs] = run_on_ranks(_model_costs, 1)
+    costs = _costs_at_tp1()
     operators, calls = costs["operators"], costs["calls"]
     assert operators["ours"] == operators["plain"], (len(operators["ours"]), len(operators["plain"]))
     assert [call for call in calls["ours"] if "torch/distributed" in call] == []
@@ -85,7 +93,7 @@ def test_a_sharded_gpt_at_tp1_runs_the_operators_of_the_plain_one():
     assert 0 < extra <= 3 * costs["parallel_layers"], (extra, costs["parallel_layers"])
 
 
-def _layer_operators(rank, world_size):
+def _layer_operators():
     from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     group, x = dist.group.WORLD, torch.randn(2, 3, 8)
@@ -98,7 +106,7 @@ def _layer_operators(rank, world_size):
 
 
 def test_parallel_linears_at_tp1_run_the_operators_of_nn_linear():
-    [operators] = run_on_ranks(_layer_operators, 1)
+    operators = _costs_at_tp1()["layers"]
     assert operators["column"] == operators["linear"], operators
     assert operators["row"] == operators["linear"], operators
 
