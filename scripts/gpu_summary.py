@@ -78,8 +78,21 @@ def table(summary: dict) -> str:
                 f"  {name:<22} {row['tokens_per_s']:>10,.0f} {mfu:>7} {row['peak_mib']:>10,.0f} "
                 f"{row['predicted_peak_mib']:>10,.0f} {row['peak_over_predicted']:>6.2f}"
             )
+        ranges = bench.get("ratio_ranges", {})
         for name, value in bench["ratios"].items():
-            lines.append(f"  {name}: {value:.3f}")
+            spread = f" (median of {bench['rounds']} rounds; {ranges[name][0]:.3f}-{ranges[name][1]:.3f})"
+            lines.append(f"  {name}: {value:.3f}" + (spread if name in ranges else ""))
+        for name, profile in bench.get("profile", {}).items():
+            top = ", ".join(f"{row['name'][:40]} {row['ms_per_step']:.1f}" for row in profile["top"][:3])
+            lines.append(f"  {name}: busy {profile['busy_ms_per_step']:.1f} ms per step; top ms: {top}")
+        sweep = bench.get("sweep")
+        if sweep:
+            by_batch = ", ".join(
+                f"{batch}: {100 * mfu:.1f}%" if isinstance(mfu, float) else f"{batch}: {mfu}"
+                for batch, mfu in sweep["mfu_by_batch"].items()
+            )
+            best = f"{100 * sweep['best_mfu']:.1f}% at {sweep['best_batch']}" if sweep["best_mfu"] else "n/a"
+            lines.append(f"  {sweep['contender']} MFU by micro-batch x {size['seq']}: {by_batch}; best {best}")
         lines.append(f"  MFU = {bench['mfu_formula']}; peak {bench['peak_flops']} FLOP/s")
     return "\n".join(lines)
 

@@ -7,6 +7,8 @@ torch's default inductor backend."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.distributed import run_on_ranks
@@ -53,6 +55,43 @@ CASES = [
     ("own_swiglu", 4, {}),
     ("gpt", 2, {"sequence_parallel": True}),
 ]
+INDUCTOR_CASE = ("gpt", None, {"compile": True})  # parallelize(compile=True): torch's default backend, at tp=2
+
+
+def _every_case(rank, world_size):
+    """Every case of this tp in one start-up of the ranks (each resets dynamo): aot_eager parity, and at tp=2 the
+    inductor case. A case's exception is its result, so the others still report."""
+    cases = [(name, "aot_eager", kwargs) for name, tp, kwargs in CASES if tp == world_size]
+    cases += [INDUCTOR_CASE] if world_size == 2 else []
+    results = {}
+    for case in cases:
+        results[_case_id(*case)] = _outcome(_parity, rank, world_size, *case)
+    return results
+
+
+def _case_id(name, backend, kwargs):
+    return f"{name}-{backend}-{sorted(kwargs.items())}"
+
+
+def _outcome(fn, *args):
+    import traceback
+
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - reported by the case's own test
+        return RuntimeError(traceback.format_exc())
+
+
+@functools.cache
+def _results(tp):
+    return run_on_ranks(_every_case, tp, timeout=900)
+
+
+def _case(tp, case_id):
+    for rank, results in enumerate(_results(tp)):
+        if isinstance(results[case_id], Exception):
+            raise AssertionError(f"rank {rank}: {results[case_id]}")
+        yield rank, results[case_id]
 
 
 @pytest.mark.slow
@@ -60,7 +99,7 @@ CASES = [
     ("name", "tp", "kwargs"), CASES, ids=[f"{n}-tp{tp}-{'sp' if k else 'tp'}" for n, tp, k in CASES]
 )
 def test_compiled_sharded_model_has_no_graph_break_and_the_unsharded_numbers(name, tp, kwargs):
-    for rank, (errors, graph_breaks, graphs) in enumerate(run_on_ranks(_parity, tp, name, "aot_eager", kwargs)):
+    for rank, (errors, graph_breaks, graphs) in _case(tp, _case_id(name, "aot_eager", kwargs)):
         assert graphs >= 1  # something was compiled
         assert graph_breaks == 0, f"rank {rank}: {graph_breaks} graph breaks"
         assert_parity(errors, tp, rank)
@@ -68,8 +107,7 @@ def test_compiled_sharded_model_has_no_graph_break_and_the_unsharded_numbers(nam
 
 @pytest.mark.slow
 def test_parallelize_compile_uses_inductor_with_no_graph_break():
-    results = run_on_ranks(_parity, 2, "gpt", None, {"compile": True}, timeout=600)
-    for rank, (errors, graph_breaks, graphs) in enumerate(results):
+    for rank, (errors, graph_breaks, graphs) in _case(2, _case_id(*INDUCTOR_CASE)):
         assert graphs >= 1 and graph_breaks == 0, (graphs, graph_breaks)
         assert_parity(errors, 2, rank)
 

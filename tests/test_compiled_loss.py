@@ -5,6 +5,7 @@ the loss's), and at tp=2 give the unsharded eager model's loss and gradients (1e
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -57,12 +58,32 @@ def _compiled_loss_parity(rank, world_size, fused):
     return errors, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], loss.dtype
 
 
+def _both_losses(rank, world_size):
+    """The two cases in one start-up of the ranks (each resets dynamo); a case's exception is its result, so the
+    other still reports."""
+    import traceback
+
+    results = {}
+    for fused in (False, True):
+        try:
+            results[fused] = _compiled_loss_parity(rank, world_size, fused)
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            results[fused] = RuntimeError(traceback.format_exc())
+    return results
+
+
+@functools.cache
+def _results():
+    return run_on_ranks(_both_losses, 2, timeout=900)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["sharded_logits", "fused_head"])
 def test_loss_compiled_with_the_model_at_tp2_has_no_graph_break_and_the_unsharded_numbers(fused):
-    for rank, (errors, graph_breaks, graphs, dtype) in enumerate(
-        run_on_ranks(_compiled_loss_parity, 2, fused, timeout=600)
-    ):
+    for rank, results in enumerate(_results()):
+        if isinstance(results[fused], Exception):
+            raise AssertionError(f"rank {rank}: {results[fused]}")
+        errors, graph_breaks, graphs, dtype = results[fused]
         assert graph_breaks == 0, f"rank {rank}: {graph_breaks} graph breaks"
         assert graphs >= 2, graphs  # the model's and the loss's
         assert len(errors) > 10 and max(errors.values()) <= ATOL, (rank, {k: v for k, v in errors.items() if v > ATOL})

@@ -102,3 +102,23 @@ def test_unknown_precision_is_a_one_line_error_naming_what_works():
     with pytest.raises(ValueError, match="precision=fp8 is not a precision; use one of 32, 16, bf16") as error:
         lightning_precision("fp8")
     assert "\n" not in str(error.value)
+
+
+def test_the_optimizer_config_builds_adamw_foreach_on_cuda_and_torchs_choice_on_cpu(tmp_path):
+    import torch
+
+    from tp_train.tools.optimizer import auto_implementation
+
+    factory = instantiate(_compose(tmp_path, []).optimizer)
+    layer = torch.nn.Linear(4, 4)
+    optimizer = factory([{"params": layer.parameters()}, {"params": [], "weight_decay": 0.0}])
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["lr"] == 1e-3
+    assert optimizer.defaults["foreach"] is None and not optimizer.defaults["fused"]  # CPU: torch's own choice
+    layer(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # and it steps there
+    assert auto_implementation({"cuda"}) == "foreach"
+    assert auto_implementation({"cpu"}) == auto_implementation({"cpu", "cuda"}) == "default"
+    fused = factory(layer.parameters(), implementation="fused")
+    assert fused.defaults["fused"] is True
+    with pytest.raises(ValueError, match="optimizer.implementation='fast': choose one of auto, fused, foreach"):
+        factory(layer.parameters(), implementation="fast")

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import zipfile
@@ -118,15 +119,29 @@ def test_without_a_gpu_the_check_says_so_after_the_wheelhouse_check(wheelhouse, 
 def test_the_one_device_measurement_and_the_summary(tmp_path):
     bench = tmp_path / "gpu_bench.json"
     command = [sys.executable, "-m", "tp_train.tools.bench.one_device", "--size", "small", "--no-compiled",
-               "--repeats", "1", "--seconds", "0", "--output", str(bench)]  # fmt: skip
+               "--seconds", "0", "--sweep", "8", "--peak-tflops", "1", "--output", str(bench)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(bench.read_text())
     assert sorted(report["contenders"]) == ["ours tp=1", "plain tp=1"]
     for row in report["contenders"].values():
         assert row["tokens_per_s"] > 0 and row["peak_mib"] > 0 and row["predicted_peak_mib"] > 0, row
-        assert row["mfu"] is None  # no peak FLOP/s known for a CPU
-    assert list(report["ratios"]) == ["ours/plain tokens_per_s"]
+        assert len(row["step_s_rounds"]) == 5 and row["step_s"] == statistics.median(row["step_s_rounds"])
+        assert row["mfu"] == row["tokens_per_s"] * report["flops_per_token"] / 1e12  # --peak-tflops 1
+    # The ratio: the median of the 5 rounds' own ratios, with their range.
+    plain, ours = (report["contenders"][f"{kind} tp=1"]["step_s_rounds"] for kind in ("plain", "ours"))
+    rounds = [slow / fast for fast, slow in zip(ours, plain, strict=True)]
+    assert report["ratios"] == {"ours/plain tokens_per_s": statistics.median(rounds)}
+    assert report["ratio_ranges"] == {"ours/plain tokens_per_s": [min(rounds), max(rounds)]}
+    # The profile phase: busy time per step and the top operators (kernels on a GPU) for both contenders.
+    for profile in report["profile"].values():
+        assert profile["busy_ms_per_step"] > 0 and len(profile["top"]) == 10, profile
+        assert profile["busy_ms_per_step"] >= sum(row["ms_per_step"] for row in profile["top"])
+    # The micro-batch sweep: ours at the size's batch (4) and at 8, and the better of the two.
+    sweep = report["sweep"]
+    assert sweep["contender"] == "ours tp=1" and sorted(sweep["mfu_by_batch"]) == ["4", "8"], sweep
+    assert sweep["best_mfu"] == max(sweep["mfu_by_batch"].values()) > 0
+    assert sweep["mfu_by_batch"][str(sweep["best_batch"])] == sweep["best_mfu"]
 
     (tmp_path / "phases.tsv").write_text("versions\t0\t3\nbench\t0\t20\ntests\t124\t270\n")
     summary = subprocess.run(
@@ -154,3 +169,18 @@ def test_the_summary_counts_an_expected_failure_apart_from_a_skip(tmp_path):
     spec.loader.exec_module(gpu_summary)
     counts = gpu_summary.tests(tmp_path)["counts"]
     assert counts == {"passed": 1, "failed": 1, "xfailed": 1, "skipped": 1}, counts
+
+
+def test_the_peak_flops_table_tells_the_h100s_apart_and_knows_the_h200():
+    from tp_train.tools.bench.one_device import peak_flops
+
+    names = {
+        "NVIDIA H100 80GB HBM3": 989e12,  # SXM
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA H100 NVL": 835e12,
+        "NVIDIA H200": 989e12,
+        "NVIDIA H200 NVL": 835e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+    }
+    assert {name: peak_flops(name) for name in names} == names
+    assert peak_flops("NVIDIA GeForce RTX 4090") is None and peak_flops(None) is None

@@ -24,7 +24,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 def all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
     """Not autograd: `x` reduced over the group (`op` "sum" or "max"), in place when eager and contiguous (use
     the result)."""
-    if dist.get_world_size(group) > 1:
+    if group.size() > 1:
         if torch.compiler.is_compiling():
             return funcol.all_reduce(x, op, group)
         x = x.contiguous()
@@ -36,16 +36,16 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.T
 
 def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """This rank's contiguous chunk of `x` along `dim`."""
-    world_size = dist.get_world_size(group)
+    world_size = group.size()
     if world_size == 1:
         return x
     check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
-    return x.chunk(world_size, dim=dim)[dist.get_rank(group)].contiguous()
+    return x.chunk(world_size, dim=dim)[group.rank()].contiguous()
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """Concatenation of every rank's `x` along `dim`, in rank order."""
-    world_size = dist.get_world_size(group)
+    world_size = group.size()
     if world_size == 1:
         return x
     x = x.contiguous()
@@ -63,7 +63,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """Sum over ranks of `x`, of which this rank keeps its chunk along `dim`."""
-    world_size = dist.get_world_size(group)
+    world_size = group.size()
     if not torch.compiler.is_compiling() or world_size == 1:
         return reduce_scatter_async(x, dim, group).wait()
     check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
@@ -75,7 +75,7 @@ def _identity(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 
 def _sum(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    if dist.get_world_size(group) == 1:
+    if group.size() == 1:
         return x  # nothing to sum, so no copy to protect the argument either
     return all_reduce(x.clone(), group)
 
@@ -98,7 +98,7 @@ class CommunicationCounter:
         self.calls = 0
 
     def record(self, op, x: torch.Tensor, y: torch.Tensor, group: ProcessGroup) -> None:
-        if op in _COMMUNICATING and dist.get_world_size(group) > 1 and not torch.compiler.is_compiling():
+        if op in _COMMUNICATING and group.size() > 1 and not torch.compiler.is_compiling():
             passes = 2 if op in (_sum, _sum_in_place) else 1
             self.bytes += passes * max(x.numel(), y.numel()) * x.element_size()
             self.calls += 1
@@ -124,7 +124,7 @@ def all_reduce_async(
 ) -> PendingCollective:
     """Not autograd: starts the sum of `x` over the group, on a copy of `x` (the backward of `f`,
     `copy_to_tensor_parallel_region`, started early). Counted as `f`'s all-reduce."""
-    if dist.get_world_size(group) == 1:
+    if group.size() == 1:
         return PendingCollective(None, x)
     out = x.clone(memory_format=torch.contiguous_format)
     if counter is not None:
@@ -140,7 +140,7 @@ def reduce_scatter_async(
 ) -> PendingCollective:
     """Not autograd: starts the sum over the group of `x`, of which this rank keeps its chunk along `dim` (the
     backward of `gather_from_sequence_parallel_region`, started early). Counted as that reduce-scatter."""
-    world_size = dist.get_world_size(group)
+    world_size = group.size()
     if world_size == 1:
         return PendingCollective(None, x)
     check_divisible("a collective along a split dimension", f"dimension {dim}", x.size(dim), world_size)
@@ -177,7 +177,7 @@ class _ConjugatePair(torch.autograd.Function):
 
 
 def _conjugate_pair(x, forward_op, backward_op, dim, group, counter):
-    if dist.get_world_size(group) == 1:
+    if group.size() == 1:
         return x  # every op is the identity on one rank: no autograd node either
     return _ConjugatePair.apply(x, forward_op, backward_op, dim, group, counter)
 

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 from torch.distributed import ProcessGroup
+from torch.profiler import record_function
 
 from tp_train.parallel.cross_entropy import (
     LossTargets,
@@ -18,6 +19,10 @@ from tp_train.parallel.cross_entropy import (
     fp32_chunk,
     log_sum_exp_over_group,
 )
+
+# The profiler range in which backward allocates the gradients it returns (a measurement's marker: from its end on,
+# those bytes are the returned gradients, not working memory).
+RETURNED_GRADIENTS = "vocab_parallel_linear_cross_entropy: returned gradients"
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -32,14 +37,14 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         targets = LossTargets.of(target, weight.size(0), group, vocab_size, ignore_index, label_smoothing)
         rows, valid, smoothing = hidden.size(0), targets.valid, label_smoothing > 0
         chunk = chunk_rows(rows, valid, chunk)
-        inputs, head = hidden.to(dtype), weight[:valid].to(dtype)  # as autocast casts them for F.linear
+        head = weight[:valid].to(dtype)  # as autocast casts it for F.linear; the input is cast chunk by chunk
         target_logit, (row_max, sum_exp, sum_logits) = (
             hidden.new_zeros(rows, dtype=torch.float32),
             (empty_statistics(hidden, rows, smoothing)),
         )
         for start in range(0, rows if valid else 0, chunk):
             part = slice(start, start + chunk)
-            logits = (inputs[part] @ head.T).float()  # (chunk, valid): this chunk's logits, the only ones
+            logits = (hidden[part].to(dtype) @ head.T).float()  # (chunk, valid): this chunk's logits, the only ones
             target_logit[part] = logits.gather(-1, targets.local_target[part].unsqueeze(-1)).squeeze(-1)
             row_max[part], sum_exp[part], chunk_sum = chunk_statistics(logits, smoothing)
             if smoothing:
@@ -57,16 +62,20 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         targets, chunk, dtype = ctx.targets, ctx.chunk, ctx.dtype
         valid = targets.valid
         row_scale = targets.row_scale(grad_output)
-        inputs, head = hidden.to(dtype), weight[:valid].to(dtype)
-        grad_hidden = torch.zeros_like(inputs)
-        grad_weight = torch.zeros_like(weight)  # padding rows of the vocabulary stay zero
+        head = weight[:valid].to(dtype)
+        # The two gradients it returns, in their inputs' dtypes, made first: besides them and its inputs it holds
+        # only the head in the compute dtype and one chunk's buffers (tools/bench/fused_memory.py measures that).
+        with record_function(RETURNED_GRADIENTS):
+            grad_hidden = (torch.empty_like if valid else torch.zeros_like)(hidden)
+            grad_weight = torch.zeros_like(weight)  # padding rows of the vocabulary stay zero
         for start in range(0, hidden.size(0) if valid else 0, chunk):
             part = slice(start, start + chunk)
-            logits = fp32_chunk(inputs[part] @ head.T, writable=True)
+            inputs = hidden[part].to(dtype)
+            logits = fp32_chunk(inputs @ head.T, writable=True)
             grad = targets.chunk_gradient(logits, log_sum_exp, row_scale, part).to(dtype)  # d loss / d logits
-            grad_hidden[part] = grad @ head
-            grad_weight[:valid] += (grad.T @ inputs[part]).to(weight.dtype)
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None
+            grad_hidden[part] = grad @ head  # cast into the input's dtype as it is written
+            grad_weight[:valid] += grad.T @ inputs  # accumulated in the weight's dtype
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def vocab_parallel_linear_cross_entropy(

@@ -5,7 +5,6 @@ are computed (the idea of Megatron-LM's `LinearWithGradAccumulationAndAsyncCommu
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
@@ -20,7 +19,7 @@ from tp_train.parallel.collectives import (
 
 def can_overlap(group: ProcessGroup) -> bool:
     """Whether the overlapped path applies: eager, building a graph, more than one rank."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and dist.get_world_size(group) > 1
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and group.size() > 1
 
 
 class DeferredWeightGradients:

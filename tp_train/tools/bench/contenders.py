@@ -18,6 +18,7 @@ from models import GPT, GPTConfig
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.sharding import local_part
 from tp_train.plan.parallelize import parallelize
+from tp_train.tools.optimizer import adamw
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class TrainingStep:
 
     def __init__(self, model: nn.Module, batch: torch.Tensor, loss=None, context=contextlib.nullcontext):
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.optimizer = adamw(model.parameters(), lr=1e-4)  # the same implementation as training: foreach on CUDA
         self.inputs, self.targets = batch[:, :-1], batch[:, 1:]
         self.loss, self.context = loss, context
 

@@ -25,6 +25,7 @@ from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.measure import group_max, peak_memory, reset_peak_memory
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.memory import MIB
+from tp_train.tools.optimizer import adamw
 
 
 def _plain_loss(model, inputs, targets):
@@ -57,7 +58,7 @@ def _model(args, group, device, kind: str):
 def measure_step(args, group, device, kind: str) -> tuple[int, float]:
     """(Peak bytes of the second training step on this rank, its loss)."""
     model, loss_fn = _model(args, group, device, kind)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = adamw(model.parameters(), lr=1e-4)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
     batch = batch.to(device)
     peak = loss_value = 0

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 from torch.distributed import ProcessGroup
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,13 +51,15 @@ def seconds_per_step(step: TrainingStep, steps: int, group: ProcessGroup, device
 
 def peak_bytes(step: TrainingStep, device: torch.device) -> int:
     """Peak bytes of live tensors during one step: those that live between steps (parameters, optimizer states)
-    plus the largest growth over them while the step runs, from the allocator events torch.profiler records on
-    CPU (every allocation and free of a tensor), or CUDA's peak-allocated counter on a GPU."""
+    plus the largest growth over what was allocated before it while the step runs, from the allocator events
+    torch.profiler records on CPU (every allocation and free of a tensor), or CUDA's peak-allocated counter on a
+    GPU. Other models alive on the device (the benchmark's other contenders) do not count."""
+    resident = step.resident_bytes()
     if device.type == "cuda":
+        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
-        return torch.cuda.max_memory_allocated(device)
-    resident = step.resident_bytes()
+        return resident + torch.cuda.max_memory_allocated(device) - before
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = [event for event in prof.profiler.kineto_results.events() if event.name() == "[memory]"]
@@ -154,6 +157,28 @@ def group_mean(value: float, group: ProcessGroup, device: torch.device) -> float
     tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
     dist.all_reduce(tensor, group=group)
     return tensor.item() / dist.get_world_size(group)
+
+
+def step_profile(step: TrainingStep, device: torch.device, steps: int = 3, top: int = 10) -> dict:
+    """Where `steps` steps spend the device's time, per step: busy milliseconds (the kernels' own time summed,
+    CUDA's; on CPU the operators' own CPU time, the same code path) and the `top` kernels by that time."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    rows = [
+        (event.key, (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3 / steps)
+        for event in prof.key_averages()
+        if not cuda or event.device_type == DeviceType.CUDA
+    ]
+    rows.sort(key=lambda row: row[1], reverse=True)
+    return {
+        "busy_ms_per_step": sum(ms for _, ms in rows),
+        "top": [{"name": name, "ms_per_step": ms} for name, ms in rows[:top]],
+    }
 
 
 def profile_table(step: TrainingStep, rows: int = 25) -> str:
