@@ -6,11 +6,13 @@ own process, as a user's is; families run one after another."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tp_train.tools.zoo.configs import tiny_config
@@ -93,12 +95,21 @@ def train_family(model_type: str, tp: int, fields: dict | None = None, timeout: 
     return {"class": "trains", "reason": f"{STEPS} steps, largest loss difference {worst:.1e}", "losses": losses}
 
 
-def run_train_zoo(model_types: list[str], tp: int, fields: dict | None = None, timeout: float = 600, echo=print):
-    """{family: train_family(...)} for each family, one after another, each echoed as it ends."""
+def run_train_zoo(
+    model_types: list[str], tp: int, fields: dict | None = None, timeout: float = 600, echo=print, output=None
+):
+    """{family: train_family(...)} for each family, one after another, each echoed as it ends with its seconds
+    (`seconds`) and, with `output` (a path), all results so far written there as JSON: a run stopped part way is
+    still read."""
     results = {}
     for model_type in model_types:
+        started = time.monotonic()
         results[model_type] = train_family(model_type, tp, fields, timeout)
-        echo(f"{model_type:<28} {results[model_type]['class']:<8} {results[model_type]['reason']}")
+        results[model_type]["seconds"] = round(time.monotonic() - started, 1)
+        result = results[model_type]
+        echo(f"{model_type:<28} {result['class']:<8} {result['reason']} ({result['seconds']:.0f} s)")
+        if output is not None:
+            Path(output).write_text(json.dumps(results, indent=1, sort_keys=True))
     return results
 
 
