@@ -171,3 +171,20 @@ def test_a_size_the_user_sets_wins_over_the_family_records(tmp_path, family, ove
         with torch.device("meta"):
             config = instantiate(cfg.model)().config
         assert getattr(config, field) == expected, (overrides, getattr(config, field))
+
+
+def test_a_training_step_and_the_preflight_batch_build_no_generation_cache():
+    """Bamba's tiny two layers hold no attention layer for its default cache's `get_seq_length`: `python train.py
+    model=hf model.type=bamba` (and bailing_hybrid) was refused at preflight, and its step raised (issue 41)."""
+    from omegaconf import OmegaConf
+
+    from tp_train.app import preflight
+    from tp_train.app.module import CausalLMModule
+    from tp_train.tools.zoo import build_family
+
+    logits = CausalLMModule(build_family("causal-lm", "bamba"), optimizer=None)(torch.zeros(2, 8, dtype=torch.long))
+    assert logits.shape[:2] == (2, 8)
+    cfg = OmegaConf.create({"model": {"type": "bamba", "path": None, "config": {}}, "data": {"block_size": 8}})
+    with torch.device("meta"):
+        model = build_family("causal-lm", "bamba")
+    preflight._check_one_batch(cfg, model)
