@@ -134,7 +134,8 @@ def _last_error(stderr: str) -> str:
     """The run's one-line reason: its last line naming an error, else its last line."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     named = [line for line in lines if "Error" in line or line.startswith("error:")]
-    return (named or lines or ["no output"])[-1][:300]
+    line = (named or lines or ["no output"])[-1]
+    return line if len(line) <= 300 else f"{line[:120]} ... {line[-175:]}"  # the error's own words are at the end
 
 
 def _root() -> Path:
