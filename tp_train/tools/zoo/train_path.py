@@ -33,9 +33,18 @@ def train_overrides(model_type: str, fields: dict | None = None) -> list[str]:
     dropout off: ranks draw their own masks in a sharded region, so with dropout on no tp=N run repeats tp=1's
     losses (GPT-2's 0.1 by default: 3e-3 apart at step 4)."""
     tiny = {**_no_dropout(model_type), **tiny_config(model_type), **(fields or {})}
-    config = {key: value for key, value in tiny.items() if key not in NOT_FIELDS}
+    config = {key: _data_sizes(value) for key, value in tiny.items() if key not in NOT_FIELDS}
     overrides = [f"++model.config.{key}={hydra_value(value)}" for key, value in config.items()]
     return ["model=hf", f"model.type={model_type}", *overrides]
+
+
+def _data_sizes(value):
+    """A sub-config (a dict: dots3's `text_config`) with the data's vocabulary and blocks in place of the zoo's
+    (its 128-token vocabulary refused the data's 300)."""
+    if not isinstance(value, dict):
+        return value
+    data = {"vocab_size": "${data.vocab_size}", "max_position_embeddings": "${data.block_size}"}
+    return {key: data.get(key, item) for key, item in value.items()}
 
 
 def _no_dropout(model_type: str) -> dict:
