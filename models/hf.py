@@ -54,9 +54,9 @@ def hugging_face_causal_lm(
             pad id 0 would freeze the embedding row of the data's EOS); a key also in `config` keeps config's value.
             Ignored with `path`.
         family_fields: fields the family needs to run at tiny sizes (the app passes tp_train's `FamilySpec.zoo_fields`,
-            which the zoo builds with: DeepSeek-V3's latent attention needs as many kv heads as query heads); each
-            replaces a generic size field of `config` naming the same field, and any other key of `config` wins over
-            it. Ignored with `path`.
+            which the zoo builds with: DeepSeek-V3's latent attention needs as many kv heads as query heads); a key
+            of `config` naming the same field wins over it (conf/model/hf.yaml's generic sizes take the record's
+            value unless the user sets them). Ignored with `path`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -79,22 +79,18 @@ def hugging_face_causal_lm(
 
 
 def _layered_fields(model_type: str | None, config: dict, token_ids: dict, family_fields: dict) -> dict:
-    """`config` over `family_fields` over the entries of `token_ids` the family has, a generic size field of `config`
-    dropped where `family_fields` sets the field it names."""
+    """`config` over `family_fields` over the entries of `token_ids` the family has; a family field is dropped where
+    a key of `config` names the same field (DBRX's `hidden_size` is its `d_model`)."""
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
         return dict(config)  # `_config_fields` names the family that does not exist
     defaults = CONFIG_MAPPING[model_type]()
     aliases = type(defaults).attribute_map
-
-    def named(key: str) -> str:
-        return aliases.get(key, key)
-
-    needed = {named(key) for key in family_fields}
-    kept = {key: value for key, value in config.items() if key not in SIZE_FIELDS or named(key) not in needed}
+    given = {aliases.get(key, key) for key in config}
+    family = {key: value for key, value in family_fields.items() if aliases.get(key, key) not in given}
     specials = {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
-    return {**specials, **family_fields, **kept}
+    return {**specials, **family, **config}
 
 
 def hugging_face_model(type: str, config: dict | None = None, auto_class=None) -> nn.Module:

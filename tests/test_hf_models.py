@@ -143,8 +143,48 @@ def test_a_family_takes_its_records_fields_and_a_model_that_cannot_run_one_batch
 
     check("model.type=deepseek_v3")
     check("model.type=mixtral")
-    with pytest.raises(preflight.ConfigError) as refused:
-        check("model.type=deepseek_v3", "model.family_fields={}")
+    with pytest.raises(preflight.ConfigError) as refused:  # the user's own 2 kv heads win over the record's
+        check("model.type=deepseek_v3", "model.config.num_key_value_heads=2")
     message = str(refused.value)
     assert "\n" not in message and message.startswith("model.type=deepseek_v3 cannot run one batch of (2, ")
     assert "num_attention_heads=4, num_key_value_heads=2" in message
+
+
+@pytest.mark.parametrize(
+    ("family", "override", "field", "record", "given"),
+    [
+        ("deepseek_v3", "num_key_value_heads=4", "num_key_value_heads", 8, 4),
+        ("dbrx", "hidden_size=64", "d_model", 32, 64),
+    ],
+)
+def test_a_size_the_user_sets_wins_over_the_family_records(tmp_path, family, override, field, record, given):
+    """hf.yaml's generic sizes give way to the family record's (DeepSeek-V3's kv heads as many as query heads,
+    DBRX's `d_model`, its `hidden_size`); a size set on the command line wins over both. The record's kv heads used
+    to replace the user's silently (issue 41)."""
+    from hydra.utils import instantiate
+
+    from tests.test_configs import _compose
+
+    heads = ["model.config.num_attention_heads=8"] if family == "deepseek_v3" else []  # its record: kv as many
+    for overrides, expected in (([], record), ([f"model.config.{override}"], given)):
+        cfg = _compose(tmp_path, ["model=hf", f"model.type={family}", "data.vocab_size=512", *heads, *overrides])
+        with torch.device("meta"):
+            config = instantiate(cfg.model)().config
+        assert getattr(config, field) == expected, (overrides, getattr(config, field))
+
+
+def test_a_training_step_and_the_preflight_batch_build_no_generation_cache():
+    """Bamba's tiny two layers hold no attention layer for its default cache's `get_seq_length`: `python train.py
+    model=hf model.type=bamba` (and bailing_hybrid) was refused at preflight, and its step raised (issue 41)."""
+    from omegaconf import OmegaConf
+
+    from tp_train.app import preflight
+    from tp_train.app.module import CausalLMModule
+    from tp_train.tools.zoo import build_family
+
+    logits = CausalLMModule(build_family("causal-lm", "bamba"), optimizer=None)(torch.zeros(2, 8, dtype=torch.long))
+    assert logits.shape[:2] == (2, 8)
+    cfg = OmegaConf.create({"model": {"type": "bamba", "path": None, "config": {}}, "data": {"block_size": 8}})
+    with torch.device("meta"):
+        model = build_family("causal-lm", "bamba")
+    preflight._check_one_batch(cfg, model)

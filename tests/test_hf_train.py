@@ -75,3 +75,11 @@ def test_the_train_mode_turns_dropout_off_and_leaves_token_ids_to_the_data():
     for field in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
         assert f"++model.config.{field}=0.0" in overrides
     assert not any("token_id" in override for override in overrides), overrides
+
+
+def test_the_train_mode_gives_a_sub_config_the_datas_vocabulary():
+    """dots3's text_config kept the zoo's 128-token vocabulary, which the data's 300 tokens exceed (issue 41)."""
+    from tp_train.tools.zoo.train_path import train_overrides
+
+    (text,) = [override for override in train_overrides("dots3_note") if ".text_config=" in override]
+    assert "vocab_size:'${data.vocab_size}'" in text and "max_position_embeddings:'${data.block_size}'" in text

@@ -14,6 +14,7 @@ from tp_train.checkpoint.dcp import ADAPTER_CONFIG_KEY, HUGGING_FACE_CONFIG_KEY,
 from tp_train.lightning.strategy import TensorParallelStrategy
 from tp_train.parallel.experts.load_balance import load_balancing_loss
 from tp_train.plan.adapters import adapter_config_dict
+from tp_train.plan.probe_input import run_without_cache
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -61,7 +62,7 @@ class CausalLMModule(L.LightningModule):
                 self.model = model if self.adapters is None else _with_adapters(model, self.adapters)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        out = self.model(idx)
+        out = run_without_cache(self.model, idx)  # training builds no generation cache (some families cannot)
         return getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
 
     def _loss(self, batch: torch.Tensor, train: bool = False) -> torch.Tensor:

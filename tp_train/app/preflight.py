@@ -24,6 +24,7 @@ from tp_train.lightning.nonfinite import ACTIONS
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.plan.context_parallel import check_context_parallel
 from tp_train.plan.match import match_plan
+from tp_train.plan.probe_input import run_without_cache
 from tp_train.plan.resolve import resolve_plan
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
 
@@ -140,25 +141,38 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
 def _check_one_batch(cfg: DictConfig, model: torch.nn.Module) -> None:
     """A Hugging Face model built from its family's config (`model.type`) runs one batch on one device: on the meta
     device (shapes only), in bf16 (Hugging Face's grouped-GEMM experts refuse fp32 there), before any rank starts or
-    any sharding; `model` is left in bf16. An error about the meta device itself proves nothing and passes."""
+    any sharding; `model` is left in bf16. It runs as a training step does, without a generation cache; where the
+    meta device stops that early (DeepSeek-V3's attention reads a value), the family's default path, whose cache
+    checks the heads' shapes, runs too. An error about the meta device itself, or there about the cache a training
+    step never builds (Bamba's tiny layers, all linear attention), proves nothing and passes."""
     if cfg.model.get("path") is not None or cfg.model.get("type") is None:
         return  # a saved model ran as it was saved; a model of your own may need other inputs
     block = cfg.data.get("block_size") or 8
+    batch = torch.zeros(2, block, dtype=torch.long, device="meta")
+    model = model.to(torch.bfloat16)
+    default_path = lambda model, batch: model(batch)  # noqa: E731
+    for forward, inconclusive in ((run_without_cache, ("meta",)), (default_path, ("meta", "cache"))):
+        error = _meta_error(forward, model, batch)
+        if error is None:
+            return
+        reason = " ".join(str(error).split())
+        if not isinstance(error, NotImplementedError) and not any(word in reason.lower() for word in inconclusive):
+            fields = ", ".join(f"{key}={value}" for key, value in (cfg.model.get("config") or {}).items())
+            raise ConfigError(
+                f"model.type={cfg.model.type} cannot run one batch of (2, {block}) tokens on one device with "
+                f"model.config {fields}: {type(error).__name__}: {reason[:200]}; change those fields (the zoo's tiny "
+                f"config for the family runs: python -m tp_train.tools.zoo --families {cfg.model.type})"
+            )
+
+
+def _meta_error(forward, model: nn.Module, batch: torch.Tensor) -> Exception | None:
+    """What `forward(model, batch)` raises under no_grad, or None."""
     try:
         with torch.no_grad():
-            model.to(torch.bfloat16)(torch.zeros(2, block, dtype=torch.long, device="meta"))
-    except NotImplementedError:
-        return
+            forward(model, batch)
     except Exception as error:  # noqa: BLE001 - whatever the family's forward raises is the reason
-        reason = " ".join(str(error).split())
-        if "meta" in reason.lower():
-            return
-        fields = ", ".join(f"{key}={value}" for key, value in (cfg.model.get("config") or {}).items())
-        raise ConfigError(
-            f"model.type={cfg.model.type} cannot run one batch of (2, {block}) tokens on one device with "
-            f"model.config {fields}: {type(error).__name__}: {reason[:200]}; change those fields (the zoo's tiny "
-            f"config for the family runs: python -m tp_train.tools.zoo --families {cfg.model.type})"
-        ) from None
+        return error
+    return None
 
 
 def _setting(cfg: DictConfig, name: str, default=None):

@@ -52,16 +52,30 @@ def family_fields(model_type: str | None) -> dict:
     return dict(spec.zoo_fields) if spec is not None and spec.zoo_fields else {}
 
 
+def family_field(model_type: str | None, field: str, default):
+    """`conf/model/hf.yaml`'s generic size `field` for `model_type`: its record's value where the record sets it
+    (under the name the family's config maps it to: DBRX's `d_model` for `hidden_size`), else `default`. A value the
+    user gives replaces the interpolation, so it wins over both (DeepSeek-V3's kv heads, issue 41)."""
+    from transformers import CONFIG_MAPPING
+
+    fields = family_fields(model_type)
+    aliases = CONFIG_MAPPING[model_type].attribute_map if model_type in CONFIG_MAPPING else {}
+    for name in (field, aliases.get(field)):
+        if name in fields:
+            return fields[name]
+    return default
+
+
 def register_resolvers() -> None:
     """`${mul:a,b}` (devices = tp x dp), `${lcm:a,b}` (dp x cp raised to a multiple of ep), `${precision:16}`,
     `${tokenizer_of:${model.path}}` (a pretrained model's own tokenizer, so its token ids mean what it learned) and
     `${special_token_ids:${data.tokenizer_path}}` (the data's tokenizer's pad, bos and eos ids, which a model built
-    from its family's config takes) and
-    `${family_fields:${model.type}}` for conf/."""
+    from its family's config takes) and `${family_fields:${model.type}}` and
+    `${family_field:${model.type},FIELD,DEFAULT}` for conf/."""
     resolvers = {"mul": lambda a, b: int(a) * int(b), "lcm": lambda a, b: math.lcm(int(a), int(b)),
                  "precision": lightning_precision, "tokenizer_of": tokenizer_of,
                  "special_token_ids": lambda path: dict(_special_token_ids(path)),
-                 "family_fields": family_fields}  # fmt: skip
+                 "family_fields": family_fields, "family_field": family_field}  # fmt: skip
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)

@@ -67,14 +67,18 @@ class ProbeInput:
         return ", ".join(f"{name} {_shape(value)}" for name, value in named)
 
     def __call__(self, model: nn.Module):
-        """`model(*args, **kwargs)`, with `use_cache=False` where its forward takes `use_cache` and the input does
-        not set it (Hugging Face models): a probe wants the dataflow, not a generation cache, and some models'
-        default cache cannot be built from their layers (the decoder of BART or Pegasus used as a causal LM, a
-        hybrid whose layers are all linear attention)."""
-        kwargs = dict(self.kwargs)
-        if "use_cache" in forward_parameters(model):
-            kwargs.setdefault("use_cache", False)
-        return model(*self.args, **kwargs)
+        """`model(*args, **kwargs)` without a generation cache (`run_without_cache`)."""
+        return run_without_cache(model, *self.args, **self.kwargs)
+
+
+def run_without_cache(model: nn.Module, *args, **kwargs):
+    """`model(*args, **kwargs)`, with `use_cache=False` where its forward takes `use_cache` and `kwargs` do not set
+    it (Hugging Face models): a probe or a training step wants the dataflow, not a generation cache, and some
+    models' default cache cannot be built from their layers (the decoder of BART or Pegasus used as a causal LM, a
+    hybrid whose layers are all linear attention: Bamba's and Bailing-hybrid's tiny two layers)."""
+    if "use_cache" in forward_parameters(model):
+        kwargs.setdefault("use_cache", False)
+    return model(*args, **kwargs)
 
 
 def _shape(value) -> str:

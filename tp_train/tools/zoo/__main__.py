@@ -35,13 +35,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.task != "causal-lm":
             parser.error("--train runs train.py, which trains causal LMs: use --task causal-lm")
         chosen = args.families.split(",") if args.families else task_families(args.task)
-        results = run_train_zoo(chosen, args.tp, fields, timeout=max(args.timeout, 300))
+        results = run_train_zoo(chosen, args.tp, fields, timeout=max(args.timeout, 300), output=args.output)
         trained = sum(result["class"] == "trains" for result in results.values())
         print(f"\n{trained} of {len(results)} families train at tp={args.tp} with tp=1's losses\n")
         print(train_table(results))
-        if args.output:
-            with open(args.output, "w") as file:
-                json.dump(results, file, indent=1, sort_keys=True)
         return
     tasks = list(TASKS) if args.task == "all" else [args.task]
     everything = {}

@@ -6,11 +6,13 @@ own process, as a user's is; families run one after another."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tp_train.tools.zoo.configs import tiny_config
@@ -31,9 +33,18 @@ def train_overrides(model_type: str, fields: dict | None = None) -> list[str]:
     dropout off: ranks draw their own masks in a sharded region, so with dropout on no tp=N run repeats tp=1's
     losses (GPT-2's 0.1 by default: 3e-3 apart at step 4)."""
     tiny = {**_no_dropout(model_type), **tiny_config(model_type), **(fields or {})}
-    config = {key: value for key, value in tiny.items() if key not in NOT_FIELDS}
+    config = {key: _data_sizes(value) for key, value in tiny.items() if key not in NOT_FIELDS}
     overrides = [f"++model.config.{key}={hydra_value(value)}" for key, value in config.items()]
     return ["model=hf", f"model.type={model_type}", *overrides]
+
+
+def _data_sizes(value):
+    """A sub-config (a dict: dots3's `text_config`) with the data's vocabulary and blocks in place of the zoo's
+    (its 128-token vocabulary refused the data's 300)."""
+    if not isinstance(value, dict):
+        return value
+    data = {"vocab_size": "${data.vocab_size}", "max_position_embeddings": "${data.block_size}"}
+    return {key: data.get(key, item) for key, item in value.items()}
 
 
 def _no_dropout(model_type: str) -> dict:
@@ -93,12 +104,21 @@ def train_family(model_type: str, tp: int, fields: dict | None = None, timeout: 
     return {"class": "trains", "reason": f"{STEPS} steps, largest loss difference {worst:.1e}", "losses": losses}
 
 
-def run_train_zoo(model_types: list[str], tp: int, fields: dict | None = None, timeout: float = 600, echo=print):
-    """{family: train_family(...)} for each family, one after another, each echoed as it ends."""
+def run_train_zoo(
+    model_types: list[str], tp: int, fields: dict | None = None, timeout: float = 600, echo=print, output=None
+):
+    """{family: train_family(...)} for each family, one after another, each echoed as it ends with its seconds
+    (`seconds`) and, with `output` (a path), all results so far written there as JSON: a run stopped part way is
+    still read."""
     results = {}
     for model_type in model_types:
+        started = time.monotonic()
         results[model_type] = train_family(model_type, tp, fields, timeout)
-        echo(f"{model_type:<28} {results[model_type]['class']:<8} {results[model_type]['reason']}")
+        results[model_type]["seconds"] = round(time.monotonic() - started, 1)
+        result = results[model_type]
+        echo(f"{model_type:<28} {result['class']:<8} {result['reason']} ({result['seconds']:.0f} s)")
+        if output is not None:
+            Path(output).write_text(json.dumps(results, indent=1, sort_keys=True))
     return results
 
 
@@ -123,7 +143,8 @@ def _last_error(stderr: str) -> str:
     """The run's one-line reason: its last line naming an error, else its last line."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     named = [line for line in lines if "Error" in line or line.startswith("error:")]
-    return (named or lines or ["no output"])[-1][:300]
+    line = (named or lines or ["no output"])[-1]
+    return line if len(line) <= 300 else f"{line[:120]} ... {line[-175:]}"  # the error's own words are at the end
 
 
 def _root() -> Path:
