@@ -67,8 +67,8 @@ class CausalLMModule(L.LightningModule):
 
     def _loss(self, batch: torch.Tensor, train: bool = False) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-        out = self.model(inputs)
-        logits = getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
+        out = run_without_cache(self.model, inputs)  # training builds no generation cache (some families cannot)
+        logits = getattr(out, "logits", out)  # Hugging Face models return a ModelOutput, with router logits if asked
         strategy = self.trainer.strategy
         if isinstance(strategy, TensorParallelStrategy):
             # Vocab-sharded logits under `loss_parallel` (the app's default): never gathered.
