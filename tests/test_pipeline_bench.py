@@ -30,5 +30,6 @@ def test_pipeline_bench_times_each_rank_stage_work(tmp_path, capsys):
         assert all(0 < fraction <= 1 for fraction in row["busy_fraction_per_rank"]), row
         assert row["tokens_per_s"] > 0 and row["peak_mib_per_rank"] >= 0
     assert [row["formula"] for row in rows] == [1 / 4, 1 / 8]
+    assert rows[0]["schedule_table"] is None and rows[1]["schedule_table"] > 0  # torch's interleaved action table
     assert output.with_suffix(".svg").read_text().startswith("<svg")
     assert "| 2 | interleaved_1f1b" in capsys.readouterr().out

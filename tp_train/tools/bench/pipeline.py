@@ -74,6 +74,18 @@ def formula(pp: int, schedule: str, virtual: int, microbatches: int) -> float | 
     return None
 
 
+def schedule_table_bubble(torch_schedule) -> float | None:
+    """The bubble of torch's own action table for a schedule with several stages per rank (its `pipeline_order`:
+    each rank's actions in time slots, None where it waits), every action one slot: the ranks' mean of (slots of
+    the longest rank's table - the rank's actions) / its actions."""
+    order = getattr(torch_schedule, "pipeline_order", None)
+    if not order:
+        return None
+    makespan = max(len(actions) for actions in order.values())
+    busy = [sum(action is not None for action in actions) for actions in order.values()]
+    return statistics.mean((makespan - done) / done for done in busy)
+
+
 class Timeline:
     """The (start, end) of each piece of stage work this rank runs, timed by wrapping its stages' chunk methods
     (instance attributes: torch's classes are left as they are) and the loss."""
@@ -159,11 +171,12 @@ def _measure(rank, world_size, device, setup, args, out):
         walls.append(end - start)
         bubbles.append((end - start - busy) / busy)
         busy_fractions.append(busy / (end - start))
+    table = schedule_table_bubble(pipeline._torch_schedule) if virtual > 1 else None
     wall = group_max(statistics.median(walls), dist.group.WORLD, device)
     row = {"pp": pp, "schedule": schedule, "virtual_stages": virtual, "microbatches": args.microbatches,
            "seconds": wall, "tokens_per_s": batch * args.seq / wall,
            "peak_mib_per_rank": group_max(peak, dist.group.WORLD, device) / MIB,
-           "formula": formula(pp, schedule, virtual, args.microbatches),
+           "formula": formula(pp, schedule, virtual, args.microbatches), "schedule_table": table,
            "cores": os.cpu_count(), "ranks": world_size}  # fmt: skip
     measured = [None] * world_size
     dist.all_gather_object(measured, (statistics.median(bubbles), statistics.median(busy_fractions)))
@@ -210,18 +223,20 @@ def table(rows: list[dict]) -> str:
     """Markdown rows, tokens/s against pp=1's."""
     base = next((row for row in rows if row["pp"] == 1), None)
     lines = [
-        "| pp | schedule | v | m | tokens/s | vs pp=1 | peak MiB / rank | predicted | bubble (per rank) | formula |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|---|--:|",
+        "| pp | schedule | v | m | tokens/s | vs pp=1 | peak MiB / rank | predicted | bubble (per rank) | formula "
+        "| torch's table |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|---|--:|--:|",
     ]
     for row in rows:
         ratio = f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         per_rank = ", ".join(f"{bubble:.3f}" for bubble in row["bubble_per_rank"])
         shared = " (ranks > cores)" if row["ranks"] > (row["cores"] or 1) else ""
         expected = "-" if row["formula"] is None else f"{row['formula']:.3f}"
+        table = "-" if row["schedule_table"] is None else f"{row['schedule_table']:.3f}"
         lines.append(
             f"| {row['pp']} | {row['schedule']}{shared} | {row['virtual_stages']} | {row['microbatches']} | "
             f"{row['tokens_per_s']:.0f} | {ratio} | {row['peak_mib_per_rank']:.1f} | "
-            f"{row['predicted_mib_per_rank']:.1f} | {row['bubble']:.3f} ({per_rank}) | {expected} |"
+            f"{row['predicted_mib_per_rank']:.1f} | {row['bubble']:.3f} ({per_rank}) | {expected} | {table} |"
         )
     return "\n".join(lines)
 
