@@ -1,10 +1,11 @@
 """Hugging Face decoder LMs at `python train.py model=hf pp=N` as users type it, against the same run in one process
 (losses, validation losses and gradient norms as train.py's CSV logger writes them, to 1e-5):
-- GPT-2 (tied embeddings, the first and last stage each holding the tie) at pp=2, saved at its step 3 and resumed
-  from that checkpoint at pp=1 and at pp=4 (1F1B over 4 stages of one block each), every next loss the one
-  process's, which takes the weights and the optimizer's state resharded across stages by their names; its
-  checkpoint exported (`tp-train-export`) holds every stage's weights;
-- Llama (untied) at pp=2.
+- GPT-2 (tied embeddings, the first and last stage each holding the tie) at pp=2 and at pp=2 x tp=2, the latter
+  saved at its step 3 and resumed from that checkpoint at pp=1 x tp=1 and at pp=4 x tp=1 (1F1B over 4 stages of one
+  block each), every next loss the one process's, which takes the weights and the optimizer's state resharded
+  across stages and tensor-parallel shards by their names; the pp=2 checkpoint exported (`tp-train-export`) holds
+  every stage's weights;
+- Llama (untied) at pp=2 and at pp=2 x tp=2.
 Dropout is off: a pipeline draws its masks stage by stage, not in one process's order."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests import train_cases
 from tp_train.tools.export import export_hugging_face
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["experiment=smoke", "logger=csv", "tp=1", "model=hf", "trainer.limit_val_batches=1",
+COMMON = ["experiment=smoke", "logger=csv", "model=hf", "trainer.limit_val_batches=1",
           "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1"]  # fmt: skip
 GPT2 = ["model.type=gpt2", "model.config.n_layer=4", "+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0",
         "+model.config.attn_pdrop=0", "trainer.max_steps=6", "trainer.val_check_interval=3",
@@ -58,14 +59,16 @@ def _assert_same(run: dict, reference: dict, what: str, from_step: int = 0) -> f
 
 @pytest.mark.slow
 def test_hugging_face_models_at_pp_equal_one_process_and_resume_across_pp(tmp_path):
-    reference = _train(tmp_path, "gpt2_pp1", [*GPT2, "pp=1"])
-    gaps = {"gpt2 pp=2": _assert_same(_train(tmp_path, "gpt2_pp2", [*GPT2, "pp=2"]), reference, "gpt2 pp=2")}
-    saved = tmp_path / "gpt2_pp2" / "checkpoints" / "epoch=0-step=3.ckpt"
+    reference = _train(tmp_path, "gpt2_pp1", [*GPT2, "pp=1", "tp=1"])
+    gaps = {"gpt2 pp=2": _assert_same(_train(tmp_path, "gpt2_pp2", [*GPT2, "pp=2", "tp=1"]), reference, "gpt2 pp=2")}
+    both = _train(tmp_path, "gpt2_pp2_tp2", [*GPT2, "pp=2", "tp=2"])
+    gaps["gpt2 pp=2 x tp=2"] = _assert_same(both, reference, "gpt2 pp=2 x tp=2")
+    saved = tmp_path / "gpt2_pp2_tp2" / "checkpoints" / "epoch=0-step=3.ckpt"
     assert saved.is_dir()
     for pp in (1, 4):
-        resumed = _train(tmp_path, f"gpt2_resumed_pp{pp}", [*GPT2, f"pp={pp}", f"ckpt_path='{saved}'"])
+        resumed = _train(tmp_path, f"gpt2_resumed_pp{pp}", [*GPT2, f"pp={pp}", "tp=1", f"ckpt_path='{saved}'"])
         assert min(resumed["train/loss"]) == 3  # it went on from the checkpoint
-        gaps[f"gpt2 pp=2 -> pp={pp}"] = _assert_same(resumed, reference, f"resumed at pp={pp}", from_step=3)
+        gaps[f"gpt2 pp=2 x tp=2 -> pp={pp}"] = _assert_same(resumed, reference, f"resumed at pp={pp}", from_step=3)
     # tp-train-export: the pp=2 checkpoint as one save_pretrained directory with every stage's weights, the one
     # process's (to 1e-4: after 6 Adam steps, a gradient's last-bit difference moves a weight by up to ~1e-5)
     exported = {}
@@ -76,6 +79,8 @@ def test_hugging_face_models_at_pp_equal_one_process_and_resume_across_pp(tmp_pa
     assert exported[2].keys() == exported[1].keys()
     gaps["gpt2 pp=2 exported"] = max((exported[2][k] - exported[1][k]).abs().max().item() for k in exported[1])
     assert gaps["gpt2 pp=2 exported"] < 1e-4
-    llama = _train(tmp_path, "llama_pp1", [*LLAMA, "pp=1"])
-    gaps["llama pp=2"] = _assert_same(_train(tmp_path, "llama_pp2", [*LLAMA, "pp=2"]), llama, "llama pp=2")
+    llama = _train(tmp_path, "llama_pp1", [*LLAMA, "pp=1", "tp=1"])
+    for pp, tp in ((2, 1), (2, 2)):
+        run = _train(tmp_path, f"llama_pp{pp}_tp{tp}", [*LLAMA, f"pp={pp}", f"tp={tp}"])
+        gaps[f"llama pp={pp} x tp={tp}"] = _assert_same(run, llama, f"llama pp={pp} x tp={tp}")
     print(", ".join(f"{what}: {gap:.1e}" for what, gap in gaps.items()))
