@@ -125,22 +125,24 @@ def _errors(n_layer, results):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "schedule,n_layer,microbatches,virtual",
+    "schedule,n_layer,microbatches,virtual,pp",
     [
-        ("gpipe", 3, 2, 1),
-        ("1f1b", 3, 4, 1),
-        ("1f1b", 2, 2, 1),
-        ("interleaved_1f1b", 5, 2, 2),
-        ("looped_bfs", 4, 4, 2),
-        ("interleaved_zero_bubble", 4, 4, 2),
-        ("zbv_zero_bubble", 4, 4, 2),
-        ("dualpipev", 5, 4, 2),
+        ("gpipe", 3, 2, 1, 2),
+        ("1f1b", 3, 4, 1, 2),
+        ("1f1b", 2, 2, 1, 2),
+        ("1f1b", 5, 4, 1, 4),  # four stages, uneven (5 blocks), the tie across the first and last
+        ("interleaved_1f1b", 5, 2, 2, 2),
+        ("looped_bfs", 4, 4, 2, 2),
+        ("interleaved_zero_bubble", 4, 4, 2, 2),
+        ("zbv_zero_bubble", 4, 4, 2, 2),
+        ("dualpipev", 5, 4, 2, 2),
     ],
 )
-def test_pipeline_equals_one_process(schedule, n_layer, microbatches, virtual):
-    results = run_on_ranks(_train_pipeline, 2, n_layer, schedule, microbatches, virtual, timeout=120)
+def test_pipeline_equals_one_process(schedule, n_layer, microbatches, virtual, pp):
+    results = run_on_ranks(_train_pipeline, pp, n_layer, schedule, microbatches, virtual, timeout=180)
     loss_error, param_error = _errors(n_layer, results)
     print(
-        f"{schedule} pp=2 v={virtual} blocks={n_layer} m={microbatches}: loss {loss_error:.2e} param {param_error:.2e}"
+        f"{schedule} pp={pp} v={virtual} blocks={n_layer} m={microbatches}: loss {loss_error:.2e} "
+        f"param {param_error:.2e}"
     )
     assert loss_error < 1e-5 and param_error < 1e-5

@@ -62,13 +62,18 @@ class CausalLMModule(L.LightningModule):
                 self.model = model if self.adapters is None else _with_adapters(model, self.adapters)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        out = run_without_cache(self.model, idx)  # training builds no generation cache (some families cannot)
+        out = self._model_output(idx)
         return getattr(out, "logits", out)  # Hugging Face models return a ModelOutput
+
+    def _model_output(self, idx: torch.Tensor):
+        """The model's own output for `idx` (a Hugging Face ModelOutput, with router logits where its config asks
+        for them); training builds no generation cache (some families cannot)."""
+        return run_without_cache(self.model, idx)
 
     def _loss(self, batch: torch.Tensor, train: bool = False) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-        out = run_without_cache(self.model, inputs)  # training builds no generation cache (some families cannot)
-        logits = getattr(out, "logits", out)  # Hugging Face models return a ModelOutput, with router logits if asked
+        out = self._model_output(inputs)
+        logits = getattr(out, "logits", out)
         strategy = self.trainer.strategy
         if isinstance(strategy, TensorParallelStrategy):
             # Vocab-sharded logits under `loss_parallel` (the app's default): never gathered.
