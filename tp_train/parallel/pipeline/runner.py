@@ -130,6 +130,12 @@ class Pipeline:
         self.last_rank = 0 if self.schedule.placement == "v" else (split.num_stages - 1) % size
 
     @property
+    def torch_schedule(self):
+        """torch's schedule object running this rank's stages (its `pipeline_order`, where it has one, is its table
+        of actions per time slot)."""
+        return self._torch_schedule
+
+    @property
     def holds_first(self) -> bool:
         return 0 in self.stage_indices
 

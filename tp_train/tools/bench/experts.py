@@ -27,11 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tp_train.parallel.experts import shard_experts
+from tp_train.parallel.experts.region import named_expert_parameters
+from tp_train.plan.experts import find_experts
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.measure import (
+    collective_bytes_per_step,
     current_memory,
     group_max,
     peak_memory,
@@ -40,23 +42,6 @@ from tp_train.tools.bench.measure import (
 )
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.memory import MIB
-
-EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
-
-
-class CollectiveBytes(TorchDispatchMode):
-    """Bytes of the send buffers this rank hands to c10d collectives while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and "barrier" not in func.__name__:
-            sent = args[1] if func.__name__.startswith("alltoall_base") else args[0]
-            tensors = sent if isinstance(sent, (list, tuple)) else [sent]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return func(*args, **(kwargs or {}))
 
 
 def mixtral(args):
@@ -67,14 +52,12 @@ def mixtral(args):
                   num_local_experts=args.experts, num_experts_per_tok=args.top_k,
                   max_position_embeddings=args.seq)  # fmt: skip
     torch.manual_seed(0)
-    model = hugging_face_causal_lm("mixtral", config=fields)
-    experts = [f"model.layers.{i}.mlp.experts" for i in range(args.layers)]
-    return model, experts
+    return hugging_face_causal_lm("mixtral", config=fields)
 
 
 def _measure(rank, world_size, device, setup, args, out):
     return_freed_memory_at_once(device, threshold=64 << 10)
-    model, experts = mixtral(args)
+    model = mixtral(args)
     model.to(device)
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(1)
@@ -82,10 +65,11 @@ def _measure(rank, world_size, device, setup, args, out):
     if setup == "tp" and world_size > 1:
         parallelize(model, group, verify=False)
     elif setup == "ep":
-        shard_experts(model, experts, group, gradient_scale=1 / world_size)
+        shard_experts(model, find_experts(model), group, gradient_scale=1 / world_size)
         share = args.batch // world_size
         ids = ids[rank * share : (rank + 1) * share]
-    dense = [p for name, p in model.named_parameters() if not name.endswith(EXPERT_PARAMETERS)]
+    experts = {id(param) for _, param, _ in named_expert_parameters(model)}
+    dense = [param for param in model.parameters() if id(param) not in experts]
 
     def step():
         for param in model.parameters():
@@ -97,9 +81,7 @@ def _measure(rank, world_size, device, setup, args, out):
                 dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
 
     step()  # warm-up
-    counter = CollectiveBytes()
-    with counter:
-        step()
+    sent = collective_bytes_per_step(step)
     seconds = []
     for index in range(args.steps):
         dist.barrier()
@@ -115,7 +97,7 @@ def _measure(rank, world_size, device, setup, args, out):
     row = {"setup": "one process" if world_size == 1 else f"{setup}={world_size}", "ranks": world_size,
            "seconds": wall, "tokens_per_s": args.batch * args.seq / wall,
            "peak_mib_per_rank": group_max(peak, group, device) / MIB,
-           "collective_mib_per_rank": group_max(counter.bytes, group, device) / MIB,
+           "collective_mib_per_rank": group_max(sent, group, device) / MIB,
            "parameters_mib_per_rank": sum(p.numel() * p.element_size() for p in model.parameters()) / MIB}  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(row))

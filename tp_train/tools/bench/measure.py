@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -107,23 +108,36 @@ def _status_bytes(field: str) -> int:
 
 class _CollectiveCounter(TorchDispatchMode):
     """Counts the collectives that reach the dispatcher: c10d's (torch.distributed's) and the functional ones
-    DTensor redistributes with (their `wait_tensor` is not a collective)."""
+    DTensor redistributes with (their `wait_tensor` is not a collective), and the bytes of their send buffers (an
+    all-reduce's tensor, an all-to-all's input)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+        name = func.__name__
+        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in name and "barrier" not in name:
             self.count += 1
+            sent = args[1] if name.startswith("alltoall_base") else args[0]  # all_to_all_single(output, input)
+            tensors = sent if isinstance(sent, (list, tuple)) else [sent]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         return func(*args, **(kwargs or {}))
 
 
-def collectives_per_step(step: TrainingStep) -> int:
+def collectives_per_step(step: Callable[[], object]) -> int:
     """Collectives one step issues on this rank."""
     with _CollectiveCounter() as mode:
         step()
     return mode.count
+
+
+def collective_bytes_per_step(step: Callable[[], object]) -> int:
+    """Bytes of the send buffers one step hands to collectives on this rank."""
+    with _CollectiveCounter() as mode:
+        step()
+    return mode.bytes
 
 
 def collective_seconds(step: TrainingStep) -> tuple[float, float]:

@@ -171,7 +171,7 @@ def _measure(rank, world_size, device, setup, args, out):
         walls.append(end - start)
         bubbles.append((end - start - busy) / busy)
         busy_fractions.append(busy / (end - start))
-    table = schedule_table_bubble(pipeline._torch_schedule) if virtual > 1 else None
+    table = schedule_table_bubble(pipeline.torch_schedule) if virtual > 1 else None
     wall = group_max(statistics.median(walls), dist.group.WORLD, device)
     row = {"pp": pp, "schedule": schedule, "virtual_stages": virtual, "microbatches": args.microbatches,
            "seconds": wall, "tokens_per_s": batch * args.seq / wall,
