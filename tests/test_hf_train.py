@@ -83,3 +83,22 @@ def test_the_train_mode_gives_a_sub_config_the_datas_vocabulary():
 
     (text,) = [override for override in train_overrides("dots3_note") if ".text_config=" in override]
     assert "vocab_size:'${data.vocab_size}'" in text and "max_position_embeddings:'${data.block_size}'" in text
+
+
+def test_the_train_mode_resumes_from_its_output_and_takes_the_parity_passing_families(tmp_path):
+    """A `--train` run over the mapping takes hours: given its `--output` again it keeps the families already there
+    (none re-run: a family kept here would take a minute to train), and `--parity` takes the families that pass
+    parity (pass, round-off) from the zoo's JSON."""
+    import json
+
+    from tp_train.tools.zoo.train_path import parity_passing, run_train_zoo
+
+    output = tmp_path / "train.json"
+    done = {"class": "trains", "reason": "4 steps, largest loss difference 0.0e+00", "losses": {}, "seconds": 9.0}
+    output.write_text(json.dumps({"llama": done, "gpt2": done}))
+    lines = []
+    assert run_train_zoo(["llama"], 2, output=str(output), echo=lines.append) == {"llama": done}
+    assert lines == ["1 of 1 families already in " + str(output) + ": kept, not re-run"]
+    assert set(json.loads(output.read_text())) == {"llama", "gpt2"}
+    parity = {"llama": {"class": "pass"}, "cpmant": {"class": "round-off"}, "xlnet": {"class": "refused"}}
+    assert parity_passing(["llama", "cpmant", "xlnet", "absent"], parity) == ["llama", "cpmant"]

@@ -25,6 +25,11 @@ class PlanVerificationError(ValueError):
     """The sharded model computes something other than the unsharded model: the plan is wrong."""
 
 
+class HeadOutputChangedError(RuntimeError):
+    """The model transformed its LM head's output before the loss (a logit soft-cap or scale), so the head and the
+    loss cannot run fused: the head's logits must exist."""
+
+
 class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient stopped the run (raised on every rank at the same step)."""
 

@@ -3,13 +3,16 @@ vocabulary-parallel head, compiled with `torch.compile` when the model is."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import ProcessGroup
 
+from tp_train.errors import HeadOutputChangedError
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from tp_train.plan.parallelize import attached
@@ -64,6 +67,22 @@ class StrategyLoss:
                 for fusion in self._fusions(root):
                     stack.enter_context(fusion.deferring())
             yield
+
+    def step(self, root: nn.Module, step: Callable[[], object]):
+        """`step()` (a training or validation step) within `fusing(root)`. A model that transforms its head's output
+        before the loss (Gemma-3n's and Cohere-2's final logit soft-cap or scale: the head's logits must exist) is
+        refused by the fused loss; when fusing was only the default (`fused=None`), the step runs again unfused and
+        fusion stays off for the run, with one info line. The first forward's graph is dropped before any backward.
+        """
+        try:
+            with self.fusing(root):
+                return step()
+        except HeadOutputChangedError as error:
+            if self.fused is not None:  # asked for by the user: refused
+                raise
+            self.fused = False
+            rank_zero_info(f"fused_loss off: {error.args[0].split('; ')[0]}; the head's logits are computed")
+            return step()
 
     def _fusions(self, root: nn.Module) -> list:
         """The `HeadLossFusion`s `parallelize` set on the heads inside `root`, looked up once (sharded once)."""

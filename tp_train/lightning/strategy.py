@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -219,13 +220,12 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss.fusing(self.lightning_module):  # the head and the loss fused, where they may be
-            return super().training_step(*args, **kwargs)
+        # the head and the loss fused, where they may be
+        return self._loss.step(self.lightning_module, partial(super().training_step, *args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss.fusing(self.lightning_module):
-            return super().validation_step(*args, **kwargs)
+        return self._loss.step(self.lightning_module, partial(super().validation_step, *args, **kwargs))
 
     @property
     @override

@@ -10,6 +10,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
+from tp_train.errors import HeadOutputChangedError
 from tp_train.parallel.cross_entropy import (
     LossTargets,
     check_vocab_size,
@@ -145,7 +146,7 @@ class HeadLossFusion:
         hidden, head = self._held
         self._held = None
         if output is not hidden:
-            raise RuntimeError(
+            raise HeadOutputChangedError(
                 f"fused head and loss: the model changed its head's output {tuple(hidden.shape)} before the loss "
                 f"(got {tuple(output.shape)}, {output.dtype}); pass fused_loss=False to compute the logits"
             )

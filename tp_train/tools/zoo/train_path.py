@@ -18,6 +18,7 @@ from pathlib import Path
 from tp_train.tools.zoo.configs import tiny_config
 
 TRAIN_TOLERANCE = 1e-4
+PARITY_PASSES = ("pass", "round-off")
 STEPS = 4
 # The data's sizes, not the zoo's: the tokenizer trained on the corpus needs 258 tokens at least.
 DATA = ("data.max_files=20", "data.vocab_size=300", "data.block_size=32")
@@ -109,9 +110,15 @@ def run_train_zoo(
 ):
     """{family: train_family(...)} for each family, one after another, each echoed as it ends with its seconds
     (`seconds`) and, with `output` (a path), all results so far written there as JSON: a run stopped part way is
-    still read."""
-    results = {}
+    still read, and a run given the same `output` again resumes it: the families already there are kept, not re-run
+    (delete one's entry to run it again)."""
+    results = json.loads(Path(output).read_text()) if output is not None and Path(output).exists() else {}
+    kept = [model_type for model_type in model_types if model_type in results]
+    if kept:
+        echo(f"{len(kept)} of {len(model_types)} families already in {output}: kept, not re-run")
     for model_type in model_types:
+        if model_type in results:
+            continue
         started = time.monotonic()
         results[model_type] = train_family(model_type, tp, fields, timeout)
         results[model_type]["seconds"] = round(time.monotonic() - started, 1)
@@ -119,7 +126,13 @@ def run_train_zoo(
         echo(f"{model_type:<28} {result['class']:<8} {result['reason']} ({result['seconds']:.0f} s)")
         if output is not None:
             Path(output).write_text(json.dumps(results, indent=1, sort_keys=True))
-    return results
+    return {model_type: results[model_type] for model_type in model_types}
+
+
+def parity_passing(model_types: list[str], parity: dict[str, dict]) -> list[str]:
+    """The families of `model_types` that pass the zoo's parity check in `parity` (its `--output` JSON): `pass` or
+    `round-off`, the ones `--train` is asked to train."""
+    return [model_type for model_type in model_types if parity.get(model_type, {}).get("class") in PARITY_PASSES]
 
 
 def train_table(results: dict[str, dict], parity: dict[str, dict] | None = None) -> str:
