@@ -87,3 +87,25 @@ def test_computed_buffers_of_a_model_planned_through_a_wrapper_are_recomputed_as
     for buffer in ("inv_freq", "original_inv_freq"):
         expected = getattr(built.model.rotary_emb, buffer)
         assert torch.equal(getattr(wrapper["model"].model.rotary_emb, buffer), expected), buffer
+
+
+def _meta_built_bert(rank, world_size):
+    from models import hugging_face_causal_lm
+
+    torch.manual_seed(0)
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    with torch.device("meta"):
+        model = hugging_face_causal_lm("bert", config=config)
+    tp_train.parallelize(model, loss_parallel=True, device="cpu", verify=True)
+    predictions = model.cls.predictions
+    return predictions.decoder.bias is predictions.bias, predictions.decoder.weight.data_ptr() == (
+        model.bert.embeddings.word_embeddings.weight.data_ptr()
+    )
+
+
+def test_a_decoder_tied_to_the_embedding_and_to_its_parents_bias_keeps_both_ties_built_on_meta():
+    """BERT's decoder (`cls.predictions.decoder`) takes its weight from the word embedding, sharded before it, and its
+    bias from `cls.predictions.bias`, materialised before it. Built on meta (train.py's path) the decoder was
+    materialised afresh: a new random weight (the plan check then found it 1.96 from its shards) and a bias that left
+    the parent's behind, with no gradient (issue 41: bert, ctrl, electra, ernie, ... through train.py)."""
+    assert run_on_ranks(_meta_built_bert, 1)[0] == (True, True)

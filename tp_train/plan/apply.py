@@ -77,7 +77,12 @@ def apply_plan(
             base = adapted_base(module) or module
             base.tp_origins = dict(base.named_parameters(recurse=False))  # what ties are keyed by
             if not all(id(param) in shared for param in base.tp_origins.values()):
-                materialize(name, base, device, {}, init_weights_of(model, name))  # its full tensors die once sliced
+                # Its full tensors die once sliced; a tensor tied to one sharded before stays as it is (its shard is
+                # taken, not a fresh draw), one tied to an unplanned module's takes that one's (BERT's decoder:
+                # its weight the embedding's, its bias the prediction head's).
+                tied = {id(param): materialized.get(id(param), param) for param in base.tp_origins.values()}
+                known = {key: tensor for key, tensor in tied.items() if key in shared or key in materialized}
+                materialize(name, base, device, known, init_weights_of(model, name))
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(base, group, shared)
             else:
@@ -127,17 +132,22 @@ def apply_plan(
             for param_name, _ in module.named_parameters(recurse=False):
                 _sum_gradient(module, param_name, group)
     _share_sibling_inputs(model, planned, group)
-    _share_ties(model, shared)
+    _share_ties(model, shared, materialized)
 
 
-def _share_ties(model: nn.Module, shared: dict) -> None:
+def _share_ties(model: nn.Module, shared: dict, materialized: dict) -> None:
     """Gives every other module still holding a parameter that was sharded (a container tied to a swapped layer's
     parameter, as RoBERTa's `lm_head.bias` is to `lm_head.decoder.bias`) the shard and its split, so the tie holds
-    and checkpoints, gathering and export see one tensor under both names."""
+    and checkpoints, gathering and export see one tensor under both names; built on meta, the container holds the
+    tensor its original was materialised as (`materialized`: id of the meta original -> it)."""
+    originals = {id(materialized[key]): key for key in shared if key in materialized}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
-            if param is not None and id(param) in shared and shared[id(param)][0] is param:
-                _, spec, shard = shared[id(param)]
+            tied = param is not None and (
+                id(param) in originals or id(param) in shared and shared[id(param)][0] is param
+            )
+            if tied:
+                _, spec, shard = shared[originals.get(id(param), id(param))]
                 module._parameters[key] = shard
                 module.shard_specs = {**getattr(module, "shard_specs", {}), key: spec}
 
