@@ -90,7 +90,26 @@ def _layered_fields(model_type: str | None, config: dict, token_ids: dict, famil
     given = {aliases.get(key, key) for key in config}
     family = {key: value for key, value in family_fields.items() if aliases.get(key, key) not in given}
     specials = {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
+    vocab = config.get("vocab_size", _field_value(defaults, "vocab_size"))
+    specials = {field: _lacking_id(defaults, field, token_ids, vocab) if value is None else value
+                for field, value in specials.items()}  # fmt: skip
     return {**specials, **family, **config}
+
+
+def _lacking_id(defaults, field: str, token_ids: dict, vocab) -> int | None:
+    """The id a config takes for a special token the data's tokenizer lacks: None (dropped), but for the pad id
+    the family's default where it lies inside the vocabulary and is none of the tokenizer's ids (RoBERTa's
+    embeddings count positions from it: camembert, data2vec-text, xlm-roberta; Gemma's 0, the data's EOS, is
+    dropped), and the tokenizer's EOS where the config refuses None (CWM's int `bos_token_id`)."""
+    default = _field_value(defaults, field)
+    taken = set(token_ids.values())
+    if field == "pad_token_id" and isinstance(default, int) and 0 <= default < vocab and default not in taken:
+        return default
+    try:
+        type(defaults)(**{field: None})
+    except Exception:  # noqa: BLE001 - huggingface_hub's StrictDataclassFieldValidationError, a TypeError's cause
+        return token_ids.get("eos_token_id")
+    return None
 
 
 def hugging_face_model(type: str, config: dict | None = None, auto_class=None) -> nn.Module:

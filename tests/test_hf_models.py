@@ -108,6 +108,21 @@ def test_preflight_builds_model_hf_on_meta_and_refuses_what_cannot_run(tmp_path)
         check("+model.config.n_layr=2")
 
 
+def test_a_special_id_the_datas_tokenizer_lacks_is_dropped_unless_the_family_needs_it():
+    """The trained tokenizer has EOS (id 0) alone. RoBERTa's embeddings count positions from the pad id (camembert,
+    data2vec-text: `input_ids.ne(None)` failed the one-batch check), so a default pad id inside the vocabulary and
+    apart from the data's ids stays; CWM's config refuses a None `bos_token_id` and takes the data's EOS; Gemma's pad
+    id 0 (the data's EOS) and Phi-3's 32000 (outside) are dropped (issue 41)."""
+    from models.hf import _layered_fields
+
+    data = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 0}
+    expected = {"camembert": (1, None, 0), "data2vec-text": (1, None, 0), "cwm": (None, 0, 0),
+                "gemma": (None, None, 0), "phi3": (None, None, 0)}  # fmt: skip
+    for family, ids in expected.items():
+        fields = _layered_fields(family, {"vocab_size": 300}, data, {})
+        assert tuple(fields[name] for name in data) == ids, (family, fields)
+
+
 @pytest.mark.parametrize("family", ["phi3", "smollm3", "glm4"])
 def test_a_config_built_from_model_type_takes_the_special_ids_of_the_datas_tokenizer(tmp_path, family):
     """Phi-3's, SmolLM3's and GLM-4's default pad/eos ids lie outside the data's vocabulary (the embedding refused
