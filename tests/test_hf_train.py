@@ -102,3 +102,11 @@ def test_the_train_mode_resumes_from_its_output_and_takes_the_parity_passing_fam
     assert set(json.loads(output.read_text())) == {"llama", "gpt2"}
     parity = {"llama": {"class": "pass"}, "cpmant": {"class": "round-off"}, "xlnet": {"class": "refused"}}
     assert parity_passing(["llama", "cpmant", "xlnet", "absent"], parity) == ["llama", "cpmant"]
+
+
+def test_the_train_mode_gives_another_token_table_the_datas_vocabulary():
+    """Gemma 4's per-layer inputs look the same ids up in a table of `vocab_size_per_layer_input` rows: the zoo's 128
+    refused the data's 300 tokens ("index out of range", issue 41)."""
+    from tp_train.tools.zoo.train_path import train_overrides
+
+    assert "++model.config.vocab_size_per_layer_input='${data.vocab_size}'" in train_overrides("gemma4_text")

@@ -220,3 +220,16 @@ def test_pipeline_estimate_holds_the_rank_stages_and_its_schedule_microbatches()
     assert in_flight("interleaved_1f1b", 2, 0, 8, 2) == (1 * 2 + 2 * 1 + 1) / 2
     with pytest.raises(ValueError, match="pipeline_microbatches=3 does not divide the micro-batch of 8 sequences"):
         estimate_memory(model, 8, 64, pp=2, pipeline_microbatches=3)
+
+
+def test_the_estimate_reads_a_field_kept_per_layer():
+    """Gemma 4 keeps `head_dim` per layer: reading it as one value raises in transformers, which ended every
+    `train.py model.type=gemma4_text` run at the memory estimate (issue 41); its global value is read."""
+    from transformers import AutoConfig
+
+    from tp_train.tools.activation_model import attention_shape
+
+    model = torch.nn.Module()
+    model.config = AutoConfig.for_model("gemma4_text", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=8, num_hidden_layers=2, intermediate_size=64)  # fmt: skip
+    assert attention_shape(model) == (4, 2, 8)

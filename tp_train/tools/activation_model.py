@@ -22,12 +22,21 @@ PRECISION_BYTES = {
 MIXED_PRECISIONS = ("16-mixed", "bf16-mixed")  # autocast: fp32 parameters and residual stream, matmuls in half
 
 
+def config_field(config, name: str):
+    """`config.name`, None where it has none; a field Hugging Face keeps per layer (Gemma 4's `head_dim`) raises
+    when read as one value, so its global value is read from the config's own attributes."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return vars(config).get(name)
+
+
 def model_shape(model: nn.Module) -> tuple[int, int, int, int]:
     """(layers, hidden width, MLP width, vocabulary) from a GPTConfig or a Hugging Face config."""
     config = getattr(model, "config", None)
 
     def field(*names: str) -> int | None:
-        return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+        return next((config_field(config, n) for n in names if isinstance(config_field(config, n), int)), None)
 
     layers = field("n_layer", "num_hidden_layers", "num_layers")
     hidden = field("n_embd", "hidden_size", "d_model")
@@ -46,10 +55,10 @@ def attention_shape(model: nn.Module) -> tuple[int, int, int]:
     config = getattr(model, "config", None)
     _, hidden, _, _ = model_shape(model)
     heads = next(
-        (getattr(config, n) for n in ("n_head", "num_attention_heads", "num_heads") if getattr(config, n, None)), 1
+        (config_field(config, n) for n in ("n_head", "num_attention_heads", "num_heads") if config_field(config, n)), 1
     )
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = config_field(config, "num_key_value_heads") or heads
+    head_dim = config_field(config, "head_dim") or hidden // heads
     return heads, kv_heads, head_dim
 
 

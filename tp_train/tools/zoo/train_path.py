@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tp_train.tools.zoo.configs import tiny_config
+from tp_train.tools.zoo.configs import VOCAB, tiny_config
 
 TRAIN_TOLERANCE = 1e-4
 PARITY_PASSES = ("pass", "round-off")
@@ -35,7 +35,7 @@ def train_overrides(model_type: str, fields: dict | None = None) -> list[str]:
     dropout off: ranks draw their own masks in a sharded region, so with dropout on no tp=N run repeats tp=1's
     losses (GPT-2's 0.1 by default: 3e-3 apart at step 4)."""
     tiny = {**_no_dropout(model_type), **tiny_config(model_type), **(fields or {})}
-    config = {key: _data_sizes(value) for key, value in tiny.items() if key not in NOT_FIELDS}
+    config = {key: _data_vocab(key, _data_sizes(value)) for key, value in tiny.items() if key not in NOT_FIELDS}
     overrides = [f"++model.config.{key}={hydra_value(value)}" for key, value in config.items()]
     return ["model=hf", f"model.type={model_type}", *overrides]
 
@@ -47,6 +47,12 @@ def _data_sizes(value):
         return value
     data = {"vocab_size": "${data.vocab_size}", "max_position_embeddings": "${data.block_size}"}
     return {key: data.get(key, item) for key, item in value.items()}
+
+
+def _data_vocab(key: str, value):
+    """The data's vocabulary for another of the config's token tables at the zoo's vocabulary (Gemma 4's
+    `vocab_size_per_layer_input`, looked up with the same ids: 128 rows refused the data's 300 tokens)."""
+    return "${data.vocab_size}" if "vocab_size" in key and value == VOCAB else value
 
 
 def _no_dropout(model_type: str) -> dict:
