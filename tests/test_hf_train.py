@@ -110,3 +110,24 @@ def test_the_train_mode_gives_another_token_table_the_datas_vocabulary():
     from tp_train.tools.zoo.train_path import train_overrides
 
     assert "++model.config.vocab_size_per_layer_input='${data.vocab_size}'" in train_overrides("gemma4_text")
+
+
+def test_a_train_run_past_its_time_limit_is_killed_with_the_ranks_it_started(tmp_path):
+    """On a loaded machine a `train.py` run at tp=2 passed `--train`'s time limit; killing `train.py` alone left its
+    ranks running, each taking a core from the families after it."""
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    from tp_train.tools.zoo.train_path import _run
+
+    pid_file = tmp_path / "rank.pid"
+    rank = "import time; time.sleep(60)"
+    parent = (f"import subprocess, sys, time; rank = subprocess.Popen([sys.executable, '-c', {rank!r}]); "
+              f"open({str(pid_file)!r}, 'w').write(str(rank.pid)); time.sleep(60)")  # fmt: skip
+    started = time.monotonic()
+    assert _run([sys.executable, "-c", parent], dict(os.environ), timeout=3) is None
+    assert time.monotonic() - started < 30
+    status = Path(f"/proc/{pid_file.read_text()}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or dead and not yet reaped

@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -97,9 +98,8 @@ def train_family(model_type: str, tp: int, fields: dict | None = None, timeout: 
             command = [sys.executable, "train.py", *train_overrides(model_type, fields), *DATA, *SETTINGS,
                        f"tp={size}", f"hydra.run.dir={run_dir}"]  # fmt: skip
             env = {**os.environ, "WANDB_MODE": "offline", "TRANSFORMERS_VERBOSITY": "error"}
-            try:
-                done = subprocess.run(command, cwd=_root(), env=env, capture_output=True, text=True, timeout=timeout)
-            except subprocess.TimeoutExpired:
+            done = _run(command, env, timeout)
+            if done is None:
                 return {"class": "fails", "reason": f"tp={size}: no end within {timeout:.0f} s", "losses": losses}
             if done.returncode != 0:
                 return {"class": "fails", "reason": f"tp={size}: {_last_error(done.stderr)}", "losses": losses}
@@ -149,6 +149,20 @@ def train_table(results: dict[str, dict], parity: dict[str, dict] | None = None)
         shown = (parity or {}).get(name, {}).get("class", "")
         lines.append(f"| {name} | {shown} | {result['class']}: {result['reason']} |")
     return "\n".join(lines)
+
+
+def _run(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess | None:
+    """`command` run in the project's root in a session of its own; None at `timeout`, when the whole session is
+    killed: the ranks `train.py` started too, which a kill of `train.py` alone left running."""
+    with subprocess.Popen(command, cwd=_root(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _losses(run_dir: Path) -> list[float]:
