@@ -190,7 +190,8 @@ def test_a_size_the_user_sets_wins_over_the_family_records(tmp_path, family, ove
 
 def test_a_training_step_and_the_preflight_batch_build_no_generation_cache():
     """Bamba's tiny two layers hold no attention layer for its default cache's `get_seq_length`: `python train.py
-    model=hf model.type=bamba` (and bailing_hybrid) was refused at preflight, and its step raised (issue 41)."""
+    model=hf model.type=bamba` (and bailing_hybrid) was refused at preflight, and its step raised; BLT was refused
+    at preflight for what building the default cache raised (issue 41)."""
     from omegaconf import OmegaConf
 
     from tp_train.app import preflight
@@ -199,7 +200,8 @@ def test_a_training_step_and_the_preflight_batch_build_no_generation_cache():
 
     logits = CausalLMModule(build_family("causal-lm", "bamba"), optimizer=None)(torch.zeros(2, 8, dtype=torch.long))
     assert logits.shape[:2] == (2, 8)
-    cfg = OmegaConf.create({"model": {"type": "bamba", "path": None, "config": {}}, "data": {"block_size": 8}})
-    with torch.device("meta"):
-        model = build_family("causal-lm", "bamba")
-    preflight._check_one_batch(cfg, model)
+    for family in ("bamba", "blt"):  # BLT's cache reads a layer count its config keeps in sub-configs only
+        cfg = OmegaConf.create({"model": {"type": family, "path": None, "config": {}}, "data": {"block_size": 8}})
+        with torch.device("meta"):
+            model = build_family("causal-lm", family)
+        preflight._check_one_batch(cfg, model)
