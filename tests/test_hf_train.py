@@ -106,10 +106,11 @@ def test_the_train_mode_resumes_from_its_output_and_takes_the_parity_passing_fam
 
 def test_the_train_mode_gives_another_token_table_the_datas_vocabulary():
     """Gemma 4's per-layer inputs look the same ids up in a table of `vocab_size_per_layer_input` rows: the zoo's 128
-    refused the data's 300 tokens ("index out of range", issue 41)."""
+    refused the data's 300 tokens ("index out of range", issue 41). Unquoted: quoted, the ranks `train.py` starts
+    read it back as the string '300', which the config refuses."""
     from tp_train.tools.zoo.train_path import train_overrides
 
-    assert "++model.config.vocab_size_per_layer_input='${data.vocab_size}'" in train_overrides("gemma4_text")
+    assert "++model.config.vocab_size_per_layer_input=${data.vocab_size}" in train_overrides("gemma4_text")
 
 
 def test_a_train_run_past_its_time_limit_is_killed_with_the_ranks_it_started(tmp_path):

@@ -28,6 +28,7 @@ SETTINGS = ("logger=csv", "ckpt_path=null", "scheduler=constant", f"trainer.max_
             "trainer.enable_progress_bar=false", "~callbacks.progress_bar")  # fmt: skip
 # The data's: train.py's config sets the vocabulary, and the special token ids are its tokenizer's. The positions
 # stay the zoo's (64, above the data's 32-token blocks: RoBERTa's embeddings count them from the pad id + 1).
+DATA_VOCAB = "${data.vocab_size}"
 NOT_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
 
 
@@ -37,7 +38,9 @@ def train_overrides(model_type: str, fields: dict | None = None) -> list[str]:
     losses (GPT-2's 0.1 by default: 3e-3 apart at step 4)."""
     tiny = {**_no_dropout(model_type), **tiny_config(model_type), **(fields or {})}
     config = {key: _data_vocab(key, _data_sizes(value)) for key, value in tiny.items() if key not in NOT_FIELDS}
-    overrides = [f"++model.config.{key}={hydra_value(value)}" for key, value in config.items()]
+    # the data's vocabulary unquoted: quoted, the ranks train.py starts got it back as the string '300'
+    overrides = [f"++model.config.{key}={value if value == DATA_VOCAB else hydra_value(value)}"
+                 for key, value in config.items()]  # fmt: skip
     return ["model=hf", f"model.type={model_type}", *overrides]
 
 
@@ -53,7 +56,7 @@ def _data_sizes(value):
 def _data_vocab(key: str, value):
     """The data's vocabulary for another of the config's token tables at the zoo's vocabulary (Gemma 4's
     `vocab_size_per_layer_input`, looked up with the same ids: 128 rows refused the data's 300 tokens)."""
-    return "${data.vocab_size}" if "vocab_size" in key and value == VOCAB else value
+    return DATA_VOCAB if "vocab_size" in key and value == VOCAB else value
 
 
 def _no_dropout(model_type: str) -> dict:
