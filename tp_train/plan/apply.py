@@ -66,7 +66,7 @@ def apply_plan(
     materialize_adapters(model, device)  # peft's own initialisation, not the model's
     by_name = {entry.name: entry for entry in planned}
     shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
-    materialized: dict[int, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once
+    materialized: dict[torch.Tensor, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once
     replicated_parents: set[str] = set()  # attentions whose kv heads are replicated, their groups made local
     for name, module in list(model.named_modules()):
         entry = by_name.get(name)
@@ -80,8 +80,8 @@ def apply_plan(
                 # Its full tensors die once sliced; a tensor tied to one sharded before stays as it is (its shard is
                 # taken, not a fresh draw), one tied to an unplanned module's takes that one's (BERT's decoder:
                 # its weight the embedding's, its bias the prediction head's).
-                tied = {id(param): materialized.get(id(param), param) for param in base.tp_origins.values()}
-                known = {key: tensor for key, tensor in tied.items() if key in shared or key in materialized}
+                known = {param: materialized.get(param, param) for param in base.tp_origins.values()
+                         if id(param) in shared or param in materialized}  # fmt: skip
                 materialize(name, base, device, known, init_weights_of(model, name))
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(base, group, shared)
@@ -139,8 +139,8 @@ def _share_ties(model: nn.Module, shared: dict, materialized: dict) -> None:
     """Gives every other module still holding a parameter that was sharded (a container tied to a swapped layer's
     parameter, as RoBERTa's `lm_head.bias` is to `lm_head.decoder.bias`) the shard and its split, so the tie holds
     and checkpoints, gathering and export see one tensor under both names; built on meta, the container holds the
-    tensor its original was materialised as (`materialized`: id of the meta original -> it)."""
-    originals = {id(materialized[key]): key for key in shared if key in materialized}
+    tensor its original was materialised as (`materialized`: the meta original -> it)."""
+    originals = {id(real): id(original) for original, real in materialized.items() if id(original) in shared}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
             tied = param is not None and (

@@ -24,19 +24,21 @@ def init_weights_of(root: nn.Module, name: str):
 
 def materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
     """Gives `module`'s own meta-device tensors storage on `device` and initialises them: `init_weights(module)`
-    when given, else `module.reset_parameters()`."""
+    when given, else `module.reset_parameters()`. `materialized` maps each meta tensor given storage before (the
+    tensor itself, which the key keeps alive: an id, once its tensor is freed, is another tensor's) to its real one,
+    so a tensor tied across modules is materialised once."""
     fresh = False
     for tensors in (module._parameters, module._buffers):
         for key, tensor in tensors.items():
             if tensor is None or not tensor.is_meta:
                 continue
-            if id(tensor) not in materialized:
+            if tensor not in materialized:
                 real = torch.empty_like(tensor, device=device)
                 if isinstance(tensor, nn.Parameter):
                     real = nn.Parameter(real, requires_grad=tensor.requires_grad)
-                materialized[id(tensor)] = real
+                materialized[tensor] = real
                 fresh = True
-            tensors[key] = materialized[id(tensor)]
+            tensors[key] = materialized[tensor]
     if not fresh:
         return
     if init_weights is not None:
