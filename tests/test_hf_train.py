@@ -132,3 +132,12 @@ def test_a_train_run_past_its_time_limit_is_killed_with_the_ranks_it_started(tmp
     assert time.monotonic() - started < 30
     status = Path(f"/proc/{pid_file.read_text()}/status")
     assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or dead and not yet reaped
+
+
+def test_a_failed_runs_reason_is_the_apps_own_error_line():
+    from tp_train.tools.zoo.train_path import _last_error
+
+    cause = "error: rank 0 (pid 7) failed: ValueError: loss_parallel=True needs the LM head planned"
+    stderr = f"{cause}\nTraceback (most recent call last):\nNotImplementedError: Cannot copy out of meta tensor\n"
+    assert _last_error(stderr).startswith("error: rank 0 (pid 7) failed: ValueError: loss_parallel=True")
+    assert _last_error("RuntimeError: boom\nlast line\n") == "RuntimeError: boom"

@@ -177,10 +177,13 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _last_error(stderr: str) -> str:
-    """The run's one-line reason: its last line naming an error, else its last line."""
+    """The run's one-line reason: its last `error:` line (the app's own, naming the rank that failed first), else
+    its last line naming an error, else its last line. An error while Lightning tears a failed run down (moving a
+    meta-built model to the CPU) came after the cause and hid it (inkling_text: the LM head `loss_parallel` needs)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    named = [line for line in lines if "Error" in line or line.startswith("error:")]
-    line = (named or lines or ["no output"])[-1]
+    own = [line for line in lines if line.startswith("error:")]
+    named = [line for line in lines if "Error" in line]
+    line = (own or named or lines or ["no output"])[-1]
     return line if len(line) <= 300 else f"{line[:120]} ... {line[-175:]}"  # the error's own words are at the end
 
 
