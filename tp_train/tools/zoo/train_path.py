@@ -177,11 +177,12 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _last_error(stderr: str) -> str:
-    """The run's one-line reason: its last `error:` line (the app's own, naming the rank that failed first), else
-    its last line naming an error, else its last line. An error while Lightning tears a failed run down (moving a
-    meta-built model to the CPU) came after the cause and hid it (inkling_text: the LM head `loss_parallel` needs)."""
+    """The run's one-line reason: its last `error:` line (the app's own, naming the rank that failed first and why;
+    not one saying only that a rank exited), else its last line naming an error, else its last line. An error while
+    Lightning tears a failed run down (moving a meta-built model to the CPU) came after the cause and hid it
+    (inkling_text: the LM head `loss_parallel` needs)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    own = [line for line in lines if line.startswith("error:")]
+    own = [line for line in lines if line.startswith("error:") and "exited with status" not in line]
     named = [line for line in lines if "Error" in line]
     line = (own or named or lines or ["no output"])[-1]
     return line if len(line) <= 300 else f"{line[:120]} ... {line[-175:]}"  # the error's own words are at the end
