@@ -38,9 +38,7 @@ def train_overrides(model_type: str, fields: dict | None = None) -> list[str]:
     losses (GPT-2's 0.1 by default: 3e-3 apart at step 4)."""
     tiny = {**_no_dropout(model_type), **tiny_config(model_type), **(fields or {})}
     config = {key: _data_vocab(key, _data_sizes(value)) for key, value in tiny.items() if key not in NOT_FIELDS}
-    # the data's vocabulary unquoted: quoted, the ranks train.py starts got it back as the string '300'
-    overrides = [f"++model.config.{key}={value if value == DATA_VOCAB else hydra_value(value)}"
-                 for key, value in config.items()]  # fmt: skip
+    overrides = [f"++model.config.{key}={hydra_value(value)}" for key, value in config.items()]
     return ["model=hf", f"model.type={model_type}", *overrides]
 
 
@@ -78,7 +76,10 @@ def _no_dropout(model_type: str) -> dict:
 
 
 def hydra_value(value) -> str:
-    """`value` in Hydra's override grammar."""
+    """`value` in Hydra's override grammar; an interpolation (`${data.vocab_size}`) unquoted: quoted, the ranks
+    `train.py` starts read it back as the string '300', which a config refuses (emu3's `text_config`)."""
+    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+        return value
     if value is None:
         return "null"
     if isinstance(value, bool):
