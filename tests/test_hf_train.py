@@ -84,6 +84,8 @@ def test_the_train_mode_gives_a_sub_config_the_datas_vocabulary():
 
     (text,) = [override for override in train_overrides("dots3_note") if ".text_config=" in override]
     assert "vocab_size:${data.vocab_size}" in text and "max_position_embeddings:${data.block_size}" in text
+    (text,) = [override for override in train_overrides("emu3") if ".text_config=" in override]
+    assert "attention_dropout:0.0" in text  # its own dropout off too (0.1 by default: 1.2e-3 from tp=1)
 
 
 def test_the_train_mode_resumes_from_its_output_and_takes_the_parity_passing_families(tmp_path):
