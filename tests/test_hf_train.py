@@ -114,6 +114,8 @@ def test_the_train_mode_gives_another_token_table_the_datas_vocabulary():
     from tp_train.tools.zoo.train_path import train_overrides
 
     assert "++model.config.vocab_size_per_layer_input=${data.vocab_size}" in train_overrides("gemma4_text")
+    (text,) = [override for override in train_overrides("gemma4") if ".text_config=" in override]
+    assert "vocab_size_per_layer_input:${data.vocab_size}" in text  # Gemma 4's text config alike
 
 
 def test_a_train_run_past_its_time_limit_is_killed_with_the_ranks_it_started(tmp_path):

@@ -44,13 +44,13 @@ def train_overrides(model_type: str, fields: dict | None = None) -> list[str]:
 
 def _data_sizes(value):
     """A sub-config (a dict: dots3's `text_config`) with the data's vocabulary and blocks in place of the zoo's
-    (its 128-token vocabulary refused the data's 300), and its own dropout off (emu3's text model: 0.1 by default,
-    1.2e-3 from tp=1 at step 4)."""
+    (its 128-token vocabulary refused the data's 300; its other token tables alike, Gemma 4's), and its own dropout
+    off (emu3's text model: 0.1 by default, 1.2e-3 from tp=1 at step 4)."""
     if not isinstance(value, dict):
         return value
     data = {"vocab_size": "${data.vocab_size}", "max_position_embeddings": "${data.block_size}"}
     dropout = _no_dropout(value["model_type"]) if "model_type" in value else {}
-    return {**dropout, **{key: data.get(key, item) for key, item in value.items()}}
+    return {**dropout, **{key: data.get(key, _data_vocab(key, item)) for key, item in value.items()}}
 
 
 def _data_vocab(key: str, value):
