@@ -61,5 +61,7 @@ def test_pipeline_bench_times_each_rank_stage_work(tmp_path, capsys):
     assert [row["formula"] for row in rows] == [1 / 4, 1 / 8]
     assert rows[0]["schedule_table"] is None and rows[1]["schedule_table"] > 0  # torch's interleaved action table
     assert rows[0]["schedule_table_at_measured_chunks"] is None and rows[1]["schedule_table_at_measured_chunks"] > 0
+    every_chunk = {f"{name} {stage}" for name in ("forward_one_chunk", "backward_one_chunk") for stage in range(4)}
+    assert set(rows[1]["chunk_ms"]) == every_chunk | {"loss 3"}  # each stage's chunks, the loss on the last
     assert output.with_suffix(".svg").read_text().startswith("<svg")
     assert "| 2 | interleaved_1f1b" in capsys.readouterr().out

@@ -141,6 +141,7 @@ def _measure(rank, world_size, device, setup, args, out):
            "peak_mib_per_rank": group_max(peak, dist.group.WORLD, device) / MIB,
            "formula": formula(pp, schedule, virtual, args.microbatches), "schedule_table": table,
            "schedule_table_at_measured_chunks": simulated,
+           "chunk_ms": {f"{name} {stage}": 1e3 * seconds for (name, stage), seconds in sorted(merged.items())},
            "cores": os.cpu_count(), "ranks": world_size}  # fmt: skip
     measured = [None] * world_size
     dist.all_gather_object(measured, (statistics.median(bubbles), statistics.median(busy_fractions)))
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=256, help="small, so that the blocks are the stages' work")
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=32, help="the bubble's formula falls as 1 / m")
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported")
