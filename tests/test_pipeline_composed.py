@@ -129,15 +129,17 @@ LIGHTNING_COMPOSITIONS = {
     # the loss scaled in the schedule, the inf check agreed by every rank: the same steps skipped as on one device
     "pp2_tp2_16mixed": dict(tensor_parallel_size=2, precision="16-mixed"),
     "pp2_tp2_bf16mixed": dict(tensor_parallel_size=2, precision="bf16-mixed"),  # autocast in each stage's chunks
+    # 2 stages per rank (0 and 2, 1 and 3), each a view of the module's one model; the tie across ranks 0 and 1
+    "pp2_dp2_interleaved": dict(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4),
 }
 # plain Lightning on one device, at each precision and accumulation the compositions use
 PLAIN = {"plain": dict(), "plain_16mixed": dict(precision="16-mixed"), "plain_bf16mixed": dict(precision="bf16-mixed"),
-         "plain_accumulate2": dict(accumulate=2)}  # fmt: skip
+         "plain_accumulate2": dict(accumulate=2), "plain_4blocks": dict(layers=4)}  # fmt: skip
 
 
 def _reference_of(name: str) -> str:
     settings = LIGHTNING_COMPOSITIONS[name]
-    wanted = {key: settings[key] for key in ("precision", "accumulate") if key in settings}
+    wanted = {key: settings[key] for key in ("precision", "accumulate", "layers") if key in settings}
     return next(plain for plain, those in PLAIN.items() if those == wanted)
 
 
@@ -169,6 +171,7 @@ def _fit_composed(rank, world_size, names):
         kwargs = {} if plain else dict(pipeline_parallel_size=2, pipeline_microbatches=2)
         kwargs.update(PLAIN[name] if plain else LIGHTNING_COMPOSITIONS[name])
         precision, accumulate = kwargs.pop("precision", "32-true"), kwargs.pop("accumulate", 1)
+        layers = kwargs.pop("layers", N_LAYER)
         plugins = None
         if precision == "16-mixed":  # Lightning turns 16-mixed into bf16-mixed on CPU unless given the plugin
             scaler = torch.amp.GradScaler("cpu") if plain else ShardedGradScaler("cpu")
@@ -176,7 +179,7 @@ def _fit_composed(rank, world_size, names):
         inner = kwargs.get("tensor_parallel_size", 1) * kwargs.get("context_parallel_size", 1)  # mesh (pp, dp, cp, tp)
         replicas = 1 if plain else world_size // (2 * inner)
         replica = rank // inner % replicas
-        module, recorder = PlainLM(N_LAYER), LoggedLoss()
+        module, recorder = PlainLM(layers), LoggedLoss()
         trainer = L.Trainer(
             strategy="auto" if plain else TensorParallelStrategy(**kwargs),
             accelerator="cpu",

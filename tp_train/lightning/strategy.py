@@ -129,6 +129,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         pipeline_schedule: str = "1f1b",
         pipeline_microbatches: int | None = None,
         pipeline_split: list[int] | None = None,
+        pipeline_virtual_stages: int = 1,
         expert_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
@@ -138,7 +139,14 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
-        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, self.pipeline_microbatches)
+        self.pipeline_virtual_stages = pipeline_virtual_stages
+        check_pipeline_arguments(
+            pipeline_parallel_size,
+            pipeline_schedule,
+            self.pipeline_microbatches,
+            pipeline_virtual_stages,
+            data_parallel,
+        )
         self._pipeline: LightningPipeline | None = None
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
@@ -335,7 +343,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self.model_to_device()  # shard on the device: the collectives below run on it
         split = None
         if self.pipeline_parallel_size > 1 and self._pipeline is None:  # decided on the model as written
-            split = decide_split(self.lightning_module, self.pipeline_parallel_size, self.pipeline_split)
+            stages = self.pipeline_parallel_size * self.pipeline_virtual_stages
+            split = decide_split(self.lightning_module, stages, self.pipeline_split)
         self._shard(self.lightning_module)
         if split is not None:  # cut the model: this rank's stage only, data-parallel over its replicas
             fsdp = self.data_parallel == "fsdp"
