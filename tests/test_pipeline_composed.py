@@ -131,6 +131,7 @@ LIGHTNING_COMPOSITIONS = {
     "pp2_tp2_bf16mixed": dict(tensor_parallel_size=2, precision="bf16-mixed"),  # autocast in each stage's chunks
     # 2 stages per rank (0 and 2, 1 and 3), each a view of the module's one model; the tie across ranks 0 and 1
     "pp2_dp2_interleaved": dict(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4),
+    "pp2_dp2_looped_bfs": dict(pipeline_schedule="looped_bfs", pipeline_virtual_stages=2, layers=4),
 }
 # plain Lightning on one device, at each precision and accumulation the compositions use
 PLAIN = {"plain": dict(), "plain_16mixed": dict(precision="16-mixed"), "plain_bf16mixed": dict(precision="bf16-mixed"),
