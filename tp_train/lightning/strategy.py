@@ -395,6 +395,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                     example_input=examples.get(name),
                     cp_group=cp_group,
                     cp_options={"rotation": self.context_parallel_rotation, "document_separator": separator},
+                    experts_whole=self._experts.size > 1,
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
