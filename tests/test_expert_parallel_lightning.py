@@ -26,7 +26,7 @@ OPTIMIZERS = ("sgd", "adamw")
 # gradients agree with one device's to 4e-7 of each tensor's largest (our dense GPT's: 3.4e-7), but an expert
 # weight whose gradient cancels to 5.5e-9 (near eps; 1 of 3,072) gets a first Adam step lr * g / (|g| + eps) that
 # moves by 1.4e-4 on that rounding, exactly Adam's formula applied to the two gradients (docs/experts.md). Here
-# tp=2 ends 1.0e-7 from one device.
+# ep=2 x tp=2 ends 1.0e-7 from one device (1.2e-7 with sequence parallelism).
 ADAM_LR, ADAM_EPS = 1e-3, 1e-6
 
 
@@ -65,9 +65,11 @@ def _whole_parameters(module: torch.nn.Module, tensor_parallel_group=None) -> di
 
 def _trainer(expert_parallel_size: int | None, recorder: StepRecorder, steps: int, tensor_parallel_size: int = 1):
     plain = expert_parallel_size is None
+    # At tp > 1 with sequence parallelism: each tensor-parallel rank routes its own sequence shard's tokens
+    strategy = {"expert_parallel_size": expert_parallel_size, "sequence_parallel": tensor_parallel_size > 1}
     return make_trainer(
         None if plain else tensor_parallel_size, [recorder], max_steps=steps, gradient_clip_val=CLIP,
-        strategy_kwargs=None if plain else {"expert_parallel_size": expert_parallel_size},
+        strategy_kwargs=None if plain else strategy,
     )  # fmt: skip
 
 
@@ -98,7 +100,8 @@ def _fit(rank, world_size, expert_parallel_size, checkpoint):
         if optimizer == "adamw":
             trainer.save_checkpoint(checkpoint if not plain else checkpoint + ".plain")
     if world_size > 1:
-        # ep=2 x tp=2: attention and the shared expert tensor-parallel, the experts whole (AdamW: see ADAM_EPS).
+        # ep=2 x tp=2 with sequence parallelism: attention and the shared expert tensor-parallel, the experts whole,
+        # each tensor-parallel rank dispatching its own sequence shard's tokens (AdamW: see ADAM_EPS).
         for optimizer in OPTIMIZERS:
             torch.manual_seed(0)
             module, recorder = MoELM(optimizer), StepRecorder()

@@ -28,8 +28,6 @@ EXPERT_CASES = {
                                           "'blocks.0.mlp.experts' (MoEGPT); use one of [1, 2, 4, 8]"),
     "ep_not_dividing_experts": ([*MOE, "ep=3"], "ep=3: expert_parallel_size=3 does not divide the 8 experts"),
     "ep_without_experts": (["tp=1", "ep=2"], "ep=2: expert_parallel_size=2 but GPT has no experts module"),
-    "ep_with_sequence_parallel": ([*MOE, "tp=2", "ep=2", "sequence_parallel=true"],
-                                  "ep=2: expert_parallel_size=2 with sequence_parallel=True is not composed yet"),
     "ep_not_positive": ([*MOE, "ep=0"], "ep=0 is out of range; use a positive integer (ranks among dp x cp"),
 }  # fmt: skip
 

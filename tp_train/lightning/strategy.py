@@ -133,7 +133,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
-        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel)
+        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint)
         self._experts = StrategyExperts(expert_parallel_size, *composition)  # checks it
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
