@@ -153,3 +153,26 @@ def test_hugging_face_mixtral_at_ep_2_trains_like_one_process():
         assert max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)) < 1e-5, (rank, losses)
         for name, value in params.items():
             assert (value - reference[name]).abs().max().item() < 1e-5, (rank, name)
+
+
+@pytest.mark.parametrize(
+    "family, fields",
+    [("mixtral", {"num_local_experts": 8}), ("qwen3_moe", {"num_experts": 8}), ("gpt_oss", {"num_local_experts": 8})],
+)
+def test_under_expert_parallelism_a_family_plan_splits_the_attention_and_keeps_the_experts_whole(family, fields):
+    """One rule in the plan reader for every family: with `experts_whole` (ep > 1) Hugging Face's and the family
+    record's entries on the experts modules are dropped, the attention's kept; without it they split the experts."""
+    from models.hf import hugging_face_causal_lm
+    from tp_train.plan.resolve import EXPERTS_KEPT_WHOLE, resolve_plan
+
+    config = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, num_experts_per_tok=2, **fields)  # fmt: skip
+    with torch.device("meta"):
+        model = hugging_face_causal_lm(family, config=config)
+    split, _ = resolve_plan(model, tensor_parallel_size=2)
+    whole, source = resolve_plan(model, tensor_parallel_size=2, experts_whole=True)
+    assert any(".mlp.experts" in pattern for pattern in split), split
+    assert not any(".mlp.experts" in pattern for pattern in whole), whole
+    assert EXPERTS_KEPT_WHOLE in source, source
+    attention = {pattern: style for pattern, style in split.items() if ".self_attn" in pattern}
+    assert attention and all(whole[pattern] == style for pattern, style in attention.items()), whole

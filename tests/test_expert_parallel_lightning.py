@@ -2,8 +2,9 @@
 TensorParallelStrategy(expert_parallel_size=2) on four data-parallel ranks (two expert-parallel groups, so each
 expert is held by two ranks) trains as plain Lightning does on one device (10 steps with norm clipping, SGD and
 AdamW: losses, clipping norms and final parameters to 1e-5), the experts split between the ranks and their
-gradients averaged over exactly the ranks that hold them; at ep=2 x tp=2 (SGD) too. Its checkpoint, which stores the
-experts by their global index, resumes at ep=1, 2 and 4 with the next losses of plain Lightning resuming its own."""
+gradients averaged over exactly the ranks that hold them; at ep=2 x tp=2 (SGD and AdamW) too. Its checkpoint, which
+stores the experts by their global index, resumes at ep=1, 2 and 4 with the next losses of plain Lightning resuming
+its own."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ from tp_train.parallel.sharding import full_state_dict
 
 STEPS, NEXT, CLIP = 10, 2, 0.05  # small enough that every step is clipped: the norm must count each expert once
 OPTIMIZERS = ("sgd", "adamw")
+# AdamW at lr=1e-3 with eps=1e-6, well conditioned: at lr=1e-2 and eps=1e-8 (weights of std 0.02 moved by half
+# their size per step) ep=2 x tp=2 and tp=2 alone end 7.1e-5 from one device. Not a bug: the tensor-parallel
+# gradients agree with one device's to 4e-7 of each tensor's largest (our dense GPT's: 3.4e-7), but an expert
+# weight whose gradient cancels to 5.5e-9 (near eps; 1 of 3,072) gets a first Adam step lr * g / (|g| + eps) that
+# moves by 1.4e-4 on that rounding, exactly Adam's formula applied to the two gradients (docs/experts.md). Here
+# ep=2 x tp=2 ends 1.0e-7 from one device (1.2e-7 with sequence parallelism).
+ADAM_LR, ADAM_EPS = 1e-3, 1e-6
 
 
 def _moe() -> MoEGPT:
@@ -35,7 +43,7 @@ class MoELM(LitLM):
     def configure_optimizers(self):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=ADAM_LR, weight_decay=0.1, eps=ADAM_EPS)
 
 
 def _whole_parameters(module: torch.nn.Module, tensor_parallel_group=None) -> dict[str, torch.Tensor]:
@@ -57,9 +65,11 @@ def _whole_parameters(module: torch.nn.Module, tensor_parallel_group=None) -> di
 
 def _trainer(expert_parallel_size: int | None, recorder: StepRecorder, steps: int, tensor_parallel_size: int = 1):
     plain = expert_parallel_size is None
+    # At tp > 1 with sequence parallelism: each tensor-parallel rank routes its own sequence shard's tokens
+    strategy = {"expert_parallel_size": expert_parallel_size, "sequence_parallel": tensor_parallel_size > 1}
     return make_trainer(
         None if plain else tensor_parallel_size, [recorder], max_steps=steps, gradient_clip_val=CLIP,
-        strategy_kwargs=None if plain else {"expert_parallel_size": expert_parallel_size},
+        strategy_kwargs=None if plain else strategy,
     )  # fmt: skip
 
 
@@ -90,15 +100,15 @@ def _fit(rank, world_size, expert_parallel_size, checkpoint):
         if optimizer == "adamw":
             trainer.save_checkpoint(checkpoint if not plain else checkpoint + ".plain")
     if world_size > 1:
-        # ep=2 x tp=2: attention and the shared expert tensor-parallel, the experts whole. SGD: with AdamW, tp=2
-        # alone (ep=1) ends 7.5e-5 from one device on an expert weight whose gradients are near 0 (Adam divides the
-        # tensor-parallel sums' rounding by their tiny magnitude); ep=2 x tp=2 ends as far (7.1e-5), no farther.
-        torch.manual_seed(0)
-        module, recorder = MoELM("sgd"), StepRecorder()
-        trainer = _trainer(2, recorder, STEPS, tensor_parallel_size=2)
-        trainer.fit(module, loader(2, STEPS))
-        whole = _whole_parameters(module, trainer.strategy.tensor_parallel_group)
-        results["sgd, tp=2"] = (recorder.losses, recorder.clip_norms, whole, {})
+        # ep=2 x tp=2 with sequence parallelism: attention and the shared expert tensor-parallel, the experts whole,
+        # each tensor-parallel rank dispatching its own sequence shard's tokens (AdamW: see ADAM_EPS).
+        for optimizer in OPTIMIZERS:
+            torch.manual_seed(0)
+            module, recorder = MoELM(optimizer), StepRecorder()
+            trainer = _trainer(2, recorder, STEPS, tensor_parallel_size=2)
+            trainer.fit(module, loader(2, STEPS))
+            whole = _whole_parameters(module, trainer.strategy.tensor_parallel_group)
+            results[f"{optimizer}, tp=2"] = (recorder.losses, recorder.clip_norms, whole, {})
         return results, {size: _resume(size, checkpoint) for size in (2, 4)}
     # Plain Lightning resuming its own checkpoint is what a resume must give (a resume is not the run without a
     # stop in Lightning itself: the step after the first differs by 1e-2 on one device).
@@ -115,7 +125,7 @@ def test_our_moe_at_ep_2_through_lightning_trains_like_one_device_and_resumes_at
         for size in (1, 2, 4):  # every expert and its AdamW moments stored by expert index: any ep resumes alike
             next_losses = at_one[1] if size == 1 else resumed[size]
             assert next_losses == pytest.approx(at_one[None], abs=1e-5), (rank, size, next_losses, at_one[None])
-        for optimizer in (*OPTIMIZERS, "sgd, tp=2"):
+        for optimizer in (*OPTIMIZERS, "sgd, tp=2", "adamw, tp=2"):
             losses, norms, params, held = result[optimizer]
             expected_losses, expected_norms, expected_params, _ = reference[optimizer.split(",")[0]]
             if held:  # w_in, w_out of 2 layers: 4 of 8 experts

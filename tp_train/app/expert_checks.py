@@ -30,9 +30,8 @@ def check_experts(cfg: DictConfig, model: nn.Module) -> None:
     strategy = cfg.trainer.get("strategy") or {}
     mode = str(strategy.get("data_parallel") or cfg.get("data_parallel", "ddp"))
     distributed = strategy.get("save_distributed_checkpoint", True)
-    sequence_parallel = strategy.get("sequence_parallel") or cfg.get("sequence_parallel", False)
     try:
-        check_expert_parallel_arguments(ep, pp, mode, distributed, sequence_parallel)
+        check_expert_parallel_arguments(ep, pp, mode, distributed)
         check_expert_parallel(model, ep)
     except ValueError as error:
         raise ConfigError(f"ep={ep}: {error}") from None

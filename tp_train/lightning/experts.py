@@ -25,6 +25,7 @@ from tp_train.parallel.experts import (
 from tp_train.parallel.mesh import DATA_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.experts import check_expert_parallel
+from tp_train.plan.gradient_hooks import keep_gradient_hooks
 
 
 def check_expert_parallel_arguments(
@@ -32,7 +33,6 @@ def check_expert_parallel_arguments(
     pipeline_parallel_size: int,
     data_parallel: str,
     save_distributed_checkpoint: bool = True,
-    sequence_parallel: bool = False,
 ) -> None:
     """Raises ValueError for a size that is not a positive integer, or a composition not built yet (a consolidated
     checkpoint gathers tensor-parallel shards only: it would hold rank 0's experts alone)."""
@@ -44,7 +44,6 @@ def check_expert_parallel_arguments(
         "pipeline_parallel_size": (pipeline_parallel_size, 1),
         "data_parallel": (data_parallel, "ddp"),
         "save_distributed_checkpoint": (save_distributed_checkpoint, True),
-        "sequence_parallel": (bool(sequence_parallel), False),
     }
     for name, (value, works) in others.items():
         if value != works:
@@ -56,8 +55,8 @@ def check_expert_parallel_arguments(
 
 class StrategyExperts:
     """What the strategy does for expert parallelism at `size` ranks per expert-parallel group (1: nothing); the
-    `composition` (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel) is
-    checked with it (`check_expert_parallel_arguments`)."""
+    `composition` (pipeline_parallel_size, data_parallel, save_distributed_checkpoint) is checked with it
+    (`check_expert_parallel_arguments`)."""
 
     def __init__(self, size: int, *composition: Any) -> None:
         check_expert_parallel_arguments(size, *composition)
@@ -91,6 +90,10 @@ class StrategyExperts:
         # Each expert's gradient scaled by 1/ep: averaged over its replicas, it is the mean over every replica's
         # tokens (DDP's convention for the dense ones).
         shard_experts(root, names, self.groups.expert_parallel, gradient_scale=1 / self.size)
+        for name in names:
+            # Under sequence parallelism each tensor-parallel rank's experts see its own sequence shard's tokens: the
+            # plan's sum of their gradients over the tensor-parallel group goes onto the sliced parameters too.
+            keep_gradient_hooks(root.get_submodule(name))
         named = named_expert_parameters(root)
         self._parameters = [param for _, param, _ in named]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, [name for name, _, _ in named])

@@ -134,7 +134,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
-        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel)
+        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint)
         self._experts = StrategyExperts(expert_parallel_size, *composition)  # checks it
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
@@ -404,6 +404,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                     example_input=examples.get(name),
                     cp_group=cp_group,
                     cp_options={"rotation": self.context_parallel_rotation, "document_separator": separator},
+                    experts_whole=self._experts.size > 1,
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
