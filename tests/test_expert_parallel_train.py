@@ -29,6 +29,9 @@ EXPERT_CASES = {
     "ep_without_experts": (["tp=1", "ep=2"], "ep=2: expert_parallel_size=2 but GPT has no experts module"),
     "ep_with_sequence_parallel": ([*MOE, "tp=2", "ep=2", "sequence_parallel=true"],
                                   "ep=2: expert_parallel_size=2 with sequence_parallel=True is not composed yet"),
+    "capacity_without_ep": ([*MOE, "trainer.strategy.expert_capacity_factor=1.0"],
+                            "ep=1: expert_capacity_factor=1.0 caps the tokens the expert-parallel dispatch sends each "
+                            "expert, which expert_parallel_size=1 does not run"),
     "ep_not_positive": ([*MOE, "ep=0"], "ep=0 is out of range; use a positive integer (ranks among dp x cp"),
 }  # fmt: skip
 

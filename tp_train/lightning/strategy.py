@@ -100,6 +100,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             rank, tokens sent to their experts' ranks (all-to-all): a view over the data x context parallel ranks
             (it divides dp x cp and does not add ranks); the experts' gradients are averaged over the ranks holding
             the same experts (`tp_train.lightning.experts`, docs/experts.md).
+        expert_capacity_factor: None (dropless) or, with expert parallelism, the tokens each expert takes from each
+            rank per layer, as a multiple of an even share (`tp_train.parallel.experts.expert_capacity`); those over
+            it are dropped and counted (`train/moe/dropped_<layer>`).
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis (with "ddp").
     """
 
@@ -130,11 +133,12 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         pipeline_microbatches: int | None = None,
         pipeline_split: list[int] | None = None,
         expert_parallel_size: int = 1,
+        expert_capacity_factor: float | None = None,
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
-        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel)
-        self._experts = StrategyExperts(expert_parallel_size, *composition)  # checks it
+        composition = (pipeline_parallel_size, sequence_parallel)
+        self._experts = StrategyExperts(expert_parallel_size, *composition, capacity_factor=expert_capacity_factor)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
@@ -219,7 +223,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss.fusing(self.lightning_module):  # the head and the loss fused, where they may be
+        # the head and the loss fused, where they may be; the tokens dropped over the experts' capacity logged
+        with self._loss.fusing(self.lightning_module), self._experts.counting_drops(self.lightning_module):
             return super().training_step(*args, **kwargs)
 
     @override
@@ -418,6 +423,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self._replicas,
             mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
+            ignored_params=self._experts.held,
         )
 
     def _fully_shard_stage(self, stage: torch.nn.Module) -> torch.nn.Module:
@@ -457,7 +463,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             return
         root.set_requires_gradient_sync(False)
         try:
-            yield
+            with self._experts.blocking():
+                yield
         finally:
             root.set_requires_gradient_sync(True)
 

@@ -130,5 +130,9 @@ def clip_grad_norm_(
     (`experts` as for `global_grad_norm`)."""
     parameters = list(parameters)
     total = global_grad_norm(parameters, sharded, group, norm_type, experts)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    # FSDP2's DTensors and plain tensors (experts it leaves whole) apart: torch's foreach ops take one kind at once
+    for kind in (True, False):
+        same = [p for p in parameters if isinstance(p, DTensor) is kind]
+        if same:
+            torch.nn.utils.clip_grads_with_norm_(same, max_norm, total)
     return total
