@@ -46,7 +46,7 @@ def _whole_parameters(module: torch.nn.Module, tensor_parallel_group=None) -> di
     experts = {name: region for name, _, region in named_expert_parameters(module)}
     state = full_state_dict(module, tensor_parallel_group) if tensor_parallel_group is not None else {}
     whole = {}
-    for name, param in module.named_parameters():
+    for name, param in module.named_parameters(remove_duplicate=False):  # a pipeline stage holds either tie
         value = state.get(name, param.detach())
         value = value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2's shard of a dense parameter
         if name in experts:
@@ -78,6 +78,9 @@ CASES = {
     "adamw, ep=4": ("adamw", 4, {}),
     # a capacity no expert reaches (E / k: each of a rank's tokens routed to one expert at most once): dropless.
     "sgd, ep=4, capacity": ("sgd", 4, {"expert_capacity_factor": 4.0}),
+    # 2 pipeline stages of one MoE layer each, over 2 replicas: each stage's experts split between its 2 ranks.
+    "adamw, pp=2": ("adamw", 2, {"pipeline_parallel_size": 2}),
+    "sgd, pp=2, fsdp": ("sgd", 2, {"pipeline_parallel_size": 2, "data_parallel": "fsdp"}),
 }
 
 
@@ -153,7 +156,7 @@ def _fit(rank, world_size, expert_parallel_size, checkpoint):
             torch.manual_seed(0)
             module, recorder = MoELM(optimizer), StepRecorder()
             trainer = _trainer(size, recorder, STEPS, **strategy)
-            trainer.fit(module, loader(1, STEPS))
+            trainer.fit(module, loader(strategy.get("pipeline_parallel_size", 1), STEPS))  # 4 replicas over pp
             held = {name: param.shape[0] for name, param, _ in named_expert_parameters(module)}
             results[case] = (recorder.losses, recorder.clip_norms, _whole_parameters(module), held)
         results["dropped"] = _dropped_over_capacity()
@@ -178,9 +181,10 @@ def test_our_moe_at_ep_2_through_lightning_trains_like_one_device_and_resumes_at
         for optimizer in (*OPTIMIZERS, "sgd, tp=2", *CASES):
             losses, norms, params, held = result[optimizer]
             expected_losses, expected_norms, expected_params, _ = reference[optimizer.split(",")[0]]
-            if held:  # w_in, w_out of 2 layers: 4 of 8 experts at ep=2, 2 at ep=4
-                ep = CASES[optimizer][1] if optimizer in CASES else 2
-                assert len(held) == 4 and set(held.values()) == {8 // ep}, held
+            if held:  # w_in, w_out of 2 layers (1 per pipeline stage): 4 of 8 experts at ep=2, 2 at ep=4
+                _, ep, strategy = CASES.get(optimizer, (None, 2, {}))
+                layers = 2 // strategy.get("pipeline_parallel_size", 1)
+                assert len(held) == 2 * layers and set(held.values()) == {8 // ep}, held
             assert losses == pytest.approx(expected_losses, abs=1e-5), (rank, optimizer)
             assert norms == pytest.approx(expected_norms, rel=1e-5), (rank, optimizer)
             assert min(expected_norms) > CLIP

@@ -56,7 +56,6 @@ def check_expert_parallel_arguments(
     if expert_parallel_size == 1:
         return
     others = {
-        "pipeline_parallel_size": (pipeline_parallel_size, 1),
         "sequence_parallel": (bool(sequence_parallel), False),
     }
     for name, (value, works) in others.items():

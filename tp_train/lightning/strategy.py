@@ -348,6 +348,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
                 self.pipeline_microbatches, self.root_device, split,
                 replicas=None if fsdp else self._replicas.get_group(), wrap=self._fully_shard_stage if fsdp else None,
+                apart=self._experts.held,
             )  # fmt: skip
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -431,7 +432,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         torchtitan does; torch's `PipelineStage` reduce-scatters its gradients after the last microbatch."""
         refuse_replicated_shards(stage, self.tensor_parallel_size)
         policy = fsdp_mixed_precision_policy(self.precision_plugin)
-        fully_shard_data_parallel(stage, list(stage.children()), self._replicas, mp_policy=policy)
+        held = self._experts.held
+        fully_shard_data_parallel(stage, list(stage.children()), self._replicas, mp_policy=policy, ignored_params=held)
         return stage
 
     def _tell_precision_plugin(self, root: torch.nn.Module) -> None:
@@ -453,7 +455,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         if self._pipeline is not None:  # its backward averages over the replicas only outside this block
             self._pipeline.synchronize = False
             try:
-                yield
+                with self._experts.blocking():
+                    yield
             finally:
                 self._pipeline.synchronize = True
             return
