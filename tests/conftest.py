@@ -3,7 +3,7 @@ and the tests `make test-fast` (`-m "not slow"`) leaves out beside those marked 
 
 xdist's default hands out files with the most tests first, which leaves the files of one or a few long tests
 (a `train.py` run, an inductor compile) to the end, where one worker runs them alone while the other sits idle.
-The files that take longest start first instead (in this order, by their times in CI on 2 cores); every other
+The files that take longest start first instead (in this order, by their measured times); every other
 file follows in collection order and fills in around them.
 
 Every pytest worker, and every process a test starts, computes on one thread: with the workers on two cores (and
@@ -23,19 +23,25 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-LONGEST_FIRST = [
-    "test_hang.py",  # train.py runs that wait out a hang limit (added with issue 30; not yet timed in CI)
-    "test_context_parallel_train.py",  # train.py at cp 2 against cp 1 (issue 29)
-    "test_finetune.py",
-    "test_compile.py",
-    "test_cluster_launch.py",
-    "test_preemption.py",
-    "test_train_app.py",
-    "test_planner_families.py",
-    "test_launch.py",
-    "test_export.py",
-    "test_checkpoint_safety.py",
-    "test_preflight.py",
+LONGEST_FIRST = [  # by their summed times in one whole run at -n 3 (2026-11-28, a loaded 2-core machine: 2,782 s)
+    "test_cluster_launch.py",  # 438 s: torchrun restarts, Slurm requeue, two agents as two nodes
+    "test_finetune.py",  # 437 s
+    "test_compile.py",  # 383 s: the inductor compile at tp=2
+    "test_hf_train.py",  # 378 s: train.py per family at tp 1 and 2
+    "test_planner_families.py",  # 349 s: one start-up for every family
+    "test_preflight.py",  # 324 s: every refusal in one start-up
+    "test_rank_failure.py",  # 302 s
+    "test_attention_splits.py",  # 248 s
+    "test_hang.py",  # 232 s: train.py runs that wait out a hang limit
+    "test_bench.py",  # 218 s
+    "test_any_transformer.py",  # 179 s
+    "test_pipeline_hf.py",  # 170 s
+    "test_train_app.py",  # 163 s
+    "test_multi_role_attention.py",  # 161 s
+    "test_context_parallel_train.py",  # 138 s
+    "test_gpu_check.py",  # 126 s
+    "test_docs.py",  # 122 s
+    "test_train_cases.py",  # 119 s
 ]
 
 
