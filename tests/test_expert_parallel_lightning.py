@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Callback
+from torch.distributed.tensor import DTensor
 
 from models.moe import MoEConfig, MoEGPT
 from tests.distributed import run_on_ranks
@@ -52,8 +54,9 @@ def _whole_parameters(module: torch.nn.Module, tensor_parallel_group=None) -> di
     experts = {name: region for name, _, region in named_expert_parameters(module)}
     state = full_state_dict(module, tensor_parallel_group) if tensor_parallel_group is not None else {}
     whole = {}
-    for name, param in module.named_parameters():
+    for name, param in module.named_parameters(remove_duplicate=False):  # a pipeline stage holds either tie
         value = state.get(name, param.detach())
+        value = value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2's shard of a dense parameter
         if name in experts:
             group = experts[name].group
             pieces = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
@@ -63,14 +66,64 @@ def _whole_parameters(module: torch.nn.Module, tensor_parallel_group=None) -> di
     return whole
 
 
-def _trainer(expert_parallel_size: int | None, recorder: StepRecorder, steps: int, tensor_parallel_size: int = 1):
-    plain = expert_parallel_size is None
+def _trainer(
+    expert_parallel_size: int | None, recorder: StepRecorder, steps: int, tensor_parallel_size: int = 1, **strategy
+):
+    plain, data_parallel = expert_parallel_size is None, strategy.pop("data_parallel", "ddp")
     # At tp > 1 with sequence parallelism: each tensor-parallel rank routes its own sequence shard's tokens
-    strategy = {"expert_parallel_size": expert_parallel_size, "sequence_parallel": tensor_parallel_size > 1}
+    strategy = {"expert_parallel_size": expert_parallel_size, "sequence_parallel": tensor_parallel_size > 1, **strategy}
     return make_trainer(
-        None if plain else tensor_parallel_size, [recorder], max_steps=steps, gradient_clip_val=CLIP,
+        None if plain else tensor_parallel_size, [recorder], data_parallel, max_steps=steps, gradient_clip_val=CLIP,
         strategy_kwargs=None if plain else strategy,
     )  # fmt: skip
+
+
+# More cases on the same 4 ranks, each against plain Lightning with its optimizer: (optimizer, ep, strategy kwargs).
+CASES = {
+    # FSDP2 shards the dense parameters over the 4 replicas; each rank's experts stay whole, replicated over its 2
+    # expert replicas and averaged over them.
+    "sgd, fsdp": ("sgd", 2, {"data_parallel": "fsdp"}),
+    "adamw, fsdp": ("adamw", 2, {"data_parallel": "fsdp"}),
+    # ep=4: every rank its own 2 experts per layer, held by no other rank.
+    "adamw, ep=4": ("adamw", 4, {}),
+    # a capacity no expert reaches (E / k: each of a rank's tokens routed to one expert at most once): dropless.
+    "sgd, ep=4, capacity": ("sgd", 4, {"expert_capacity_factor": 4.0}),
+    # 2 pipeline stages of one MoE layer each, over 2 replicas: each stage's experts split between its 2 ranks.
+    "adamw, pp=2": ("adamw", 2, {"pipeline_parallel_size": 2}),
+    "sgd, pp=2, fsdp": ("sgd", 2, {"pipeline_parallel_size": 2, "data_parallel": "fsdp"}),
+}
+
+
+class RouteRecorder(Callback):
+    """The experts each MoE layer's router chose for this rank's tokens in the last training step, as the model
+    handed them to its experts module (before expert parallelism's dispatch)."""
+
+    def __init__(self):
+        self.routes: list[torch.Tensor] = []
+        self._hooked = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.routes.clear()
+        if not self._hooked:
+            for block in pl_module.model.blocks:
+                hook = lambda module, args: self.routes.append(args[1].clone())  # noqa: E731
+                block.mlp.experts.register_forward_pre_hook(hook, prepend=True)
+            self._hooked = True
+
+
+def _dropped_over_capacity() -> tuple[list[float], list[int]]:
+    """One step at ep=2 with expert_capacity_factor=1: each expert takes ceil(1 x 16 tokens x 2 / 8) = 4 of a
+    rank's assignments. Each layer's logged count of dropped assignments, and the count by hand from the routes
+    every rank's routers chose (over 4 per expert, summed over the ranks)."""
+    torch.manual_seed(0)
+    module, routes = MoELM("sgd"), RouteRecorder()
+    trainer = make_trainer(1, [routes], max_steps=1, strategy_kwargs={"expert_parallel_size": 2,
+                                                                       "expert_capacity_factor": 1.0})  # fmt: skip
+    trainer.fit(module, loader(1, 1))
+    by_hand = torch.stack([(torch.bincount(r.reshape(-1), minlength=8) - 4).clamp(min=0).sum() for r in routes.routes])
+    dist.all_reduce(by_hand)
+    logged = [trainer.callback_metrics[f"train/moe/dropped_{layer}"].item() for layer in range(len(by_hand))]
+    return logged, by_hand.tolist()
 
 
 def _resume(expert_parallel_size: int | None, checkpoint: str) -> list[float]:
@@ -109,6 +162,14 @@ def _fit(rank, world_size, expert_parallel_size, checkpoint):
             trainer.fit(module, loader(2, STEPS))
             whole = _whole_parameters(module, trainer.strategy.tensor_parallel_group)
             results[f"{optimizer}, tp=2"] = (recorder.losses, recorder.clip_norms, whole, {})
+        for case, (optimizer, size, strategy) in CASES.items():
+            torch.manual_seed(0)
+            module, recorder = MoELM(optimizer), StepRecorder()
+            trainer = _trainer(size, recorder, STEPS, **strategy)
+            trainer.fit(module, loader(strategy.get("pipeline_parallel_size", 1), STEPS))  # 4 replicas over pp
+            held = {name: param.shape[0] for name, param, _ in named_expert_parameters(module)}
+            results[case] = (recorder.losses, recorder.clip_norms, _whole_parameters(module), held)
+        results["dropped"] = _dropped_over_capacity()
         return results, {size: _resume(size, checkpoint) for size in (2, 4)}
     # Plain Lightning resuming its own checkpoint is what a resume must give (a resume is not the run without a
     # stop in Lightning itself: the step after the first differs by 1e-2 on one device).
@@ -125,11 +186,15 @@ def test_our_moe_at_ep_2_through_lightning_trains_like_one_device_and_resumes_at
         for size in (1, 2, 4):  # every expert and its AdamW moments stored by expert index: any ep resumes alike
             next_losses = at_one[1] if size == 1 else resumed[size]
             assert next_losses == pytest.approx(at_one[None], abs=1e-5), (rank, size, next_losses, at_one[None])
-        for optimizer in (*OPTIMIZERS, "sgd, tp=2", "adamw, tp=2"):
+        logged, by_hand = result.pop("dropped")
+        assert logged == by_hand and len(by_hand) == 2 and min(by_hand) > 0, (rank, logged, by_hand)
+        for optimizer in (*OPTIMIZERS, "sgd, tp=2", "adamw, tp=2", *CASES):
             losses, norms, params, held = result[optimizer]
             expected_losses, expected_norms, expected_params, _ = reference[optimizer.split(",")[0]]
-            if held:  # w_in, w_out of 2 layers: 4 of 8 experts
-                assert len(held) == 4 and set(held.values()) == {4}, held
+            if held:  # w_in, w_out of 2 layers (1 per pipeline stage): 4 of 8 experts at ep=2, 2 at ep=4
+                _, ep, strategy = CASES.get(optimizer, (None, 2, {}))
+                layers = 2 // strategy.get("pipeline_parallel_size", 1)
+                assert len(held) == 2 * layers and set(held.values()) == {8 // ep}, held
             assert losses == pytest.approx(expected_losses, abs=1e-5), (rank, optimizer)
             assert norms == pytest.approx(expected_norms, rel=1e-5), (rank, optimizer)
             assert min(expected_norms) > CLIP

@@ -28,6 +28,9 @@ EXPERT_CASES = {
                                           "'blocks.0.mlp.experts' (MoEGPT); use one of [1, 2, 4, 8]"),
     "ep_not_dividing_experts": ([*MOE, "ep=3"], "ep=3: expert_parallel_size=3 does not divide the 8 experts"),
     "ep_without_experts": (["tp=1", "ep=2"], "ep=2: expert_parallel_size=2 but GPT has no experts module"),
+    "capacity_without_ep": ([*MOE, "trainer.strategy.expert_capacity_factor=1.0"],
+                            "ep=1: expert_capacity_factor=1.0 caps the tokens the expert-parallel dispatch sends each "
+                            "expert, which expert_parallel_size=1 does not run"),
     "ep_not_positive": ([*MOE, "ep=0"], "ep=0 is out of range; use a positive integer (ranks among dp x cp"),
 }  # fmt: skip
 

@@ -16,7 +16,7 @@ The strategy owns backward: the schedule runs it in `training_step`, and Lightni
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import contextmanager
 from typing import Any
 
@@ -88,6 +88,7 @@ class LightningPipeline:
         split: PipelineSplit,
         replicas: ProcessGroup | None = None,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
+        apart: Collection[nn.Parameter] = (),
     ) -> None:
         self.module = module
         self.name, model = pipelined_model(module)
@@ -99,6 +100,7 @@ class LightningPipeline:
         )  # fmt: skip
         # DDP's group: the gradients are averaged over it once per optimizer step, in `backward` (not per batch)
         self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
+        self.apart = frozenset(id(param) for param in apart)  # averaged elsewhere: expert parallelism's experts
         self.synchronize = True
         # 16-mixed: the scaler's scale, by which each microbatch's loss is multiplied before the schedule's backward
         # (Lightning scales the loss before its own backward; here the schedule runs it)
@@ -157,13 +159,14 @@ class LightningPipeline:
         """Adds the gradients of the last `training_step`, times `scale` (1 / accumulate_grad_batches, as Lightning
         divides the loss), to the parameters' (Lightning's backward, after its zero_grad). On the last batch Lightning
         accumulates (`synchronize`: outside the strategy's `block_backward_sync`) the sum is averaged over the
-        data-parallel replicas, as DDP would."""
+        data-parallel replicas, as DDP would (but for the parameters `apart`)."""
         for param, grad in self._pending.items():
             grad = grad.mul_(scale) if scale != 1.0 else grad
             param.grad = grad if param.grad is None else param.grad + grad
         self._pending = {}
         if self.synchronize and self.replicas is not None:
-            average_gradients(list(self.pipeline.parameters()), self.replicas)
+            dense = [param for param in self.pipeline.parameters() if id(param) not in self.apart]
+            average_gradients(dense, self.replicas)
 
     def duplicate_parameters(self) -> frozenset[int]:
         """`id()` of this rank's copies of tied parameters that an earlier stage also holds: a norm over the stages

@@ -100,6 +100,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             rank, tokens sent to their experts' ranks (all-to-all): a view over the data x context parallel ranks
             (it divides dp x cp and does not add ranks); the experts' gradients are averaged over the ranks holding
             the same experts (`tp_train.lightning.experts`, docs/experts.md).
+        expert_capacity_factor: None (dropless) or, with expert parallelism, the tokens each expert takes from each
+            rank per layer, as a multiple of an even share (`tp_train.parallel.experts.expert_capacity`); those over
+            it are dropped and counted (`train/moe/dropped_<layer>`).
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis (with "ddp").
     """
 
@@ -131,11 +134,11 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         pipeline_split: list[int] | None = None,
         pipeline_virtual_stages: int = 1,
         expert_parallel_size: int = 1,
+        expert_capacity_factor: float | None = None,
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
-        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint)
-        self._experts = StrategyExperts(expert_parallel_size, *composition)  # checks it
+        self._experts = StrategyExperts(expert_parallel_size, expert_capacity_factor)  # checks them
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
@@ -227,7 +230,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss.fusing(self.lightning_module):  # the head and the loss fused, where they may be
+        # the head and the loss fused, where they may be; the tokens dropped over the experts' capacity logged
+        with self._loss.fusing(self.lightning_module), self._experts.counting_drops(self.lightning_module):
             return super().training_step(*args, **kwargs)
 
     @override
@@ -352,6 +356,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
                 self.pipeline_microbatches, self.root_device, split,
                 replicas=None if fsdp else self._replicas.get_group(), wrap=self._fully_shard_stage if fsdp else None,
+                apart=self._experts.held,
             )  # fmt: skip
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -428,6 +433,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self._replicas,
             mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
+            ignored_params=self._experts.held,
         )
 
     def _fully_shard_stage(self, stage: torch.nn.Module) -> torch.nn.Module:
@@ -435,7 +441,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         torchtitan does; torch's `PipelineStage` reduce-scatters its gradients after the last microbatch."""
         refuse_replicated_shards(stage, self.tensor_parallel_size)
         policy = fsdp_mixed_precision_policy(self.precision_plugin)
-        fully_shard_data_parallel(stage, list(stage.children()), self._replicas, mp_policy=policy)
+        held = self._experts.held
+        fully_shard_data_parallel(stage, list(stage.children()), self._replicas, mp_policy=policy, ignored_params=held)
         return stage
 
     def _tell_precision_plugin(self, root: torch.nn.Module) -> None:
@@ -457,7 +464,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         if self._pipeline is not None:  # its backward averages over the replicas only outside this block
             self._pipeline.synchronize = False
             try:
-                yield
+                with self._experts.blocking():
+                    yield
             finally:
                 self._pipeline.synchronize = True
             return
@@ -467,7 +475,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             return
         root.set_requires_gradient_sync(False)
         try:
-            yield
+            with self._experts.blocking():
+                yield
         finally:
             root.set_requires_gradient_sync(True)
 
