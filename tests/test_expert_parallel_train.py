@@ -41,7 +41,7 @@ SMALL = ["logger=csv", "ckpt_path=null", "data.max_files=20", "data.vocab_size=3
          "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
          "trainer.log_every_n_steps=1", "model=hf", "model.config.intermediate_size=64"]  # fmt: skip
 FAMILIES = {
-    "mixtral": [],
+    "mixtral": ["+model.config.output_router_logits=true"],  # its routers' balance trains: the auxiliary loss joins
     "qwen3_moe": ["+model.config.num_experts=8", "+model.config.num_experts_per_tok=2",
                   "+model.config.moe_intermediate_size=64"],
     # An exact router tie under the cosine schedule's tiny first lr decides differently at ep=2: a constant lr
@@ -74,10 +74,12 @@ def _assert_same(run: dict[str, dict[int, float]], whole: dict[str, dict[int, fl
 def test_mixtral_through_train_py_at_ep2_and_ep2_tp2_logs_what_one_device_logs(tmp_path, cache):
     # One device, the whole batch of 16; ranks of 8 each (Lightning's sampler interleaves them: the same 16). At
     # ep=2 x tp=2 (4 ranks) attention is tensor-parallel and each rank holds whole experts: the plan reader drops
-    # Hugging Face's expert entries (`keep_experts_whole`).
+    # Hugging Face's expert entries (`keep_experts_whole`); with sequence parallelism each tensor-parallel rank routes
+    # its own half of the sequence, and the auxiliary loss sums its rows over both.
     whole = _train(tmp_path, cache, "mixtral", ["tp=1", "ep=1", "data.batch_size=16"])
     _assert_same(_train(tmp_path, cache, "mixtral", ["tp=1", "ep=2", "data.batch_size=8"]), whole, "ep=2")
-    _assert_same(_train(tmp_path, cache, "mixtral", ["tp=2", "ep=2", "data.batch_size=8"]), whole, "ep=2 x tp=2")
+    sequence_parallel = ["tp=2", "ep=2", "sequence_parallel=true", "data.batch_size=8"]
+    _assert_same(_train(tmp_path, cache, "mixtral", sequence_parallel), whole, "ep=2 x tp=2")
 
 
 @pytest.mark.slow
