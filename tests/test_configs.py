@@ -58,8 +58,37 @@ def test_every_option_of_a_group_instantiates(tmp_path, group, monkeypatch):
             assert all(isinstance(instantiate(c), L.Callback) for c in node.values())
         elif group == "experiment":
             assert instantiate(cfg.trainer, precision=lightning_precision(cfg.precision)).max_steps > 0
-        elif node:  # an empty option (logger=none, scheduler=constant) means "none"
+        elif node:  # an empty option (logger=none) means "none"
             assert instantiate(node) is not None
+
+
+def test_every_experiment_runs_with_every_scheduler(tmp_path):
+    """An experiment's scheduler keys (smoke's warmup_steps) apply to whichever scheduler the user picks: smoke with
+    scheduler=constant once composed a scheduler of warmup_steps alone, which train.py then called."""
+    import torch
+
+    for experiment in _options("experiment"):
+        for scheduler in _options("scheduler"):
+            cfg = _compose(tmp_path, [f"experiment={experiment}", f"scheduler={scheduler}"])
+            optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+            schedule = instantiate(cfg.scheduler)(optimizer, total_steps=cfg.trainer.max_steps)
+            assert isinstance(schedule, torch.optim.lr_scheduler.LRScheduler), (experiment, scheduler)
+
+
+def test_the_constant_schedule_warms_up_then_holds_the_optimizers_lr_exactly():
+    import torch
+
+    from tp_train import constant_with_warmup
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.3)
+    schedule = constant_with_warmup(optimizer, total_steps=10, warmup_steps=3)
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates[:3] == pytest.approx([0.1, 0.2, 0.3], rel=1e-12)
+    assert rates[3:] == [0.3] * 3  # then exactly the optimizer's lr
 
 
 def test_trainer_config_instantiates_with_the_tensor_parallel_strategy(tmp_path):

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from models.moe import MoEConfig, MoEGPT
 from tests.distributed import run_on_ranks
-from tp_train.parallel.experts import combine, dispatch, shard_experts
+from tp_train.parallel.experts import combine, dispatch, expert_capacity, shard_experts
 
 TOKENS, WIDTH, EXPERTS = 12, 8, 8
+ALL = 2 * TOKENS  # assignments per rank (top-2): a capacity no expert reaches
 
 
 def _uneven_routes(rank: int, world_size: int) -> torch.Tensor:
@@ -49,15 +50,53 @@ def _round_trip(rank, world_size):
         (hidden.grad - projection).abs().max().item(),
         per_expert.tolist(),
         counts[first : first + local].tolist(),
+        _capacity_checks(rank, hidden.detach(), routes, weights, projection, out, hidden.grad),
     )
+
+
+def _kept_by_hand(routes: torch.Tensor, capacity: int) -> torch.Tensor:
+    """(TOKENS, 2) whether each assignment fits its expert's capacity, first come (token, then choice) first kept."""
+    taken, kept = [0] * EXPERTS, torch.zeros(routes.shape, dtype=torch.bool)
+    for token, choices in enumerate(routes.tolist()):
+        for choice, expert in enumerate(choices):
+            kept[token, choice] = taken[expert] < capacity
+            taken[expert] += 1
+    return kept
+
+
+def _capacity_checks(rank, hidden, routes, weights, projection, dropless_out, dropless_grad):
+    """With a capacity no expert reaches (all of a rank's assignments), the same output and gradient as dropless,
+    bit for bit; with capacity 2 (factor 2/3 here: ceil(2/3 x 12 x 2 / 8)), the assignments over it dropped: their
+    count, the output (each token's kept copies, weighted) and its gradient as counted by hand."""
+    group, results = dist.group.WORLD, {}
+    assert expert_capacity(8.0, TOKENS, 2, EXPERTS) == ALL and expert_capacity(2 / 3, TOKENS, 2, EXPERTS) == 2
+    for capacity in (ALL, 2):
+        x = hidden.clone().requires_grad_()
+        rows, _, _, state = dispatch(x, routes, EXPERTS, group, capacity)
+        out = combine(rows, weights, state, group)
+        (out * projection).sum().backward()
+        kept = _kept_by_hand(routes, capacity)
+        copies = (kept.float() * weights).sum(dim=1, keepdim=True)  # (TOKENS, 1) weight of each token's kept copies
+        results[capacity] = (
+            state.dropped,
+            int((~kept).sum()),
+            (out - copies * hidden).abs().max().item(),
+            (x.grad - copies * projection).abs().max().item(),
+            torch.equal(out, dropless_out) and torch.equal(x.grad, dropless_grad),
+        )
+    return results
 
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_dispatch_then_combine_returns_the_tokens_and_their_gradients(ep):
     results = run_on_ranks(_round_trip, ep, timeout=60)
-    for rank, (output_error, grad_error, received, routed) in enumerate(results):
+    for rank, (output_error, grad_error, received, routed, capacity) in enumerate(results):
         assert output_error == 0.0 and grad_error == 0.0, (rank, output_error, grad_error)
         assert received == routed, (rank, received, routed)  # each expert got every token routed to it, once
+        assert capacity[ALL] == (0, 0, 0.0, 0.0, True), (rank, capacity[ALL])  # large: dropless exactly
+        dropped, by_hand, output_error, grad_error, _ = capacity[2]
+        assert dropped == by_hand and output_error == 0.0 and grad_error == 0.0, (rank, capacity[2])
+    assert results[0][4][2][0] >= TOKENS - 2  # rank 0's expert 0 keeps 2 of its 12 tokens or more
     assert results[0][2][0] >= TOKENS and results[0][2][1] == 0  # expert 0 got all of rank 0's tokens; expert 1 none
 
 
@@ -153,3 +192,26 @@ def test_hugging_face_mixtral_at_ep_2_trains_like_one_process():
         assert max(abs(a - b) for a, b in zip(losses, reference_losses, strict=True)) < 1e-5, (rank, losses)
         for name, value in params.items():
             assert (value - reference[name]).abs().max().item() < 1e-5, (rank, name)
+
+
+@pytest.mark.parametrize(
+    "family, fields",
+    [("mixtral", {"num_local_experts": 8}), ("qwen3_moe", {"num_experts": 8}), ("gpt_oss", {"num_local_experts": 8})],
+)
+def test_under_expert_parallelism_a_family_plan_splits_the_attention_and_keeps_the_experts_whole(family, fields):
+    """One rule in the plan reader for every family: with `experts_whole` (ep > 1) Hugging Face's and the family
+    record's entries on the experts modules are dropped, the attention's kept; without it they split the experts."""
+    from models.hf import hugging_face_causal_lm
+    from tp_train.plan.resolve import EXPERTS_KEPT_WHOLE, resolve_plan
+
+    config = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, num_experts_per_tok=2, **fields)  # fmt: skip
+    with torch.device("meta"):
+        model = hugging_face_causal_lm(family, config=config)
+    split, _ = resolve_plan(model, tensor_parallel_size=2)
+    whole, source = resolve_plan(model, tensor_parallel_size=2, experts_whole=True)
+    assert any(".mlp.experts" in pattern for pattern in split), split
+    assert not any(".mlp.experts" in pattern for pattern in whole), whole
+    assert EXPERTS_KEPT_WHOLE in source, source
+    attention = {pattern: style for pattern, style in split.items() if ".self_attn" in pattern}
+    assert attention and all(whole[pattern] == style for pattern, style in attention.items()), whole

@@ -1,7 +1,8 @@
 """The load-balancing loss over the global batch (tp_train.parallel.experts.load_balance) on real gloo ranks, each
 routing its own rows: its value is Hugging Face's `load_balancing_loss_func` over all ranks' rows, and its
 gradients, averaged over the ranks as DDP averages them, are that function's gradients (1e-6), at 1, 2 and 4
-ranks."""
+ranks, and at 4 ranks as 2 data-parallel x 2 tensor-parallel ranks under sequence parallelism (each of a pair
+routing its own half of the pair's rows; their router gradients summed, as sequence parallelism sums them)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,19 @@ def _errors(rank, world_size):
             for m, f in zip(mine, full, strict=True)
         )
         errors[size] = ((loss - reference).abs().item(), grad_error, reference.item())
+    if world_size == 4:  # data-parallel pairs {0, 2} and {1, 3}, tensor-parallel pairs {0, 1} and {2, 3}
+        data = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+        tensor = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+        full = [logits.requires_grad_() for logits in _all_logits(world_size)]
+        reference = load_balancing_loss_func(tuple(full), EXPERTS, TOP_K)
+        reference.backward()
+        rows = slice(rank * ROWS, (rank + 1) * ROWS)  # rank (d, t) = 2d + t: its data-parallel rows' half t
+        mine = [logits.detach()[rows].clone().requires_grad_() for logits in full]
+        loss, loads = load_balancing_loss(mine, EXPERTS, TOP_K, data, sequence_group=tensor)
+        assert loads.sum().item() == LAYERS * world_size * ROWS * TOP_K
+        loss.backward()
+        grad_error = max((m.grad / 2 - f.grad[rows]).abs().max().item() for m, f in zip(mine, full, strict=True))
+        errors["dp2 x tp2, sequence parallel"] = ((loss - reference).abs().item(), grad_error, reference.item())
     return errors
 
 

@@ -27,9 +27,14 @@ PIPELINE_CASES = {
                                         "data.batch_size=8 is not a multiple of trainer.strategy.pipeline_microbatches"
                                         "=3 (each batch runs as that many microbatches); use data.batch_size=9"),
     "zero_bubble_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=zbv_zero_bubble"],
-                         "pipeline_schedule='zbv_zero_bubble' runs several stages per rank, which the strategy"),
-    "virtual_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b"],
-                                     "runs several stages per rank, which the strategy does not offer yet"),
+                         "pipeline_schedule='zbv_zero_bubble' runs several stages per rank in a way the strategy does "
+                         "not offer yet; use 'interleaved_1f1b', 'looped_bfs', '1f1b' or 'gpipe'"),
+    "virtual_schedule_without_virtual_stages": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=looped_bfs"],
+                                                "runs several stages per rank: set pipeline_virtual_stages to 2 or "
+                                                "more (got 1)"),
+    "virtual_stages_above_blocks": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b",
+                                     "trainer.strategy.pipeline_virtual_stages=2"],
+                                    "4 stages (pipeline_parallel_size x virtual stages) but GPT has 2 blocks"),
     "model_without_blocks": ([SIZED, "+model.planned=false", "tp=1", "pp=2"], "SizedLM"),
 }  # fmt: skip
 

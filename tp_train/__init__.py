@@ -5,7 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from tp_train.app.data import TextDataModule
 from tp_train.app.module import CausalLMModule
 from tp_train.app.samples import ValidationSamples
-from tp_train.app.schedulers import cosine_with_warmup
+from tp_train.app.schedulers import constant_with_warmup, cosine_with_warmup
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.dcp import load as load_checkpoint
 from tp_train.checkpoint.dcp import save as save_checkpoint
@@ -80,6 +80,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "clip_grad_norm_",
     "copy_to_tensor_parallel_region",
+    "constant_with_warmup",
     "cosine_with_warmup",
     "estimate_memory",
     "export_hugging_face",

@@ -1,5 +1,5 @@
 """`ep=N` checked before any rank starts, each problem in one line: ep not dividing the data x context parallel
-ranks, a composition the strategy does not offer yet, a model without experts, and ep above or not dividing a
+ranks, a capacity factor that is not a positive number, a model without experts, and ep above or not dividing a
 layer's number of experts."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from tp_train.plan.experts import check_expert_parallel
 def check_experts(cfg: DictConfig, model: nn.Module) -> None:
     """Raises `ConfigError` for the first problem with `cfg.ep` on `model` (built on the meta device)."""
     ep = cfg.get("ep", 1)
-    if ep == 1:
+    strategy = cfg.trainer.get("strategy") or {}
+    if ep == 1 and strategy.get("expert_capacity_factor") is None:
         return
     tp, cp, pp = cfg.tp, cfg.get("cp", 1), cfg.get("pp", 1)
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
@@ -27,12 +28,8 @@ def check_experts(cfg: DictConfig, model: nn.Module) -> None:
             f"over tp={tp} x pp={pp}); expert parallelism splits the experts among those ranks, it adds none: use "
             f"trainer.devices in {fits} (or leave it: tp x pp x dp x cp raised to a multiple of ep)"
         )
-    strategy = cfg.trainer.get("strategy") or {}
-    mode = str(strategy.get("data_parallel") or cfg.get("data_parallel", "ddp"))
-    distributed = strategy.get("save_distributed_checkpoint", True)
-    sequence_parallel = strategy.get("sequence_parallel") or cfg.get("sequence_parallel", False)
     try:
-        check_expert_parallel_arguments(ep, pp, mode, distributed, sequence_parallel)
+        check_expert_parallel_arguments(ep, strategy.get("expert_capacity_factor"))
         check_expert_parallel(model, ep)
     except ValueError as error:
         raise ConfigError(f"ep={ep}: {error}") from None

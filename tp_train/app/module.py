@@ -83,19 +83,24 @@ class CausalLMModule(L.LightningModule):
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         router_logits = getattr(out, "router_logits", None)
         if train and router_logits:  # a Hugging Face MoE with output_router_logits: its routers' balance trains
-            return loss + self._load_balancing_loss(router_logits)
+            return loss + self._load_balancing_loss(router_logits, inputs.numel())
         return loss
 
-    def _load_balancing_loss(self, router_logits) -> torch.Tensor:
+    def _load_balancing_loss(self, router_logits, tokens: int) -> torch.Tensor:
         """The model's auxiliary loss times its `router_aux_loss_coef`, over the global batch: the same at any
-        dp, cp, tp and ep (`tp_train.parallel.experts.load_balance`)."""
+        dp, cp, tp and ep (`tp_train.parallel.experts.load_balance`). Routers that saw a shard of this rank's
+        `tokens` (sequence parallelism with the experts whole) have their rows summed over the tensor-parallel
+        ranks too; routers that saw all of them (the experts split by the plan) routed alike there."""
         strategy, config = self.trainer.strategy, self.model.config
+        sequence_group = None
         if isinstance(strategy, TensorParallelStrategy):
             group = strategy.replica_group
+            if router_logits[0].numel() // router_logits[0].shape[-1] < tokens:  # rows routed here
+                sequence_group = strategy.tensor_parallel_group
         else:
             group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         experts = router_logits[0].shape[-1]
-        aux, loads = load_balancing_loss(router_logits, experts, config.num_experts_per_tok, group)
+        aux, loads = load_balancing_loss(router_logits, experts, config.num_experts_per_tok, group, sequence_group)
         self.log("train/aux_loss", aux.detach())
         for layer, load in enumerate(loads):  # max over mean of each layer's tokens per expert: 1 when balanced
             self.log(f"train/moe/imbalance_{layer}", load.max() / load.mean().clamp(min=1e-9))

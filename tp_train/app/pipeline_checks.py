@@ -23,8 +23,9 @@ def check_pipeline(cfg: DictConfig, model: nn.Module) -> None:
     strategy = cfg.trainer.get("strategy") or {}
     schedule = strategy.get("pipeline_schedule", "1f1b")
     microbatches = strategy.get("pipeline_microbatches") or pp
+    virtual = strategy.get("pipeline_virtual_stages") or 1
     try:
-        check_pipeline_arguments(pp, schedule, microbatches)
+        check_pipeline_arguments(pp, schedule, microbatches, virtual, cfg.get("data_parallel", "ddp"))
     except ValueError as error:
         raise ConfigError(f"pp={pp}: {error}") from None
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
@@ -44,6 +45,6 @@ def check_pipeline(cfg: DictConfig, model: nn.Module) -> None:
             f" (each batch runs as that many microbatches); use data.batch_size={fit}"
         )
     try:
-        plan_pipeline_split(model, pp, explicit=strategy.get("pipeline_split"))
+        plan_pipeline_split(model, pp * virtual, explicit=strategy.get("pipeline_split"))
     except ValueError as error:
         raise ConfigError(f"pp={pp}: {error}") from None

@@ -73,7 +73,8 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         raise ConfigError(f"model: {error}") from None
     _check_one_batch(cfg, model)
     try:
-        match_plan(model, resolve_plan(model, tensor_parallel_size=tp)[0], tp)
+        experts_whole = cfg.get("ep", 1) > 1  # as the strategy plans it: the experts whole on every rank
+        match_plan(model, resolve_plan(model, tensor_parallel_size=tp, experts_whole=experts_whole)[0], tp)
     except ValueError as error:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
     check_pipeline(cfg, model)

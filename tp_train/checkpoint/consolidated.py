@@ -1,4 +1,6 @@
-"""A consolidated checkpoint: one file holding the full, unsharded state, in Lightning's own checkpoint layout."""
+"""A consolidated checkpoint: one file holding the full, unsharded state, in Lightning's own checkpoint layout.
+Expert parallelism's experts are stored whole, stacked over all of them (gathered over rank 0's expert-parallel
+group; each rank loads its run of them back)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tp_train.checkpoint import on_disk
 from tp_train.checkpoint.dcp import tensor_parallel_dim
 from tp_train.checkpoint.safe_load import refusal, unsafe_globals
 from tp_train.errors import CheckpointError
+from tp_train.parallel.experts import ExpertParallelRegion, named_expert_parameters
 from tp_train.parallel.sharding import ShardSpec, join_shards, local_part, named_sharded_parameters, shard_tensor
 
 PARAMETER_NAMES = "tp_train_parameter_names"  # per optimizer: the name of each parameter index, to check on load
@@ -44,11 +47,15 @@ def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh,
     `path`, from global rank 0 (see the module docstring); every rank calls it."""
     path = Path(path)
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model, buffers=True)}
+    experts = {id(param): region for _, param, region in named_expert_parameters(model)}
     group, first_replica = _tensor_parallel_group(mesh)
     writer = dist.get_rank() == 0
     state = {}
     for name, value in model.state_dict(keep_vars=True).items():
-        state[name] = _gathered(value, specs.get(id(value)), group, first_replica, writer)
+        if id(value) in experts:
+            state[name] = _gathered_experts(value, experts[id(value)], writer)
+        else:
+            state[name] = _gathered(value, specs.get(id(value)), group, first_replica, writer)
     names = {id(param): name for name, param in model.named_parameters()}
     optimizer_states, parameter_names = [], []
     for optimizer in optimizers:
@@ -56,9 +63,11 @@ def save(path: str | Path, model: nn.Module, optimizers: list, mesh: DeviceMesh,
         ordered = [param for group_ in optimizer.param_groups for param in group_["params"]]
         for index, param in enumerate(ordered):
             entries = optimizer.state.get(param, {})
-            spec = specs.get(id(param))
+            spec, region = specs.get(id(param)), experts.get(id(param))
             full[index] = {
-                key: _gathered(value, spec if _shaped_like(value, param) else None, group, first_replica, writer)
+                key: _gathered_experts(value, region, writer)
+                if region is not None and _shaped_like(value, param)
+                else _gathered(value, spec if _shaped_like(value, param) else None, group, first_replica, writer)
                 for key, value in entries.items()
             }
         groups, start = [], 0
@@ -102,6 +111,7 @@ def load(
     path = Path(path)
     checkpoint = read(path, trust_checkpoint)
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model, buffers=True)}
+    experts = {id(param): region for _, param, region in named_expert_parameters(model)}
     tp_group, _ = _tensor_parallel_group(mesh)
     rank, tp = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     state = checkpoint["state_dict"]
@@ -112,7 +122,8 @@ def load(
     with torch.no_grad():
         for name, value in live.items():
             if isinstance(value, torch.Tensor):
-                _copy_shard(value, state[name], specs.get(id(value)), rank, tp, path, name)
+                full = _own_experts(state[name], experts.get(id(value)))
+                _copy_shard(value, full, specs.get(id(value)), rank, tp, path, name)
     extras = {k: v for k, v in state.items() if k in live and not isinstance(live[k], torch.Tensor)}
     if extras:
         model.load_state_dict(extras, strict=False)
@@ -127,9 +138,11 @@ def load(
         with torch.no_grad():
             for param_index, param in enumerate(ordered):
                 entries = saved["state"].get(param_index, {})
-                spec = specs.get(id(param))
+                spec, region = specs.get(id(param)), experts.get(id(param))
                 optimizer.state[param] = {
-                    key: _shard_like(value, param, spec, rank, tp) if isinstance(value, torch.Tensor) else value
+                    key: _shard_like(_own_experts(value, region), param, spec, rank, tp)
+                    if isinstance(value, torch.Tensor)
+                    else value
                     for key, value in entries.items()
                 }
         for group, loaded in zip(optimizer.param_groups, saved["param_groups"], strict=True):
@@ -186,6 +199,24 @@ def _gathered(value: Any, spec: ShardSpec | None, group, first_replica: bool, wr
         return None
     full = join_shards(shards, spec)
     return (full.t() if spec.transposed else full).to("cpu", copy=True).contiguous()
+
+
+def _gathered_experts(value: torch.Tensor, region: ExpertParallelRegion, writer: bool) -> torch.Tensor | None:
+    """All the experts of `value` (this rank's run of them, stacked along dim 0) on the writer, on the host; None
+    elsewhere. A collective over the expert-parallel group holding global rank 0 (its other groups hold copies)."""
+    if 0 not in dist.get_process_group_ranks(region.group):
+        return None
+    local = local_part(value).detach().contiguous()
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(region.group))] if writer else None
+    dist.gather(local, pieces, dst=0, group=region.group)
+    return torch.cat(pieces).to("cpu", copy=True) if writer else None
+
+
+def _own_experts(full: torch.Tensor, region: ExpertParallelRegion | None) -> torch.Tensor:
+    """This rank's run of the experts in `full` (all of them stacked along dim 0), or `full` as it is."""
+    if region is None or full.dim() == 0 or full.shape[0] != region.num_experts:
+        return full
+    return full.narrow(0, region.first, region.local)
 
 
 def _shard_like(full: torch.Tensor, param: torch.Tensor, spec: ShardSpec | None, rank: int, tp: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Expert parallelism under `TensorParallelStrategy`: the experts split over the data x context parallel ranks, the
 dense parameters left to DDP (or FSDP2), the experts' gradients averaged over exactly the ranks holding them.
+Under FSDP2 the experts stay out of it (`held`, its ignored parameters): whole on each rank of their
+expert-parallel run, replicated over their expert replicas, averaged over those as under DDP.
 
     replicas (dp x cp = 4), ep = 2:   rank  0  1 | 2  3      experts 0-3 on ranks 0, 2; experts 4-7 on ranks 1, 3
     expert-parallel groups (tokens travel within):   {0, 1} {2, 3}
@@ -11,12 +13,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
+from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.experts import (
     ExpertGroups,
+    ExpertParallelRegion,
     average_expert_gradients,
     expert_groups,
     named_expert_parameters,
@@ -25,43 +31,35 @@ from tp_train.parallel.experts import (
 from tp_train.parallel.mesh import DATA_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.experts import check_expert_parallel
+from tp_train.plan.gradient_hooks import keep_gradient_hooks
 
 
-def check_expert_parallel_arguments(
-    expert_parallel_size: int,
-    pipeline_parallel_size: int,
-    data_parallel: str,
-    save_distributed_checkpoint: bool = True,
-    sequence_parallel: bool = False,
-) -> None:
-    """Raises ValueError for a size that is not a positive integer, or a composition not built yet (a consolidated
-    checkpoint gathers tensor-parallel shards only: it would hold rank 0's experts alone)."""
+def check_expert_parallel_arguments(expert_parallel_size: int, capacity_factor: float | None = None) -> None:
+    """Raises ValueError for a size that is not a positive integer, or a capacity factor that is not a positive
+    number (or one without expert parallelism, whose dispatch applies it). Every composition (tp with sequence
+    parallelism, pp, FSDP2, consolidated checkpoints) runs."""
     if not isinstance(expert_parallel_size, int) or isinstance(expert_parallel_size, bool) or expert_parallel_size < 1:
         raise ValueError(f"expert_parallel_size={expert_parallel_size!r} must be a positive integer")
-    if expert_parallel_size == 1:
-        return
-    others = {
-        "pipeline_parallel_size": (pipeline_parallel_size, 1),
-        "data_parallel": (data_parallel, "ddp"),
-        "save_distributed_checkpoint": (save_distributed_checkpoint, True),
-        "sequence_parallel": (bool(sequence_parallel), False),
-    }
-    for name, (value, works) in others.items():
-        if value != works:
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float) or capacity_factor <= 0:
             raise ValueError(
-                f"expert_parallel_size={expert_parallel_size} with {name}={value!r} is not composed yet; use "
-                f"{name}={works!r} (or expert_parallel_size=1)"
+                f"expert_capacity_factor={capacity_factor!r} must be a positive number (e.g. 1.25), or None: dropless"
+            )
+        if expert_parallel_size == 1:
+            raise ValueError(
+                f"expert_capacity_factor={capacity_factor} caps the tokens the expert-parallel dispatch sends each "
+                f"expert, which expert_parallel_size=1 does not run; use expert_parallel_size > 1, or None"
             )
 
 
 class StrategyExperts:
-    """What the strategy does for expert parallelism at `size` ranks per expert-parallel group (1: nothing); the
-    `composition` (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel) is
-    checked with it (`check_expert_parallel_arguments`)."""
+    """What the strategy does for expert parallelism at `size` ranks per expert-parallel group (1: nothing);
+    `capacity_factor` (None: dropless) is checked with it (`check_expert_parallel_arguments`)."""
 
-    def __init__(self, size: int, *composition: Any) -> None:
-        check_expert_parallel_arguments(size, *composition)
-        self.size = size
+    def __init__(self, size: int, capacity_factor: float | None = None) -> None:
+        check_expert_parallel_arguments(size, capacity_factor)
+        self.size, self.capacity_factor = size, capacity_factor
+        self._replicas: Any = None  # the data x context parallel group: drops are summed over it
         self.groups: ExpertGroups | None = None
         self._parameters: list[nn.Parameter] = []
         self._blocked = False  # inside the strategy's block_backward_sync (gradient accumulation)
@@ -72,6 +70,7 @@ class StrategyExperts:
         if self.size > 1:
             override = None if mesh_timeouts is None else mesh_timeouts[DATA_PARALLEL]
             self.groups = expert_groups(replicas, self.size, override)
+            self._replicas = replicas.get_group()
 
     def shard(self, root: nn.Module, tensor_parallel_size: int) -> None:
         """Splits `root`'s experts over the expert-parallel group and keeps them out of DDP's all-reduce (before
@@ -90,10 +89,19 @@ class StrategyExperts:
                 )
         # Each expert's gradient scaled by 1/ep: averaged over its replicas, it is the mean over every replica's
         # tokens (DDP's convention for the dense ones).
-        shard_experts(root, names, self.groups.expert_parallel, gradient_scale=1 / self.size)
+        shard_experts(root, names, self.groups.expert_parallel, 1 / self.size, self.capacity_factor)
+        for name in names:
+            # Under sequence parallelism each tensor-parallel rank's experts see its own sequence shard's tokens: the
+            # plan's sum of their gradients over the tensor-parallel group goes onto the sliced parameters too.
+            keep_gradient_hooks(root.get_submodule(name))
         named = named_expert_parameters(root)
         self._parameters = [param for _, param, _ in named]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, [name for name, _, _ in named])
+
+    @property
+    def held(self) -> set[nn.Parameter]:
+        """This rank's expert parameters (empty at ep=1): what DDP and FSDP2 leave alone."""
+        return set(self._parameters)
 
     def clipping(self) -> tuple[frozenset[int], Any] | None:
         """What the precision plugin's norm needs: the experts' ids and the group holding the other experts."""
@@ -105,6 +113,26 @@ class StrategyExperts:
         """The experts' gradients averaged over their replicas, once per optimizer step (the last micro-batch)."""
         if self.groups is not None and not self._blocked:
             average_expert_gradients(self._parameters, self.groups.expert_replicas)
+
+    @contextmanager
+    def counting_drops(self, module: LightningModule):
+        """Around a training step's forward (a recompute in its backward is not counted): with a capacity factor,
+        logs the (token, expert) assignments each MoE layer dropped over capacity in the whole batch,
+        `train/moe/dropped_<layer>` (summed over the data x context parallel ranks)."""
+        regions = [] if self.capacity_factor is None else self._regions(module)
+        for region in regions:
+            region.dropped = 0
+        yield
+        if regions:
+            counts = torch.tensor([float(region.dropped) for region in regions], device=module.device)
+            dist.all_reduce(counts, group=self._replicas)
+            for layer, count in enumerate(counts.tolist()):
+                module.log(f"train/moe/dropped_{layer}", count)
+
+    @staticmethod
+    def _regions(root: nn.Module) -> list[ExpertParallelRegion]:
+        regions = {id(region): region for _, _, region in named_expert_parameters(root)}
+        return list(regions.values())
 
     @contextmanager
     def blocking(self):

@@ -16,7 +16,7 @@ The strategy owns backward: the schedule runs it in `training_step`, and Lightni
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import contextmanager
 from typing import Any
 
@@ -88,6 +88,7 @@ class LightningPipeline:
         split: PipelineSplit,
         replicas: ProcessGroup | None = None,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
+        apart: Collection[nn.Parameter] = (),
     ) -> None:
         self.module = module
         self.name, model = pipelined_model(module)
@@ -99,6 +100,7 @@ class LightningPipeline:
         )  # fmt: skip
         # DDP's group: the gradients are averaged over it once per optimizer step, in `backward` (not per batch)
         self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
+        self.apart = frozenset(id(param) for param in apart)  # averaged elsewhere: expert parallelism's experts
         self.synchronize = True
         # 16-mixed: the scaler's scale, by which each microbatch's loss is multiplied before the schedule's backward
         # (Lightning scales the loss before its own backward; here the schedule runs it)
@@ -157,25 +159,26 @@ class LightningPipeline:
         """Adds the gradients of the last `training_step`, times `scale` (1 / accumulate_grad_batches, as Lightning
         divides the loss), to the parameters' (Lightning's backward, after its zero_grad). On the last batch Lightning
         accumulates (`synchronize`: outside the strategy's `block_backward_sync`) the sum is averaged over the
-        data-parallel replicas, as DDP would."""
+        data-parallel replicas, as DDP would (but for the parameters `apart`)."""
         for param, grad in self._pending.items():
             grad = grad.mul_(scale) if scale != 1.0 else grad
             param.grad = grad if param.grad is None else param.grad + grad
         self._pending = {}
         if self.synchronize and self.replicas is not None:
-            average_gradients(list(self.pipeline.parameters()), self.replicas)
+            dense = [param for param in self.pipeline.parameters() if id(param) not in self.apart]
+            average_gradients(dense, self.replicas)
 
     def duplicate_parameters(self) -> frozenset[int]:
         """`id()` of this rank's copies of tied parameters that an earlier stage also holds: a norm over the stages
         counts each tied parameter once, on the first stage holding it."""
         duplicates = set()
-        held = dict(self.pipeline.models[0].named_parameters(remove_duplicate=False))
-        (stage,) = self.pipeline.stage_indices
-        for tie in self.pipeline.ties:
-            holders = [self._stage_holding(name) for name in tie.names]
-            for name, holder in zip(tie.names, holders, strict=True):
-                if holder == stage and stage > min(holders) and name in held:
-                    duplicates.add(id(held[name]))
+        for model, stage in zip(self.pipeline.models, self.pipeline.stage_indices, strict=True):
+            held = dict(model.named_parameters(remove_duplicate=False))
+            for tie in self.pipeline.ties:
+                holders = [self._stage_holding(name) for name in tie.names]
+                for name, holder in zip(tie.names, holders, strict=True):
+                    if holder == stage and stage > min(holders) and name in held:
+                        duplicates.add(id(held[name]))
         return frozenset(duplicates)
 
     def _stage_holding(self, parameter: str) -> int:
@@ -264,7 +267,14 @@ class LightningPipeline:
             del self.module.log
 
 
-def check_pipeline_arguments(size: int, schedule: str, microbatches: int) -> None:
+# What the strategy runs with several stages per rank: each stage a view of the LightningModule's model, one
+# forward and one full backward per chunk. The V-placed and zero-bubble schedules (a split backward) are untested here.
+STRATEGY_VIRTUAL_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
+
+
+def check_pipeline_arguments(
+    size: int, schedule: str, microbatches: int, virtual_stages: int = 1, data_parallel: str = "ddp"
+) -> None:
     """One-line `ValueError` for pipeline arguments the strategy cannot run (yet), before any rank starts."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"pipeline_parallel_size={size!r} must be a positive integer")
@@ -273,12 +283,18 @@ def check_pipeline_arguments(size: int, schedule: str, microbatches: int) -> Non
     if size == 1:
         return
     key = schedule.lower().replace("-", "_")
-    if key in SCHEDULES and SCHEDULES[key].virtual:
+    if key in SCHEDULES and SCHEDULES[key].virtual and key not in STRATEGY_VIRTUAL_SCHEDULES:
         raise ValueError(
-            f"pipeline_schedule={schedule!r} runs several stages per rank, which the strategy does not offer yet; "
-            f"use '1f1b' or 'gpipe' (tp_train.Pipeline runs it outside Lightning)"
+            f"pipeline_schedule={schedule!r} runs several stages per rank in a way the strategy does not offer yet; "
+            f"use {', '.join(repr(name) for name in STRATEGY_VIRTUAL_SCHEDULES)}, '1f1b' or 'gpipe' (tp_train.Pipeline "
+            f"runs it outside Lightning)"
         )
-    schedule_named(schedule, 1)  # unknown or refused: its one line
+    schedule_named(schedule, virtual_stages)  # unknown or refused, or stages per rank it cannot use: its one line
+    if virtual_stages > 1 and data_parallel == "fsdp":
+        raise ValueError(
+            f"pipeline_virtual_stages={virtual_stages} with data_parallel='fsdp' is not offered yet (FSDP2 on views "
+            f"sharing one model is untested); use data_parallel='ddp' or pipeline_virtual_stages=1"
+        )
 
 
 def split_batch(batch: Any, microbatches: int) -> list[Any]:

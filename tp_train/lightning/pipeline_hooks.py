@@ -42,6 +42,7 @@ class PipelineStepHooks:
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._pipeline.backward(1.0 / module.trainer.accumulate_grad_batches)
         self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)  # the strategy's own (expert parallelism averages the experts there)
         return closure_loss
 
     @override

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
-from tp_train.parallel.clipping import clip_grad_norm_, global_grad_norm
+from tp_train.parallel.clipping import clip_grad_norm_, clip_grads_with_norm_, global_grad_norm
 from tp_train.parallel.sharding import ShardSpec
 
 
@@ -36,11 +36,11 @@ class _TensorParallelClipping:
             params = list(self.main_params(optimizer))
             counted = [p for p in params if id(p) not in self.pipeline_duplicates]
             # this stage's norm over tp (and FSDP2's dp), then its square summed over the stages
-            stage = global_grad_norm(counted, self.sharded_parameters, self.tensor_parallel_group)
+            stage = global_grad_norm(counted, self.sharded_parameters, self.tensor_parallel_group, experts=self.experts)
             squared = stage.square().reshape(1)
             torch.distributed.all_reduce(squared, group=self.pipeline_parallel_group)
             norm = squared[0].sqrt()
-            torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+            clip_grads_with_norm_(params, clip_val, norm)
             self.last_grad_norm = norm
             return
         self.last_grad_norm = clip_grad_norm_(

@@ -101,6 +101,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             rank, tokens sent to their experts' ranks (all-to-all): a view over the data x context parallel ranks
             (it divides dp x cp and does not add ranks); the experts' gradients are averaged over the ranks holding
             the same experts (`tp_train.lightning.experts`, docs/experts.md).
+        expert_capacity_factor: None (dropless) or, with expert parallelism, the tokens each expert takes from each
+            rank per layer, as a multiple of an even share (`tp_train.parallel.experts.expert_capacity`); those over
+            it are dropped and counted (`train/moe/dropped_<layer>`).
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis (with "ddp").
     """
 
@@ -130,16 +133,24 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         pipeline_schedule: str = "1f1b",
         pipeline_microbatches: int | None = None,
         pipeline_split: list[int] | None = None,
+        pipeline_virtual_stages: int = 1,
         expert_parallel_size: int = 1,
+        expert_capacity_factor: float | None = None,
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
-        composition = (pipeline_parallel_size, data_parallel, save_distributed_checkpoint, sequence_parallel)
-        self._experts = StrategyExperts(expert_parallel_size, *composition)  # checks it
+        self._experts = StrategyExperts(expert_parallel_size, expert_capacity_factor)  # checks them
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
-        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, self.pipeline_microbatches)
+        self.pipeline_virtual_stages = pipeline_virtual_stages
+        check_pipeline_arguments(
+            pipeline_parallel_size,
+            pipeline_schedule,
+            self.pipeline_microbatches,
+            pipeline_virtual_stages,
+            data_parallel,
+        )
         self._pipeline: LightningPipeline | None = None
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
@@ -220,8 +231,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # the head and the loss fused, where they may be
-        return self._loss.step(self.lightning_module, partial(super().training_step, *args, **kwargs))
+        # the head and the loss fused, where they may be; the tokens dropped over the experts' capacity logged
+        with self._experts.counting_drops(self.lightning_module):
+            return self._loss.step(self.lightning_module, partial(super().training_step, *args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -335,7 +347,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self.model_to_device()  # shard on the device: the collectives below run on it
         split = None
         if self.pipeline_parallel_size > 1 and self._pipeline is None:  # decided on the model as written
-            split = decide_split(self.lightning_module, self.pipeline_parallel_size, self.pipeline_split)
+            stages = self.pipeline_parallel_size * self.pipeline_virtual_stages
+            split = decide_split(self.lightning_module, stages, self.pipeline_split)
         self._shard(self.lightning_module)
         if split is not None:  # cut the model: this rank's stage only, data-parallel over its replicas
             fsdp = self.data_parallel == "fsdp"
@@ -343,6 +356,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
                 self.pipeline_microbatches, self.root_device, split,
                 replicas=None if fsdp else self._replicas.get_group(), wrap=self._fully_shard_stage if fsdp else None,
+                apart=self._experts.held,
             )  # fmt: skip
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -395,6 +409,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                     example_input=examples.get(name),
                     cp_group=cp_group,
                     cp_options={"rotation": self.context_parallel_rotation, "document_separator": separator},
+                    experts_whole=self._experts.size > 1,
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
@@ -418,6 +433,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self._replicas,
             mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
+            ignored_params=self._experts.held,
         )
 
     def _fully_shard_stage(self, stage: torch.nn.Module) -> torch.nn.Module:
@@ -425,7 +441,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         torchtitan does; torch's `PipelineStage` reduce-scatters its gradients after the last microbatch."""
         refuse_replicated_shards(stage, self.tensor_parallel_size)
         policy = fsdp_mixed_precision_policy(self.precision_plugin)
-        fully_shard_data_parallel(stage, list(stage.children()), self._replicas, mp_policy=policy)
+        held = self._experts.held
+        fully_shard_data_parallel(stage, list(stage.children()), self._replicas, mp_policy=policy, ignored_params=held)
         return stage
 
     def _tell_precision_plugin(self, root: torch.nn.Module) -> None:
@@ -447,7 +464,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         if self._pipeline is not None:  # its backward averages over the replicas only outside this block
             self._pipeline.synchronize = False
             try:
-                yield
+                with self._experts.blocking():
+                    yield
             finally:
                 self._pipeline.synchronize = True
             return
@@ -457,7 +475,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             return
         root.set_requires_gradient_sync(False)
         try:
-            yield
+            with self._experts.blocking():
+                yield
         finally:
             root.set_requires_gradient_sync(True)
 

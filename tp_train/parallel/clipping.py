@@ -130,5 +130,15 @@ def clip_grad_norm_(
     (`experts` as for `global_grad_norm`)."""
     parameters = list(parameters)
     total = global_grad_norm(parameters, sharded, group, norm_type, experts)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    clip_grads_with_norm_(parameters, max_norm, total)
     return total
+
+
+def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """torch's `clip_grads_with_norm_` on FSDP2's DTensors and on plain tensors (the experts it leaves whole)
+    apart: its foreach ops take one kind at once."""
+    parameters = list(parameters)
+    for kind in (True, False):
+        same = [p for p in parameters if isinstance(p, DTensor) is kind]
+        if same:
+            torch.nn.utils.clip_grads_with_norm_(same, max_norm, total)

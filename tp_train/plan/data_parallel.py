@@ -32,10 +32,12 @@ def fully_shard_data_parallel(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
     extra_methods: Iterable[str] = (),
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> list[FSDPModule]:
     """Shards the parameters of `root` over the 1-D data-parallel `mesh` with FSDP2, bottom-up (each of `models`'
     blocks, then each model, then `root`; `extra_methods` gather the parameters too); returns every FSDP module, root
-    last."""
+    last. `ignored_params` stay as they are, neither sharded nor their gradients reduced (an expert-parallel rank's
+    experts, which its replicas do not share with the other ranks)."""
     if mesh.ndim != 1:
         raise ValueError(f"fully_shard_data_parallel needs a 1-D data-parallel mesh, got {mesh.mesh_dim_names}")
     models = list(models)
@@ -45,7 +47,10 @@ def fully_shard_data_parallel(
     def placement(param: nn.Parameter) -> Shard:
         return Shard(data_parallel_shard_dim(tuple(param.shape), specs.get(id(param)), dp))
 
-    options = dict(mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy or MixedPrecisionPolicy())
+    options = dict(
+        mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy or MixedPrecisionPolicy(),
+        ignored_params=ignored_params or None,
+    )  # fmt: skip
     # A pipeline stage holds some of the blocks only (tp_train.parallel.pipeline.stage): those it holds
     names = [(model, name) for model in models for name in getattr(model, "tp_blocks", [])]
     blocks = [model.get_submodule(name) for model, name in names if _holds(model, name)]

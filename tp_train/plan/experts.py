@@ -13,6 +13,8 @@ import inspect
 
 import torch.nn as nn
 
+from tp_train.plan.styles import pattern_matches
+
 
 def find_experts(model: nn.Module) -> dict[str, int]:
     """{name of each experts module in `model`: its number of experts}, outermost first."""
@@ -58,3 +60,16 @@ def check_expert_parallel(model: nn.Module, expert_parallel_size: int) -> dict[s
                 f"({type(model).__name__}); use one of {fits}"
             )
     return found
+
+
+def keep_experts_whole(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """`plan` without its entries on the experts modules (`find_experts`) or anything inside them, and those entries'
+    patterns: under expert parallelism each rank holds whole experts, so the tensor-parallel plan splits the
+    attention and the dense MLPs only (Megatron-Core's expert tensor parallelism 1, torchtitan's layout). One rule
+    for every family: a family's record and Hugging Face's plans need no second, expert-parallel plan."""
+    names = []
+    for experts in find_experts(model):
+        module = model.get_submodule(experts)
+        names += [experts, *(f"{experts}.{name}" for name, _ in (*module.named_modules(), *module.named_parameters()))]
+    dropped = [pattern for pattern in plan if any(pattern_matches(pattern, name) for name in names)]
+    return {pattern: style for pattern, style in plan.items() if pattern not in dropped}, dropped

@@ -26,7 +26,7 @@ from tp_train.plan.isolation import planning_isolated
 from tp_train.plan.layout import block_layout, blocks_if_any
 from tp_train.plan.match import match_plan
 from tp_train.plan.region_check import RegionCheck
-from tp_train.plan.resolve import SKIPPED, resolve_plan
+from tp_train.plan.resolve import EXPERTS_KEPT_WHOLE, SKIPPED, resolve_plan
 from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
 from tp_train.plan.styles import PlannedModule, adapted_model, linear_shape
 from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
@@ -58,6 +58,7 @@ def parallelize(
     example_input=None,
     cp_group: ProcessGroup | None = None,
     cp_options: dict | None = None,
+    experts_whole: bool = False,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -67,14 +68,14 @@ def parallelize(
         settings = dict(plan=plan, loss_parallel=loss_parallel, device=device, verify=verify, weights=weights,
                         sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
                         compile=compile, overlap=overlap, example_input=example_input, cp_group=cp_group,
-                        cp_options=cp_options)  # fmt: skip
+                        cp_options=cp_options, experts_whole=experts_whole)  # fmt: skip
         parallelize(wrapped[1], tp_group, **settings)
         return model
     group = as_process_group(tp_group)
-    resolved, source = _agreed_plan(model, plan, group, example_input)
+    resolved, source = _agreed_plan(model, plan, group, example_input, experts_whole)
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
-    elif SKIPPED in source and dist.get_rank() == 0:
+    elif (SKIPPED in source or EXPERTS_KEPT_WHOLE in source) and dist.get_rank() == 0:
         print(f"tensor-parallel plan: {source}", flush=True)
     # Past planning, a failure on one rank ends `parallelize` on every rank with that rank's error, instead of the
     # others waiting in a collective it will not join.
@@ -129,7 +130,9 @@ def parallelize(
     return model
 
 
-def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> tuple[dict[str, str], str]:
+def _agreed_plan(
+    model: nn.Module, plan, group: ProcessGroup, example_input, experts_whole: bool
+) -> tuple[dict[str, str], str]:
     """`resolve_plan` on the group's first rank, taken by every rank (or its refusal raised on every rank): the
     planner's probes run once per group, a deferred-init model is materialised on the host once, and the ranks cannot
     decide differently (docs/planner.md). Planning leaves the model and the random generators as they were
@@ -138,7 +141,7 @@ def _agreed_plan(model: nn.Module, plan, group: ProcessGroup, example_input) -> 
 
     def decide() -> tuple[dict[str, str], str]:
         with planning_isolated(model):
-            return resolve_plan(model, plan, size, example_input)
+            return resolve_plan(model, plan, size, example_input, experts_whole)
 
     return decide() if plan or size == 1 else first_rank_decides(decide, group)
 

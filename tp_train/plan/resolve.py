@@ -8,6 +8,7 @@ import torch.nn as nn
 from tp_train.parallel.sharding import divisors
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
 from tp_train.plan.coverage import covered_linears, in_repeated_block, sharded_parameters, whole_beyond_small
+from tp_train.plan.experts import keep_experts_whole
 from tp_train.plan.match import names_anything
 from tp_train.plan.presets import check_shardable, override_plan, plan_additions, preset_plan
 from tp_train.plan.styles import (
@@ -23,6 +24,7 @@ from tp_train.plan.styles import (
 
 # How the source of a plan lists the entries it skipped (printed by `tp_train.parallelize` on rank 0).
 SKIPPED = "skipped, as this config builds nothing they name:"
+EXPERTS_KEPT_WHOLE = "the experts kept whole for expert parallelism, without"
 
 
 def find_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
@@ -50,11 +52,17 @@ def find_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
 
 
 def resolve_plan(
-    model: nn.Module, plan: dict[str, str] | None = None, tensor_parallel_size: int | None = None, example_input=None
+    model: nn.Module,
+    plan: dict[str, str] | None = None,
+    tensor_parallel_size: int | None = None,
+    example_input=None,
+    experts_whole: bool = False,
 ) -> tuple[dict[str, str], str]:
     """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`), else the
     auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.autoplan`). The config's head
-    counts are checked against `tensor_parallel_size` here, whichever plan it is."""
+    counts are checked against `tensor_parallel_size` here, whichever plan it is. With `experts_whole` (expert
+    parallelism) the model's own plan leaves its experts modules whole (`keep_experts_whole`); a `plan` argument is
+    taken as written."""
     if tensor_parallel_size:
         check_config_heads(model, tensor_parallel_size)
     if plan:
@@ -63,6 +71,10 @@ def resolve_plan(
     found = find_plan(model)
     if found is not None and not found[1].endswith(".tp_plan"):  # built for a family, not for this very model
         found = _fit_to_config(model, *found)
+    if found is not None and experts_whole:
+        kept, dropped = keep_experts_whole(model, found[0])
+        if dropped:
+            found = kept, f"{found[1]}; {EXPERTS_KEPT_WHOLE} {', '.join(repr(pattern) for pattern in dropped)}"
     if found is not None and not _leaves_blocks_untouched(model, found[0]):
         if _leaves_linears_whole(model, found[0]):
             return _completed(model, *found, tensor_parallel_size, example_input)

@@ -6,10 +6,16 @@ Dispatch sorts the assignments by expert (so each rank's share is one contiguous
 exchanges the counts per expert first and then the tokens (`all_to_all_single`), and orders what arrived by local
 expert. Combine undoes each step in reverse and sums each token's expert outputs, weighted by its router weights.
 No step loops over experts in Python: sorting and `bincount` do the grouping.
+
+Dropless by default. With a `capacity` (rows per expert from one rank; `expert_capacity` from a capacity factor),
+each expert takes the first `capacity` of a rank's assignments to it in token order (Switch Transformer's
+first-come order, arXiv 2101.03961); the rest are dropped: not sent, their expert's output counted as 0 (the
+residual carries the token on), no gradient to their router weight.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -57,10 +63,17 @@ class Dispatched:
     sent: list[int]  # rows sent to each rank
     received: list[int]  # rows received from each rank
     tokens: int  # tokens before dispatch (T)
+    dropped: int = 0  # assignments over capacity, not sent
+
+
+def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows each expert takes from one rank: `capacity_factor` times an even share of its `tokens` x `top_k`
+    assignments, rounded up (GShard's and Switch Transformer's capacity)."""
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 
 def dispatch(
-    hidden: torch.Tensor, expert_index: torch.Tensor, num_experts: int, group: ProcessGroup
+    hidden: torch.Tensor, expert_index: torch.Tensor, num_experts: int, group: ProcessGroup, capacity: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dispatched]:
     """Sends every (token, expert) assignment to the rank holding its expert (a collective over `group`).
 
@@ -69,6 +82,7 @@ def dispatch(
         expert_index: (T, k) the experts each token is routed to, global ids in [0, num_experts).
         num_experts: experts in all, a multiple of the group's size.
         group: the expert-parallel group.
+        capacity: at most this many of this rank's assignments per expert (see the module docstring); None: all.
 
     Returns:
         (R, D) the tokens this rank's experts compute, grouped by local expert in order; (R,) their local expert
@@ -79,6 +93,13 @@ def dispatch(
     experts = expert_index.reshape(-1)  # (T * k,) assignment a = token a // k, its (a % k)-th choice
     order = torch.argsort(experts, stable=True)
     counts = torch.bincount(experts, minlength=num_experts)  # (num_experts,) assignments per expert
+    dropped = 0
+    if capacity is not None:
+        first = torch.cumsum(counts, 0) - counts  # (num_experts,) each expert's first row in the sorted order
+        place = torch.arange(len(order), device=order.device) - first[experts[order]]  # its place among its expert's
+        kept = place < capacity
+        dropped = int(len(order) - kept.sum())
+        order, counts = order[kept], counts.clamp(max=capacity)
     if world_size > 1:
         arrived_counts = torch.empty_like(counts)  # (world_size * local,) per source rank, per local expert
         before_collective()
@@ -92,7 +113,7 @@ def dispatch(
     per_source = arrived_counts.reshape(-1)  # runs of rows: source 0's expert 0, its expert 1, ..., source 1's ...
     local_ids = torch.arange(local, device=hidden.device).repeat(world_size).repeat_interleave(per_source)
     arrived_order = torch.argsort(local_ids, stable=True)
-    state = Dispatched(order, arrived_order, sent, received, tokens)
+    state = Dispatched(order, arrived_order, sent, received, tokens, dropped)
     return rows[arrived_order], local_ids[arrived_order], arrived_counts.sum(dim=0), state
 
 

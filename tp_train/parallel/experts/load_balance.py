@@ -5,6 +5,8 @@ For E experts, top-k routing and all routed rows (every token of every MoE layer
 loss = E * sum_e f_e * P_e, f_e the top-k assignments to expert e per row (summing to k), P_e the mean router
 probability of expert e. f_e is a count (no gradient) and P_e a mean; both are summed over `group` first, so the
 loss is the same whatever the batch's split over data- and context-parallel ranks, and so at any ep, tp and dp.
+Under sequence parallelism each tensor-parallel rank routes its own shard of the sequence: its rows are summed over
+the tensor-parallel group too (`sequence_group`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from tp_train.parallel.agreement import before_collective
 
 
 def load_balancing_loss(
-    router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int, group: ProcessGroup | None = None
+    router_logits: Sequence[torch.Tensor],
+    num_experts: int,
+    top_k: int,
+    group: ProcessGroup | None = None,
+    sequence_group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss over all of `group`'s rows, on every rank of it (see the module docstring), and the expert loads.
 
@@ -29,6 +35,8 @@ def load_balancing_loss(
         num_experts: E.
         top_k: experts per token.
         group: the ranks whose tokens differ (data x context parallel); None or one rank: this rank's alone.
+        sequence_group: the tensor-parallel ranks when each routed its own shard of the sequence (sequence
+            parallelism), whose gradients of a replicated router are summed, not averaged; None: they routed alike.
 
     Returns:
         The loss's value over the whole group. Its gradient on this rank is `group size` times that of this rank's
@@ -43,9 +51,10 @@ def load_balancing_loss(
     rows = torch.tensor([float(sum(p.shape[0] for p in probs))], device=loads.device)
     world_size = 1 if group is None else dist.get_world_size(group)
     totals = torch.cat([loads.reshape(-1), rows, prob_sums.detach()])
-    if world_size > 1:
-        before_collective()
-        dist.all_reduce(totals, group=group)
+    for over in (group, sequence_group):
+        if over is not None and dist.get_world_size(over) > 1:
+            before_collective()
+            dist.all_reduce(totals, group=over)
     layers = len(probs)
     loads = totals[: layers * num_experts].view(layers, num_experts)
     rows, all_prob_sums = totals[layers * num_experts], totals[layers * num_experts + 1 :]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from tp_train.parallel.experts.dispatch import Dispatched, combine, dispatch
+from tp_train.parallel.experts.dispatch import Dispatched, combine, dispatch, expert_capacity
 
 
 class ExpertParallelRegion:
@@ -24,9 +24,14 @@ class ExpertParallelRegion:
 
     Gradients: a local expert's gradient sums what every rank's tokens routed to it contribute. Where each rank's
     loss is its own tokens' mean and data-parallel gradients are averaged (DDP's convention), `gradient_scale =
-    1 / group size` makes the expert's gradient that same average; 1 leaves the sum."""
+    1 / group size` makes the expert's gradient that same average; 1 leaves the sum.
 
-    def __init__(self, group: ProcessGroup, num_experts: int, gradient_scale: float = 1.0):
+    `capacity_factor`: None is dropless; a number caps the tokens each expert takes from each rank per call
+    (`expert_capacity`) and adds the assignments it dropped to `dropped`."""
+
+    def __init__(
+        self, group: ProcessGroup, num_experts: int, gradient_scale: float = 1.0, capacity_factor: float | None = None
+    ):
         world_size = dist.get_world_size(group)
         if num_experts % world_size:
             raise ValueError(
@@ -34,6 +39,8 @@ class ExpertParallelRegion:
                 f"{[size for size in range(1, num_experts + 1) if num_experts % size == 0]}"
             )
         self.group, self.num_experts, self.gradient_scale = group, num_experts, gradient_scale
+        self.capacity_factor = capacity_factor
+        self.dropped = 0  # assignments dropped over capacity since it was last set to 0
         self.local = num_experts // world_size
         self.first = dist.get_rank(group) * self.local  # this rank's first expert (global index)
         self.stacked: tuple[str, ...] = ()  # the module's parameters sliced to its experts (names within it)
@@ -64,7 +71,11 @@ class ExpertParallelRegion:
 
     def _dispatch(self, module, args):
         hidden, expert_index, weights = args
-        rows, local_ids, _, state = dispatch(hidden, expert_index, self.num_experts, self.group)
+        capacity = None
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(self.capacity_factor, *expert_index.shape, self.num_experts)
+        rows, local_ids, _, state = dispatch(hidden, expert_index, self.num_experts, self.group, capacity)
+        self.dropped += state.dropped
         self._pending.append((weights, state))
         return rows, local_ids.unsqueeze(-1), torch.ones(len(rows), 1, dtype=weights.dtype, device=weights.device)
 

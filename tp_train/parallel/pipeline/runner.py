@@ -16,7 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from tp_train.parallel.pipeline.schedules import schedule_named
 from tp_train.parallel.pipeline.split import PipelineSplit
-from tp_train.parallel.pipeline.stage import StageForward, cut_stage
+from tp_train.parallel.pipeline.stage import StageForward, cut_stage, cut_stages
 from tp_train.parallel.pipeline.ties import Tie, sum_tied_gradients, tied_parameters
 
 IGNORE_INDEX = -100
@@ -79,6 +79,8 @@ class Pipeline:
         microbatches: how many microbatches each step splits its batch into (along dim 0).
         loss_fn: the last stage's loss per microbatch, `loss_fn(output, target)`; by default the token-weighted
             cross-entropy (`TokenWeightedCrossEntropy`).
+        in_place: cut `model` itself (a LightningModule's, whose parameters the optimizer holds) rather than copies;
+            with several stages per rank each runs a view of it (`tp_train.parallel.pipeline.stage.cut_stages`).
         wrap: applied to each stage's module before torch's `PipelineStage` takes it: FSDP2's `fully_shard` over
             the data-parallel ranks, whose gradients the stage then reduce-scatters after the last microbatch only.
         replicas: the ranks holding this rank's stages whole (data x context parallel, DDP's group): the step's
@@ -112,10 +114,11 @@ class Pipeline:
             self.stage_indices = [rank, split.num_stages - 1 - rank]
         else:
             self.stage_indices = list(range(rank, split.num_stages, size))
-        if in_place and len(self.stage_indices) != 1:
-            raise ValueError(f"a rank holding {len(self.stage_indices)} stages cuts copies of the model, not the model")
-        copies = [model] if in_place else [copy.deepcopy(model) for _ in self.stage_indices]
-        self.models = [cut_stage(cut, split, index) for cut, index in zip(copies, self.stage_indices, strict=True)]
+        if in_place:  # the model keeps this rank's stages; each stage runs a view of it
+            self.models = cut_stages(model, split, self.stage_indices)
+        else:
+            copies = [copy.deepcopy(model) for _ in self.stage_indices]
+            self.models = [cut_stage(cut, split, index) for cut, index in zip(copies, self.stage_indices, strict=True)]
         wrap = wrap or (lambda module: module)
         self.stages = [
             PipelineStage(wrap(StageForward(cut, split, index)), index, split.num_stages, device, group=group)

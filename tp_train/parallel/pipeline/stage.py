@@ -15,6 +15,8 @@ is a slice of the model's and checkpoints reshard across stages (torchtitan's wa
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -52,20 +54,70 @@ def cut_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module:
     """Removes from `model` (in place: pass a copy) every block and outside module that stage `stage` does not run;
     the remaining parameters keep their names, and the whole model's names of its tied parameters are recorded as
     its `TIED_NAMES` attribute (checkpoints name a tied parameter by its first). Returns `model`."""
+    return _cut(model, split, [stage])
+
+
+def cut_stages(model: nn.Module, split: PipelineSplit, stages: list[int]) -> list[nn.Module]:
+    """`model` cut in place to what `stages` (one rank's, e.g. 0 and 2 of 4 under Interleaved1F1B) run together,
+    and for each stage a view of it running that stage alone: a shallow copy sharing the model's modules and
+    parameters, whose block list holds the stage's blocks only and whose modules of other stages stand in as
+    `_Elsewhere`. The model keeps every parameter the rank holds, once, under the model's names (what the
+    optimizer and checkpoints see); one stage's view is the cut model itself."""
+    _cut(model, split, stages)
+    if len(stages) == 1:
+        return [model]
+    views = []
+    for stage in stages:
+        blocks = model.get_submodule(split.blocks)
+        replaced: dict[str, nn.Module] = {split.blocks: _with_modules(blocks, {}, keep=split.stages[stage])}
+        hidden: dict[str, torch.Tensor] = {}
+        for name in _elsewhere(split, [stage]):
+            replaced[name] = _Elsewhere(name, hidden)
+        view = _with_modules(model, replaced)
+        view._pipeline_hidden = hidden
+        views.append(view)
+    return views
+
+
+def _elsewhere(split: PipelineSplit, stages: list[int]) -> list[str]:
+    """The modules before and after the blocks that none of `stages` runs."""
+    first, last = 0 in stages, split.num_stages - 1 in stages
+    return ([] if first else list(split.before)) + ([] if last else list(split.after))
+
+
+def _cut(model: nn.Module, split: PipelineSplit, stages: list[int]) -> nn.Module:
     # each name of a tied parameter -> all its names in the whole model (a stage may hold it under one only)
     setattr(model, TIED_NAMES, {name: tie.names for tie in tied_parameters(model) for name in tie.names})
-    kept = set(split.stages[stage])
+    kept = {index for stage in stages for index in split.stages[stage]}
     block_list = model.get_submodule(split.blocks)
     for index in range(len(block_list)):
         if index not in kept:
             del block_list._modules[str(index)]  # not `del block_list[index]`: that renumbers the rest
-    first, last = stage == 0, stage == split.num_stages - 1
     hidden: dict[str, torch.Tensor] = {}
     model._pipeline_hidden = hidden
-    for name in ([] if first else list(split.before)) + ([] if last else list(split.after)):
+    for name in _elsewhere(split, stages):
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, _Elsewhere(name, hidden))
     return model
+
+
+def _with_modules(module: nn.Module, replaced: dict[str, nn.Module], keep=None) -> nn.Module:
+    """A shallow copy of `module` with the submodules named (dotted) in `replaced` swapped in, each module on their
+    paths copied alike; every other submodule, parameter and buffer shared. With `keep`, the copy's children are
+    only those of the indices in `keep` (a block list's)."""
+    view = copy.copy(module)
+    children = dict(module._modules) if keep is None else {str(i): module._modules[str(i)] for i in keep}
+    inner: dict[str, dict[str, nn.Module]] = {}
+    for name, new in replaced.items():
+        head, _, rest = name.partition(".")
+        if rest:
+            inner.setdefault(head, {})[rest] = new
+        else:
+            children[head] = new
+    for head, deeper in inner.items():
+        children[head] = _with_modules(module._modules[head], deeper)
+    view.__dict__["_modules"] = children
+    return view
 
 
 class StageForward(nn.Module):

@@ -7,6 +7,10 @@ waiting for a neighbour's activations or gradients, sends and receives, the sche
 reported as idle over busy time, the form of the textbook bubble: (p - 1) / m for GPipe and 1F1B, (p - 1) / (v m)
 for interleaved schedules with v stages per rank, p ranks and m microbatches, when every stage does the same work.
 The model's blocks are spread evenly over the stages, and its embedding and head are small, so that holds here.
+For the schedules with several stages per rank two more columns say where the idle comes from: torch's own action
+table with every action one slot, and that table run with each chunk's measured mean time and free communication
+(`pipeline_timeline.simulated_bubble`): the schedule's shape alone. The measured bubble above the latter is the
+sends, receives and the schedule's own work between chunks.
 
 The peak per rank is the step's growth of the resident set over what the rank held before it (its parameters):
 the activations its schedule keeps in flight and the gradients, which a pipeline allocates at its first backward
@@ -32,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import GPT, GPTConfig
-from tp_train.parallel.pipeline import SCHEDULES, Pipeline, TokenWeightedCrossEntropy
+from tp_train.parallel.pipeline import SCHEDULES, Pipeline
 from tp_train.plan.pipeline import plan_pipeline_split
 from tp_train.tools.bench.measure import (
     current_memory,
@@ -41,6 +45,7 @@ from tp_train.tools.bench.measure import (
     reset_peak_memory,
     return_freed_memory_at_once,
 )
+from tp_train.tools.bench.pipeline_timeline import TimedLoss, Timeline, schedule_table_bubble, simulated_bubble
 from tp_train.tools.bench.plot import PANEL_HEIGHT, PANEL_WIDTH, figure, legend, panel
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.memory import MIB, estimate_memory
@@ -59,7 +64,6 @@ SETUPS = [
     (4, "interleaved_1f1b", 2),
 ]
 COLORS = ["#555555", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf"]
-STAGE_WORK = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 def formula(pp: int, schedule: str, virtual: int, microbatches: int) -> float | None:
@@ -72,53 +76,6 @@ def formula(pp: int, schedule: str, virtual: int, microbatches: int) -> float | 
     if schedule in ("interleaved_1f1b", "looped_bfs"):
         return (pp - 1) / (virtual * microbatches)
     return None
-
-
-def schedule_table_bubble(torch_schedule) -> float | None:
-    """The bubble of torch's own action table for a schedule with several stages per rank (its `pipeline_order`:
-    each rank's actions in time slots, None where it waits), every action one slot: the ranks' mean of (slots of
-    the longest rank's table - the rank's actions) / its actions."""
-    order = getattr(torch_schedule, "pipeline_order", None)
-    if not order:
-        return None
-    makespan = max(len(actions) for actions in order.values())
-    busy = [sum(action is not None for action in actions) for actions in order.values()]
-    return statistics.mean((makespan - done) / done for done in busy)
-
-
-class Timeline:
-    """The (start, end) of each piece of stage work this rank runs, timed by wrapping its stages' chunk methods
-    (instance attributes: torch's classes are left as they are) and the loss."""
-
-    def __init__(self) -> None:
-        self.intervals: list[tuple[float, float]] = []
-
-    def timed(self, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.intervals.append((start, time.perf_counter()))
-
-        return run
-
-    def watch(self, pipeline: Pipeline) -> None:
-        for stage in pipeline.stages:
-            for name in STAGE_WORK:
-                setattr(stage, name, self.timed(getattr(stage, name)))
-
-    def busy(self, start: float, end: float) -> float:
-        return sum(min(b, end) - max(a, start) for a, b in self.intervals if b > start and a < end)
-
-
-class TimedLoss(TokenWeightedCrossEntropy):
-    def __init__(self, timeline: Timeline) -> None:
-        super().__init__()
-        self.timeline = timeline
-
-    def __call__(self, logits, target):
-        return self.timeline.timed(super().__call__)(logits, target)
 
 
 def _model(args) -> GPT:
@@ -144,7 +101,8 @@ def _measure(rank, world_size, device, setup, args, out):
     else:
         stages = pp * virtual
         split = plan_pipeline_split(model, stages, explicit=[args.layers // stages] * stages)
-        pipeline = Pipeline(model, split, dist.group.WORLD, schedule, args.microbatches, device, TimedLoss(timeline))
+        loss = TimedLoss(timeline, stages - 1)
+        pipeline = Pipeline(model, split, dist.group.WORLD, schedule, args.microbatches, device, loss)
         timeline.watch(pipeline)
         parameters = list(pipeline.parameters())
         run = lambda: pipeline.train_step(ids, targets)  # noqa: E731
@@ -156,6 +114,7 @@ def _measure(rank, world_size, device, setup, args, out):
 
     for _ in range(args.warmup):
         step()
+    measured_since = time.perf_counter()
     walls, bubbles, busy_fractions = [], [], []
     for index in range(args.steps):
         dist.barrier()
@@ -172,11 +131,17 @@ def _measure(rank, world_size, device, setup, args, out):
         bubbles.append((end - start - busy) / busy)
         busy_fractions.append(busy / (end - start))
     table = schedule_table_bubble(pipeline.torch_schedule) if virtual > 1 else None
+    durations = [None] * world_size
+    dist.all_gather_object(durations, timeline.mean_durations(measured_since))
+    merged = {what: seconds for rank_durations in durations for what, seconds in rank_durations.items()}
+    simulated = simulated_bubble(pipeline.torch_schedule, merged, pp * virtual) if virtual > 1 else None
     wall = group_max(statistics.median(walls), dist.group.WORLD, device)
     row = {"pp": pp, "schedule": schedule, "virtual_stages": virtual, "microbatches": args.microbatches,
            "seconds": wall, "tokens_per_s": batch * args.seq / wall,
            "peak_mib_per_rank": group_max(peak, dist.group.WORLD, device) / MIB,
            "formula": formula(pp, schedule, virtual, args.microbatches), "schedule_table": table,
+           "schedule_table_at_measured_chunks": simulated,
+           "chunk_ms": {f"{name} {stage}": 1e3 * seconds for (name, stage), seconds in sorted(merged.items())},
            "cores": os.cpu_count(), "ranks": world_size}  # fmt: skip
     measured = [None] * world_size
     dist.all_gather_object(measured, (statistics.median(bubbles), statistics.median(busy_fractions)))
@@ -224,19 +189,21 @@ def table(rows: list[dict]) -> str:
     base = next((row for row in rows if row["pp"] == 1), None)
     lines = [
         "| pp | schedule | v | m | tokens/s | vs pp=1 | peak MiB / rank | predicted | bubble (per rank) | formula "
-        "| torch's table |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|---|--:|--:|",
+        "| torch's table | at measured chunks |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|",
     ]
     for row in rows:
         ratio = f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         per_rank = ", ".join(f"{bubble:.3f}" for bubble in row["bubble_per_rank"])
         shared = " (ranks > cores)" if row["ranks"] > (row["cores"] or 1) else ""
         expected = "-" if row["formula"] is None else f"{row['formula']:.3f}"
-        table = "-" if row["schedule_table"] is None else f"{row['schedule_table']:.3f}"
+        table, chunks = (f"{row[key]:.3f}" if row.get(key) is not None else "-"
+                         for key in ("schedule_table", "schedule_table_at_measured_chunks"))  # fmt: skip
         lines.append(
             f"| {row['pp']} | {row['schedule']}{shared} | {row['virtual_stages']} | {row['microbatches']} | "
             f"{row['tokens_per_s']:.0f} | {ratio} | {row['peak_mib_per_rank']:.1f} | "
-            f"{row['predicted_mib_per_rank']:.1f} | {row['bubble']:.3f} ({per_rank}) | {expected} | {table} |"
+            f"{row['predicted_mib_per_rank']:.1f} | {row['bubble']:.3f} ({per_rank}) | {expected} | {table} | "
+            f"{chunks} |"
         )
     return "\n".join(lines)
 
@@ -250,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=256, help="small, so that the blocks are the stages' work")
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=32, help="the bubble's formula falls as 1 / m")
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported")
