@@ -81,6 +81,8 @@ def test_mixtral_through_train_py_at_ep2_and_ep2_tp2_logs_what_one_device_logs(t
     _assert_same(_train(tmp_path, cache, "mixtral", ["tp=1", "ep=2", "data.batch_size=8"]), whole, "ep=2")
     sequence_parallel = ["tp=2", "ep=2", "sequence_parallel=true", "data.batch_size=8"]
     _assert_same(_train(tmp_path, cache, "mixtral", sequence_parallel), whole, "ep=2 x tp=2")
+    # tp=2 x cp=2 (experts split by the plan): each router sees its context-parallel share, whole over tp
+    _assert_same(_train(tmp_path, cache, "mixtral", ["tp=2", "cp=2", "data.batch_size=16"]), whole, "tp=2 x cp=2")
 
 
 @pytest.mark.slow

@@ -89,13 +89,15 @@ class CausalLMModule(L.LightningModule):
     def _load_balancing_loss(self, router_logits, tokens: int) -> torch.Tensor:
         """The model's auxiliary loss times its `router_aux_loss_coef`, over the global batch: the same at any
         dp, cp, tp and ep (`tp_train.parallel.experts.load_balance`). Routers that saw a shard of this rank's
-        `tokens` (sequence parallelism with the experts whole) have their rows summed over the tensor-parallel
-        ranks too; routers that saw all of them (the experts split by the plan) routed alike there."""
+        context-parallel share of `tokens` (sequence parallelism with the experts whole) have their rows summed over
+        the tensor-parallel ranks too; routers that saw all of it (the experts split by the plan) routed alike
+        there."""
         strategy, config = self.trainer.strategy, self.model.config
         sequence_group = None
         if isinstance(strategy, TensorParallelStrategy):
             group = strategy.replica_group
-            if router_logits[0].numel() // router_logits[0].shape[-1] < tokens:  # rows routed here
+            rows = router_logits[0].numel() // router_logits[0].shape[-1]  # routed here; cp's share of `tokens`
+            if rows * strategy.context_parallel_size < tokens:
                 sequence_group = strategy.tensor_parallel_group
         else:
             group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
