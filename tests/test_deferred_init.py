@@ -109,3 +109,36 @@ def test_a_decoder_tied_to_the_embedding_and_to_its_parents_bias_keeps_both_ties
     materialised afresh: a new random weight (the plan check then found it 1.96 from its shards) and a bias that left
     the parent's behind, with no gradient (issue 41: bert, ctrl, electra, ernie, ... through train.py)."""
     assert run_on_ranks(_meta_built_bert, 1)[0] == (True, True)
+
+
+def test_a_parent_initialising_its_childrens_tensors_initialises_them_built_on_meta():
+    """Qwen3-Next's sparse MoE block draws its router's weight in its own `_init_weights` branch; the block holds no
+    tensors of its own, so materialised module by module it was never initialised and the router kept
+    `torch.empty`'s memory, another on every rank: through train.py the plan check found the experts 5% off
+    (issue 41: qwen3_next, qwen3_5_moe, qwen4_exp). Each tensor now has the statistics of an eagerly built model's:
+    the same mean and spread (a constant's exactly), drawn or set by the rule its model's own init applies."""
+    from models import hugging_face_causal_lm
+    from tp_train.plan.enclosing_init import initializer_of
+    from tp_train.plan.meta_init import materialize
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, linear_key_head_dim=8, linear_value_head_dim=8,
+                  layer_types=["linear_attention"])  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        wrapper = torch.nn.ModuleDict({"model": hugging_face_causal_lm("qwen3_next", config=config)})
+    materialized = {}
+    for name, module in wrapper.named_modules():
+        materialize(name, module, torch.device("cpu"), materialized, initializer_of(wrapper, name))
+    torch.manual_seed(0)
+    built = dict(hugging_face_causal_lm("qwen3_next", config=config).named_parameters())
+    for name, param in wrapper["model"].named_parameters():
+        expected = built[name]
+        spread = expected.std().item()
+        if spread == 0:
+            assert torch.equal(param, expected), name
+        elif expected.numel() >= 256:  # enough draws for their spread to be seen (a few heads' A_log are not)
+            assert abs(param.std().item() - spread) <= 0.15 * spread, (name, param.std().item(), spread)
+            assert abs(param.mean().item() - expected.mean().item()) <= 0.15 * spread, name
+    assert wrapper["model"].model.layers[0].mlp.gate.weight.std() > 0.01  # the router, drawn (std 0.02)
