@@ -27,6 +27,8 @@ RECORDS = (
     FamilySpec(model_type="blt", zoo_fields=dict(patching_threshold=5.0)),
     FamilySpec(model_type="vibevoice_acoustic_tokenizer", zoo_fields=VIBEVOICE_TOKENIZER),
     FamilySpec(model_type="vibevoice_acoustic_tokenizer_encoder", zoo_fields=VIBEVOICE_TOKENIZER),
+    # X-MOD's language adapters need a language for inputs that name none (`set_default_language`, a config field).
+    FamilySpec(model_type="xmod", zoo_fields=dict(default_language="en_XX")),
     # Defaults that build no model that runs (transformers 5's defaults lack what every checkpoint sets):
     FamilySpec(model_type="lfm2_moe", zoo_fields=dict(layer_types=["conv", "full_attention"])),  # no layer kinds
     # rotary parameters are looked up per layer kind, and the default has none
