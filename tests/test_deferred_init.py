@@ -92,53 +92,107 @@ def test_computed_buffers_of_a_model_planned_through_a_wrapper_are_recomputed_as
 def _meta_built_bert(rank, world_size):
     from models import hugging_face_causal_lm
 
-    torch.manual_seed(0)
     config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
-    with torch.device("meta"):
-        model = hugging_face_causal_lm("bert", config=config)
-    tp_train.parallelize(model, loss_parallel=True, device="cpu", verify=True)
-    predictions = model.cls.predictions
-    return predictions.decoder.bias is predictions.bias, predictions.decoder.weight.data_ptr() == (
-        model.bert.embeddings.word_embeddings.weight.data_ptr()
-    )
+    ties = []
+    for building in (torch.device("meta"), tp_train.deferred_init()):  # a user's meta build; train.py's
+        torch.manual_seed(0)
+        with building:
+            model = hugging_face_causal_lm("bert", config=config)
+        tp_train.parallelize(model, loss_parallel=True, device="cpu", verify=True)
+        predictions = model.cls.predictions
+        embedding = model.bert.embeddings.word_embeddings.weight
+        ties.append(
+            (
+                predictions.decoder.bias is predictions.bias,
+                predictions.decoder.weight.data_ptr() == embedding.data_ptr(),
+            )
+        )
+    return ties
 
 
 def test_a_decoder_tied_to_the_embedding_and_to_its_parents_bias_keeps_both_ties_built_on_meta():
     """BERT's decoder (`cls.predictions.decoder`) takes its weight from the word embedding, sharded before it, and its
     bias from `cls.predictions.bias`, materialised before it. Built on meta (train.py's path) the decoder was
     materialised afresh: a new random weight (the plan check then found it 1.96 from its shards) and a bias that left
-    the parent's behind, with no gradient (issue 41: bert, ctrl, electra, ernie, ... through train.py)."""
-    assert run_on_ranks(_meta_built_bert, 1)[0] == (True, True)
+    the parent's behind, with no gradient (issue 41: bert, ctrl, electra, ernie, ... through train.py). Under
+    `deferred_init` the parent's bias keeps its constructed zeros and the ties hold as well."""
+    assert run_on_ranks(_meta_built_bert, 1)[0] == [(True, True), (True, True)]
 
 
-def test_a_parent_initialising_its_childrens_tensors_initialises_them_built_on_meta():
-    """Qwen3-Next's sparse MoE block draws its router's weight in its own `_init_weights` branch; the block holds no
-    tensors of its own, so materialised module by module it was never initialised and the router kept
-    `torch.empty`'s memory, another on every rank: through train.py the plan check found the experts 5% off
-    (issue 41: qwen3_next, qwen3_5_moe, qwen4_exp). Each tensor now has the statistics of an eagerly built model's:
-    the same mean and spread (a constant's exactly), drawn or set by the rule its model's own init applies."""
+# Tensors their constructors compute and their `_init_weights` does not redo (issue 41).
+CONSTRUCTED = {
+    "apertus": (
+        "model.layers.0.mlp.act_fn.alpha_p",
+        "model.layers.0.mlp.act_fn.alpha_n",
+        "model.layers.0.mlp.act_fn.eps",
+    ),
+    "data2vec-text": ("lm_head.bias",),
+    "falcon_h1": ("model.layers.0.mamba.mup_vector",),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CONSTRUCTED))
+def test_values_a_constructor_computes_are_kept_by_deferred_init(family):
+    """Built on meta, Apertus' xIELU scalars, Data2VecText's head bias and Falcon-H1's muP vector kept
+    `torch.empty`'s memory (1e17 scalars; losses of 1e11): no initialiser redoes them. `deferred_init` (the strategy's
+    `init_module`) keeps what the constructor computed, so the materialised model holds what one built on the CPU
+    does; the weights it draws are still meta until their shard is materialised."""
+    from models import hugging_face_causal_lm
+    from tp_train.plan.meta_init import init_weights_of, materialize
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=32)  # fmt: skip
+    if family == "falcon_h1":  # a muP vector of distinct multipliers, so each slice's scaling is checked
+        config.update(ssm_multipliers=[0.5, 2.0, 3.0, 4.0, 5.0])
+    with tp_train.deferred_init():
+        deferred = hugging_face_causal_lm(family, config=config)
+    assert deferred.get_output_embeddings().weight.is_meta
+    materialized = {}
+    for name, module in deferred.named_modules():
+        materialize(name, module, torch.device("cpu"), materialized, init_weights_of(deferred, name))
+    built = dict(hugging_face_causal_lm(family, config=config).named_parameters(remove_duplicate=False))
+    built.update(hugging_face_causal_lm(family, config=config).named_buffers())
+    tensors = {**dict(deferred.named_parameters(remove_duplicate=False)), **dict(deferred.named_buffers())}
+    for name in CONSTRUCTED[family]:
+        assert torch.equal(tensors[name], built[name]), (name, tensors[name], built[name])
+
+
+# What a parent's `_init_weights` branch sets in its children: Qwen3-Next's sparse MoE block draws its router (plain
+# meta: `torch.empty`'s memory before, another on every rank, the plan check found the experts 5% off through
+# train.py; deferred_init keeps its constructed zeros, which Hugging Face's own init at build time then draws),
+# GPT-2's attention and MLP scale their output projections' spread by 1/sqrt(2 * layers) (twice it before), and
+# ModernBERT's decoder, tied to the embedding, must not take the output projections' spread (half the embedding's).
+PARENTS_INITIALISE = {"qwen3_next": torch.device("meta"), "gpt2": None, "modernbert-decoder": None}
+
+
+@pytest.mark.parametrize("family", sorted(PARENTS_INITIALISE))
+def test_each_module_is_initialised_by_its_enclosing_modules_too_as_hugging_face_does(family):
+    """Materialised module by module, each module is initialised by its own `_init_weights` call and then its
+    enclosing modules' (Hugging Face initialises children, then parents), every other tensor marked initialised:
+    each tensor then has the mean and spread of an eager build's (a constant's exactly), drawn by the rule its model
+    applies (issue 41: qwen3_next, qwen3_5_moe, qwen4_exp)."""
     from models import hugging_face_causal_lm
     from tp_train.plan.enclosing_init import initializer_of
     from tp_train.plan.meta_init import materialize
 
-    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=4, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                  shared_expert_intermediate_size=32, linear_key_head_dim=8, linear_value_head_dim=8,
-                  layer_types=["linear_attention"])  # fmt: skip
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0)  # fmt: skip
+    if family == "qwen3_next":
+        config.update(head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32, linear_key_head_dim=8, linear_value_head_dim=8)  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("meta"):
-        wrapper = torch.nn.ModuleDict({"model": hugging_face_causal_lm("qwen3_next", config=config)})
+    with PARENTS_INITIALISE[family] or tp_train.deferred_init():
+        wrapper = torch.nn.ModuleDict({"model": hugging_face_causal_lm(family, config=config)})
     materialized = {}
     for name, module in wrapper.named_modules():
         materialize(name, module, torch.device("cpu"), materialized, initializer_of(wrapper, name))
     torch.manual_seed(0)
-    built = dict(hugging_face_causal_lm("qwen3_next", config=config).named_parameters())
+    built = dict(hugging_face_causal_lm(family, config=config).named_parameters())
     for name, param in wrapper["model"].named_parameters():
         expected = built[name]
         spread = expected.std().item()
         if spread == 0:
             assert torch.equal(param, expected), name
         elif expected.numel() >= 256:  # enough draws for their spread to be seen (a few heads' A_log are not)
-            assert abs(param.std().item() - spread) <= 0.15 * spread, (name, param.std().item(), spread)
-            assert abs(param.mean().item() - expected.mean().item()) <= 0.15 * spread, name
-    assert wrapper["model"].model.layers[0].mlp.gate.weight.std() > 0.01  # the router, drawn (std 0.02)
+            assert abs(param.std().item() - spread) <= 0.2 * spread, (name, param.std().item(), spread)
+            assert abs(param.mean().item() - expected.mean().item()) <= 0.3 * spread, name

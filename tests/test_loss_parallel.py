@@ -51,7 +51,7 @@ class TrainingStepRecorder(L.Callback):
         self.losses.append(outputs["loss"].item())
 
 
-def _train(rank, world_size, loss_parallel, fused_loss=None):
+def _train(rank, world_size, loss_parallel, fused_loss=None, plan=None):
     import tp_train.parallel.cross_entropy as cross_entropy
 
     cross_entropy.CHUNK_BYTES = CHUNK * -(-VOCAB // world_size) * 4  # chunks of CHUNK tokens
@@ -61,7 +61,7 @@ def _train(rank, world_size, loss_parallel, fused_loss=None):
     recorder = TrainingStepRecorder()
     trainer = L.Trainer(
         strategy=tp_train.TensorParallelStrategy(
-            tensor_parallel_size=world_size, loss_parallel=loss_parallel, fused_loss=fused_loss
+            tensor_parallel_size=world_size, loss_parallel=loss_parallel, fused_loss=fused_loss, plan=plan
         ),
         accelerator="cpu",
         devices=world_size,
@@ -104,15 +104,28 @@ def _without_a_sharded_head(rank, world_size):
     plan = {pattern: style for pattern, style in SwiGLUModel.tp_plan.items() if pattern != "head"}
     try:
         tp_train.parallelize(SwiGLUModel(), plan=plan, loss_parallel=True)
+        message = None
     except ValueError as error:
-        return str(error)
-    return None
+        message = str(error)
+    # Through the strategy, whose loss takes either logits: loss_parallel falls back to whole logits (issue 41).
+    whole_head = {f"model.{name}": style for name, style in GPT.tp_plan.items() if name not in ("tok_emb", "lm_head")}
+    fits = {}
+    for loss_parallel in (True, False):
+        losses, largest = _train(rank, world_size, loss_parallel, plan=whole_head)
+        fits[loss_parallel] = losses, largest
+    return message, fits
 
 
-def test_loss_parallel_without_a_vocabulary_sharded_head_is_one_line():
-    (message, _) = run_on_ranks(_without_a_sharded_head, 2)
-    assert message is not None and "\n" not in message
-    assert "loss_parallel=True" in message and "colwise_gather_output" in message and "found none" in message
+def test_loss_parallel_without_a_vocabulary_sharded_head_is_one_line_or_whole_logits_through_the_strategy():
+    """`parallelize(loss_parallel=True)` refuses a plan that leaves the head whole (its caller's vocabulary-parallel
+    loss would be wrong); the strategy, which computes the loss itself, takes the whole logits instead, with one info
+    line (CPM-Ant, Mllama, Moshi through train.py): the losses of `loss_parallel=False`, the full logits held."""
+    for message, fits in run_on_ranks(_without_a_sharded_head, 2, timeout=240):
+        assert message is not None and "\n" not in message
+        assert "loss_parallel=True" in message and "colwise_gather_output" in message and "found none" in message
+        (losses, largest), (whole_losses, _) = fits[True], fits[False]
+        assert len(losses) == STEPS and losses == whole_losses, (losses, whole_losses)
+        assert largest >= BATCH * SEQ * VOCAB
 
 
 def _olmoe_losses(rank, world_size):

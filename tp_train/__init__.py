@@ -41,6 +41,7 @@ from tp_train.parallel.random import TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
 from tp_train.plan.autoplan import infer_plan
 from tp_train.plan.data_parallel import fully_shard_data_parallel
+from tp_train.plan.meta_init import deferred_init
 from tp_train.plan.parallelize import parallelize
 from tp_train.plan.pipeline import plan_pipeline_split
 from tp_train.plan.verify import PlanVerificationError, verify_parallelized
@@ -82,6 +83,7 @@ __all__ = [
     "copy_to_tensor_parallel_region",
     "constant_with_warmup",
     "cosine_with_warmup",
+    "deferred_init",
     "estimate_memory",
     "export_hugging_face",
     "full_state_dict",

@@ -25,6 +25,7 @@ from tp_train.lightning.nonfinite import ACTIONS
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.plan.context_parallel import check_context_parallel
 from tp_train.plan.match import match_plan
+from tp_train.plan.meta_init import deferred_init
 from tp_train.plan.probe_input import run_without_cache
 from tp_train.plan.resolve import resolve_plan
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
@@ -67,16 +68,20 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     _check_pretrained(cfg.model)
     _check_fault_handling(cfg)
     try:
-        with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+        with deferred_init():  # as the strategy builds it: shapes only, but the values its constructor computes
             model = build_model()()
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model: {error}") from None
-    _check_one_batch(cfg, model)
     try:
         experts_whole = cfg.get("ep", 1) > 1  # as the strategy plans it: the experts whole on every rank
         match_plan(model, resolve_plan(model, tensor_parallel_size=tp, experts_whole=experts_whole)[0], tp)
+        plan_error = None
     except ValueError as error:
-        raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
+        plan_error = error
+    model.to("meta")  # shapes only from here on
+    _check_one_batch(cfg, model)  # a model that cannot run says so before its plan does
+    if plan_error is not None:
+        raise ConfigError(f"model={type(model).__name__} at tp={tp}: {plan_error}") from None
     check_pipeline(cfg, model)
     check_experts(cfg, model)
     if cp > 1:

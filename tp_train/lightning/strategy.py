@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -49,6 +50,7 @@ from tp_train.parallel.mesh import (
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
+from tp_train.plan.meta_init import deferred_init
 from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
 
@@ -334,9 +336,10 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None):
-        # With empty_init the model is built on the meta device; `setup` materialises each rank's shards only.
-        device = torch.device("meta") if empty_init else self.root_device
-        with device, self.precision_plugin.tensor_init_context():
+        # With empty_init the model is built on the meta device (the values its constructor computes kept); `setup`
+        # materialises each rank's shards only.
+        building = deferred_init() if empty_init else self.root_device
+        with building, self.precision_plugin.tensor_init_context():
             yield
 
     @override
@@ -401,7 +404,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                     plan=self._plan,
                     device=self.root_device,
                     verify=self._verify_plan,
-                    loss_parallel=self.loss_parallel,
+                    loss_parallel="auto" if self.loss_parallel else False,
                     compile=self.compile,
                     overlap=self.overlap,
                     sequence_parallel=self.sequence_parallel,
@@ -410,6 +413,12 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                     cp_group=cp_group,
                     cp_options={"rotation": self.context_parallel_rotation, "document_separator": separator},
                     experts_whole=self._experts.size > 1,
+                )
+            if self.loss_parallel and not attached(root, "tp_vocab_size"):
+                self.loss_parallel = self._loss.loss_parallel = False
+                rank_zero_info(
+                    "loss_parallel off: no LM head is planned 'colwise_gather_output' (the model's "
+                    "get_output_embeddings() stays whole under its plan); the loss takes the whole logits"
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from itertools import chain
 
+import torch
 import torch.nn as nn
+from transformers.initialization import guard_torch_init_functions
 
 from tp_train.plan.meta_init import init_weights_of
 
@@ -23,7 +25,9 @@ def initializer_of(root: nn.Module, name: str) -> Callable[[nn.Module], None] | 
     (`meta_init.init_weights_of`): the module's own initialiser, then each enclosing module's (innermost first, up
     to `root`) with every real tensor but the module's own marked initialised, so an enclosing call sets this
     module's tensors and leaves the rest (shards already cut, weights already drawn) as they are; meta tensors,
-    materialised later, take no values."""
+    materialised later, take no values. A tensor tied to another name inside an enclosing module stays marked for
+    that module's call: Hugging Face ties after initialising, so the tie's other end's rule (ModernBERT's decoder,
+    drawn at the output projections' spread) never reaches it."""
     own = init_weights_of(root, name)
     if own is None:
         return None
@@ -36,29 +40,41 @@ def initializer_of(root: nn.Module, name: str) -> Callable[[nn.Module], None] | 
         if not calls:
             return
         opened = {id(tensor) for tensor in chain(module.parameters(recurse=False), module.buffers(recurse=False))}
-        with _others_marked(root, opened):
+        elsewhere = _names_elsewhere(root, name, opened)
+        others = [tensor for _, tensor in _tensors(root) if not tensor.is_meta and id(tensor) not in opened]
+        with _marked(others), guard_torch_init_functions():
             for parent, parent_init in calls:
-                parent_init(root.get_submodule(parent))
+                inside = f"{parent}." if parent else ""
+                tied = [tensor for tensor, names in elsewhere if any(other.startswith(inside) for other in names)]
+                with _marked(tied):
+                    parent_init(root.get_submodule(parent))
 
     return init
 
 
-@contextmanager
-def _others_marked(root: nn.Module, opened: set[int]):
-    """Every real tensor of `root` outside `opened` (ids) marked initialised for the duration (Hugging Face's own
-    guard on `torch.nn.init` too, for initialisers that call torch's directly); marks set before are kept."""
-    from transformers.initialization import guard_torch_init_functions
+def _tensors(root: nn.Module):
+    """(name, tensor) for every parameter and buffer of `root`, a tied one under each of its names."""
+    return chain(root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False))
 
-    marked = [
-        tensor
-        for tensor in chain(root.parameters(), root.buffers())
-        if not tensor.is_meta and id(tensor) not in opened and not getattr(tensor, INITIALIZED, False)
-    ]
+
+def _names_elsewhere(root: nn.Module, name: str, opened: set[int]) -> list[tuple[torch.Tensor, list[str]]]:
+    """Each tensor of `opened` (ids) tied to names outside `root`'s submodule `name`, with those names."""
+    own = f"{name}." if name else ""
+    found: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for key, tensor in _tensors(root):
+        if id(tensor) in opened and not (key.startswith(own) and "." not in key[len(own) :]):
+            found.setdefault(id(tensor), (tensor, []))[1].append(key)
+    return list(found.values())
+
+
+@contextmanager
+def _marked(tensors):
+    """`tensors` marked initialised for the duration; marks set before are kept."""
+    marked = {id(tensor): tensor for tensor in tensors if not getattr(tensor, INITIALIZED, False)}.values()
     for tensor in marked:
         setattr(tensor, INITIALIZED, True)
     try:
-        with guard_torch_init_functions():
-            yield
+        yield
     finally:
         for tensor in marked:
             delattr(tensor, INITIALIZED)

@@ -47,7 +47,7 @@ def parallelize(
     model: nn.Module,
     tp_group: ProcessGroup | DeviceMesh | None = None,
     plan: dict[str, str] | None = None,
-    loss_parallel: bool = False,
+    loss_parallel: bool | str = False,
     device: torch.device | str | None = None,
     verify: bool | None = None,
     weights: str | Path | None = None,
@@ -81,7 +81,7 @@ def parallelize(
     # others waiting in a collective it will not join.
     with failures_agreed(group):
         planned = match_plan(model, resolved, dist.get_world_size(group), example_input)
-        heads, vocab_size = _loss_parallel_heads(model, planned, source) if loss_parallel else ((), None)
+        heads, vocab_size = _loss_parallel_heads(model, planned, source, loss_parallel) if loss_parallel else ((), None)
         parameter_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
         whole_model = verify or (verify is None and parameter_bytes <= WHOLE_MODEL_CHECK_BYTES)
         skeleton = unsharded_skeleton(model) if whole_model else None  # on the meta device: no memory
@@ -146,11 +146,15 @@ def _agreed_plan(
     return decide() if plan or size == 1 else first_rank_decides(decide, group)
 
 
-def _loss_parallel_heads(model: nn.Module, planned: list[PlannedModule], source: str) -> tuple[tuple[str, ...], int]:
+def _loss_parallel_heads(
+    model: nn.Module, planned: list[PlannedModule], source: str, loss_parallel: bool | str
+) -> tuple[tuple[str, ...], int | None]:
     """The LM head whose logits `loss_parallel` keeps sharded, and its real vocabulary size: the model's output
     embedding (Hugging Face's `get_output_embeddings()`, the module whose output is the logits) where it is planned
     'colwise_gather_output'; else (a model of your own without one) every layer planned so, which must share one
-    vocabulary size. Not every gathered layer is a head: OLMoE's own plan gathers q, k and v (issue 41)."""
+    vocabulary size. Not every gathered layer is a head: OLMoE's own plan gathers q, k and v (issue 41). With
+    `loss_parallel="auto"` a model without such a head gets none, ((), None): its logits stay whole (CPM-Ant's and
+    Mllama's plans leave the head unsplit)."""
     gathered = {entry.name: entry for entry in planned if entry.style == "colwise_gather_output"}
     output_embeddings = getattr(model, "get_output_embeddings", None)
     head = output_embeddings() if callable(output_embeddings) else None
@@ -159,6 +163,8 @@ def _loss_parallel_heads(model: nn.Module, planned: list[PlannedModule], source:
             return (name,), linear_shape(head)[1]
     sizes = {name: linear_shape(entry.module)[1] for name, entry in gathered.items()}
     if len(set(sizes.values())) != 1:
+        if loss_parallel == "auto":
+            return (), None
         found = ", ".join(f"'{name}' ({size})" for name, size in sizes.items()) or "none"
         raise ValueError(
             f"loss_parallel=True needs the LM head planned 'colwise_gather_output' by {source}: the model's "

@@ -105,7 +105,7 @@ def falcon_h1_unsupported(model: nn.Module) -> str | None:
         return (
             "built on the meta device, its mixers' mup_vector buffers would stay unset (FalconH1Model's "
             "_init_weights fills them for every layer at once, and tp_train materialises module by module); build "
-            "it on a real device"
+            "it under tp_train.deferred_init() (as TensorParallelStrategy's init_module does), or on a real device"
         )
     if getattr(model.config, "mamba_rms_norm", False):
         return (

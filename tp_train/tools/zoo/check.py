@@ -61,8 +61,6 @@ def _check_family(model_type: str, steps: int, tolerance: float, task: str, fiel
     torch.manual_seed(0)
     try:
         reference = build_family(task, model_type, fields).eval()
-        if hasattr(reference, "set_default_language"):  # X-MOD's adapters need a language, unsharded too
-            reference.set_default_language(reference.config.languages[0])
         if not has_block_linears(reference):
             return {
                 "class": "no blocks",
