@@ -40,8 +40,7 @@ def initializer_of(root: nn.Module, name: str) -> Callable[[nn.Module], None] | 
         if not calls:
             return
         opened = {id(tensor) for tensor in chain(module.parameters(recurse=False), module.buffers(recurse=False))}
-        elsewhere = _names_elsewhere(root, name, opened)
-        others = [tensor for _, tensor in _tensors(root) if not tensor.is_meta and id(tensor) not in opened]
+        others, elsewhere = _split(root, name, opened)
         with _marked(others), guard_torch_init_functions():
             for parent, parent_init in calls:
                 inside = f"{parent}." if parent else ""
@@ -52,19 +51,22 @@ def initializer_of(root: nn.Module, name: str) -> Callable[[nn.Module], None] | 
     return init
 
 
-def _tensors(root: nn.Module):
-    """(name, tensor) for every parameter and buffer of `root`, a tied one under each of its names."""
-    return chain(root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False))
-
-
-def _names_elsewhere(root: nn.Module, name: str, opened: set[int]) -> list[tuple[torch.Tensor, list[str]]]:
-    """Each tensor of `opened` (ids) tied to names outside `root`'s submodule `name`, with those names."""
+def _split(root: nn.Module, name: str, opened: set[int]):
+    """`root`'s real tensors outside `opened` (ids), and each tensor of `opened` tied to names outside its submodule
+    `name`, with those names: one pass over every parameter and buffer, a tied one under each of its names."""
     own = f"{name}." if name else ""
-    found: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    for key, tensor in _tensors(root):
-        if id(tensor) in opened and not (key.startswith(own) and "." not in key[len(own) :]):
-            found.setdefault(id(tensor), (tensor, []))[1].append(key)
-    return list(found.values())
+    others: list[torch.Tensor] = []
+    elsewhere: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for prefix, sub in root.named_modules(remove_duplicate=False):
+        for key, tensor in chain(sub._parameters.items(), sub._buffers.items()):
+            if tensor is None:
+                continue
+            if id(tensor) not in opened:
+                if not tensor.is_meta:
+                    others.append(tensor)
+            elif f"{prefix}." != own:
+                elsewhere.setdefault(id(tensor), (tensor, []))[1].append(f"{prefix}.{key}" if prefix else key)
+    return others, list(elsewhere.values())
 
 
 @contextmanager
