@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 import glob
 import os
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from hydra.utils import instantiate
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
 from omegaconf import DictConfig
 
 from tp_train.app.config_values import check_values
@@ -71,17 +68,20 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     _check_pretrained(cfg.model)
     _check_fault_handling(cfg)
     try:
-        with _built_as_ranks_build(cfg.precision):  # shapes only, but the values its constructor computes
+        with deferred_init():  # as the strategy builds it: shapes only, but the values its constructor computes
             model = build_model()()
     except (ValueError, TypeError) as error:
         raise ConfigError(f"model: {error}") from None
-    _check_one_batch(cfg, model)
     try:
         experts_whole = cfg.get("ep", 1) > 1  # as the strategy plans it: the experts whole on every rank
         match_plan(model, resolve_plan(model, tensor_parallel_size=tp, experts_whole=experts_whole)[0], tp)
+        plan_error = None
     except ValueError as error:
-        raise ConfigError(f"model={type(model).__name__} at tp={tp}: {error}") from None
-    model = model.to("meta")  # the values kept for planning: the checks below read shapes
+        plan_error = error
+    model.to("meta")  # shapes only from here on
+    _check_one_batch(cfg, model)  # a model that cannot run says so before its plan does
+    if plan_error is not None:
+        raise ConfigError(f"model={type(model).__name__} at tp={tp}: {plan_error}") from None
     check_pipeline(cfg, model)
     check_experts(cfg, model)
     if cp > 1:
@@ -145,26 +145,10 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
     return vocab if isinstance(vocab, int) else None
 
 
-@contextmanager
-def _built_as_ranks_build(precision) -> Iterator[None]:
-    """Building the model as `TensorParallelStrategy.tensor_init_context` does on each rank, so the plan checked here is
-    the one the ranks find: on the meta device keeping the values its constructor computes (`deferred_init`), in the
-    dtype Lightning's precision builds in (bf16 under `bf16-true`, float32 under `32` and the mixed ones). Checked in
-    bf16 under every precision, xLSTM's and Inkling 2's plans were refused that the ranks find in float32 (issue 41)."""
-    name = lightning_precision(precision)
-    if name in ("16-true", "bf16-true"):
-        dtype = HalfPrecision(name).tensor_init_context()
-    else:
-        dtype = DoublePrecision().tensor_init_context() if name == "64-true" else nullcontext()
-    with deferred_init(), dtype:
-        yield
-
-
 def _check_one_batch(cfg: DictConfig, model: torch.nn.Module) -> None:
     """A Hugging Face model built from its family's config (`model.type`) runs one batch on one device: on the meta
     device (shapes only), in bf16 (Hugging Face's grouped-GEMM experts refuse fp32 there), before any rank starts or
-    any sharding, on a copy (`model` is planned as it was built). It runs as a training step does, without a
-    generation cache; where the
+    any sharding; `model` is left in bf16. It runs as a training step does, without a generation cache; where the
     meta device stops that early (DeepSeek-V3's attention reads a value), the family's default path, whose cache
     checks the heads' shapes, runs too. An error about the meta device itself, or there about the cache a training
     step never builds (Bamba's tiny layers, all linear attention), proves nothing and passes."""
@@ -172,7 +156,7 @@ def _check_one_batch(cfg: DictConfig, model: torch.nn.Module) -> None:
         return  # a saved model ran as it was saved; a model of your own may need other inputs
     block = cfg.data.get("block_size") or 8
     batch = torch.zeros(2, block, dtype=torch.long, device="meta")
-    model = copy.deepcopy(model).to(device="meta", dtype=torch.bfloat16)
+    model = model.to(torch.bfloat16)
     default_path = lambda model, batch: model(batch)  # noqa: E731
     for forward, inconclusive in ((run_without_cache, ("meta",)), (default_path, ("meta", "cache"))):
         error = _meta_error(forward, model, batch)
