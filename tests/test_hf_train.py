@@ -164,3 +164,19 @@ def test_a_failed_runs_reason_is_the_apps_own_error_line():
     stderr = f"{cause}\nTraceback (most recent call last):\nNotImplementedError: Cannot copy out of meta tensor\n"
     assert _last_error(stderr).startswith("error: rank 0 (pid 7) failed: ValueError: loss_parallel=True")
     assert _last_error("RuntimeError: boom\nlast line\n") == "RuntimeError: boom"
+
+
+@pytest.mark.parametrize("family", ["inkling2_text", "blt", "xlstm"])
+def test_the_preflight_finds_the_plan_the_ranks_find_for_the_zoos_train_config(tmp_path, family):
+    """`--train`'s config for these families passes the preflight's plan check: it plans the model as the ranks
+    build it, before its one-batch check turns it to bf16 (planned in bf16, xLSTM's and Inkling 2's plans were
+    refused), and BLT's record patches the data's 300-token vocabulary as the zoo's 128 (with every byte its own
+    patch, no plan was found). Each then trains with tp=1's losses through `--train` (issue 41)."""
+    from hydra.utils import instantiate
+
+    from tests.test_configs import _compose
+    from tp_train.app import preflight
+    from tp_train.tools.zoo.train_path import DATA, train_overrides
+
+    cfg = _compose(tmp_path, [*train_overrides(family), *DATA, "tp=2"])
+    preflight.check(cfg, lambda: instantiate(cfg.model))
