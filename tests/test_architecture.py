@@ -32,8 +32,8 @@ PLAN_JOBS = {
     "apply": ("activation_checkpointing", "adapters", "apply", "context_parallel", "data_parallel",
               "sequence_parallel"),
     "check": ("region_check", "verify"),
-    "shared": ("caches", "channels", "compare", "enclosing_init", "gradient_hooks", "layout", "local_view",
-               "meta_init", "probe", "probe_input", "styles", "ties"),
+    "shared": ("caches", "channels", "compare", "gradient_hooks", "layout", "local_view", "meta_init", "probe",
+               "probe_input", "styles", "ties"),
 }  # fmt: skip
 PLAN_ENTRY = ("__init__", "parallelize")
 

@@ -17,12 +17,20 @@ LARGE = GPTConfig(vocab_size=4096, block_size=64, n_layer=8, n_head=8, n_embd=51
 
 
 def _initial_weights(rank, world_size):
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = GPT(SMALL)
-    tp_train.parallelize(model, device="cpu")
-    state = tp_train.full_state_dict(model, dist.group.WORLD)
-    return state if rank == 0 else None
+    from models import hugging_face_causal_lm
+    from tp_train.tools.zoo.configs import tiny_config
+
+    states = []
+    # Mamba2's `_init_weights` draws one number per head of its mixer (`module.num_heads`, a local count once its
+    # heads are split): initialising a mixer again after its split (as calling the enclosing modules' initialisers
+    # for each child did) drew fewer at tp=2 and shifted every later weight (losses 5.3e-2 apart through train.py).
+    for build in (lambda: GPT(SMALL), lambda: hugging_face_causal_lm("mamba2", config=tiny_config("mamba2"))):
+        torch.manual_seed(0)
+        with tp_train.deferred_init():
+            model = build()
+        tp_train.parallelize(model, device="cpu", verify=False)
+        states.append(tp_train.full_state_dict(model, dist.group.WORLD))
+    return states if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +40,12 @@ def weights_at_tp1():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_meta_init_gives_the_same_weights_at_every_tp(tp, weights_at_tp1):
-    sharded = run_on_ranks(_initial_weights, tp)[0]
-    assert sharded.keys() == weights_at_tp1.keys()
-    for name, tensor in weights_at_tp1.items():
-        assert torch.equal(sharded[name], tensor), name
+    for sharded, whole in zip(run_on_ranks(_initial_weights, tp)[0], weights_at_tp1, strict=True):
+        assert sharded.keys() == whole.keys()
+        for name, tensor in whole.items():
+            assert torch.equal(sharded[name], tensor), name
     # Not all zeros or a constant: the weights were really initialised.
-    assert weights_at_tp1["blocks.0.mlp.fc.weight"].std() > 0
+    assert weights_at_tp1[0]["blocks.0.mlp.fc.weight"].std() > 0
 
 
 def _peak_rss_bytes() -> int:
@@ -155,44 +163,3 @@ def test_values_a_constructor_computes_are_kept_by_deferred_init(family):
     tensors = {**dict(deferred.named_parameters(remove_duplicate=False)), **dict(deferred.named_buffers())}
     for name in CONSTRUCTED[family]:
         assert torch.equal(tensors[name], built[name]), (name, tensors[name], built[name])
-
-
-# What a parent's `_init_weights` branch sets in its children: Qwen3-Next's sparse MoE block draws its router (plain
-# meta: `torch.empty`'s memory before, another on every rank, the plan check found the experts 5% off through
-# train.py; deferred_init keeps its constructed zeros, which Hugging Face's own init at build time then draws),
-# GPT-2's attention and MLP scale their output projections' spread by 1/sqrt(2 * layers) (twice it before), and
-# ModernBERT's decoder, tied to the embedding, must not take the output projections' spread (half the embedding's).
-PARENTS_INITIALISE = {"qwen3_next": torch.device("meta"), "gpt2": None, "modernbert-decoder": None}
-
-
-@pytest.mark.parametrize("family", sorted(PARENTS_INITIALISE))
-def test_each_module_is_initialised_by_its_enclosing_modules_too_as_hugging_face_does(family):
-    """Materialised module by module, each module is initialised by its own `_init_weights` call and then its
-    enclosing modules' (Hugging Face initialises children, then parents), every other tensor marked initialised:
-    each tensor then has the mean and spread of an eager build's (a constant's exactly), drawn by the rule its model
-    applies (issue 41: qwen3_next, qwen3_5_moe, qwen4_exp)."""
-    from models import hugging_face_causal_lm
-    from tp_train.plan.enclosing_init import initializer_of
-    from tp_train.plan.meta_init import materialize
-
-    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, max_position_embeddings=32, pad_token_id=0)  # fmt: skip
-    if family == "qwen3_next":
-        config.update(head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=32, linear_key_head_dim=8, linear_value_head_dim=8)  # fmt: skip
-    torch.manual_seed(0)
-    with PARENTS_INITIALISE[family] or tp_train.deferred_init():
-        wrapper = torch.nn.ModuleDict({"model": hugging_face_causal_lm(family, config=config)})
-    materialized = {}
-    for name, module in wrapper.named_modules():
-        materialize(name, module, torch.device("cpu"), materialized, initializer_of(wrapper, name))
-    torch.manual_seed(0)
-    built = dict(hugging_face_causal_lm(family, config=config).named_parameters())
-    for name, param in wrapper["model"].named_parameters():
-        expected = built[name]
-        spread = expected.std().item()
-        if spread == 0:
-            assert torch.equal(param, expected), name
-        elif expected.numel() >= 256:  # enough draws for their spread to be seen (a few heads' A_log are not)
-            assert abs(param.std().item() - spread) <= 0.2 * spread, (name, param.std().item(), spread)
-            assert abs(param.mean().item() - expected.mean().item()) <= 0.3 * spread, name
