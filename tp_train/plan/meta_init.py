@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 # Factories whose values their arguments decide (no random draw, no uninitialised memory): what a constructor computes
 # with them (xIELU's scalars, a bias's zeros, a rotary embedding's frequencies, Falcon-H1's muP vector) is kept.
@@ -27,7 +28,10 @@ KEPT = "_tp_kept_values"  # a module's attribute: the names of its tensors whose
 
 class _KeptValuesMode(TorchFunctionMode):
     """`torch.device("meta")` for every factory without a device, except `VALUE_FACTORIES` of at most
-    `KEPT_VALUES_LIMIT` elements, which are built on the CPU."""
+    `KEPT_VALUES_LIMIT` elements, which are built on the CPU. An operation mixing kept and meta tensors computes on
+    the meta device (its value depends on one that does not exist yet), and one writing such a value into a kept
+    tensor leaves it as it is: Zamba's `_init_weights`, run by Hugging Face's `post_init` while the model is built,
+    copies a meta draw into its kept `dt_proj_bias`; `materialize` runs the initialiser again on real tensors."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -36,6 +40,12 @@ class _KeptValuesMode(TorchFunctionMode):
             if func not in VALUE_FACTORIES or shape.numel() > KEPT_VALUES_LIMIT:
                 return shape
             kwargs = {**kwargs, "device": "cpu"}
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if any(tensor.is_meta for tensor in tensors) and not all(tensor.is_meta for tensor in tensors):
+            if getattr(func, "__name__", "").endswith("_") and isinstance(args[0], torch.Tensor):
+                if not args[0].is_meta:  # an in-place write of a value not known yet
+                    return args[0]
+            args, kwargs = tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), (args, kwargs))
         return func(*args, **kwargs)
 
 
