@@ -18,6 +18,8 @@ def test_cp2_measured_peak_per_rank_is_below_one_process(tmp_path, capsys):
     rows = json.loads(output.read_text())["rows"]
     assert output.with_suffix(".svg").read_text().startswith("<svg")
     peak = {row["setup"]: row["peak_mib_per_rank"] for row in rows}
+    if peak["sdpa"] == 0:  # read once in CI (2026-11-29): the step fit in memory the worker already held
+        pytest.skip("one process's SDPA peak read 0 MiB in this pytest worker: no reference to compare with")
     # At 4,096 tokens the ratio measured 0.63-0.71 (0.52 at 16k, docs/long-sequences.md); a ring holding a block of
     # scores again would hold 8 heads x 2,048^2 fp32 = 128 MiB, over 5x one process's peak.
     assert peak["cp=2 ring"] <= 0.85 * peak["sdpa"], peak

@@ -116,6 +116,11 @@ def svg_plot(rows: list[dict], path: Path) -> None:
     path.write_text(figure(body, 2 * PANEL_WIDTH, PANEL_HEIGHT + 80))
 
 
+def _ratio(value: float, reference: float) -> str:
+    """`value / reference`, or "n/a" where the reference's peak read 0 (the step fit in memory already resident)."""
+    return f"{value / reference:.2f}" if reference else "n/a"
+
+
 def table(rows: list[dict]) -> str:
     """Markdown rows, each against the first setup measured at its length (SDPA in one process by default)."""
     base = {}
@@ -129,7 +134,7 @@ def table(rows: list[dict]) -> str:
         ref = base[row["seq_len"]]
         lines.append(
             f"| {row['setup']} | {row['seq_len']} | {row['peak_mib_per_rank']:.1f} | "
-            f"{row['peak_mib_per_rank'] / ref['peak_mib_per_rank']:.2f} | {row['seconds']:.2f} | "
+            f"{_ratio(row['peak_mib_per_rank'], ref['peak_mib_per_rank'])} | {row['seconds']:.2f} | "
             f"{row['cpu_seconds_per_rank']:.2f} | "
             f"{row['tokens_per_s']:.0f} | {row['seconds'] / ref['seconds']:.2f} |"
         )
