@@ -23,6 +23,7 @@ VALUE_FACTORIES = frozenset(
     )
 )  # fmt: skip
 KEPT_VALUES_LIMIT = 1 << 20  # elements: biases, norms, scalars and buffers; never a weight matrix of a real model
+_DEVICE_FACTORIES = frozenset(torch.utils._device._device_constructors())  # what torch.device("meta") places
 KEPT = "_tp_kept_values"  # a module's attribute: the names of its tensors whose constructed values were kept
 
 
@@ -47,9 +48,6 @@ class _KeptValuesMode(TorchFunctionMode):
                     return args[0]
             args, kwargs = tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), (args, kwargs))
         return func(*args, **kwargs)
-
-
-_DEVICE_FACTORIES = frozenset(torch.utils._device._device_constructors())
 
 
 @contextmanager
