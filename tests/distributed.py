@@ -1,15 +1,22 @@
 """Run a function on real gloo ranks spawned from pytest.
 
-Every distributed test goes through `run_on_ranks`: each rank is a fresh process forked from a fork server (a
-clean process that imported torch, Lightning and tp_train once; never pytest itself, whose sys.argv Lightning's
-launcher would re-execute), joined into a gloo process group on a free localhost port, with one thread per rank
-so that several ranks share the 2 CPU cores without thrashing. A rank's exception comes back to the
-parent with its traceback; a rank that hangs (say, in a collective another rank never joined) fails the test
-after `timeout` seconds instead of hanging CI.
+Every distributed test goes through `run_on_ranks`. Its ranks are processes forked from a fork server (a clean
+process that imported torch, Lightning and tp_train once; never pytest itself, whose sys.argv Lightning's launcher
+would re-execute), joined into a gloo process group, with one thread per rank so that several ranks share the 2 CPU
+cores without thrashing. A rank's exception comes back to the parent with its traceback; a rank that hangs (say, in
+a collective another rank never joined) fails the test after `timeout` seconds instead of hanging CI.
+
+Most tests run on pooled ranks (`tests/rank_pool.py`): forked once per world size and pytest worker, each test a
+task on a new process group, its state set back to the fork's after every task. The tests of FRESH_RANKS, and
+those that pass their own `init`, get ranks forked for them alone, joined on a free localhost port, as before:
+faults, hangs, signals and exits, peak-memory measurements (a warm process's peak is not a fresh one's), and
+compiles (a warm dynamo cache can hide a recompile). `TP_TRAIN_TEST_FRESH_RANKS=1` runs every test on fresh ranks.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import pickle
 import queue
@@ -23,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.rank_pool import Pools, RendezvousFailed, current_test
 
 
 def free_port() -> int:
@@ -49,6 +58,10 @@ def init_gloo(rank: int, world_size: int, port: int, timeout: float) -> None:
 _RETRIED_RENDEZVOUS_ERRORS = ("EADDRINUSE", "Connection closed by peer", "Connection reset")
 
 
+def _retried(error: str) -> bool:
+    return any(sign in error for sign in _RETRIED_RENDEZVOUS_ERRORS)
+
+
 def _rank_main(
     rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float, init: Callable
 ):
@@ -64,12 +77,14 @@ def _rank_main(
         try:
             init(rank, world_size, port, timeout)
         except Exception as error:  # noqa: BLE001 - only the rendezvous failures above are retried
-            if not any(sign in str(error) for sign in _RETRIED_RENDEZVOUS_ERRORS):
+            if not _retried(str(error)):
                 raise
             results.put((rank, "rendezvous failed", traceback.format_exc()))  # before fn ran: the parent retries
             return
         # Plain pickle bytes: torch's queue would pass tensors by shared memory, gone once this process exits.
-        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+        started = time.monotonic()
+        result = pickle.dumps(fn(rank, world_size, *args))
+        results.put((rank, "ok", (result, (started, time.monotonic()))))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -91,23 +106,82 @@ def _context():
     return ctx
 
 
+# Tests whose ranks are forked for them alone, by file or by `file::test` (every parameter alike).
+FRESH_RANKS = {
+    "test_rank_failure.py",  # a rank hung until the strategy's limit, ranks killed
+    "test_preemption.py",  # signals sent to ranks
+    "test_async_writer.py",  # a process that exits right after a save
+    "test_memory.py",  # peak resident memory, measured
+    "test_context_parallel_memory.py",
+    "test_deferred_init.py::test_meta_init_peak_memory_per_rank_is_below_the_model_size",
+    "test_compile.py",  # dynamo's caches and counters
+    "test_compiled_loss.py",
+}
+
+
+def fresh_ranks_wanted(init: Callable = init_gloo) -> bool:
+    """Whether the running test gets ranks of its own (FRESH_RANKS, its own `init`, or TP_TRAIN_TEST_FRESH_RANKS)."""
+    if init is not init_gloo or os.environ.get("TP_TRAIN_TEST_FRESH_RANKS") == "1":
+        return True
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]  # "tests/test_x.py::test_y[param]"
+    path, _, name = test.partition("::")
+    file = os.path.basename(path)
+    return file in FRESH_RANKS or f"{file}::{name.split('[')[0]}" in FRESH_RANKS
+
+
+_POOLS: list[Pools] = []  # this process's pools, made at the first pooled call
+
+
+def _pools() -> Pools:
+    if not _POOLS:
+        _POOLS.append(Pools(_context(), init_gloo))
+        atexit.register(_POOLS[0].close)
+    return _POOLS[0]
+
+
 def run_on_ranks(
     fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, init: Callable = init_gloo
 ) -> list[Any]:
     """Runs `fn(rank, world_size, *args)` on `world_size` gloo ranks and returns each rank's result, by rank.
 
     `fn` must be importable (a module-level function) and its result picklable. `init(rank, world_size, port,
-    timeout)` joins each rank into the group (a test may wrap `init_gloo` to inject a fault). Raises `RuntimeError`
-    with the failing rank's traceback, or `TimeoutError` naming the ranks that never reported.
+    timeout)` joins each rank into the group (a test may wrap `init_gloo` to inject a fault; such a test gets fresh
+    ranks). Raises `RuntimeError` with the failing rank's traceback, or `TimeoutError` naming the ranks that never
+    reported.
     """
-    ctx = _context()
-    for attempt in range(_RENDEZVOUS_ATTEMPTS):
-        try:
-            return _run_once(ctx, free_port(), fn, world_size, args, timeout, init)
-        except _RendezvousFailed:
-            if attempt == _RENDEZVOUS_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
+    called = time.monotonic()
+    fresh = fresh_ranks_wanted(init)
+    if fresh:
+        ctx = _context()
+        for attempt in range(_RENDEZVOUS_ATTEMPTS):
+            try:
+                outputs, spans = _run_once(ctx, free_port(), fn, world_size, args, timeout, init)
+                break
+            except _RendezvousFailed:
+                if attempt == _RENDEZVOUS_ATTEMPTS - 1:
+                    raise
+    else:
+        for attempt in range(_RENDEZVOUS_ATTEMPTS):
+            try:
+                outputs, spans = _pools().run(fn, world_size, args, timeout, free_port())
+                break
+            except RendezvousFailed as error:
+                if attempt == _RENDEZVOUS_ATTEMPTS - 1 or not _retried(str(error)):
+                    raise
+    if os.environ.get("TP_TRAIN_TEST_TIMING"):
+        _record_timing(os.environ["TP_TRAIN_TEST_TIMING"], fresh, world_size, called, spans)
+    return outputs
+
+
+def _record_timing(path: str, fresh: bool, world_size: int, called: float, spans: list) -> None:
+    """One JSON line per call: the seconds before the last rank started `fn` (fork, rendezvous, imports of the
+    function's module), in `fn` (the slowest rank), and after it (results, teardown)."""
+    started, ended = max(span[0] for span in spans), max(span[1] for span in spans)
+    line = {"test": current_test(), "ranks": "fresh" if fresh else "pooled", "world_size": world_size,
+            "start_s": started - called, "fn_s": max(end - start for start, end in spans),
+            "end_s": time.monotonic() - ended}  # fmt: skip
+    with open(path, "a") as file:
+        file.write(json.dumps(line) + "\n")
 
 
 # free_port's port can be taken before rank 0 listens on it (by another pytest worker, or by any connection that
@@ -129,6 +203,7 @@ def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeou
     for proc in procs:
         proc.start()
     outputs: dict[int, Any] = {}
+    spans: dict[int, tuple[float, float]] = {}
     deadline = time.monotonic() + timeout
     try:
         while len(outputs) < world_size:
@@ -138,15 +213,18 @@ def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeou
                 missing = sorted(set(range(world_size)) - set(outputs))
                 dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
                 if dead:  # died without reporting (killed, or crashed before running fn)
-                    raise RuntimeError(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}") from None
+                    codes = [procs[r].exitcode for r in dead]
+                    raise RuntimeError(f"{current_test()}: ranks {dead} exited with codes {codes}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s") from None
+                    raise TimeoutError(
+                        f"{current_test()}: ranks {missing} did not finish within {timeout:.0f}s"
+                    ) from None
                 continue
             if status == "rendezvous failed":
                 raise _RendezvousFailed(payload)
             if status == "error":
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
-            outputs[rank] = pickle.loads(payload)
+                raise RuntimeError(f"{current_test()}: rank {rank} of {world_size} failed:\n{payload}")
+            outputs[rank], spans[rank] = pickle.loads(payload[0]), payload[1]
     finally:
         grace = 10 if len(outputs) == world_size else 1  # after a failure, the others need not finish
         for proc in procs:
@@ -154,4 +232,4 @@ def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeou
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    return [outputs[rank] for rank in range(world_size)]
+    return [outputs[rank] for rank in range(world_size)], [spans[rank] for rank in range(world_size)]
