@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tp_train import TensorParallelMixedPrecision
 from tp_train.app import preflight, resume
+from tp_train.app.command_line import quote_paths
 from tp_train.app.module import CausalLMModule
 from tp_train.app.preflight import estimate_for_config
 from tp_train.app.resolvers import lightning_precision, register_resolvers
@@ -228,6 +229,7 @@ def run(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    quote_paths(sys.argv)  # before Hydra parses it: a checkpoint path pasted as a run printed it
     try:
         main()
     except SystemExit as stop:  # sys.exit(2) for a user error; Hydra's sys.exit(1) after reporting an exception

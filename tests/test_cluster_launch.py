@@ -225,7 +225,7 @@ def test_a_job_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoi
         job.kill()
     (interrupted,) = checkpoint.parent.glob("*.ckpt.tmp")
     assert (interrupted / ".metadata").is_file()  # the interrupted save's shards
-    (previous,) = (path for path in checkpoint.parent.glob("*-step=10.ckpt") if (path / ".metadata").is_file())
+    (previous,) = (path for path in checkpoint.parent.glob("step000010.ckpt") if (path / ".metadata").is_file())
     assert read_extra(previous / "meta.pt")["global_step"] == 10  # the previous checkpoint, whole
 
     result = train_cases.run([sys.executable, "train.py", *COMMAND, f"hydra.run.dir={run_dir}"], **_run(cache))

@@ -176,7 +176,7 @@ def test_a_stopped_rank_ends_the_job_at_the_defaults_and_the_same_command_resume
     resumed = _run(run_dir, cache, *_fault(record), sync)  # the same command
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (line,) = (line for line in resumed.stderr.splitlines() if line.startswith("resuming from "))
-    assert "step=20.ckpt" in Path(line.split()[2].rstrip(",")).resolve().name, line
+    assert "step000020.ckpt" in Path(line.split()[2].rstrip(",")).resolve().name, line
     before, after = losses(straight_dir), losses(run_dir)
     print({step: (before[step], after[step]) for step in (20, 21, 29)})
     assert sorted(after) == sorted(before) == list(range(30))

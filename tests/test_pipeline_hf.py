@@ -63,7 +63,7 @@ def test_hugging_face_models_at_pp_equal_one_process_and_resume_across_pp(tmp_pa
     gaps = {"gpt2 pp=2": _assert_same(_train(tmp_path, "gpt2_pp2", [*GPT2, "pp=2", "tp=1"]), reference, "gpt2 pp=2")}
     both = _train(tmp_path, "gpt2_pp2_tp2", [*GPT2, "pp=2", "tp=2"])
     gaps["gpt2 pp=2 x tp=2"] = _assert_same(both, reference, "gpt2 pp=2 x tp=2")
-    saved = tmp_path / "gpt2_pp2_tp2" / "checkpoints" / "epoch=0-step=3.ckpt"
+    saved = tmp_path / "gpt2_pp2_tp2" / "checkpoints" / "step000003.ckpt"
     assert saved.is_dir()
     for pp in (1, 4):
         resumed = _train(tmp_path, f"gpt2_resumed_pp{pp}", [*GPT2, f"pp={pp}", "tp=1", f"ckpt_path='{saved}'"])
@@ -73,7 +73,7 @@ def test_hugging_face_models_at_pp_equal_one_process_and_resume_across_pp(tmp_pa
     # process's (to 1e-4: after 6 Adam steps, a gradient's last-bit difference moves a weight by up to ~1e-5)
     exported = {}
     for pp in (1, 2):
-        checkpoint = tmp_path / f"gpt2_pp{pp}" / "checkpoints" / "epoch=0-step=6.ckpt"
+        checkpoint = tmp_path / f"gpt2_pp{pp}" / "checkpoints" / "step000006.ckpt"
         directory = export_hugging_face(checkpoint, tmp_path / f"gpt2_pp{pp}_exported")
         exported[pp] = load_file(Path(directory) / "model.safetensors")
     assert exported[2].keys() == exported[1].keys()
