@@ -16,7 +16,6 @@ compiles (a warm dynamo cache can hide a recompile). `TP_TRAIN_TEST_FRESH_RANKS=
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import pickle
 import queue
@@ -31,7 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.rank_pool import Pools, RendezvousFailed, current_test
+from tests import timing
+from tests.rank_pool import Pools, RendezvousFailed
+from tests.timing import current_test
 
 
 def free_port() -> int:
@@ -111,8 +112,7 @@ FRESH_RANKS = {
     "test_rank_failure.py",  # a rank hung until the strategy's limit, ranks killed
     "test_preemption.py",  # signals sent to ranks
     "test_async_writer.py",  # a process that exits right after a save
-    "test_memory.py",  # peak resident memory, measured
-    "test_context_parallel_memory.py",
+    "test_context_parallel_memory.py",  # peak resident memory, measured
     "test_deferred_init.py::test_meta_init_peak_memory_per_rank_is_below_the_model_size",
     "test_compile.py",  # dynamo's caches and counters
     "test_compiled_loss.py",
@@ -168,20 +168,10 @@ def run_on_ranks(
             except RendezvousFailed as error:
                 if attempt == _RENDEZVOUS_ATTEMPTS - 1 or not _retried(str(error)):
                     raise
-    if os.environ.get("TP_TRAIN_TEST_TIMING"):
-        _record_timing(os.environ["TP_TRAIN_TEST_TIMING"], fresh, world_size, called, spans)
-    return outputs
-
-
-def _record_timing(path: str, fresh: bool, world_size: int, called: float, spans: list) -> None:
-    """One JSON line per call: the seconds before the last rank started `fn` (fork, rendezvous, imports of the
-    function's module), in `fn` (the slowest rank), and after it (results, teardown)."""
     started, ended = max(span[0] for span in spans), max(span[1] for span in spans)
-    line = {"test": current_test(), "ranks": "fresh" if fresh else "pooled", "world_size": world_size,
-            "start_s": started - called, "fn_s": max(end - start for start, end in spans),
-            "end_s": time.monotonic() - ended}  # fmt: skip
-    with open(path, "a") as file:
-        file.write(json.dumps(line) + "\n")
+    timing.record(f"ranks {'fresh' if fresh else 'pooled'} x{world_size}", start_s=started - called,
+                  fn_s=max(end - start for start, end in spans), end_s=time.monotonic() - ended)  # fmt: skip
+    return outputs
 
 
 # free_port's port can be taken before rank 0 listens on it (by another pytest worker, or by any connection that

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.timing import current_test
+
 # A pytest worker keeps at most this many idle rank processes across its pools (world sizes 1, 2 and 4 fit); a
 # pool that would go past it evicts the least recently used ones. Three pytest workers hold at most 21.
 MAX_POOLED_RANKS = 7
@@ -45,11 +47,6 @@ _SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2]
 _GLOBAL_MODULE_HOOKS = [
     name for name in vars(torch.nn.modules.module) if name.startswith("_global_") and name.endswith("_hooks")
 ]
-
-
-def current_test() -> str:
-    """The running test's id, as pytest names it ("tests/test_x.py::test_y[param]")."""
-    return os.environ.get("PYTEST_CURRENT_TEST", "(no test)").rsplit(" ", 1)[0]
 
 
 class _FreshState:

@@ -168,10 +168,10 @@ def _measured_and_estimated_peaks(rank, world_size, cases):
         loss = functools.partial(
             vocab_parallel_cross_entropy, group=dist.group.WORLD, vocab_size=PEAK_VOCAB, in_place_backward=True
         )
+        step = TrainingStep(model, torch.randint(0, PEAK_VOCAB, (batch, seq + 1)), loss)
+        step()  # AdamW's states, fp32 under either precision; a bf16 step takes ~30 s on CPU, an fp32 one ~2 s
         mixed = precision == "bf16-mixed"
-        context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=mixed)
-        step = TrainingStep(model, torch.randint(0, PEAK_VOCAB, (batch, seq + 1)), loss, context=context)
-        step()  # AdamW's states
+        step.context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=mixed)
         measured = peak_bytes(step, torch.device("cpu"))
         with torch.device("meta"):
             estimate = estimate_memory(GPT(config), batch, seq, precision=precision, loss_parallel=True)

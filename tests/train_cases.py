@@ -38,6 +38,8 @@ import traceback
 from functools import partial
 from pathlib import Path
 
+from tests import timing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -246,6 +248,7 @@ def run(command: list[str], *, cwd: Path, env: dict | None = None, timeout: floa
     if command[0] != sys.executable or command[1] not in SCRIPTS or Path(cwd).resolve() != ROOT:
         raise ValueError(f"tests.train_cases.run: {command[:2]} in {cwd}; it runs `python` {SCRIPTS} from {ROOT}")
     directory = Path(tempfile.mkdtemp(prefix="train-case-"))
+    called = time.monotonic()
     try:
         server = _server()
         environment = dict(os.environ) if env is None else env
@@ -264,6 +267,7 @@ def run(command: list[str], *, cwd: Path, env: dict | None = None, timeout: floa
         return subprocess.CompletedProcess(command, answer["status"], output["stdout"], output["stderr"])
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+        timing.record("train.py forked", s=time.monotonic() - called)
 
 
 def main() -> None:
