@@ -6,7 +6,8 @@ what a fresh rank sees: before each task every worker joins a new default proces
 (rank 0 hosts its store there, so a Lightning strategy in the task finds it as in a fresh rank), and after it every
 group is destroyed and the worker's state is set back to the one it had when it was forked: random generators,
 default dtype and device, grad mode, environment, working directory, signal handlers, warnings filters, thread
-count, torch.nn's global hooks. What cannot be set back (a torch function or dispatch mode left active, a thread
+count, torch.nn's global hooks, and the attributes of the project's own modules (tp_train, models, tests) that a
+task rebound. What cannot be set back (a torch function or dispatch mode left active, a thread
 left running, the group not destroyable) retires the pool: its workers are killed, and the next task gets a new one.
 
 A task that fails on one rank gives the others a short grace to finish (they see the failed rank leave the group);
@@ -43,6 +44,17 @@ _GRACE_AFTER_FAILURE = 10.0
 
 _SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2]
 
+# The project's own packages: an attribute of one of their modules that a task rebinds (a test that patches a function
+# to count its calls, or to switch a step off for a negative control) is bound back after the task.
+_OWN_PACKAGES = ("tp_train", "models", "tests", "train")
+_MISSING = object()
+
+
+def _own_modules() -> dict:
+    return {name: module for name, module in list(sys.modules.items())
+            if module is not None and name.split(".")[0] in _OWN_PACKAGES}  # fmt: skip
+
+
 # torch.nn's hooks on every module (`register_module_forward_hook` and its kin), emptied after each task.
 _GLOBAL_MODULE_HOOKS = [
     name for name in vars(torch.nn.modules.module) if name.startswith("_global_") and name.endswith("_hooks")
@@ -63,6 +75,7 @@ class _FreshState:
         self.warnings = list(warnings.filters)
         self.handlers = {signum: signal.getsignal(signum) for signum in _SIGNALS}
         self.threads = set(threading.enumerate())
+        self.attributes = {name: dict(vars(module)) for name, module in _own_modules().items()}
 
     def restore(self) -> None:
         torch.set_rng_state(self.torch_rng)
@@ -88,6 +101,12 @@ class _FreshState:
             getattr(torch.nn.modules.module, name).clear()
         if "torch._dynamo" in sys.modules:
             sys.modules["torch._dynamo"].reset()
+        for name, module in _own_modules().items():
+            saved = self.attributes.setdefault(name, dict(vars(module)))  # a module a task imported: as it is now
+            current = vars(module)
+            for key, value in saved.items():
+                if current.get(key, _MISSING) is not value:
+                    setattr(module, key, value)
 
     def leaks(self) -> list[str]:
         found = []

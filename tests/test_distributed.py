@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import tp_train.plan.sequence_parallel as sequence_parallel
 from tests.distributed import init_gloo, run_on_ranks
 
 
@@ -122,6 +123,7 @@ def _dirty_the_state(rank, world_size, mode: str):
     os.environ["TP_TRAIN_LEFT_BY_A_TEST"] = "1"
     os.chdir("/")
     dist.new_group([0, 1])
+    sequence_parallel._reduce_replicated_gradients = None  # as a negative control switches a step off
     if mode == "dispatch mode":
         from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -136,7 +138,18 @@ def _state(rank, world_size):
     left = "TP_TRAIN_LEFT_BY_A_TEST" in os.environ
     modes = torch._C._len_torch_dispatch_stack()
     drawn = torch.rand(3).tolist()
-    return os.getpid(), torch.get_default_dtype(), torch.is_grad_enabled(), drawn, left, os.getcwd(), groups, modes
+    patched = sequence_parallel._reduce_replicated_gradients is None
+    return (
+        os.getpid(),
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        drawn,
+        left,
+        os.getcwd(),
+        groups,
+        modes,
+        patched,
+    )
 
 
 @pytest.mark.parametrize("mode", ["restorable", "dispatch mode", "thread"])
