@@ -63,6 +63,21 @@ def test_the_zoos_tiny_config_and_model_hf_come_from_one_derivation(tmp_path):
         assert _plain(cfg.model.family_fields) == _plain(structural), family
 
 
+def test_a_config_that_cannot_be_built_is_one_line_naming_the_fields_it_needs(tmp_path):
+    """Dots1 with its expert count unset said only `model: empty() takes 1 positional argument but 3 were given`."""
+    from tp_train.app import preflight
+    from tp_train.tools.family_configs import unset_fields
+
+    cfg = _compose(tmp_path, ["model=hf", *DATA, "model.type=dots1", "++model.config.n_routed_experts=null"])
+    with pytest.raises(preflight.ConfigError) as refused:
+        preflight.check(cfg, lambda: instantiate(cfg.model))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("model.type=dots1 cannot be built with model.config ")
+    assert "its small config (model.type=dots1 alone) sets n_routed_experts=4 (model.config: None)" in message
+    # where no field departs from the small config, the hint is the fields its config leaves None
+    assert unset_fields("dots1", {}) == ["n_shared_experts", "n_routed_experts", "num_experts_per_tok"]
+
+
 @pytest.mark.slow
 def test_dbrx_trains_through_train_py_at_tp2_from_model_type_alone(tmp_path):
     run_dir = tmp_path / "run"

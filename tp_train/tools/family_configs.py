@@ -100,6 +100,42 @@ def generic_sizes(model_type: str, config: dict) -> dict:
     return sizes
 
 
+def departures(model_type: str, config: dict) -> dict[str, tuple]:
+    """{field: (config's value, the small config's)} for each field `config` sets otherwise than the family's small
+    config at `config`'s sizes (`small_config`; its record's sizes too: DeepSeek-V3's kv heads), a size compared
+    under the family's own name (DBRX's `d_model` for `hidden_size`)."""
+    from transformers import CONFIG_MAPPING
+
+    aliases = CONFIG_MAPPING[model_type].attribute_map if model_type in CONFIG_MAPPING else {}
+    small = {
+        aliases.get(key, key): value
+        for key, value in small_config(model_type, generic_sizes(model_type, config)).items()
+    }
+    given = {aliases.get(key, key): value for key, value in config.items() if key not in TOKEN_IDS}
+    return {field: (value, small[field]) for field, value in given.items() if field in small and small[field] != value}
+
+
+def unset_fields(model_type: str, fields: dict) -> list[str]:
+    """The fields of `model_type`'s config that are None with `fields` set though their type takes an int (Dots1's
+    expert counts by default): what a model that cannot be built may need; special token ids are left out."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception:  # noqa: BLE001 - no config: nothing to name
+        return []
+    types = (
+        {field.name: str(field.type) for field in dataclasses.fields(config)}
+        if dataclasses.is_dataclass(config)
+        else {}
+    )
+    values = {**vars(config), **fields}
+    return [name for name, value in values.items()
+            if value is None and "int" in types.get(name, "") and name not in TOKEN_IDS]  # fmt: skip
+
+
 def _small_fields(defaults, sizes: dict) -> dict:
     """The fields of one config (`defaults`, a default instance) that `small_config` sets beyond `sizes`; a
     sub-config is given as a dict of only the fields it has, `sizes` too."""
