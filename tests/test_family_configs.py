@@ -92,8 +92,9 @@ def test_dbrx_trains_through_train_py_at_tp2_from_model_type_alone(tmp_path):
 
 def test_the_zoos_as_typed_mode_runs_the_command_a_user_types_and_reports_each_family(tmp_path, monkeypatch):
     """`--as-typed` runs `train.py model=hf model.type=X tp=2` with the issue's tiny data settings and no model field;
-    a finite loss at each of the 4 steps trains, a failed run is its one line (train.py's run stubbed here: the slow
-    test above is a real one)."""
+    4 steps with finite losses (the run's summary: first, last, validation) train, a failed run is its one line
+    (train.py's run stubbed here: the slow test above is a real one)."""
+    import json
     import subprocess
 
     import tp_train.tools.zoo.train_path as train_path
@@ -105,11 +106,10 @@ def test_the_zoos_as_typed_mode_runs_the_command_a_user_types_and_reports_each_f
         if "model.type=dots1" in command:
             return subprocess.CompletedProcess(command, 1, "", "error: model.type=dots1 cannot be built with ...\n")
         run_dir = Path(next(arg for arg in command if arg.startswith("hydra.run.dir=")).split("=", 1)[1])
-        (run_dir / "csv/version_0").mkdir(parents=True)
-        rows = "".join(
-            f"{step},{loss}\n" for step, loss in enumerate([6.2, 6.1, 5.9, 5.8 if len(commands) == 1 else math.nan])
-        )
-        (run_dir / "csv/version_0/metrics.csv").write_text("step,train/loss\n" + rows)
+        run_dir.mkdir(parents=True)
+        last = 5.8 if len(commands) == 1 else math.nan  # dbrx trains, llama's loss is not finite
+        summary = {"steps": 4, "first_train_loss": 6.2, "train_loss": last, "val_loss": 5.9}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(train_path, "_run", run)
@@ -117,7 +117,7 @@ def test_the_zoos_as_typed_mode_runs_the_command_a_user_types_and_reports_each_f
     assert commands[0][1:-1] == ["train.py", "model=hf", "model.type=dbrx", "tp=2", "trainer.max_steps=4",
                                  "trainer.val_check_interval=4", "logger=csv", "data.block_size=64",
                                  "data.batch_size=4", "data.vocab_size=512", "data.max_files=40"]  # fmt: skip
-    assert results["dbrx"]["class"] == "trains" and results["dbrx"]["losses"] == {2: [6.2, 6.1, 5.9, 5.8]}
+    assert results["dbrx"]["class"] == "trains" and results["dbrx"]["losses"] == {2: [6.2, 5.8, 5.9]}
     assert results["llama"]["class"] == "fails" and "nan" in results["llama"]["reason"]
     assert results["dots1"] == {**results["dots1"], "class": "fails",
                                 "reason": "error: model.type=dots1 cannot be built with ..."}  # fmt: skip

@@ -144,7 +144,9 @@ def _train_losses(model_type: str, tp: int, fields: dict | None, timeout: float,
 
 def typed_family(model_type: str, tp: int, timeout: float = 600) -> dict:
     """{"class": "trains" | "fails", "reason", "losses": {tp: [...]}} for `python train.py model=hf
-    model.type=X tp=N` and `TYPED` alone: no model field, so the family's small config at hf.yaml's sizes."""
+    model.type=X tp=N` and `TYPED` alone: no model field, so the family's small config at hf.yaml's sizes. Its
+    losses are the run's summary's (`summary.json`: first, last and validation; the command logs no step's before
+    Lightning's 50th), each finite, after `STEPS` steps."""
     with tempfile.TemporaryDirectory(prefix=f"zoo-typed-{model_type}-") as directory:
         run_dir = Path(directory) / "run"
         command = [sys.executable, "train.py", "model=hf", f"model.type={model_type}", f"tp={tp}", *TYPED,
@@ -154,10 +156,12 @@ def typed_family(model_type: str, tp: int, timeout: float = 600) -> dict:
             return {"class": "fails", "reason": f"no end within {timeout:.0f} s", "losses": {}}
         if done.returncode != 0:
             return {"class": "fails", "reason": _last_error(done.stderr), "losses": {}}
-        losses = _losses(run_dir)
-    if len(losses) != STEPS or not all(math.isfinite(loss) for loss in losses):
-        return {"class": "fails", "reason": f"losses {losses}", "losses": {tp: losses}}
-    return {"class": "trains", "reason": f"{STEPS} steps, finite losses, last {losses[-1]:.4f}", "losses": {tp: losses}}
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    losses = [summary.get(key) for key in ("first_train_loss", "train_loss", "val_loss")]
+    if summary.get("steps") != STEPS or not all(isinstance(loss, float) and math.isfinite(loss) for loss in losses):
+        return {"class": "fails", "reason": f"{summary.get('steps')} steps, losses {losses}", "losses": {tp: losses}}
+    reason = f"{STEPS} steps, train loss {losses[0]:.3f} -> {losses[1]:.3f}, validation {losses[2]:.3f}"
+    return {"class": "trains", "reason": reason, "losses": {tp: losses}}
 
 
 def run_train_zoo(
