@@ -53,10 +53,11 @@ def hugging_face_causal_lm(
             where its config has the field (Phi-3's pad id 32000 lies outside a 512-token vocabulary, and Gemma's
             pad id 0 would freeze the embedding row of the data's EOS); a key also in `config` keeps config's value.
             Ignored with `path`.
-        family_fields: fields the family needs to run at tiny sizes (the app passes tp_train's `FamilySpec.zoo_fields`,
-            which the zoo builds with: DeepSeek-V3's latent attention needs as many kv heads as query heads); a key
-            of `config` naming the same field wins over it (conf/model/hf.yaml's generic sizes take the record's
-            value unless the user sets them). Ignored with `path`.
+        family_fields: fields the family needs at `config`'s sizes (the app passes the family's small config,
+            `tp_train.tools.family_configs`, which the zoo's tiny configs come from: expert counts, latent-attention
+            ranks, head widths, per-layer lists, its record's `zoo_fields`); a key of `config` naming the same field
+            wins over it (conf/model/hf.yaml's generic sizes take the record's value unless the user sets them).
+            Ignored with `path`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
