@@ -53,10 +53,11 @@ def hugging_face_causal_lm(
             where its config has the field (Phi-3's pad id 32000 lies outside a 512-token vocabulary, and Gemma's
             pad id 0 would freeze the embedding row of the data's EOS); a key also in `config` keeps config's value.
             Ignored with `path`.
-        family_fields: fields the family needs to run at tiny sizes (the app passes tp_train's `FamilySpec.zoo_fields`,
-            which the zoo builds with: DeepSeek-V3's latent attention needs as many kv heads as query heads); a key
-            of `config` naming the same field wins over it (conf/model/hf.yaml's generic sizes take the record's
-            value unless the user sets them). Ignored with `path`.
+        family_fields: fields the family needs at `config`'s sizes (the app passes the family's small config,
+            `tp_train.tools.family_configs`, which the zoo's tiny configs come from: expert counts, latent-attention
+            ranks, head widths, per-layer lists, its record's `zoo_fields`); a key of `config` naming the same field
+            wins over it (conf/model/hf.yaml's generic sizes take the record's value unless the user sets them).
+            Ignored with `path`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -79,18 +80,20 @@ def hugging_face_causal_lm(
 
 
 def _layered_fields(model_type: str | None, config: dict, token_ids: dict, family_fields: dict) -> dict:
-    """`config` over `family_fields` over the entries of `token_ids` the family has; a family field is dropped where
-    a key of `config` names the same field (DBRX's `hidden_size` is its `d_model`)."""
+    """`config` over `family_fields` over the entries of `token_ids` the family has, each size in the family's own
+    name (its `attribute_map`'s: DBRX's `d_model` for `hidden_size`), as its saved configs name it: a config that
+    derives fields from a size in `__post_init__` (DBRX's `ffn_config.hidden_size`) sees it there, where a generic
+    name is set only after. A family field is dropped where a key of `config` names the same field."""
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
         return dict(config)  # `_config_fields` names the family that does not exist
     defaults = CONFIG_MAPPING[model_type]()
     aliases = type(defaults).attribute_map
-    given = {aliases.get(key, key) for key in config}
-    family = {key: value for key, value in family_fields.items() if aliases.get(key, key) not in given}
+    config = {aliases.get(key, key): value for key, value in config.items()}  # the later of two names of one field
+    family = {key: value for key, value in family_fields.items() if aliases.get(key, key) not in config}
     specials = {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
-    vocab = config.get("vocab_size", _field_value(defaults, "vocab_size"))
+    vocab = config.get(aliases.get("vocab_size", "vocab_size"), _field_value(defaults, "vocab_size"))
     specials = {field: _lacking_id(defaults, field, token_ids, vocab) if value is None else value
                 for field, value in specials.items()}  # fmt: skip
     return {**specials, **family, **config}

@@ -104,7 +104,7 @@ def test_preflight_builds_model_hf_on_meta_and_refuses_what_cannot_run(tmp_path)
         with torch.device("meta"):
             config = instantiate(cfg.model)().config
         assert (config.num_hidden_layers, config.num_attention_heads, config.hidden_size) == (2, 4, 64), family
-    with pytest.raises(preflight.ConfigError, match="model: config.n_layr=2: LlamaConfig has no field 'n_layr'"):
+    with pytest.raises(preflight.ConfigError, match="model.type=llama cannot be built .*: config.n_layr=2: Llama"):
         check("+model.config.n_layr=2")
 
 
@@ -145,8 +145,9 @@ def test_a_config_built_from_model_type_takes_the_special_ids_of_the_datas_token
 
 def test_a_family_takes_its_records_fields_and_a_model_that_cannot_run_one_batch_is_one_line(tmp_path):
     """DeepSeek-V3 with the generic 2 kv heads failed inside its attention at any tp: the app takes its record's
-    fields (kv heads as many as query heads); without them, preflight refuses in one line naming the family and
-    the fields, before any rank starts. MoE experts that refuse fp32 on the meta device still pass (issue 41)."""
+    fields (kv heads as many as query heads); AXK2's latent attention needs as many too: with the user's 2,
+    preflight refuses in one line naming the family, the fields and the one its small config sets otherwise, before
+    any rank starts. MoE experts that refuse fp32 on the meta device still pass (issues 41 and 54)."""
     from hydra.utils import instantiate
 
     from tests.test_configs import _compose
@@ -158,11 +159,13 @@ def test_a_family_takes_its_records_fields_and_a_model_that_cannot_run_one_batch
 
     check("model.type=deepseek_v3")
     check("model.type=mixtral")
+    check("model.type=axk2")
     with pytest.raises(preflight.ConfigError) as refused:  # the user's own 2 kv heads win over the record's
-        check("model.type=deepseek_v3", "model.config.num_key_value_heads=2")
+        check("model.type=axk2", "model.config.num_key_value_heads=2")
     message = str(refused.value)
-    assert "\n" not in message and message.startswith("model.type=deepseek_v3 cannot run one batch of (2, ")
+    assert "\n" not in message and message.startswith("model.type=axk2 cannot run one batch of (2, ")
     assert "num_attention_heads=4, num_key_value_heads=2" in message
+    assert "its small config (model.type=axk2 alone) sets num_key_value_heads=4 (model.config: 2)" in message
 
 
 @pytest.mark.parametrize(

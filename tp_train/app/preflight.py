@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from tp_train.app.config_values import check_values
 from tp_train.app.expert_checks import check_experts
@@ -28,6 +28,7 @@ from tp_train.plan.match import match_plan
 from tp_train.plan.meta_init import deferred_init
 from tp_train.plan.probe_input import run_without_cache
 from tp_train.plan.resolve import resolve_plan
+from tp_train.tools.family_configs import departures, unset_fields
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
 
 
@@ -70,7 +71,11 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     try:
         with deferred_init():  # as the strategy builds it: shapes only, but the values its constructor computes
             model = build_model()()
-    except (ValueError, TypeError) as error:
+    except Exception as error:  # noqa: BLE001 - a family's own constructor may raise anything; named in one line
+        if _from_family(cfg):
+            raise _family_refusal(cfg, "be built", error) from None
+        if not isinstance(error, (ValueError, TypeError)):
+            raise
         raise ConfigError(f"model: {error}") from None
     try:
         experts_whole = cfg.get("ep", 1) > 1  # as the strategy plans it: the experts whole on every rank
@@ -152,7 +157,7 @@ def _check_one_batch(cfg: DictConfig, model: torch.nn.Module) -> None:
     meta device stops that early (DeepSeek-V3's attention reads a value), the family's default path, whose cache
     checks the heads' shapes, runs too. An error about the meta device itself, or there about the cache a training
     step never builds (Bamba's tiny layers, all linear attention), proves nothing and passes."""
-    if cfg.model.get("path") is not None or cfg.model.get("type") is None:
+    if not _from_family(cfg):
         return  # a saved model ran as it was saved; a model of your own may need other inputs
     block = cfg.data.get("block_size") or 8
     batch = torch.zeros(2, block, dtype=torch.long, device="meta")
@@ -165,12 +170,42 @@ def _check_one_batch(cfg: DictConfig, model: torch.nn.Module) -> None:
         reason = " ".join(str(error).split())
         proves_nothing = any(word in reason.lower() for word in inconclusive) or _building_a_cache(error)
         if not isinstance(error, NotImplementedError) and not proves_nothing:
-            fields = ", ".join(f"{key}={value}" for key, value in (cfg.model.get("config") or {}).items())
-            raise ConfigError(
-                f"model.type={cfg.model.type} cannot run one batch of (2, {block}) tokens on one device with "
-                f"model.config {fields}: {type(error).__name__}: {reason[:200]}; change those fields (the zoo's tiny "
-                f"config for the family runs: python -m tp_train.tools.zoo --families {cfg.model.type})"
-            )
+            raise _family_refusal(cfg, f"run one batch of (2, {block}) tokens on one device", error)
+
+
+def _from_family(cfg: DictConfig) -> bool:
+    """Whether the model is a Hugging Face family built from its config (`model.type`), not a saved one."""
+    return cfg.model.get("path") is None and cfg.model.get("type") is not None
+
+
+def _family_refusal(cfg: DictConfig, failed: str, error: Exception) -> ConfigError:
+    """One line for a model built from `model.type` that cannot be built or run: the family, the fields given, the
+    error, and the fields it needs: those `model.config` sets otherwise than the family's small config (what
+    `model.type` alone builds), or else those its config leaves None though they take an int (Dots1's expert
+    counts before its small config set them)."""
+    model_type = cfg.model.type
+    config, family = (_plain(cfg.model.get(key)) for key in ("config", "family_fields"))
+    needs = []
+    differing = [
+        f"{field}={small} (model.config: {given})" for field, (given, small) in departures(model_type, config).items()
+    ]
+    if differing:
+        needs.append(f"its small config (model.type={model_type} alone) sets {', '.join(differing)}")
+    unset = [] if differing else unset_fields(model_type, {**family, **config})  # a hint where nothing else is
+    if unset:
+        needs.append(f"its config leaves {', '.join(unset)} unset (None): set them (+model.config.{unset[0]}=...)")
+    fields = ", ".join(f"{key}={value}" for key, value in config.items())
+    reason = " ".join(str(error).split())
+    return ConfigError(
+        f"model.type={model_type} cannot {failed} with model.config {fields}: {type(error).__name__}: {reason[:200]}; "
+        f"{'; '.join(needs) or 'change those fields'} (the zoo's tiny config for the family runs: python -m "
+        f"tp_train.tools.zoo --families {model_type})"
+    )
+
+
+def _plain(node) -> dict:
+    """A config node as a dict, resolved (a resolver's dict is one already; None is {})."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
 
 
 def _building_a_cache(error: Exception) -> bool:

@@ -44,12 +44,23 @@ def _special_token_ids(tokenizer_path: str | None) -> dict:
     return special_token_ids(tokenizer_path)
 
 
-def family_fields(model_type: str | None) -> dict:
-    """The fields `model_type` needs to run at tiny sizes: its `FamilySpec.zoo_fields` ({} without any)."""
-    from tp_train.plan.families import family
+def family_fields(model_type: str | None, config=None) -> dict:
+    """The fields `model_type`'s small config sets at the sizes `config` (`model.config`) gives
+    (`tp_train.tools.family_configs.small_config`: head widths, expert counts, latent-attention ranks, per-layer
+    lists, sub-configs, its record's `zoo_fields`), less the generic sizes and special token ids, which `model.config`
+    and the data's tokenizer give; {} for a type that is no Hugging Face family (the build names it)."""
+    from transformers import CONFIG_MAPPING
 
-    spec = family(model_type)
-    return dict(spec.zoo_fields) if spec is not None and spec.zoo_fields else {}
+    from tp_train.tools.family_configs import TOKEN_IDS, generic_sizes, record_fields, small_config
+
+    if model_type not in CONFIG_MAPPING:
+        return {}
+    if config is None:
+        return record_fields(model_type)
+    given = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else dict(config)
+    sizes = generic_sizes(model_type, given)
+    fields = small_config(model_type, sizes)
+    return {key: value for key, value in fields.items() if key not in sizes and key not in TOKEN_IDS}
 
 
 def family_field(model_type: str | None, field: str, default):
@@ -58,7 +69,9 @@ def family_field(model_type: str | None, field: str, default):
     user gives replaces the interpolation, so it wins over both (DeepSeek-V3's kv heads, issue 41)."""
     from transformers import CONFIG_MAPPING
 
-    fields = family_fields(model_type)
+    from tp_train.tools.family_configs import record_fields
+
+    fields = record_fields(model_type) if model_type in CONFIG_MAPPING else {}
     aliases = CONFIG_MAPPING[model_type].attribute_map if model_type in CONFIG_MAPPING else {}
     for name in (field, aliases.get(field)):
         if name in fields:
@@ -70,8 +83,8 @@ def register_resolvers() -> None:
     """`${mul:a,b}` (devices = tp x dp), `${lcm:a,b}` (dp x cp raised to a multiple of ep), `${precision:16}`,
     `${tokenizer_of:${model.path}}` (a pretrained model's own tokenizer, so its token ids mean what it learned) and
     `${special_token_ids:${data.tokenizer_path}}` (the data's tokenizer's pad, bos and eos ids, which a model built
-    from its family's config takes) and `${family_fields:${model.type}}` and
-    `${family_field:${model.type},FIELD,DEFAULT}` for conf/."""
+    from its family's config takes) and `${family_fields:${model.type},${model.config}}` (the family's small config
+    at those sizes) and `${family_field:${model.type},FIELD,DEFAULT}` for conf/."""
     resolvers = {"mul": lambda a, b: int(a) * int(b), "lcm": lambda a, b: math.lcm(int(a), int(b)),
                  "precision": lightning_precision, "tokenizer_of": tokenizer_of,
                  "special_token_ids": lambda path: dict(_special_token_ids(path)),

@@ -13,6 +13,13 @@ VIBEVOICE_TOKENIZER = dict(num_filters=4, downsampling_ratios=[2, 2], depths=[1,
 RECORDS = (
     # MiMo-V2-Flash's sliding-window layers have twice the kv heads, which must not exceed the query heads.
     FamilySpec(model_type="mimo_v2_flash", zoo_fields=dict(num_key_value_heads=2)),
+    # As many kv heads as the 4 query heads: latent attention that repeats keys by heads // kv heads yet makes one
+    # per query head (DeepSeek-V3's, whose config takes None for it; these refuse None), and Dots3's text model,
+    # whose config refuses fewer. `model=hf`'s 2 kv heads failed their one batch (issue 54).
+    *(
+        FamilySpec(model_type=name, zoo_fields=dict(num_key_value_heads=4))
+        for name in ("axk2", "deepseek_v32", "glm_moe_dsa", "dots3_note_text")
+    ),
     # Reformer's causal LM asserts is_decoder (the default config is an encoder's); its axial position embeddings
     # split the hidden width in two and factor the longest sequence (64 = 8 x 8).
     FamilySpec(

@@ -6,11 +6,11 @@ losses, within 1e-5.
 """
 
 from tp_train.tools.zoo.check import CLASSES, check_family, has_block_linears
-from tp_train.tools.zoo.configs import SIZES, TOLERANCE, VOCAB, WIDTHS, build_family, family_fields, tiny_config
+from tp_train.tools.zoo.configs import SIZES, TOLERANCE, VOCAB, build_family, family_fields, tiny_config
 from tp_train.tools.zoo.runner import run_zoo, summary
 from tp_train.tools.zoo_tasks import task_families as families
 
 __all__ = [
-    "CLASSES", "family_fields", "SIZES", "TOLERANCE", "VOCAB", "WIDTHS", "build_family", "check_family", "families",
+    "CLASSES", "family_fields", "SIZES", "TOLERANCE", "VOCAB", "build_family", "check_family", "families",
     "has_block_linears", "run_zoo", "summary", "tiny_config",
 ]  # fmt: skip

@@ -9,7 +9,7 @@ import time
 import tp_train.tools.zoo as zoo
 from tp_train.tools.zoo.configs import SIZES
 from tp_train.tools.zoo.runner import run_zoo, summary
-from tp_train.tools.zoo.train_path import TRAIN_PASSES, parity_passing, run_train_zoo, train_table
+from tp_train.tools.zoo.train_path import TRAIN_PASSES, parity_passing, run_train_zoo, run_typed_zoo, train_table
 from tp_train.tools.zoo_tasks import TASKS, task_families
 
 
@@ -30,21 +30,32 @@ def main(argv: list[str] | None = None) -> None:
         "model.type=X tp=N` per family, compared with tp=1 (causal LM only; tp_train.tools.zoo.train_path)",
     )  # fmt: skip
     parser.add_argument(
-        "--parity", help="with --train: only the families that pass parity (pass, round-off) in this JSON, the "
-        "zoo's --output",
+        "--as-typed", action="store_true", help="run the command a user types instead: `train.py model=hf "
+        "model.type=X tp=N` with no model field (the family's own small config), 4 steps, finite losses (causal LM "
+        "only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parity", help="with --train or --as-typed: only the families that pass parity (pass, round-off) in this "
+        "JSON, the zoo's --output",
     )  # fmt: skip
     args = parser.parse_args(argv)
     fields = {"num_key_value_heads": args.kv_heads} if args.kv_heads else None
-    if args.train:
+    if args.train or args.as_typed:
         if args.task != "causal-lm":
-            parser.error("--train runs train.py, which trains causal LMs: use --task causal-lm")
+            parser.error("--train and --as-typed run train.py, which trains causal LMs: use --task causal-lm")
         chosen = args.families.split(",") if args.families else task_families(args.task)
         if args.parity:
             with open(args.parity) as file:
                 chosen = parity_passing(chosen, json.load(file))
-        results = run_train_zoo(chosen, args.tp, fields, timeout=max(args.timeout, 300), output=args.output)
-        trained = sum(result["class"] in TRAIN_PASSES for result in results.values())
-        print(f"\n{trained} of {len(results)} families train at tp={args.tp} with tp=1's losses (or float64's)\n")
+        timeout = max(args.timeout, 300)
+        if args.as_typed:
+            results = run_typed_zoo(chosen, args.tp, timeout=timeout, output=args.output)
+            passes, what = ("trains",), f"train at tp={args.tp} with finite losses from model.type alone"
+        else:
+            results = run_train_zoo(chosen, args.tp, fields, timeout=timeout, output=args.output)
+            passes, what = TRAIN_PASSES, f"train at tp={args.tp} with tp=1's losses (or float64's)"
+        trained = sum(result["class"] in passes for result in results.values())
+        print(f"\n{trained} of {len(results)} families {what}\n")
         print(train_table(results))
         return
     tasks = list(TASKS) if args.task == "all" else [args.task]

@@ -1,7 +1,8 @@
 """`python -m tp_train.tools.zoo --task causal-lm --train`: the user's whole path per family. For each family, a
 few steps of `python train.py model=hf model.type=X tp=N` (the zoo's tiny fields as `model.config` overrides, the
-data's own vocabulary) and of the same command at tp=1, compared loss by loss (`TRAIN_TOLERANCE`). Each run is its
-own process, as a user's is; families run one after another."""
+data's own vocabulary) and of the same command at tp=1, compared loss by loss (`TRAIN_TOLERANCE`). `--as-typed`:
+the command as a user types it, no model field (`TYPED`), its losses finite. Each run is its own process, as a
+user's is; families run one after another."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ DATA = ("data.max_files=20", "data.vocab_size=300", "data.block_size=32")
 SETTINGS = ("logger=csv", "ckpt_path=null", "scheduler=constant", f"trainer.max_steps={STEPS}",
             f"trainer.val_check_interval={STEPS}", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
             "trainer.enable_progress_bar=false", "~callbacks.progress_bar")  # fmt: skip
+# `--as-typed`: what a user types after `model=hf model.type=X tp=N` (issue 54): hf.yaml's sizes, the family's own
+# small config, nothing of the zoo's.
+TYPED = ("trainer.max_steps=4", "trainer.val_check_interval=4", "logger=csv", "data.block_size=64",
+         "data.batch_size=4", "data.vocab_size=512", "data.max_files=40")  # fmt: skip
 # The data's: train.py's config sets the vocabulary, and the special token ids are its tokenizer's. The positions
 # stay the zoo's (64, above the data's 32-token blocks: RoBERTa's embeddings count them from the pad id + 1).
 DATA_VOCAB = "${data.vocab_size}"
@@ -137,10 +142,42 @@ def _train_losses(model_type: str, tp: int, fields: dict | None, timeout: float,
     return losses, None
 
 
+def typed_family(model_type: str, tp: int, timeout: float = 600) -> dict:
+    """{"class": "trains" | "fails", "reason", "losses": {tp: [...]}} for `python train.py model=hf
+    model.type=X tp=N` and `TYPED` alone: no model field, so the family's small config at hf.yaml's sizes. Its
+    losses are the run's summary's (`summary.json`: first, last and validation; the command logs no step's before
+    Lightning's 50th), each finite, after `STEPS` steps."""
+    with tempfile.TemporaryDirectory(prefix=f"zoo-typed-{model_type}-") as directory:
+        run_dir = Path(directory) / "run"
+        command = [sys.executable, "train.py", "model=hf", f"model.type={model_type}", f"tp={tp}", *TYPED,
+                   f"hydra.run.dir={run_dir}"]  # fmt: skip
+        done = _run(command, {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}, timeout)
+        if done is None:
+            return {"class": "fails", "reason": f"no end within {timeout:.0f} s", "losses": {}}
+        if done.returncode != 0:
+            return {"class": "fails", "reason": _last_error(done.stderr), "losses": {}}
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    losses = [summary.get(key) for key in ("first_train_loss", "train_loss", "val_loss")]
+    if summary.get("steps") != STEPS or not all(isinstance(loss, float) and math.isfinite(loss) for loss in losses):
+        return {"class": "fails", "reason": f"{summary.get('steps')} steps, losses {losses}", "losses": {tp: losses}}
+    reason = f"{STEPS} steps, train loss {losses[0]:.3f} -> {losses[1]:.3f}, validation {losses[2]:.3f}"
+    return {"class": "trains", "reason": reason, "losses": {tp: losses}}
+
+
 def run_train_zoo(
     model_types: list[str], tp: int, fields: dict | None = None, timeout: float = 600, echo=print, output=None
 ):
-    """{family: train_family(...)} for each family, one after another, each echoed as it ends with its seconds
+    """{family: train_family(...)} for each family, one after another (`each_family`)."""
+    return each_family(model_types, lambda model_type: train_family(model_type, tp, fields, timeout), echo, output)
+
+
+def run_typed_zoo(model_types: list[str], tp: int, timeout: float = 600, echo=print, output=None):
+    """{family: typed_family(...)} for each family, one after another (`each_family`)."""
+    return each_family(model_types, lambda model_type: typed_family(model_type, tp, timeout), echo, output)
+
+
+def each_family(model_types: list[str], run, echo=print, output=None) -> dict[str, dict]:
+    """{family: run(family)} for each family, one after another, each echoed as it ends with its seconds
     (`seconds`) and, with `output` (a path), all results so far written there as JSON: a run stopped part way is
     still read, and a run given the same `output` again resumes it: the families already there are kept, not re-run
     (delete one's entry to run it again)."""
@@ -152,7 +189,7 @@ def run_train_zoo(
         if model_type in results:
             continue
         started = time.monotonic()
-        results[model_type] = train_family(model_type, tp, fields, timeout)
+        results[model_type] = run(model_type)
         results[model_type]["seconds"] = round(time.monotonic() - started, 1)
         result = results[model_type]
         echo(f"{model_type:<28} {result['class']:<8} {result['reason']} ({result['seconds']:.0f} s)")
