@@ -74,6 +74,7 @@ def _rank_main(
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    timing.time_phases()
     try:
         try:
             init(rank, world_size, port, timeout)
@@ -85,7 +86,7 @@ def _rank_main(
         # Plain pickle bytes: torch's queue would pass tensors by shared memory, gone once this process exits.
         started = time.monotonic()
         result = pickle.dumps(fn(rank, world_size, *args))
-        results.put((rank, "ok", (result, (started, time.monotonic()))))
+        results.put((rank, "ok", (result, (started, time.monotonic(), timing.phases_spent()))))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -169,8 +170,10 @@ def run_on_ranks(
                 if attempt == _RENDEZVOUS_ATTEMPTS - 1 or not _retried(str(error)):
                     raise
     started, ended = max(span[0] for span in spans), max(span[1] for span in spans)
-    timing.record(f"ranks {'fresh' if fresh else 'pooled'} x{world_size}", start_s=started - called,
-                  fn_s=max(end - start for start, end in spans), end_s=time.monotonic() - ended)  # fmt: skip
+    phases = {f"{phase}_s": max(span[2].get(phase, 0.0) for span in spans) for phase in timing.PHASES}
+    function = max(end - start for start, end, _ in spans)
+    kind = f"ranks {'fresh' if fresh else 'pooled'} x{world_size}"
+    timing.record(kind, start_s=started - called, fn_s=function, end_s=time.monotonic() - ended, **phases)
     return outputs
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests import timing
 from tests.timing import current_test
 
 # A pytest worker keeps at most this many idle rank processes across its pools (world sizes 1, 2 and 4 fit); a
@@ -101,6 +102,7 @@ class _FreshState:
             getattr(torch.nn.modules.module, name).clear()
         if "torch._dynamo" in sys.modules:
             sys.modules["torch._dynamo"].reset()
+        _forget_meshes()
         for name, module in _own_modules().items():
             saved = self.attributes.setdefault(name, dict(vars(module)))  # a module a task imported: as it is now
             current = vars(module)
@@ -129,6 +131,21 @@ class _FreshState:
         return found
 
 
+def _forget_meshes() -> None:
+    """Empties torch's caches that outlive a task's meshes. Group names restart at every new default group, so a
+    DTensor sharding cached in one task (by the Python and the C++ propagator, keyed by meshes that compare equal
+    across tasks) would name another task's group: "Could not resolve the process group registered under the name
+    5" in test_fsdp's sequence-parallel case, after an earlier task of its pool."""
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        torch._C._clear_DTensor_sharding_propagator_cache()
+    from torch.distributed.device_mesh import _mesh_resources
+
+    _mesh_resources.mesh_stack.clear()
+
+
 def _destroy_every_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()  # the default group, and with it every group made from it
@@ -141,6 +158,7 @@ def _worker_main(rank: int, world_size: int, init: Callable, pipe) -> None:
     pool's owner is gone."""
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    timing.time_phases()  # before the state is taken: the wrappers stay for every task
     fresh = _FreshState()
     while True:
         try:
@@ -159,7 +177,7 @@ def _worker_main(rank: int, world_size: int, init: Callable, pipe) -> None:
             try:
                 started = time.monotonic()
                 result = pickle.dumps(fn(rank, world_size, *args))
-                payload = ("ok", (result, (started, time.monotonic())))
+                payload = ("ok", (result, (started, time.monotonic(), timing.phases_spent())))
             except BaseException:  # noqa: BLE001 - everything goes back to the parent
                 payload = ("error", traceback.format_exc())
         try:
@@ -193,7 +211,7 @@ class RankPool:
     def usable(self) -> bool:
         return self.retired is None and all(proc.is_alive() for proc in self.procs)
 
-    def run(self, fn: Callable, args: tuple, timeout: float, port: int) -> tuple[list[Any], list[tuple[float, float]]]:
+    def run(self, fn: Callable, args: tuple, timeout: float, port: int) -> tuple[list[Any], list[tuple]]:
         """`fn(rank, world_size, *args)` on every worker; each rank's result and (start, end) in `fn`, by rank.
         Raises as `run_on_ranks` does, with the test's name; a timeout or a dead worker kills the pool."""
         task_id = self.tasks_run

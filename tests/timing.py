@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 
 def current_test() -> str:
@@ -19,3 +20,36 @@ def record(kind: str, **seconds: float) -> None:
     if path:
         with open(path, "a") as file:
             file.write(json.dumps({"test": current_test(), "kind": kind, **seconds}) + "\n")
+
+
+# Phases of `tp_train.parallelize` timed inside rank functions (the rest of a function is building its models and
+# running their steps): the plan's resolution (a family record, or the auto-planner) and its verification.
+PHASES = {"planning": "resolve_plan", "verification": "verify_parallelized"}
+_spent: dict[str, float] = {}
+
+
+def time_phases() -> None:
+    """In a rank process, with a timing file set: wraps each of PHASES where `parallelize` calls it, adding up its
+    seconds for `phases_spent`."""
+    if not os.environ.get("TP_TRAIN_TEST_TIMING"):
+        return
+    import tp_train.plan.parallelize as parallelize
+
+    for phase, name in PHASES.items():
+        real = getattr(parallelize, name)
+
+        def timed(*args, _real=real, _phase=phase, **kwargs):
+            started = time.monotonic()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                _spent[_phase] = _spent.get(_phase, 0.0) + time.monotonic() - started
+
+        setattr(parallelize, name, timed)
+
+
+def phases_spent() -> dict[str, float]:
+    """The seconds of each phase since the last call (see time_phases)."""
+    spent = dict(_spent)
+    _spent.clear()
+    return spent
