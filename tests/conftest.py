@@ -23,25 +23,25 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-LONGEST_FIRST = [  # by their summed times in one whole run at -n 3 (2026-11-28, a loaded 2-core machine: 2,782 s)
-    "test_cluster_launch.py",  # 438 s: torchrun restarts, Slurm requeue, two agents as two nodes
-    "test_finetune.py",  # 437 s
-    "test_compile.py",  # 383 s: the inductor compile at tp=2
-    "test_hf_train.py",  # 378 s: train.py per family at tp 1 and 2
-    "test_planner_families.py",  # 349 s: one start-up for every family
-    "test_preflight.py",  # 324 s: every refusal in one start-up
-    "test_rank_failure.py",  # 302 s
-    "test_attention_splits.py",  # 248 s
-    "test_hang.py",  # 232 s: train.py runs that wait out a hang limit
-    "test_bench.py",  # 218 s
-    "test_any_transformer.py",  # 179 s
-    "test_pipeline_hf.py",  # 170 s
-    "test_train_app.py",  # 163 s
-    "test_multi_role_attention.py",  # 161 s
-    "test_context_parallel_train.py",  # 138 s
-    "test_gpu_check.py",  # 126 s
-    "test_docs.py",  # 122 s
-    "test_train_cases.py",  # 119 s
+LONGEST_FIRST = [  # by their summed times in one whole run at -n 3 (2026-12-06, pooled ranks, an idle 2-core machine)
+    "test_cluster_launch.py",  # 304 s: torchrun restarts, Slurm requeue, two agents as two nodes
+    "test_finetune.py",  # 188 s
+    "test_planner_families.py",  # 169 s: one start-up for every family
+    "test_hf_train.py",  # 150 s: train.py per family at tp 1 and 2
+    "test_hang.py",  # 148 s: train.py runs that wait out a hang limit
+    "test_memory.py",  # 138 s: gpt_small's measured peaks
+    "test_attention_splits.py",  # 130 s
+    "test_compile.py",  # 110 s: the inductor compile at tp=2
+    "test_expert_parallel_train.py",  # 98 s
+    "test_preflight.py",  # 97 s: every refusal in one start-up
+    "test_rank_failure.py",  # 96 s
+    "test_any_transformer.py",  # 83 s
+    "test_bench.py",  # 75 s
+    "test_gpu_check.py",  # 63 s
+    "test_zoo.py",  # 62 s
+    "test_distributed.py",  # 60 s
+    "test_docs.py",  # 59 s
+    "test_multi_role_attention.py",  # 56 s
 ]
 
 
