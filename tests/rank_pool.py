@@ -6,9 +6,10 @@ what a fresh rank sees: before each task every worker joins a new default proces
 (rank 0 hosts its store there, so a Lightning strategy in the task finds it as in a fresh rank), and after it every
 group is destroyed and the worker's state is set back to the one it had when it was forked: random generators,
 default dtype and device, grad mode, environment, working directory, signal handlers, warnings filters, thread
-count, torch.nn's global hooks, and the attributes of the project's own modules (tp_train, models, tests) that a
-task rebound. What cannot be set back (a torch function or dispatch mode left active, a thread
-left running, the group not destroyable) retires the pool: its workers are killed, and the next task gets a new one.
+count, torch.nn's global hooks, DTensor's sharding caches, and the attributes of the project's own modules
+(tp_train, models, tests) that a task rebound. What cannot be set back (a torch function or dispatch mode left
+active, a thread left running, the group not destroyable) retires the pool: its workers are killed, and the next task
+gets a new one.
 
 A task that fails on one rank gives the others a short grace to finish (they see the failed rank leave the group);
 one that does not finish within its timeout, or whose worker dies, kills the pool, and the error names the test.
@@ -37,7 +38,7 @@ from tests import timing
 from tests.timing import current_test
 
 # A pytest worker keeps at most this many idle rank processes across its pools (world sizes 1, 2 and 4 fit); a
-# pool that would go past it evicts the least recently used ones. Three pytest workers hold at most 21.
+# pool that would go past it evicts the least recently used ones (a pool of 8 ranks evicts every other one).
 MAX_POOLED_RANKS = 7
 
 # How long the other ranks of a task in which one rank failed may take to report before the pool is killed.
@@ -184,8 +185,12 @@ def _worker_main(rank: int, world_size: int, init: Callable, pipe) -> None:
             _destroy_every_group()
         except Exception:  # noqa: BLE001 - a group that cannot be destroyed is a leak, found below
             pass
-        fresh.restore()
-        pipe.send((task_id, *payload, fresh.leaks()))
+        try:
+            fresh.restore()
+            leaks = fresh.leaks()
+        except Exception as error:  # noqa: BLE001 - a state that cannot be set back retires the pool
+            leaks = [f"setting the state back failed: {error!r}"]
+        pipe.send((task_id, *payload, leaks))
 
 
 class RendezvousFailed(RuntimeError):
