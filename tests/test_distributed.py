@@ -161,3 +161,13 @@ def test_a_task_starts_from_a_fresh_ranks_state_whatever_the_task_before_it_did(
     assert fresh[0][1:4] == (torch.float32, True, fresh[1][3])  # every rank draws what every other draws
     reused = [state[0] for state in after] == dirtied
     assert reused == (ranks == "pooled" and mode == "restorable"), (mode, dirtied, after)
+
+
+def test_every_test_kept_on_fresh_ranks_exists():
+    """A renamed test or file would silently move to pooled ranks: each FRESH_RANKS entry names one that exists."""
+    from tests.distributed import FRESH_RANKS
+
+    for entry in FRESH_RANKS:
+        file, _, name = entry.partition("::")
+        source = (Path(__file__).parent / file).read_text()
+        assert not name or f"def {name}(" in source, entry
