@@ -124,8 +124,7 @@ def fresh_ranks_wanted(init: Callable = init_gloo) -> bool:
     """Whether the running test gets ranks of its own (FRESH_RANKS, its own `init`, or TP_TRAIN_TEST_FRESH_RANKS)."""
     if init is not init_gloo or os.environ.get("TP_TRAIN_TEST_FRESH_RANKS") == "1":
         return True
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]  # "tests/test_x.py::test_y[param]"
-    path, _, name = test.partition("::")
+    path, _, name = current_test().partition("::")  # "tests/test_x.py::test_y[param]"
     file = os.path.basename(path)
     return file in FRESH_RANKS or f"{file}::{name.split('[')[0]}" in FRESH_RANKS
 
@@ -152,23 +151,16 @@ def run_on_ranks(
     """
     called = time.monotonic()
     fresh = fresh_ranks_wanted(init)
-    if fresh:
-        ctx = _context()
-        for attempt in range(_RENDEZVOUS_ATTEMPTS):
-            try:
-                outputs, spans = _run_once(ctx, free_port(), fn, world_size, args, timeout, init)
-                break
-            except _RendezvousFailed:
-                if attempt == _RENDEZVOUS_ATTEMPTS - 1:
-                    raise
-    else:
-        for attempt in range(_RENDEZVOUS_ATTEMPTS):
-            try:
+    for attempt in range(_RENDEZVOUS_ATTEMPTS):
+        try:
+            if fresh:
+                outputs, spans = _run_once(_context(), free_port(), fn, world_size, args, timeout, init)
+            else:
                 outputs, spans = _pools().run(fn, world_size, args, timeout, free_port())
-                break
-            except RendezvousFailed as error:
-                if attempt == _RENDEZVOUS_ATTEMPTS - 1 or not _retried(str(error)):
-                    raise
+            break
+        except RendezvousFailed as error:
+            if attempt == _RENDEZVOUS_ATTEMPTS - 1 or not _retried(str(error)):
+                raise
     started, ended = max(span[0] for span in spans), max(span[1] for span in spans)
     phases = {f"{phase}_s": max(span[2].get(phase, 0.0) for span in spans) for phase in timing.PHASES}
     function = max(end - start for start, end, _ in spans)
@@ -181,10 +173,6 @@ def run_on_ranks(
 # draws the same ephemeral port), or a connection of the rendezvous can drop; either way no rank ran `fn`, and the
 # ranks start again elsewhere.
 _RENDEZVOUS_ATTEMPTS = 3
-
-
-class _RendezvousFailed(RuntimeError):
-    """A rank could not join the group (see _RETRIED_RENDEZVOUS_ERRORS); nothing of `fn` ran."""
 
 
 def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeout: float, init) -> list[Any]:
@@ -214,7 +202,7 @@ def _run_once(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeou
                     ) from None
                 continue
             if status == "rendezvous failed":
-                raise _RendezvousFailed(payload)
+                raise RendezvousFailed(payload)
             if status == "error":
                 raise RuntimeError(f"{current_test()}: rank {rank} of {world_size} failed:\n{payload}")
             outputs[rank], spans[rank] = pickle.loads(payload[0]), payload[1]

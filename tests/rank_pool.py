@@ -64,7 +64,7 @@ _GLOBAL_MODULE_HOOKS = [
 
 
 class _FreshState:
-    """What a worker held when it was forked, set back before each task; `leaks()` names what cannot be."""
+    """What a worker held when it was forked, set back after each task; `leaks()` names what cannot be."""
 
     def __init__(self):
         self.torch_rng = torch.get_rng_state()
@@ -194,7 +194,7 @@ def _worker_main(rank: int, world_size: int, init: Callable, pipe) -> None:
 
 
 class RendezvousFailed(RuntimeError):
-    """A pooled rank could not join the task's group; nothing of the task ran, and the pool has been killed."""
+    """A rank could not join its group; nothing of the test's function ran (a pool it was in has been killed)."""
 
 
 class RankPool:
