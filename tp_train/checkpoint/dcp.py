@@ -321,6 +321,7 @@ def _as_dtensors(
     """One DTensor per section of `shard` (this rank's tensor-parallel shard, or FSDP2's DTensor of it), each a view
     holding only real data: of the shard, of FSDP2's piece of it, or of a gathered copy (see the module docstring;
     a callable that writes the copy back into the piece is appended to `write_backs`)."""
+    mesh = stages.stage_mesh(mesh)  # FSDP2's Shard goes on the data-parallel dimensions, never on the pipeline's
     tp_dim = tensor_parallel_dim(mesh)
     tp, rank = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     slices = spec.slices(rank, tp)

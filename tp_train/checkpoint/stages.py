@@ -1,8 +1,9 @@
 """What a checkpoint needs to know of pipeline stages: each rank holds only its stage's part of the model, under the
-model's own names, so a checkpoint is the union of the stages' states and reshards across pp by name. Two facts
-follow, each asked here: which names the other stages hold (`across_stages`), and the whole model's name of each
+model's own names, so a checkpoint is the union of the stages' states and reshards across pp by name. Three facts
+follow, each asked here: which names the other stages hold (`across_stages`), the whole model's name of each
 parameter (`parameter_names`: a tied parameter on the last stage is the head's there, while the whole model names
-it by the embedding's; its optimizer state is stored under that one name on every stage and at every pp)."""
+it by the embedding's; its optimizer state is stored under that one name on every stage and at every pp), and the
+mesh a stage's tensors are placed on (`stage_mesh`: every dimension but the pipeline's)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ def across_stages(names: Iterable[str], mesh: DeviceMesh) -> list[str]:
     gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, names, group=group)
     return sorted({name for stage in gathered for name in stage or ()})
+
+
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimensions of `mesh` that a pipeline stage's tensors are split or replicated over: all but the pipeline's
+    (`mesh` itself without one). Nothing is split along the pipeline dimension: each stage holds tensors of its own
+    (a tied copy holds the values of the first stage's), so a Shard there would have DCP expect the other stages'
+    ranks to save parts of them, which they never do. torchtitan likewise places a stage's DTensors without pp."""
+    dims = mesh.mesh_dim_names or ()
+    if PIPELINE_PARALLEL not in dims:
+        return mesh
+    return mesh[tuple(dim for dim in dims if dim != PIPELINE_PARALLEL)]
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
