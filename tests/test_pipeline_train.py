@@ -1,6 +1,7 @@
 """`python train.py pp=2` as users type it: bad pipeline settings refused in one line before any rank starts
-(`PIPELINE_CASES`, run by test_preflight), and runs at pp=2 and at pp=2 x tp=2 with sequence parallelism logging the
-same losses as at pp=1 (train.py's CSV metrics, to 1e-5)."""
+(`PIPELINE_CASES`, run by test_preflight), runs at pp=2 and at pp=2 x tp=2 with sequence parallelism logging the
+same losses as at pp=1 (train.py's CSV metrics, to 1e-5), and pp=2 x dp=2 under FSDP2 saving checkpoints and resuming
+from one with the losses of the run that saved it."""
 
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ def _metrics(run_dir: Path) -> dict[str, dict[int, float]]:
     return series
 
 
+def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict[str, dict[int, float]]:
+    """The metrics of `python train.py experiment=smoke <overrides>` run in `tmp_path/name`, its CSV logged."""
+    out = tmp_path / name
+    overrides = ["experiment=smoke", "logger=csv", "ckpt_path=null", "trainer.log_every_n_steps=1", *overrides,
+                 f"hydra.run.dir={out}"]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "TP_TRAIN_CACHE": str(tmp_path / "cache")}
+    result = train_cases.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return _metrics(out)
+
+
 @pytest.mark.slow
 def test_train_py_at_pp2_logs_the_losses_of_pp1(tmp_path):
     runs = {}
@@ -59,14 +71,23 @@ def test_train_py_at_pp2_logs_the_losses_of_pp1(tmp_path):
         "pp2_tp2_sp": ["tp=2", "pp=2", "sequence_parallel=true"],
     }
     for shape, sizes in shapes.items():
-        out = tmp_path / shape
-        overrides = ["experiment=smoke", "logger=csv", *sizes, "trainer.max_steps=6", "trainer.val_check_interval=3",
-                     "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", f"hydra.run.dir={out}"]  # fmt: skip
-        env = {**os.environ, "WANDB_MODE": "offline", "TP_TRAIN_CACHE": str(tmp_path / "cache")}
-        result = train_cases.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env, timeout=600)
-        assert result.returncode == 0, result.stderr[-4000:]
-        runs[shape] = _metrics(out)
+        steps = ["trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=2"]
+        runs[shape] = _train(tmp_path, shape, [*sizes, *steps])
     for shape in ("pp2", "pp2_tp2_sp"):
         for name in ("train/loss", "val/loss", "train/grad_norm"):
             assert runs[shape][name], name
             assert runs[shape][name] == pytest.approx(runs["pp1"][name], abs=1e-5), (shape, name)
+
+
+@pytest.mark.slow
+def test_train_py_at_pp2_dp2_fsdp_saves_and_resumes_with_the_losses_of_the_unbroken_run(tmp_path):
+    # Each stage's FSDP2 shards are DTensors over its own data-parallel ranks: a save that placed them over the
+    # pipeline ranks too had DCP expect the other stage's ranks to hold half of each tensor, and refuse the plan.
+    layout = ["tp=1", "pp=2", "dp=2", "data_parallel=fsdp", "trainer.max_steps=4", "trainer.val_check_interval=2",
+              "trainer.limit_val_batches=0"]  # fmt: skip
+    unbroken = _train(tmp_path, "unbroken", [*layout, "+callbacks.checkpoint.save_top_k=-1"])  # keeps step 2's
+    checkpoint = tmp_path / "unbroken" / "checkpoints" / "step000002.ckpt"
+    resumed = _train(tmp_path, "resumed", [*layout, f"ckpt_path={checkpoint}"])
+    for name in ("train/loss", "train/grad_norm"):  # steps 3 and 4: the loaded weights, then AdamW's loaded state
+        assert sorted(resumed[name]) == [2, 3], (name, resumed[name])
+        assert resumed[name] == pytest.approx({step: unbroken[name][step] for step in (2, 3)}, abs=1e-5), name
