@@ -8,6 +8,7 @@ Hydra, OmegaConf and datasets are imported only in `lightning/` and `app/`; only
 reference models (`models`), and `models/` imports nothing from tp_train; there are no import cycles; and
 tp_train keeps at most 8 entries at its top level. Inside plan/, deciding a plan, applying it and checking it
 (`PLAN_JOBS`) import only their own job's modules and the vocabulary all three share; `parallelize` runs the three.
+Only `parallel/dims.py` (`ParallelDims`) multiplies or divides parallel degrees (tp x cp, world_size // tp, ...).
 The checker is also run on a small tree with one broken rule of each kind, so each rule is shown to fire.
 """
 
@@ -212,3 +213,81 @@ def test_the_checker_flags_each_broken_rule(tmp_path, expected):
     (tmp_path / "models" / "gpt.py").write_text("import pkg.parallel.layers\n")
     problems = import_problems(tmp_path / "pkg", tmp_path / "models")
     assert any(problem.endswith(expected) or expected in problem for problem in problems), problems
+
+
+# The parallel degrees, as the code names them (bare, as attributes, or read as cfg.get("tp")); only ParallelDims
+# (tp_train/parallel/dims.py) multiplies or divides two of them (issue 53).
+DEGREE_NAMES = {
+    "tp", "cp", "pp", "dp", "ep", "world_size", "tensor_parallel_size", "context_parallel_size",
+    "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
+}  # fmt: skip
+DEGREE_OWNER = "parallel/dims.py"
+PRODUCT_OPS = (ast.Mult, ast.FloorDiv)
+
+
+def _degree_name(node: ast.AST) -> str | None:
+    """The degree `node` reads (`tp`, `self.tensor_parallel_size`, `cfg.get("cp", 1)`), or None."""
+    if isinstance(node, ast.Name):
+        name = node.id
+    elif isinstance(node, ast.Attribute):
+        name = node.attr
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+        first = node.args[0]
+        name = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+    else:
+        return None
+    return name if name in DEGREE_NAMES else None
+
+
+def _factors(node: ast.AST) -> list[ast.AST]:
+    """The operands of a chain of `*` and `//` (`a * (b // c)` -> a, b, c)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, PRODUCT_OPS):
+        return _factors(node.left) + _factors(node.right)
+    return [node]
+
+
+def degree_product_problems(package_root: Path) -> list[str]:
+    """Each chain of `*` / `//` with two or more degrees among its operands, outside `DEGREE_OWNER`."""
+    problems = []
+    for path in sorted(package_root.rglob("*.py")):
+        relative = path.relative_to(package_root).as_posix()
+        if relative == DEGREE_OWNER:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        inner = {
+            id(child)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.BinOp) and isinstance(node.op, PRODUCT_OPS)
+            for child in (node.left, node.right)
+        }  # a chain is reported once, at its outermost operator
+        chains = [node for node in ast.walk(tree) if isinstance(node, ast.BinOp) and isinstance(node.op, PRODUCT_OPS)]
+        for node in sorted(chains, key=lambda node: (node.lineno, node.col_offset)):
+            if id(node) not in inner:
+                degrees = [name for name in map(_degree_name, _factors(node)) if name is not None]
+                if len(degrees) >= 2:
+                    problems.append(
+                        f"{relative}:{node.lineno}: {' x '.join(degrees)} multiplied here; ask ParallelDims "
+                        f"({DEGREE_OWNER}) for the size"
+                    )
+    return problems
+
+
+def test_only_parallel_dims_multiplies_degrees():
+    problems = degree_product_problems(ROOT / "tp_train")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_degree_checker_flags_a_product_of_degrees(tmp_path):
+    sources = {
+        "parallel/dims.py": "def model_parallel(tp, cp, pp):\n    return tp * cp * pp\n",  # the owner may
+        "plan/views.py": "def local(width, tp):\n    return width // tp\n",  # one degree: a shard's width
+        "lightning/metrics.py": "def dp(trainer, tp):\n    return trainer.world_size // tp\n",
+        "app/checks.py": "def fits(cfg, devices):\n    return devices % (cfg.tp * cfg.get('cp', 1) * 2)\n",
+    }
+    for relative, source in sources.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(source)
+    assert degree_product_problems(tmp_path) == [
+        "app/checks.py:2: tp x cp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
+        "lightning/metrics.py:2: world_size x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
+    ]

@@ -76,7 +76,7 @@ CASES = {
     "block_not_divisible_by_2cp": (["cp=4", "data.block_size=36"],
                                    "data.block_size=36 is not a multiple of 2 x cp = 8 (each context-parallel rank"),
     "ranks_not_multiple_of_tp_cp": (["tp=2", "cp=2", "trainer.devices=6"],
-                                    "= 6 ranks is not a multiple of tp=2 x cp=2; use trainer.devices in [4, 8, 12"),
+                                    "= 6 ranks is not a multiple of tp=2 x cp=2 x pp=1; use trainer.devices in [4"),
     "cp_attention_dropout": (["cp=2", "model.config.dropout=0.1"],
                              "cp=2: blocks.0.attn: attention dropout 0.1 cannot be context-parallel; set it to 0"),
     "cp_samples": (["cp=2", "samples.prompts=[x]"], "samples.prompts=['x'] with cp=2: samples are drawn one token"),

@@ -32,6 +32,7 @@ from tp_train.parallel.collectives import (
     scatter_to_tensor_parallel_region,
 )
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.experts import shard_experts
 from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -60,6 +61,8 @@ __all__ = [
     "HangDetector",
     "NonFiniteError",
     "NonFiniteGuard",
+    "ParallelDims",
+    "ParallelMesh",
     "Pipeline",
     "PipelineSplit",
     "PlanVerificationError",

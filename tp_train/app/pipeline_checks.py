@@ -1,6 +1,6 @@
-"""`pp=N` checked before any rank starts, each problem in one line: the devices it does not divide, more stages than
-the model has blocks, a model whose blocks cannot be found, microbatches that do not divide the batch, and a schedule
-or composition the strategy refuses."""
+"""`pp=N` checked before any rank starts, each problem in one line: more stages than the model has blocks, a model
+whose blocks cannot be found, microbatches that do not divide the batch, and a schedule or composition the strategy
+refuses. The devices pp does not divide are `ParallelDims.validate`'s, called by the preflight."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from tp_train.errors import ConfigError
 from tp_train.lightning.pipeline import check_pipeline_arguments
+from tp_train.parallel.dims import ParallelDims
 from tp_train.plan.pipeline import plan_pipeline_split
 
 
@@ -28,15 +29,6 @@ def check_pipeline(cfg: DictConfig, model: nn.Module) -> None:
         check_pipeline_arguments(pp, schedule, microbatches, virtual, cfg.get("data_parallel", "ddp"))
     except ValueError as error:
         raise ConfigError(f"pp={pp}: {error}") from None
-    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    model_parallel = cfg.tp * cfg.get("cp", 1) * pp
-    if isinstance(devices, int) and (devices * nodes) % model_parallel:
-        fits = [n * model_parallel for n in range(1, 5)]
-        raise ConfigError(
-            f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
-            f"tp={cfg.tp} x cp={cfg.get('cp', 1)} x pp={pp}; use trainer.devices in {fits} (or leave it: tp x dp x "
-            f"cp x pp)"
-        )
     batch_size = cfg.data.get("batch_size")
     if isinstance(batch_size, int) and batch_size % microbatches:
         fit = batch_size + microbatches - batch_size % microbatches
@@ -45,6 +37,7 @@ def check_pipeline(cfg: DictConfig, model: nn.Module) -> None:
             f" (each batch runs as that many microbatches); use data.batch_size={fit}"
         )
     try:
-        plan_pipeline_split(model, pp * virtual, explicit=strategy.get("pipeline_split"))
+        stages = ParallelDims(pp=pp, virtual_stages=virtual).stages
+        plan_pipeline_split(model, stages, explicit=strategy.get("pipeline_split"))
     except ValueError as error:
         raise ConfigError(f"pp={pp}: {error}") from None

@@ -22,6 +22,7 @@ from tp_train.checkpoint.checks import check_files
 from tp_train.checkpoint.pretrained import weight_files
 from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from tp_train.lightning.nonfinite import ACTIONS
+from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.plan.context_parallel import check_context_parallel
 from tp_train.plan.match import match_plan
@@ -45,24 +46,23 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     cp = cfg.get("cp", 1)
     if not isinstance(cp, int) or cp < 1:
         raise ConfigError(f"cp={cp} must be a positive integer (the context-parallel size), e.g. cp=2")
-    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
-    if isinstance(devices, int) and (devices * nodes) % (tp * cp):
-        fits = [n * tp * cp for n in range(1, 5)]
-        raise ConfigError(
-            f"trainer.devices={devices} x trainer.num_nodes={nodes} = {devices * nodes} ranks is not a multiple of "
-            f"tp={tp} x cp={cp}; use trainer.devices in {fits} (or dp=..., which sets devices = tp x dp x cp)"
-        )
-    block_size = cfg.data.get("block_size")
-    if cp > 1 and isinstance(block_size, int) and block_size % (2 * cp):
-        raise ConfigError(
-            f"data.block_size={block_size} is not a multiple of 2 x cp = {2 * cp} (each context-parallel rank holds "
-            f"two equal chunks of every sequence); use data.block_size={block_size - block_size % (2 * cp) or 2 * cp}"
-        )
     mode = str(_setting(cfg, "data_parallel", "ddp"))
     if mode not in DATA_PARALLEL_MODES:
         raise ConfigError(
             f"data_parallel={mode}: use data_parallel=ddp (each data-parallel rank holds its whole tensor-parallel "
             f"shard) or data_parallel=fsdp (shards, gradients and AdamW states split over the data-parallel ranks)"
+        )
+    dims = config_dims(cfg)
+    if dims is not None:
+        try:
+            dims.validate("trainer.devices", cfg.trainer.get("num_nodes", 1))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    block_size = cfg.data.get("block_size")
+    if cp > 1 and isinstance(block_size, int) and block_size % (2 * cp):
+        raise ConfigError(
+            f"data.block_size={block_size} is not a multiple of 2 x cp = {2 * cp} (each context-parallel rank holds "
+            f"two equal chunks of every sequence); use data.block_size={block_size - block_size % (2 * cp) or 2 * cp}"
         )
     _check_data_source(cfg.data)
     check_checkpoint(cfg.get("ckpt_path"), cfg.get("trust_checkpoint", False))
@@ -226,6 +226,19 @@ def _meta_error(forward, model: nn.Module, batch: torch.Tensor) -> Exception | N
     return None
 
 
+def config_dims(cfg: DictConfig) -> ParallelDims | None:
+    """The degrees `cfg` asks for (tp, cp, pp, ep, data_parallel, the strategy's virtual stages) at its
+    trainer.devices x trainer.num_nodes ranks, not yet validated; None while trainer.devices is not a number."""
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    if not isinstance(devices, int) or not isinstance(nodes, int):
+        return None
+    return ParallelDims.from_world(
+        devices * nodes, tp=cfg.tp, cp=cfg.get("cp", 1), pp=cfg.get("pp", 1), ep=cfg.get("ep", 1),
+        data_parallel=str(_setting(cfg, "data_parallel", "ddp")),
+        virtual_stages=_setting(cfg, "pipeline_virtual_stages", 1),
+    )  # fmt: skip
+
+
 def _setting(cfg: DictConfig, name: str, default=None):
     """`name` as the strategy gets it: set on the strategy (`trainer.strategy.<name>`), else the top-level key."""
     strategy = cfg.get("trainer", {}).get("strategy") or {}
@@ -314,9 +327,9 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
     size the trainer's devices leave, `precision`, `data_parallel`, and `sequence_parallel` /
     `activation_checkpointing` / `loss_parallel` (top level or on the strategy)."""
     model = meta_model(cfg, build_model)
-    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    dims = config_dims(cfg)
     cp, pp = cfg.get("cp", 1), cfg.get("pp", 1)
-    dp = devices * nodes // (cfg.tp * cp * pp) if isinstance(devices, int) else cfg.get("dp", 1)
+    dp = dims.dp if dims is not None else cfg.get("dp", 1)
     return estimate_memory(
         model,
         micro_batch_size=cfg.data.batch_size,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 
 from omegaconf import OmegaConf
+
+from tp_train.parallel.dims import ParallelDims
 
 # What save_pretrained writes for a tokenizer (a fast tokenizer's tokenizer.json, or its config beside a slow one's
 # files); a model directory holding one brings its tokenizer.
@@ -79,14 +80,18 @@ def family_field(model_type: str | None, field: str, default):
     return default
 
 
+def devices(dp, tp, cp, pp, ep) -> int:
+    """The devices the config's degrees take (`conf/trainer/default.yaml`), from the one owner of the degrees."""
+    return ParallelDims.devices_for(dp=int(dp), tp=int(tp), cp=int(cp), pp=int(pp), ep=int(ep))
+
+
 def register_resolvers() -> None:
-    """`${mul:a,b}` (devices = tp x dp), `${lcm:a,b}` (dp x cp raised to a multiple of ep), `${precision:16}`,
+    """`${devices:dp,tp,cp,pp,ep}` (the ranks those degrees take: `ParallelDims.devices_for`), `${precision:16}`,
     `${tokenizer_of:${model.path}}` (a pretrained model's own tokenizer, so its token ids mean what it learned) and
     `${special_token_ids:${data.tokenizer_path}}` (the data's tokenizer's pad, bos and eos ids, which a model built
     from its family's config takes) and `${family_fields:${model.type},${model.config}}` (the family's small config
     at those sizes) and `${family_field:${model.type},FIELD,DEFAULT}` for conf/."""
-    resolvers = {"mul": lambda a, b: int(a) * int(b), "lcm": lambda a, b: math.lcm(int(a), int(b)),
-                 "precision": lightning_precision, "tokenizer_of": tokenizer_of,
+    resolvers = {"devices": devices, "precision": lightning_precision, "tokenizer_of": tokenizer_of,
                  "special_token_ids": lambda path: dict(_special_token_ids(path)),
                  "family_fields": family_fields, "family_field": family_field}  # fmt: skip
     for name, resolver in resolvers.items():

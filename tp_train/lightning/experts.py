@@ -17,18 +17,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from lightning.pytorch import LightningModule
-from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from tp_train.parallel.dims import ParallelMesh
 from tp_train.parallel.experts import (
-    ExpertGroups,
     ExpertParallelRegion,
     average_expert_gradients,
-    expert_groups,
     named_expert_parameters,
     shard_experts,
 )
-from tp_train.parallel.mesh import DATA_PARALLEL
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.experts import check_expert_parallel
 from tp_train.plan.gradient_hooks import keep_gradient_hooks
@@ -60,22 +57,20 @@ class StrategyExperts:
         check_expert_parallel_arguments(size, capacity_factor)
         self.size, self.capacity_factor = size, capacity_factor
         self._replicas: Any = None  # the data x context parallel group: drops are summed over it
-        self.groups: ExpertGroups | None = None
+        self.mesh: ParallelMesh | None = None  # its expert views exist at size > 1
         self._parameters: list[nn.Parameter] = []
         self._blocked = False  # inside the strategy's block_backward_sync (gradient accumulation)
 
-    def setup_groups(self, replicas: DeviceMesh, mesh_timeouts: dict[str, Any] | None) -> None:
-        """The expert groups, a view over `replicas` (the data x context parallel mesh), with the data-parallel
-        axis's backend and timeout (`mesh_timeouts`, by axis name); a collective."""
+    def setup_groups(self, mesh: ParallelMesh) -> None:
+        """The expert-parallel and expert-replica views of the job's mesh (`ParallelDims.build_mesh`)."""
         if self.size > 1:
-            override = None if mesh_timeouts is None else mesh_timeouts[DATA_PARALLEL]
-            self.groups = expert_groups(replicas, self.size, override)
-            self._replicas = replicas.get_group()
+            self.mesh = mesh
+            self._replicas = mesh.replicas.get_group()
 
     def shard(self, root: nn.Module, tensor_parallel_size: int) -> None:
         """Splits `root`'s experts over the expert-parallel group and keeps them out of DDP's all-reduce (before
         DDP wraps `root`; its broadcast from rank 0 would otherwise overwrite each rank's own experts)."""
-        if self.groups is None:
+        if self.mesh is None:
             return
         # At tp=1 a plan's split of the experts (moe_tp_experts) is whole: only a real split is refused.
         split = {id(param) for _, param, _ in named_sharded_parameters(root)} if tensor_parallel_size > 1 else set()
@@ -89,7 +84,7 @@ class StrategyExperts:
                 )
         # Each expert's gradient scaled by 1/ep: averaged over its replicas, it is the mean over every replica's
         # tokens (DDP's convention for the dense ones).
-        shard_experts(root, names, self.groups.expert_parallel, 1 / self.size, self.capacity_factor)
+        shard_experts(root, names, self.mesh.expert_parallel.get_group(), 1 / self.size, self.capacity_factor)
         for name in names:
             # Under sequence parallelism each tensor-parallel rank's experts see its own sequence shard's tokens: the
             # plan's sum of their gradients over the tensor-parallel group goes onto the sliced parameters too.
@@ -105,14 +100,14 @@ class StrategyExperts:
 
     def clipping(self) -> tuple[frozenset[int], Any] | None:
         """What the precision plugin's norm needs: the experts' ids and the group holding the other experts."""
-        if self.groups is None:
+        if self.mesh is None:
             return None
-        return frozenset(id(param) for param in self._parameters), self.groups.expert_parallel
+        return frozenset(id(param) for param in self._parameters), self.mesh.expert_parallel.get_group()
 
     def after_backward(self) -> None:
         """The experts' gradients averaged over their replicas, once per optimizer step (the last micro-batch)."""
-        if self.groups is not None and not self._blocked:
-            average_expert_gradients(self._parameters, self.groups.expert_replicas)
+        if self.mesh is not None and not self._blocked:
+            average_expert_gradients(self._parameters, self.mesh.expert_replicas.get_group())
 
     @contextmanager
     def counting_drops(self, module: LightningModule):

@@ -13,11 +13,19 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from lightning.pytorch.utilities import rank_zero_warn
 
 from tp_train.lightning.best_effort import BestEffort
+from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.experts import named_expert_parameters
 from tp_train.parallel.sharding import full_numel, local_part, named_sharded_parameters
 from tp_train.plan.parallelize import attached
 
 MIB = 2**20
+
+
+def parallel_dims(trainer: L.Trainer) -> ParallelDims:
+    """The strategy's degrees (`TensorParallelStrategy.parallel_dims`); under another strategy every rank takes its
+    own batches (data parallelism only)."""
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    return dims if isinstance(dims, ParallelDims) else ParallelDims.from_world(trainer.world_size)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -104,16 +112,17 @@ class TrainingMetrics(L.Callback):
         self._batches += 1
         self._samples += batch_size
         self._tokens += batch_size * block
-        tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
+        dims = parallel_dims(trainer)
         self._throughput.update(
             time=time.perf_counter() - self._start - self._paused,
             batches=self._batches,
             samples=self._samples,
             lengths=self._tokens,
-            flops=self.flops_per_batch // tp if self.flops_per_batch else None,  # this device's share
+            # this device's share: a data-parallel rank's batch is split over tp x cp x pp ranks
+            flops=self.flops_per_batch // dims.model_parallel if self.flops_per_batch else None,
         )
         metrics = self._throughput.compute()
-        data_parallel = trainer.world_size // tp
+        data_parallel = dims.dp  # ranks taking different batches
         logged: dict[str, Any] = {}
         peak = self._optional("probing peak memory", lambda: peak_memory_mib(trainer.strategy.root_device),
                               "memory/peak_mib is not logged")  # fmt: skip
@@ -165,10 +174,10 @@ class TrainingMetrics(L.Callback):
             return int(measure_flops(model, forward, lambda logits: logits.sum()))
 
     def _sizes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
-        tp = getattr(trainer.strategy, "tensor_parallel_size", 1)
+        dims = parallel_dims(trainer)
         return {
-            "tp": tp,
-            "dp": trainer.world_size // tp,
+            "tp": dims.tp,
+            "dp": dims.dp,
             "precision": str(trainer.precision),
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,

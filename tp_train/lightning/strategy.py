@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
@@ -39,14 +39,8 @@ from tp_train.lightning.loss import StrategyLoss
 from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_arguments, decide_split
 from tp_train.lightning.pipeline_hooks import PipelineStepHooks
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
-from tp_train.parallel.mesh import (
-    CONTEXT_PARALLEL,
-    DATA_PARALLEL,
-    PIPELINE_PARALLEL,
-    REPLICAS,
-    TENSOR_PARALLEL,
-    first_rank_decides,
-)
+from tp_train.parallel.dims import ParallelDims, ParallelMesh
+from tp_train.parallel.mesh import first_rank_decides
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
@@ -175,42 +169,55 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
-        self._device_mesh: DeviceMesh | None = None
-        self._replicas: DeviceMesh | None = None  # 1-D: data x context parallel ranks, flattened (setup_environment)
+        self._mesh: ParallelMesh | None = None  # the mesh and its views (setup_environment)
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         check_fused_loss(fused_loss, data_parallel)
         self._loss = StrategyLoss(self.loss_parallel, fused_loss if data_parallel != "fsdp" else False, compile)
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
+    def parallel_dims(self) -> ParallelDims:
+        """The job's degrees: these arguments at the world size (validated in `setup_environment`)."""
+        return ParallelDims.from_world(
+            self.world_size, tp=self.tensor_parallel_size, cp=self.context_parallel_size,
+            pp=self.pipeline_parallel_size, ep=self.expert_parallel_size, data_parallel=self.data_parallel,
+            virtual_stages=self.pipeline_virtual_stages,
+        )  # fmt: skip
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The job's mesh and its named views (`ParallelDims.build_mesh`)."""
+        if self._mesh is None:
             raise RuntimeError("the device mesh exists once the processes are initialised (setup_environment)")
-        return self._device_mesh
+        return self._mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.mesh.root
 
     @property
     def tensor_parallel_group(self) -> ProcessGroup:
-        return self.device_mesh[TENSOR_PARALLEL].get_group()
+        return self.mesh.tensor_parallel.get_group()
 
     @property
     def data_parallel_group(self) -> ProcessGroup:
-        return self.device_mesh[DATA_PARALLEL].get_group()
+        return self.mesh.data_parallel.get_group()
 
     @property
     def context_parallel_group(self) -> ProcessGroup:
-        return self.device_mesh[CONTEXT_PARALLEL].get_group()
+        return self.mesh.context_parallel.get_group()
 
     @property
     def replica_group(self) -> ProcessGroup:
         """The data x context parallel ranks: those whose tokens differ, over which DDP (or FSDP2) averages."""
-        return self._replicas.get_group()
+        return self.mesh.replicas.get_group()
 
     @property
     def pipeline_parallel_group(self) -> ProcessGroup:
-        return self.device_mesh[PIPELINE_PARALLEL].get_group()
+        return self.mesh.pipeline_parallel.get_group()
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size)
+        return self.parallel_dims.dp
 
     def cross_entropy(
         self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0
@@ -244,36 +251,20 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        data_parallel = self.device_mesh[DATA_PARALLEL]
+        data_parallel = self.mesh.data_parallel
         return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
 
     @override
     def setup_environment(self) -> None:
-        model_parallel = self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size
-        if self.world_size % model_parallel:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} x context_parallel_size={self.context_parallel_size}"
-                f" x pipeline_parallel_size={self.pipeline_parallel_size} does not divide the world size "
-                f"{self.world_size} (devices={self.num_processes} x num_nodes={self.num_nodes}); use devices x "
-                f"num_nodes that is a multiple of {model_parallel}"
-            )
+        dims = self.parallel_dims
+        dims.validate("devices", self.num_nodes)
         super().setup_environment()
-        # Pipeline outermost: its ranks exchange only activations, so its neighbours may sit on other nodes while
-        # tensor parallelism, innermost, keeps its every-layer collectives within a node.
-        sizes = (self.pipeline_parallel_size, self.data_parallel_size)
-        self._device_mesh = init_device_mesh(
-            self.root_device.type,
-            (*sizes, self.context_parallel_size, self.tensor_parallel_size),
-            mesh_dim_names=(PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL),
-            backend_override=self._mesh_timeouts(),
-        )
+        self._mesh = dims.build_mesh(self.root_device.type, self._mesh_backend())
         # DDP (or FSDP2) averages gradients over data x context parallel ranks, which hold the same parameters.
-        cp, dp_cp = self.context_parallel_size > 1, (DATA_PARALLEL, CONTEXT_PARALLEL)
-        self._replicas = self._device_mesh[dp_cp]._flatten(REPLICAS) if cp else self._device_mesh[DATA_PARALLEL]
-        self._ddp_kwargs["process_group"] = self._replicas.get_group()
-        self._experts.setup_groups(self._replicas, self._mesh_timeouts())
+        self._ddp_kwargs["process_group"] = self.replica_group
+        self._experts.setup_groups(self._mesh)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self.device_mesh
 
     @property
     def expert_parallel_size(self) -> int:
@@ -320,8 +311,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         else:
             self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def _mesh_timeouts(self) -> dict[str, tuple[str, Any]] | None:
-        """The mesh's groups time out like the world group (torch gives its sub-groups a 30-minute default)."""
+    def _mesh_backend(self) -> tuple[str, Any] | None:
+        """The backend and options of every group of the mesh, so they time out like the world group (torch gives
+        its sub-groups a 30-minute default)."""
         if self._timeout is None:
             return None
         backend = self._get_process_group_backend()
@@ -330,8 +322,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             options._timeout = self._timeout
         else:
             options = C10dBackend.Options(backend, self._timeout)
-        names = (PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL)
-        return {name: (backend, options) for name in names}
+        return backend, options
 
     @contextmanager
     @override
@@ -350,15 +341,14 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self.model_to_device()  # shard on the device: the collectives below run on it
         split = None
         if self.pipeline_parallel_size > 1 and self._pipeline is None:  # decided on the model as written
-            stages = self.pipeline_parallel_size * self.pipeline_virtual_stages
-            split = decide_split(self.lightning_module, stages, self.pipeline_split)
+            split = decide_split(self.lightning_module, self.parallel_dims.stages, self.pipeline_split)
         self._shard(self.lightning_module)
         if split is not None:  # cut the model: this rank's stage only, data-parallel over its replicas
             fsdp = self.data_parallel == "fsdp"
             self._pipeline = LightningPipeline(
                 self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
                 self.pipeline_microbatches, self.root_device, split,
-                replicas=None if fsdp else self._replicas.get_group(), wrap=self._fully_shard_stage if fsdp else None,
+                replicas=None if fsdp else self.replica_group, wrap=self._fully_shard_stage if fsdp else None,
                 apart=self._experts.held,
             )  # fmt: skip
         self.precision_plugin.convert_module(self.model)
@@ -367,7 +357,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self._fully_shard(self.lightning_module)
         self._tell_precision_plugin(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        replicated = self.data_parallel_size * self.context_parallel_size > 1 and self.data_parallel == "ddp"
+        replicated = self.parallel_dims.dp_cp > 1 and self.data_parallel == "ddp"
         if fitting and replicated and self._pipeline is None:  # a pipeline averages its stages' gradients itself
             self.configure_ddp()
         if fitting:
@@ -423,7 +413,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
                 _materialize_distributed_module(root, self.root_device)
-            data_parallel_rank = self.device_mesh[DATA_PARALLEL].get_local_rank()
+            data_parallel_rank = self.mesh.data_parallel.get_local_rank()
             for rng in attached(root, "tp_rng"):
                 rng.separate_data_parallel_replicas(data_parallel_rank)
             self._experts.shard(root, self.tensor_parallel_size)  # whole experts per rank, split over the ep group
@@ -439,7 +429,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         fully_shard_data_parallel(
             root,
             models or [root],
-            self._replicas,
+            self.mesh.replicas,
             mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
             ignored_params=self._experts.held,
@@ -450,8 +440,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         torchtitan does; torch's `PipelineStage` reduce-scatters its gradients after the last microbatch."""
         refuse_replicated_shards(stage, self.tensor_parallel_size)
         policy = fsdp_mixed_precision_policy(self.precision_plugin)
-        held = self._experts.held
-        fully_shard_data_parallel(stage, list(stage.children()), self._replicas, mp_policy=policy, ignored_params=held)
+        held, replicas = self._experts.held, self.mesh.replicas
+        fully_shard_data_parallel(stage, list(stage.children()), replicas, mp_policy=policy, ignored_params=held)
         return stage
 
     def _tell_precision_plugin(self, root: torch.nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""The process groups tensor parallelism runs on: the names of the 2-D mesh's axes, a tensor-parallel group from
+"""The process groups tensor parallelism runs on: the names of the mesh's axes and views, a tensor-parallel group from
 what a caller may pass, and a decision the group's first rank takes for all of them."""
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.parallel.agreement import rebuilt_error
 
-# The mesh's axes: data parallelism across replicas, context parallelism (each rank a share of every sequence) and
-# tensor parallelism within one; parameters are replicated over both data and context parallelism.
+# The mesh's axes (built by tp_train.parallel.dims.ParallelDims, which says their order): data parallelism across
+# replicas, context parallelism (each rank a share of every sequence) and tensor parallelism within one; parameters
+# are replicated over both data and context parallelism.
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
 CONTEXT_PARALLEL = "context_parallel"
+# The data-parallel axis's two parts: ranks holding whole copies of a shard (DDP, HSDP's outer axis) and ranks
+# splitting it (FSDP2); `DATA_PARALLEL` is the two flattened.
+DATA_REPLICATE, DATA_SHARD = "data_parallel_replicate", "data_parallel_shard"
 # Pipeline stages, the outermost axis: only activations cross it, once per microbatch, so it can span nodes.
 PIPELINE_PARALLEL = "pipeline_parallel"
 REPLICAS = "data_context_parallel"  # data x context parallel, flattened: the group gradients are averaged over

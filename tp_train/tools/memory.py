@@ -9,6 +9,7 @@ from functools import cached_property
 import torch.nn as nn
 
 from tp_train.parallel.context_parallel.ring_attention import workspace_bytes
+from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
 from tp_train.plan.adapters import adapter_specs
@@ -221,7 +222,11 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
     _check_data_parallel(data_parallel)
     model = _planned_model(model)
-    rank = _RankMemory(model, seq_len, tp, dp * cp, precision, sequence_parallel, activation_checkpointing, plan,
+    dims = ParallelDims.from_world(
+        ParallelDims.devices_for(dp=dp, tp=tp, cp=cp, pp=pp), tp=tp, cp=cp, pp=pp, data_parallel=data_parallel,
+        virtual_stages=pipeline_virtual_stages,
+    )  # fmt: skip
+    rank = _RankMemory(model, seq_len, tp, dims.dp_cp, precision, sequence_parallel, activation_checkpointing, plan,
                        data_parallel, loss_parallel, cp)  # fmt: skip
     if pp == 1:
         return rank.estimate(micro_batch_size, None, model_shape(model)[0], in_flight=1, last=True, pipelined=False)
@@ -231,7 +236,7 @@ def estimate_memory(
             f"estimate_memory: pipeline_microbatches={microbatches} does not divide the micro-batch of "
             f"{micro_batch_size} sequences; use a divisor of it"
         )
-    split = plan_pipeline_split(model, pp * pipeline_virtual_stages)
+    split = plan_pipeline_split(model, dims.stages)
     estimates = []
     for pipeline_rank in range(pp):
         stages = rank_stages(pipeline_schedule, split, pp, pipeline_rank)

@@ -13,6 +13,7 @@ import argparse
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tp_train.parallel.dims import ParallelDims
 from tp_train.tools.memory import estimate_memory
 
 GIB = 2**30
@@ -108,7 +109,7 @@ def pipeline_table(dps: list[int], seq_len: int, micro_batch: int, precision: st
                 cells += [estimate.gathered_parameters, estimate.activations, estimate.total]
                 numbers = " | ".join(f"{value / GIB:.1f}" for value in cells)
                 fits = "yes" if estimate.total <= gpu_gib * GIB else "no"
-                gpus = 8 * pp * dp
+                gpus = ParallelDims.devices_for(dp=dp, tp=8, pp=pp)
                 lines.append(f"| {name} | {pp} | {dp} | {gpus} | {gpus // 8} | {numbers} | {fits} |")
     return "\n".join(lines)
 

@@ -10,18 +10,16 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.experts.dispatch import all_to_all, combine, dispatch, expert_capacity
-from tp_train.parallel.experts.groups import ExpertGroups, average_expert_gradients, expert_groups
+from tp_train.parallel.experts.groups import average_expert_gradients
 from tp_train.parallel.experts.region import ExpertParallelRegion, named_expert_parameters
 
 __all__ = [
-    "ExpertGroups",
     "ExpertParallelRegion",
     "all_to_all",
     "average_expert_gradients",
     "combine",
     "dispatch",
     "expert_capacity",
-    "expert_groups",
     "named_expert_parameters",
     "shard_experts",
 ]
