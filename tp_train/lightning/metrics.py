@@ -45,10 +45,13 @@ class TrainingMetrics(L.Callback):
 
     Args:
         window_size: batches in the moving window the rates are averaged over.
+        loss_metric: the logged metric holding the batch's loss (`CausalLMModule`'s `train/loss`: the whole batch's
+            at any layout), which `first_loss` keeps; where the module logs none, the first step's returned loss.
     """
 
-    def __init__(self, window_size: int = 10):
+    def __init__(self, window_size: int = 10, loss_metric: str = "train/loss"):
         self.window_size = window_size
+        self.loss_metric = loss_metric
         self.flops_per_batch: int | None = None  # fwd + bwd of the unsharded model, per local batch
         self.tokens_per_sec: float | None = None
         self.first_loss: float | None = None
@@ -93,8 +96,11 @@ class TrainingMetrics(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()  # time what ran, not what was queued
-        if self.first_loss is None and isinstance(outputs, dict) and "loss" in outputs:
-            self.first_loss = outputs["loss"].item()
+        if self.first_loss is None:
+            logged = trainer.callback_metrics.get(self.loss_metric)
+            returned = outputs.get("loss") if isinstance(outputs, dict) else None
+            first = logged if logged is not None else returned
+            self.first_loss = first.item() if first is not None else None
         batch_size, block = batch.shape[0], batch.shape[1] - 1
         if self.flops_per_batch is None:  # 0 once they cannot be counted: not tried again
             self.flops_per_batch = self._optional(
