@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -26,6 +27,16 @@ def peak_memory_mib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / MIB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / MIB if sys.platform == "darwin" else peak / 1024
+
+
+def _summed_over_stages(strategy, counts: list[int]) -> list[int]:
+    """`counts` of this rank's pipeline stages summed over the pipeline's ranks (every rank calls); as they are
+    without a pipeline."""
+    if getattr(strategy, "pipeline_parallel_size", 1) == 1:
+        return counts
+    total = torch.tensor(counts, dtype=torch.int64, device=strategy.root_device)
+    dist.all_reduce(total, group=strategy.pipeline_parallel_group)
+    return total.tolist()
 
 
 def _compute_dtype(trainer: L.Trainer) -> torch.dtype:
@@ -56,7 +67,9 @@ class TrainingMetrics(L.Callback):
         self.tokens_per_sec: float | None = None
         self.first_loss: float | None = None
         self._throughput: Throughput | None = None
-        self.parameters = self.trainable_parameters = None  # of the whole model, counted as training starts
+        # of the whole model (every pipeline stage, unsharded), counted as training starts
+        self.parameters = self.trainable_parameters = None
+        self.parameters_on_rank: int | None = None  # what this rank holds: its stages' shards
         self._counted_step: int | None = None  # the optimizer step the communication counters count
         self._optional = BestEffort(type(self).__name__)
 
@@ -78,8 +91,12 @@ class TrainingMetrics(L.Callback):
         full = {id(p): full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in pl_module.parameters()}
         for _, param, region in named_expert_parameters(pl_module):  # this rank's run of experts: all of them
             full[id(param)] = param.numel() // region.local * region.num_experts
-        self.parameters = sum(full.values())  # the unsharded model's
-        self.trainable_parameters = sum(full[id(p)] for p in pl_module.parameters() if p.requires_grad)
+        # each pipeline stage's, summed over the stages: a tied parameter counted once, on the first stage holding it
+        duplicates = getattr(trainer.strategy, "pipeline_duplicates", frozenset())
+        counted = [p for p in pl_module.parameters() if id(p) not in duplicates]
+        stage = [sum(full[id(p)] for p in counted), sum(full[id(p)] for p in counted if p.requires_grad)]
+        self.parameters, self.trainable_parameters = _summed_over_stages(trainer.strategy, stage)
+        self.parameters_on_rank = sum(local_part(p).numel() for p in pl_module.parameters())
         if trainer.logger:
             self._optional(
                 "logging the run's sizes",
@@ -178,6 +195,6 @@ class TrainingMetrics(L.Callback):
             "precision": str(trainer.precision),
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
-            "parameters_per_rank": sum(local_part(p).numel() for p in pl_module.parameters()),
+            "parameters_on_rank": self.parameters_on_rank,
             "data_parallel": getattr(trainer.strategy, "data_parallel", "ddp"),
         }

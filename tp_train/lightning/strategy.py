@@ -238,6 +238,12 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         weight = self._loss.targets if self._loss.targets is not None else 1.0
         return mean_over_replicas(loss, weight, self.replica_group)
 
+    @property
+    def pipeline_duplicates(self) -> frozenset[int]:
+        """`id()` of this rank's copies of tied parameters that an earlier pipeline stage holds too (none without a
+        pipeline): counted once over the stages, on the first."""
+        return self._pipeline.duplicate_parameters() if self._pipeline is not None else frozenset()
+
     def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
         group = self.tensor_parallel_group if self.loss_parallel else None
         return self._loss(self.lightning_module, group, logits, target, ignore_index, label_smoothing)
