@@ -110,6 +110,7 @@ def summarize(trainer: L.Trainer) -> dict | None:
         "steps": trainer.global_step,
         "parameters": monitor.parameters if monitor else None,
         "trainable_parameters": monitor.trainable_parameters if monitor else None,
+        "parameters_on_rank": monitor.parameters_on_rank if monitor else None,  # rank 0's own: its stages' shards
         "first_train_loss": monitor.first_loss if monitor else None,
         "train_loss": metrics.get("train/loss"),
         "val_loss": metrics.get("val/loss"),

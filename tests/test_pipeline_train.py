@@ -1,11 +1,12 @@
 """`python train.py pp=2` as users type it: bad pipeline settings refused in one line before any rank starts
 (`PIPELINE_CASES`, run by test_preflight), runs at pp=2 and at pp=2 x tp=2 with sequence parallelism logging the
-same losses as at pp=1 (train.py's CSV metrics, to 1e-5), and pp=2 x dp=2 under FSDP2 saving checkpoints and resuming
-from one with the losses of the run that saved it."""
+same losses as at pp=1 (train.py's CSV metrics, to 1e-5) and counting the whole model's parameters in summary.json,
+and pp=2 x dp=2 under FSDP2 saving checkpoints and resuming from one with the losses of the run that saved it."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
 from pathlib import Path
@@ -64,7 +65,7 @@ def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict[str, dict[in
 
 @pytest.mark.slow
 def test_train_py_at_pp2_logs_the_losses_of_pp1(tmp_path):
-    runs = {}
+    runs, summaries = {}, {}
     shapes = {
         "pp1": ["tp=1", "pp=1"],
         "pp2": ["tp=1", "pp=2"],
@@ -73,10 +74,15 @@ def test_train_py_at_pp2_logs_the_losses_of_pp1(tmp_path):
     for shape, sizes in shapes.items():
         steps = ["trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=2"]
         runs[shape] = _train(tmp_path, shape, [*sizes, *steps])
+        summaries[shape] = json.loads((tmp_path / shape / "summary.json").read_text())
     for shape in ("pp2", "pp2_tp2_sp"):
         for name in ("train/loss", "val/loss", "train/grad_norm"):
             assert runs[shape][name], name
             assert runs[shape][name] == pytest.approx(runs["pp1"][name], abs=1e-5), (shape, name)
+        # every stage's parameters, the tied embedding and head once; rank 0 holds its stage's (its shards at tp=2)
+        whole, own = summaries[shape]["parameters"], summaries[shape]["parameters_on_rank"]
+        assert whole == summaries["pp1"]["parameters"] == summaries["pp1"]["parameters_on_rank"], (shape, whole)
+        assert summaries[shape]["trainable_parameters"] == whole and own < whole * 0.75, (shape, own, whole)
 
 
 @pytest.mark.slow

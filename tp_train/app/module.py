@@ -110,13 +110,20 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch, train=True)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", self._batch_loss(loss), prog_bar=True)
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        # The same batch's loss on every rank; over the epoch, Lightning's mean over the batches and ranks
+        self.log("val/loss", self._batch_loss(loss), prog_bar=True, sync_dist=True)
         return loss
+
+    def _batch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What is logged of `loss` (this rank's): the whole batch's, as one process would compute it on it, at any
+        layout (`TensorParallelStrategy.batch_loss`); the gradients come from `loss` itself."""
+        strategy = self.trainer.strategy
+        return strategy.batch_loss(loss) if isinstance(strategy, TensorParallelStrategy) else loss
 
     def on_validation_epoch_end(self) -> None:
         loss = self.trainer.callback_metrics.get("val/loss")

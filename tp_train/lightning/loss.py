@@ -1,5 +1,6 @@
 """`TensorParallelStrategy`'s cross-entropy: over whole logits, over vocabulary-sharded ones, or fused with the
-vocabulary-parallel head, compiled with `torch.compile` when the model is."""
+vocabulary-parallel head, compiled with `torch.compile` when the model is; and the batch's loss for logging, from
+each data x context parallel rank's own."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
@@ -27,6 +29,22 @@ def _whole_logits_loss(logits, target, ignore_index, label_smoothing):
     return F.cross_entropy(
         logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing
     )
+
+
+def mean_over_replicas(loss: torch.Tensor, weight: torch.Tensor | float, group: ProcessGroup | None) -> torch.Tensor:
+    """The mean of every rank's `loss` over `group`, each weighted by its `weight` (the count of targets its mean is
+    over; 1 where it is not a token mean): the batch's loss from each data x context parallel rank's share, for
+    logging (detached, one all-reduce of two numbers). `loss` itself where `group` is one rank or None.
+
+    A rank whose targets were all ignored (a mean of nothing) adds nothing; a batch with none counted logs 0, as
+    `tp_train.plan.context_parallel.mean_over_group` gives."""
+    if group is None or dist.get_world_size(group) == 1:
+        return loss
+    weight = torch.as_tensor(weight, dtype=torch.float32, device=loss.device)
+    weighted = torch.where(weight > 0, loss.detach().float() * weight, torch.zeros_like(weight))
+    sums = torch.stack([weighted, weight])
+    dist.all_reduce(sums, group=group)
+    return sums[0] / sums[1].clamp(min=1e-12)
 
 
 def _compiled(fn, compile: bool | str):
@@ -53,6 +71,7 @@ class StrategyLoss:
         self.loss_parallel = loss_parallel
         self.fused = fused
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
+        self.targets: torch.Tensor | None = None  # counted by `count` in this training or validation step
         self._head_fusions: list | None = None
         self._sharded = _compiled(self._sharded_loss, compile)
         self._whole = _compiled(_whole_logits_loss, compile)
@@ -74,6 +93,7 @@ class StrategyLoss:
         refused by the fused loss; when fusing was only the default (`fused=None`), the step runs again unfused and
         fusion stays off for the run, with one info line. The first forward's graph is dropped before any backward.
         """
+        self.targets = None
         try:
             with self.fusing(root):
                 return step()
@@ -82,7 +102,13 @@ class StrategyLoss:
                 raise
             self.fused = False
             rank_zero_info(f"fused_loss off: {error.args[0].split('; ')[0]}; the head's logits are computed")
+            self.targets = None
             return step()
+
+    def count(self, target: torch.Tensor, ignore_index: int) -> None:
+        """Adds `target`'s targets not ignored to the step's `targets` (on the device: no sync)."""
+        counted = (target != ignore_index).sum()
+        self.targets = counted if self.targets is None else self.targets + counted
 
     def _fusions(self, root: nn.Module) -> list:
         """The `HeadLossFusion`s `parallelize` set on the heads inside `root`, looked up once (sharded once)."""

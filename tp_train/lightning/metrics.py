@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -36,6 +37,16 @@ def peak_memory_mib(device: torch.device) -> float:
     return peak / MIB if sys.platform == "darwin" else peak / 1024
 
 
+def _summed_over_stages(strategy, counts: list[int]) -> list[int]:
+    """`counts` of this rank's pipeline stages summed over the pipeline's ranks (every rank calls); as they are
+    without a pipeline."""
+    if getattr(strategy, "pipeline_parallel_size", 1) == 1:
+        return counts
+    total = torch.tensor(counts, dtype=torch.int64, device=strategy.root_device)
+    dist.all_reduce(total, group=strategy.pipeline_parallel_group)
+    return total.tolist()
+
+
 def _compute_dtype(trainer: L.Trainer) -> torch.dtype:
     precision = str(trainer.precision)
     if precision.startswith("bf16"):
@@ -53,15 +64,20 @@ class TrainingMetrics(L.Callback):
 
     Args:
         window_size: batches in the moving window the rates are averaged over.
+        loss_metric: the logged metric holding the batch's loss (`CausalLMModule`'s `train/loss`: the whole batch's
+            at any layout), which `first_loss` keeps; where the module logs none, the first step's returned loss.
     """
 
-    def __init__(self, window_size: int = 10):
+    def __init__(self, window_size: int = 10, loss_metric: str = "train/loss"):
         self.window_size = window_size
+        self.loss_metric = loss_metric
         self.flops_per_batch: int | None = None  # fwd + bwd of the unsharded model, per local batch
         self.tokens_per_sec: float | None = None
         self.first_loss: float | None = None
         self._throughput: Throughput | None = None
-        self.parameters = self.trainable_parameters = None  # of the whole model, counted as training starts
+        # of the whole model (every pipeline stage, unsharded), counted as training starts
+        self.parameters = self.trainable_parameters = None
+        self.parameters_on_rank: int | None = None  # what this rank holds: its stages' shards
         self._counted_step: int | None = None  # the optimizer step the communication counters count
         self._optional = BestEffort(type(self).__name__)
 
@@ -83,8 +99,12 @@ class TrainingMetrics(L.Callback):
         full = {id(p): full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in pl_module.parameters()}
         for _, param, region in named_expert_parameters(pl_module):  # this rank's run of experts: all of them
             full[id(param)] = param.numel() // region.local * region.num_experts
-        self.parameters = sum(full.values())  # the unsharded model's
-        self.trainable_parameters = sum(full[id(p)] for p in pl_module.parameters() if p.requires_grad)
+        # each pipeline stage's, summed over the stages: a tied parameter counted once, on the first stage holding it
+        duplicates = getattr(trainer.strategy, "pipeline_duplicates", frozenset())
+        counted = [p for p in pl_module.parameters() if id(p) not in duplicates]
+        stage = [sum(full[id(p)] for p in counted), sum(full[id(p)] for p in counted if p.requires_grad)]
+        self.parameters, self.trainable_parameters = _summed_over_stages(trainer.strategy, stage)
+        self.parameters_on_rank = sum(local_part(p).numel() for p in pl_module.parameters())
         if trainer.logger:
             self._optional(
                 "logging the run's sizes",
@@ -101,8 +121,11 @@ class TrainingMetrics(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()  # time what ran, not what was queued
-        if self.first_loss is None and isinstance(outputs, dict) and "loss" in outputs:
-            self.first_loss = outputs["loss"].item()
+        if self.first_loss is None:
+            logged = trainer.callback_metrics.get(self.loss_metric)
+            returned = outputs.get("loss") if isinstance(outputs, dict) else None
+            first = logged if logged is not None else returned
+            self.first_loss = first.item() if first is not None else None
         batch_size, block = batch.shape[0], batch.shape[1] - 1
         if self.flops_per_batch is None:  # 0 once they cannot be counted: not tried again
             self.flops_per_batch = self._optional(
@@ -181,6 +204,6 @@ class TrainingMetrics(L.Callback):
             "precision": str(trainer.precision),
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
-            "parameters_per_rank": sum(local_part(p).numel() for p in pl_module.parameters()),
+            "parameters_on_rank": self.parameters_on_rank,
             "data_parallel": getattr(trainer.strategy, "data_parallel", "ddp"),
         }

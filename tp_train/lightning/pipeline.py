@@ -9,7 +9,8 @@ How one step goes, on every rank of the pipeline group:
    their own way. `strategy.cross_entropy` there counts the microbatch's targets, so the gradients are those of the
    batch's token-weighted mean (a mean of the microbatches' means where the loss does not go through it).
 3. Tied parameters' gradients are summed across stages; the loss, and what `training_step` logged, are broadcast
-   from the last stage and logged on every rank, so `self.log`, callbacks and the progress bar see the batch's.
+   from the last stage and logged on every rank, so `self.log`, callbacks and the progress bar see the batch's: the
+   loss logged is the whole batch's, over the data x context parallel replicas too (weighted by their targets).
 The strategy owns backward: the schedule runs it in `training_step`, and Lightning's `backward` (after its
 `zero_grad`) only adds those gradients to the parameters.
 """
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+from tp_train.lightning.loss import mean_over_replicas
 from tp_train.parallel.pipeline import SCHEDULES, Pipeline, schedule_named
 from tp_train.parallel.pipeline.runner import average_gradients
 from tp_train.parallel.pipeline.split import PipelineSplit
@@ -76,7 +78,11 @@ def decide_split(module: pl.LightningModule, stages: int, explicit: list[int] | 
 
 
 class LightningPipeline:
-    """The pipeline of `module`'s model on this rank (cut in place along `split`), run by `training_step`."""
+    """The pipeline of `module`'s model on this rank (cut in place along `split`), run by `training_step`.
+
+    `replicas` are the data x context parallel ranks of this stage (other tokens, the same parameters): the logged
+    loss is the batch's over them, and with `average_gradients` (DDP's way; FSDP2 reduces in its stages instead)
+    `backward` averages the gradients over them."""
 
     def __init__(
         self,
@@ -87,6 +93,7 @@ class LightningPipeline:
         device: torch.device,
         split: PipelineSplit,
         replicas: ProcessGroup | None = None,
+        average_gradients: bool = True,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
         apart: Collection[nn.Parameter] = (),
     ) -> None:
@@ -98,8 +105,9 @@ class LightningPipeline:
             model, self.split, group, schedule, microbatches, device, loss_fn=self._microbatch_loss, in_place=True,
             wrap=wrap,
         )  # fmt: skip
-        # DDP's group: the gradients are averaged over it once per optimizer step, in `backward` (not per batch)
         self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
+        # DDP's: the gradients are averaged over the replicas once per optimizer step, in `backward` (not per batch)
+        self.average_gradients = average_gradients
         self.apart = frozenset(id(param) for param in apart)  # averaged elsewhere: expert parallelism's experts
         self.synchronize = True
         # 16-mixed: the scaler's scale, by which each microbatch's loss is multiplied before the schedule's backward
@@ -107,6 +115,7 @@ class LightningPipeline:
         self.loss_scale: torch.Tensor | None = None
         # per microbatch, where strategy.cross_entropy counted them: its targets not ignored, over the batch's size
         self.token_counts: list[float] | None = None
+        self._targets: list[int] = []  # the same counts, whole: the weight of this replica's loss among the others'
         self._batch: list[Any] = []
         self._step: Callable | None = None
         self._batch_idx = 0
@@ -117,7 +126,7 @@ class LightningPipeline:
 
     def training_step(self, step: Callable, batch: Any, batch_idx: int, device: torch.device) -> torch.Tensor:
         """Runs `step` (the user's training_step) through the pipeline over the microbatches of `batch`; returns
-        the batch's loss on every rank; the gradients wait for `backward`."""
+        the batch's loss (this replica's) on every rank; the gradients wait for `backward`."""
         held = self.pipeline.set_aside_gradients()
         loss, divisor = self._run(step, batch, batch_idx, device, train=True)
         self.pipeline.finish_gradients({}, 1.0 / divisor)
@@ -128,13 +137,13 @@ class LightningPipeline:
         return loss
 
     def evaluation_step(self, step: Callable, batch: Any, batch_idx: int, device: torch.device) -> torch.Tensor:
-        """`step` (the user's validation_step or test_step) through the pipeline, forward only; the batch's loss on
-        every rank, and what `step` logged logged on every rank."""
+        """`step` (the user's validation_step or test_step) through the pipeline, forward only; the batch's loss
+        (this replica's) on every rank, and what `step` logged logged on every rank."""
         return self._run(step, batch, batch_idx, device, train=False)[0]
 
     def _run(self, step: Callable, batch: Any, batch_idx: int, device: torch.device, train: bool):
         self._batch = split_batch(batch, self.microbatches)
-        self._step, self._logged, self._losses, self.token_counts = step, [], [], []
+        self._step, self._logged, self._losses, self.token_counts, self._targets = step, [], [], [], []
         self._batch_idx, self._training = batch_idx, train
         inputs = None
         if self.pipeline.holds_first:
@@ -142,17 +151,19 @@ class LightningPipeline:
         self.pipeline.run(inputs, torch.arange(self.microbatches, device=device), train=train)
         # torch's first step infers the stages' shapes with a forward (and a loss) on placeholder tensors: keep the
         # microbatches' own, the last ones
-        self.token_counts = self.token_counts[-self.microbatches :]
+        self.token_counts, self._targets = self.token_counts[-self.microbatches :], self._targets[-self.microbatches :]
         self._losses, self._logged = self._losses[-self.microbatches :], self._logged[-self.microbatches :]
         counted = self.pipeline.holds_last and len(self.token_counts) == self.microbatches
         # The divisor: the sum of the fractions counted where every microbatch's loss counted its own (the batch's
         # targets over its size), else the microbatches.
         divisor = sum(self.token_counts) if counted else float(self.microbatches)
+        weight = float(sum(self._targets)) if counted else 1.0  # among the replicas: its targets, or 1 (uncounted)
         total = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=device)
-        value = torch.stack([total.float(), torch.tensor(divisor, device=device)]) if self.pipeline.holds_last else None
-        loss_sum, divisor = self.pipeline.from_last_stage(value, device, size=2)
-        loss = loss_sum / divisor
-        self._log_on_every_rank(loss)
+        value = torch.cat([total.float().reshape(1), torch.tensor([divisor, weight], device=device)])
+        last = self.pipeline.holds_last
+        loss_sum, divisor, weight = self.pipeline.from_last_stage(value if last else None, device, size=3)
+        loss = loss_sum / divisor  # this replica's batch: what training_step returns
+        self._log_on_every_rank(mean_over_replicas(loss, weight, self.replicas))
         return loss, divisor.item()
 
     def backward(self, scale: float = 1.0) -> None:
@@ -164,7 +175,7 @@ class LightningPipeline:
             grad = grad.mul_(scale) if scale != 1.0 else grad
             param.grad = grad if param.grad is None else param.grad + grad
         self._pending = {}
-        if self.synchronize and self.replicas is not None:
+        if self.synchronize and self.average_gradients and self.replicas is not None:
             dense = [param for param in self.pipeline.parameters() if id(param) not in self.apart]
             average_gradients(dense, self.replicas)
 
@@ -194,6 +205,7 @@ class LightningPipeline:
         magnitude in fp16 (a count would multiply them by the microbatch's tokens, overflowing fp16)."""
         if self.token_counts is not None:
             self.token_counts.append(count / max(size * self.microbatches, 1))
+            self._targets.append(count)
 
     def _model_input(self, step: Callable, part: Any, batch_idx: int) -> torch.Tensor:
         with self._model_as(_CaptureInput()), self._logs_dropped():
@@ -228,8 +240,8 @@ class LightningPipeline:
         return weighted * self.loss_scale if self.loss_scale is not None else weighted
 
     def _log_on_every_rank(self, loss: torch.Tensor) -> None:
-        """What training_step logged on the last stage, logged on every rank: the loss as the batch's, any other
-        value as its mean over the microbatches."""
+        """What training_step logged on the last stage, logged on every rank: the loss as `loss` (the whole batch's,
+        over the replicas too), any other value as its mean over the microbatches."""
         entries = None
         if self.pipeline.holds_last and self._logged:
             entries = []

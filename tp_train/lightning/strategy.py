@@ -35,7 +35,7 @@ from tp_train.lightning.checkpoint_hooks import CheckpointHooks
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.experts import StrategyExperts
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
-from tp_train.lightning.loss import StrategyLoss
+from tp_train.lightning.loss import StrategyLoss, mean_over_replicas
 from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_arguments, decide_split
 from tp_train.lightning.pipeline_hooks import PipelineStepHooks
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
@@ -226,6 +226,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
         statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
         half precision are reduced in fp32."""
+        self._loss.count(target, ignore_index)  # what `batch_loss` weighs this rank's mean by
         if self._pipeline is not None:  # the microbatch's share of the batch's tokens (tp_train.lightning.pipeline)
             self._pipeline.count_tokens(int((target != ignore_index).sum()), target.numel())
         if self.context_parallel_size > 1:  # logits of this rank's share of the tokens; the mean over all of them
@@ -233,6 +234,22 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 self._cross_entropy, logits, target, self.lightning_module, ignore_index, label_smoothing
             )
         return self._cross_entropy(logits, target, ignore_index, label_smoothing)
+
+    def batch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """For logging: the batch's loss from this rank's `loss` (its training or validation step's), as one process
+        would compute it on the whole batch: the mean over the data x context parallel ranks (`replica_group`), each
+        weighted by the targets `cross_entropy` counted in its step (by 1 where none went through it). The gradients
+        are untouched. Under a pipeline, `loss` itself: the pipeline logs the batch's after its last microbatch."""
+        if self._pipeline is not None:
+            return loss
+        weight = self._loss.targets if self._loss.targets is not None else 1.0
+        return mean_over_replicas(loss, weight, self.replica_group)
+
+    @property
+    def pipeline_duplicates(self) -> frozenset[int]:
+        """`id()` of this rank's copies of tied parameters that an earlier pipeline stage holds too (none without a
+        pipeline): counted once over the stages, on the first."""
+        return self._pipeline.duplicate_parameters() if self._pipeline is not None else frozenset()
 
     def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
         group = self.tensor_parallel_group if self.loss_parallel else None
@@ -348,8 +365,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self._pipeline = LightningPipeline(
                 self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
                 self.pipeline_microbatches, self.root_device, split,
-                replicas=None if fsdp else self.replica_group, wrap=self._fully_shard_stage if fsdp else None,
-                apart=self._experts.held,
+                replicas=self.replica_group, average_gradients=not fsdp,
+                wrap=self._fully_shard_stage if fsdp else None, apart=self._experts.held,
             )  # fmt: skip
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
