@@ -34,7 +34,7 @@ PLAN_JOBS = {
               "sequence_parallel"),
     "check": ("region_check", "verify"),
     "shared": ("caches", "channels", "compare", "gradient_hooks", "layout", "local_view", "meta_init", "probe",
-               "probe_input", "styles", "ties"),
+               "probe_input", "styles", "ties", "init_record"),
 }  # fmt: skip
 PLAN_ENTRY = ("__init__", "parallelize")
 

@@ -82,7 +82,7 @@ def test_computed_buffers_of_a_model_planned_through_a_wrapper_are_recomputed_as
     embedding (non-persistent `inv_freq`, no reset_parameters) built on meta was refused. Each module is initialised
     by the innermost enclosing model's `_init_weights`, which recomputes the buffers (issue 41)."""
     from models import hugging_face_causal_lm
-    from tp_train.plan.meta_init import init_weights_of, materialize
+    from tp_train.plan.meta_init import initializer, materialize
 
     config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=4)  # fmt: skip
@@ -90,7 +90,7 @@ def test_computed_buffers_of_a_model_planned_through_a_wrapper_are_recomputed_as
         wrapper = torch.nn.ModuleDict({"model": hugging_face_causal_lm("stablelm", config=config)})
     materialized = {}
     for name, module in wrapper.named_modules():
-        materialize(name, module, torch.device("cpu"), materialized, init_weights_of(wrapper, name))
+        materialize(name, module, torch.device("cpu"), materialized, initializer(wrapper, name))
     built = hugging_face_causal_lm("stablelm", config=config)
     for buffer in ("inv_freq", "original_inv_freq"):
         expected = getattr(built.model.rotary_emb, buffer)
@@ -149,7 +149,7 @@ def test_values_a_constructor_computes_are_kept_by_deferred_init(family):
     `init_module`) keeps what the constructor computed, so the materialised model holds what one built on the CPU
     does; the weights it draws are still meta until their shard is materialised."""
     from models import hugging_face_causal_lm
-    from tp_train.plan.meta_init import init_weights_of, materialize
+    from tp_train.plan.meta_init import initializer, materialize
 
     config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=32)  # fmt: skip
@@ -164,7 +164,7 @@ def test_values_a_constructor_computes_are_kept_by_deferred_init(family):
     assert deferred.get_output_embeddings().weight.is_meta
     materialized = {}
     for name, module in deferred.named_modules():
-        materialize(name, module, torch.device("cpu"), materialized, init_weights_of(deferred, name))
+        materialize(name, module, torch.device("cpu"), materialized, initializer(deferred, name))
     built = dict(hugging_face_causal_lm(family, config=config).named_parameters(remove_duplicate=False))
     built.update(hugging_face_causal_lm(family, config=config).named_buffers())
     tensors = {**dict(deferred.named_parameters(remove_duplicate=False)), **dict(deferred.named_buffers())}

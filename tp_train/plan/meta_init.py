@@ -4,14 +4,24 @@ probe batch through)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
+
+from tp_train.plan.init_record import (
+    INIT_RECORDS,
+    InitRecorder,
+    recording_skipped_inits,
+    replay,
+    replayable,
+    written_tensor,
+)
 
 # Factories whose values their arguments decide (no random draw, no uninitialised memory): what a constructor computes
 # with them (xIELU's scalars, a bias's zeros, a rotary embedding's frequencies, Falcon-H1's muP vector) is kept.
@@ -24,6 +34,7 @@ VALUE_FACTORIES = frozenset(
 )  # fmt: skip
 KEPT_VALUES_LIMIT = 1 << 20  # elements: biases, norms, scalars and buffers; never a weight matrix of a real model
 _DEVICE_FACTORIES = frozenset(torch.utils._device._device_constructors())  # what torch.device("meta") places
+_DATA_GETTER = torch.Tensor.data.__get__  # `tensor.data`, an alias whose writes are the tensor's
 KEPT = "_tp_kept_values"  # a module's attribute: the names of its tensors whose constructed values were kept
 
 
@@ -32,22 +43,37 @@ class _KeptValuesMode(TorchFunctionMode):
     `KEPT_VALUES_LIMIT` elements, which are built on the CPU. An operation mixing kept and meta tensors computes on
     the meta device (its value depends on one that does not exist yet), and one writing such a value into a kept
     tensor leaves it as it is: Zamba's `_init_weights`, run by Hugging Face's `post_init` while the model is built,
-    copies a meta draw into its kept `dt_proj_bias`; `materialize` runs the initialiser again on real tensors."""
+    copies a meta draw into its kept `dt_proj_bias`; `materialize` runs the initialiser again on real tensors. Every
+    write to a meta tensor is recorded (`recorder`), to be made again once the tensor exists."""
+
+    def __init__(self, recorder: InitRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _DEVICE_FACTORIES and kwargs.get("device") is None:
-            shape = func(*args, **{**kwargs, "device": "meta"})
+            placed = {**kwargs, "device": "meta"}
+            shape = func(*args, **placed)
             if func not in VALUE_FACTORIES or shape.numel() > KEPT_VALUES_LIMIT:
+                self.recorder.computed(func, args, placed, shape)  # a draw, made again where it is read
                 return shape
             kwargs = {**kwargs, "device": "cpu"}
+        written = written_tensor(func, args, kwargs)
+        if written is not None and written.is_meta:
+            self.recorder.record(func, args, kwargs, written)
+        given = (args, kwargs)
         tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         if any(tensor.is_meta for tensor in tensors) and not all(tensor.is_meta for tensor in tensors):
-            if getattr(func, "__name__", "").endswith("_") and isinstance(args[0], torch.Tensor):
-                if not args[0].is_meta:  # an in-place write of a value not known yet
-                    return args[0]
+            if written is not None and not written.is_meta:  # an in-place write of a value not known yet
+                return written
             args, kwargs = tree_map_only(torch.Tensor, lambda tensor: tensor.to("meta"), (args, kwargs))
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if func == _DATA_GETTER and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            self.recorder.alias(args[0], result)  # `p.data.normal_()` writes into p
+        elif written is None:
+            self.recorder.computed(func, *given, result)
+        return result
 
 
 @contextmanager
@@ -59,46 +85,74 @@ def deferred_init() -> Iterator[None]:
     holds, not `torch.empty`'s memory (issue 41). `materialize` still runs each such module's initialiser, as Hugging
     Face's `post_init` would after its constructor."""
 
+    recorder = InitRecorder()
+
     def tag(module: nn.Module, name: str, tensor):
         if tensor is not None and not tensor.is_meta:
             module.__dict__.setdefault(KEPT, set()).add(name)
+        elif tensor is not None:  # the writes made to it from here on (and before, as the same tensor)
+            module.__dict__.setdefault(INIT_RECORDS, {})[name] = recorder.record_of(tensor)
 
     handles = [
         module_hooks.register_module_parameter_registration_hook(tag),
         module_hooks.register_module_buffer_registration_hook(tag),
     ]
     try:
-        with _KeptValuesMode():
+        with _KeptValuesMode(recorder), recording_skipped_inits(recorder):
             yield
     finally:
         for handle in handles:
             handle.remove()
 
 
-def init_weights_of(root: nn.Module, name: str):
-    """The weight initialiser of the innermost module enclosing `root`'s submodule `name` that has one (a Hugging
-    Face model's `_init_weights`), or None: a model planned from a wrapper (a LightningModule holding a Hugging Face
-    model the auto-planner plans through) initialises each module as the model itself would. Its rotary
-    embeddings' computed buffers (StableLM's `inv_freq`, no `reset_parameters`) are recomputed so, as Hugging
-    Face's own meta-device loading does (issue 41)."""
+@dataclass(frozen=True)
+class ModuleInitializer:
+    """How one module of a model built on meta is initialised as an eager build would: `own`, the weight initialiser of
+    the innermost enclosing model that has one (a Hugging Face model's `_init_weights`), or None (the module's
+    `reset_parameters`); `enclosing`, each enclosing module with its own initialiser, innermost first, whose rules
+    may reach into this module (GPT-2's attention rescaling its `c_proj`), as Hugging Face's `post_init` applies them,
+    children before parents. Used for the tensors whose recorded initialisation cannot be made again
+    (`tp_train.plan.init_record`)."""
+
+    own: Callable[[nn.Module], None] | None = None
+    enclosing: tuple[tuple[nn.Module, Callable[[nn.Module], None]], ...] = ()
+
+
+def initializer(root: nn.Module, name: str) -> ModuleInitializer:
+    """The initialisers of `root`'s submodule `name` (`ModuleInitializer`): a model planned from a wrapper (a
+    LightningModule holding a Hugging Face model the auto-planner plans through) initialises each module as the model
+    itself would. Its rotary embeddings' computed buffers (StableLM's `inv_freq`, no `reset_parameters`) are
+    recomputed so, as Hugging Face's own meta-device loading does (issue 41)."""
     parts = name.split(".") if name else []
-    for depth in range(len(parts), -1, -1):
-        owner = root.get_submodule(".".join(parts[:depth]))
-        init_weights = getattr(owner, "_init_weights", None)
-        if callable(init_weights):
-            return init_weights
-    return None
+    owners = [root.get_submodule(".".join(parts[:depth])) for depth in range(len(parts), -1, -1)]
+    holders = [owner for owner in owners if callable(getattr(owner, "_init_weights", None))]
+    if not holders:
+        return ModuleInitializer()
+    enclosing = []
+    for position, owner in enumerate(owners[1:], start=1):
+        holder = next((holder for holder in owners[position:] if holder in holders), None)
+        if holder is not None:
+            enclosing.append((owner, holder._init_weights))
+    return ModuleInitializer(holders[0]._init_weights, tuple(enclosing))
 
 
-def materialize(name: str, module: nn.Module, device: torch.device, materialized: dict, init_weights=None) -> None:
-    """Gives `module`'s own meta-device tensors storage on `device` and initialises them: `init_weights(module)`
-    when given, else `module.reset_parameters()`. `materialized` maps each meta tensor given storage before (the
-    tensor itself, which the key keeps alive: an id, once its tensor is freed, is another tensor's) to its real one,
-    so a tensor tied across modules is materialised once. A tensor whose constructed value `deferred_init` kept
-    moves to `device` with its value, and its module is initialised as if built there."""
+def materialize(
+    name: str, module: nn.Module, device: torch.device, materialized: dict, init: ModuleInitializer | None = None
+) -> None:
+    """Gives `module`'s own meta-device tensors storage on `device` and initialises them as an eager build would:
+    the writes its construction made to each (`tp_train.plan.init_record`: `reset_parameters`, the model's
+    `self.apply(init)` and Hugging Face's `post_init` rules, a scaled `c_proj` loop, a time-step bias computed from a
+    draw) made again on the whole tensor. A tensor whose writes cannot be is initialised by `init.own(module)` (else
+    `module.reset_parameters()`), then by the enclosing models' rules writing to it only. `materialized` maps each
+    meta tensor given storage before (the tensor itself, which the key keeps alive: an id, once its tensor is freed,
+    is another tensor's) to its real one, so a tensor tied across modules is materialised once. A tensor whose
+    constructed value `deferred_init` kept moves to `device` with its value, and its module is initialised as if
+    built there."""
+    init = init or ModuleInitializer()
     kept = module.__dict__.pop(KEPT, ())
+    records = module.__dict__.pop(INIT_RECORDS, {})
     fresh = bool(kept)
-    drawn = False  # a meta tensor given storage, which only an initialiser can fill
+    drawn: dict[str, torch.Tensor] = {}  # meta tensors given storage here, which only an initialiser can fill
     for tensors in (module._parameters, module._buffers):
         for key, tensor in tensors.items():
             if tensor is None or not (tensor.is_meta or key in kept and tensor.device != device):
@@ -109,18 +163,61 @@ def materialize(name: str, module: nn.Module, device: torch.device, materialized
                     real = nn.Parameter(real, requires_grad=tensor.requires_grad)
                 materialized[tensor] = real
                 fresh = True
-                drawn = drawn or tensor.is_meta
+                if tensor.is_meta:
+                    drawn[key] = real
             tensors[key] = materialized[tensor]
     if not fresh:
         return
-    if init_weights is not None:
-        init_weights(module)
-        return
-    if not hasattr(module, "reset_parameters"):
-        if not drawn:  # only kept values: they are what its constructor computed
-            return
-        raise ValueError(
-            f"module '{name}' ({type(module).__name__}) was built on the meta device but has no reset_parameters() "
-            f"to initialise it; define one, or build the model on a real device"
-        )
-    module.reset_parameters()
+    unrecorded = {key: tensor for key, tensor in drawn.items() if not replayable(records.get(key))}
+    if kept or unrecorded:
+        _initialise(name, module, init, unrecorded)
+    for key, tensor in drawn.items():
+        if key not in unrecorded:
+            replay(records[key], tensor)
+
+
+def _initialise(name: str, module: nn.Module, init: ModuleInitializer, tensors: dict[str, torch.Tensor]) -> set[int]:
+    """`module`'s own initialiser, then the enclosing models' rules writing to `tensors` only; returns the storages
+    (`_storage`) they wrote."""
+    written: set[int] = set()
+    with _WritesOnly(written):
+        if init.own is not None:
+            init.own(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        elif tensors:
+            raise ValueError(
+                f"module '{name}' ({type(module).__name__}) was built on the meta device but has no "
+                f"reset_parameters() to initialise it, and its constructor's initialisation of {sorted(tensors)} "
+                f"cannot be made again; define reset_parameters(), or build the model on a real device"
+            )
+    if tensors and init.enclosing:
+        outermost = init.enclosing[-1][0]
+        others = {_storage(t) for t in [*outermost.parameters(), *outermost.buffers()] if not t.is_meta}
+        with _WritesOnly(written, protected=others - {_storage(tensor) for tensor in tensors.values()}):
+            for owner, rule in init.enclosing:
+                rule(owner)
+    return written
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class _WritesOnly(TorchFunctionMode):
+    """Notes in `written` the storage of every tensor an in-place write reaches, and keeps such writes from the
+    `protected` storages (views of them included): an enclosing model's initialiser, run for one module's sake,
+    leaves the rest of the model as it is (its scratch tensors, a rejection sampler's draws, are written as usual)."""
+
+    def __init__(self, written: set[int], protected: frozenset[int] | set[int] = frozenset()) -> None:
+        super().__init__()
+        self.written, self.protected = written, protected
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = written_tensor(func, args, kwargs)
+        if target is not None and not target.is_meta:
+            if _storage(target) in self.protected:
+                return target
+            self.written.add(_storage(target))
+        return func(*args, **kwargs)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from tp_train.errors import first_line
 from tp_train.plan.caches import caches_kept
 from tp_train.plan.gradient_hooks import requiring_grad
-from tp_train.plan.meta_init import init_weights_of, materialize
+from tp_train.plan.meta_init import initializer, materialize
 from tp_train.plan.probe_input import EXAMPLE_INPUT_HINT, ProbeInput, forward_argument
 from tp_train.plan.styles import pointwise_conv_shape
 
@@ -220,7 +220,7 @@ def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
         if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
             probe, materialized = copy.deepcopy(model), {}
             for name, module in probe.named_modules():
-                materialize(name, module, torch.device("cpu"), materialized, init_weights_of(probe, name))
+                materialize(name, module, torch.device("cpu"), materialized, initializer(probe, name))
         else:
             probe = model
         with requiring_grad(probe.parameters(), torch.is_floating_point), eval_mode(probe), caches_kept(probe):
