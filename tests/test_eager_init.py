@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.init import trunc_normal_
 
 import tp_train
 from tests.distributed import run_on_ranks
@@ -182,10 +183,63 @@ def eager_weights():
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_model_built_on_meta_and_sharded_starts_from_its_eager_initialisation(tp, name, eager_weights):
-    if tp not in _SHARDED:  # every model's sharded build in one call per tp
-        _SHARDED[tp] = run_on_ranks(_sharded_weights, tp, list(MODELS), timeout=300)[0]
+    for size in {1, tp}:  # every model's sharded build in one call per tp
+        if size not in _SHARDED:
+            _SHARDED[size] = run_on_ranks(_sharded_weights, size, list(MODELS), timeout=300)[0]
     gathered, eager = _SHARDED[tp][name], eager_weights[name]
     assert not isinstance(gathered, str), gathered
     assert eager.keys() <= gathered.keys(), sorted(eager.keys() - gathered.keys())
     found = mismatches(eager, gathered)
     assert not found, found
+    # Same seed, same weights at every tp: each rank replays the whole tensor, then takes its shard.
+    unsharded = _SHARDED[1][name]
+    assert all(torch.equal(gathered[key], unsharded[key]) for key in unsharded), name
+
+
+class _Corners(nn.Module):
+    """Writes a constructor may make that a replay must not get wrong (each found once by reading the replay)."""
+
+    def __init__(self):
+        super().__init__()
+        self.relative = nn.Parameter(torch.empty(1000))  # a first write relative to torch.empty's memory
+        with torch.no_grad():
+            self.relative.mul_(1e-30)
+        self.through_view = nn.Parameter(torch.empty(8))
+        half = torch.empty(8)
+        half[:4].uniform_()  # a draw written through a view of a scratch tensor, then copied in
+        with torch.no_grad():
+            self.through_view.copy_(half * 2)
+        x = torch.randn(256)
+        y = x * 2
+        x.mul_(3)
+        self.cancelled = nn.Parameter(torch.empty(256))  # one draw read at two points: x - 1.5 y is zero
+        self.first = nn.Parameter(torch.empty(256))
+        self.second = nn.Parameter(torch.empty(256))  # the same draw copied twice: equal, as in the eager build
+        with torch.no_grad():
+            self.cancelled.copy_(x - 1.5 * y)
+            self.first.copy_(x)
+            self.second.copy_(x)
+        self.truncated = nn.Parameter(torch.empty(64, 64))  # torch's trunc_normal_ by name: skips meta tensors
+        trunc_normal_(self.truncated, std=0.5)
+        self.register_buffer("noise", torch.randn(512))  # a buffer registered as drawn
+
+    def reset_parameters(self):
+        for param in (self.relative, self.through_view):
+            nn.init.normal_(param, std=0.1)
+
+
+def test_constructor_writes_are_made_again_or_left_to_the_initialiser():
+    from tp_train.plan.meta_init import initializer, materialize
+
+    torch.manual_seed(0)
+    with tp_train.deferred_init():
+        model = _Corners()
+    materialize("", model, torch.device("cpu"), {}, initializer(model, ""))
+    assert model.relative.isfinite().all() and 0.05 < model.relative.std() < 0.2  # reset_parameters, not NaN
+    assert model.through_view.isfinite().all()
+    assert torch.equal(model.cancelled, torch.zeros(256)), model.cancelled.abs().max()
+    assert torch.equal(model.first, model.second) and 2.0 < model.first.std() < 4.0
+    torch.manual_seed(0)
+    eager = _Corners()
+    assert not mismatches({"truncated": eager.truncated, "noise": eager.noise},
+                          {"truncated": model.truncated, "noise": model.noise})  # fmt: skip

@@ -30,7 +30,7 @@ from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import SUM_OVER_RANKS, SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
-from tp_train.plan.meta_init import initializer, materialize
+from tp_train.plan.meta_init import COMPUTED_VALUES, initializer, materialize
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
     FEEDS_PARALLEL_REGION,
@@ -82,6 +82,7 @@ def apply_plan(
                 # its weight the embedding's, its bias the prediction head's).
                 known = {param: materialized.get(param, param) for param in base.tp_origins.values()
                          if id(param) in shared or param in materialized}  # fmt: skip
+                known[COMPUTED_VALUES] = materialized.setdefault(COMPUTED_VALUES, {})  # one draw, whoever reads it
                 materialize(name, base, device, known, initializer(model, name))
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(base, group, shared)

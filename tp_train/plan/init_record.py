@@ -33,8 +33,17 @@ _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad", "deta
 INIT_RECORDS = "_tp_init_records"  # a module's attribute: its tensors' names -> the writes recorded on them
 RECIPE = "_tp_recipe"  # a computed meta tensor's attribute: (func, args, kwargs, output index or None)
 UNKNOWN = None  # in a record: a write of a value that cannot be computed again (replay stops being possible)
-# torch.nn.init's functions that return at once for a meta tensor, without a write the recorder could see.
-SKIPPED_ON_META = ("dirac_", "orthogonal_", "sparse_", "trunc_normal_")
+# torch.nn.init's functions that return at once for a meta tensor, without a write the recorder could see (torch's
+# trunc_normal_ through its module-level helper, which also catches `from torch.nn.init import trunc_normal_`).
+SKIPPED_ON_META = ("dirac_", "orthogonal_", "sparse_", "trunc_normal_", "_no_grad_trunc_normal_")
+# Writes that set every element whatever the tensor held: a record must start with one (a `mul_` or `p[i] = 0` first
+# would be made on `torch.empty`'s memory).
+WHOLE_WRITES = frozenset({
+    "normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_", "geometric_",
+    "log_normal_", "cauchy_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+    "trunc_normal_", "_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_", "constant_", "ones_", "zeros_",
+    "eye_",
+})  # fmt: skip
 
 
 class _Target:
@@ -132,8 +141,9 @@ class InitRecorder:
                 return TARGET
             if not leaf.is_meta:
                 return leaf
-            if hasattr(leaf, RECIPE):
-                return _Value(leaf, len(self.record_of(leaf)))
+            writes = self.record_of(leaf)
+            if hasattr(leaf, RECIPE) and UNKNOWN not in writes:
+                return _Value(leaf, len(writes))
             unknown = True
             return leaf
 
@@ -141,51 +151,63 @@ class InitRecorder:
         return None if unknown else arguments
 
 
+def computed_value(tensor: torch.Tensor) -> _Value:
+    """A computed meta tensor as a value a recorded write reads (with the writes made to it so far)."""
+    return _Value(tensor, len(getattr(tensor, "_tp_writes", ())))
+
+
 def replayable(writes: list | None) -> bool:
-    """Whether `writes` can be made again: some writes, and none of a value that could not be computed."""
-    return bool(writes) and UNKNOWN not in writes
+    """Whether `writes` can be made again and give the tensor its whole value: the first sets every element, and none
+    is of a value that could not be computed."""
+    if not writes or UNKNOWN in writes:
+        return False
+    return getattr(writes[0][0], "__name__", "") in WHOLE_WRITES
 
 
-def replay(writes: list, tensor: torch.Tensor) -> None:
+def replay(writes: list, tensor: torch.Tensor, computed: dict) -> None:
     """Makes `writes` (recorded on the meta tensor `tensor` replaces) again on `tensor`, in order; the values they
-    read are computed again on its device."""
-    values: dict[tuple[int, int], torch.Tensor] = {}
+    read are computed again on its device, once each per `computed` (one dict for one model's materialisation: a
+    copy of the model, the planner's probe, has its own, so every rank draws the same values)."""
     with torch.no_grad():
         for func, args, kwargs in writes:
-            args, kwargs = _placed((args, kwargs), tensor, values)
+            args, kwargs = _placed((args, kwargs), tensor, computed)
             func(*args, **kwargs)
 
 
-def _placed(arguments, tensor: torch.Tensor, values: dict):
+def _placed(arguments, tensor: torch.Tensor, computed: dict):
     def place(leaf):
         if leaf is TARGET:
             return tensor
         if isinstance(leaf, _Value):
-            return _value(leaf, tensor.device, values)
+            return _value(leaf, tensor.device, computed)
         return leaf.to(tensor.device) if isinstance(leaf, torch.Tensor) else leaf
 
     return tree_map(place, arguments, is_leaf=lambda leaf: isinstance(leaf, _Value))
 
 
-def _value(value: _Value, device: torch.device, values: dict) -> torch.Tensor:
-    """The computed tensor `value` names, on `device`: its recipe run again, then its first writes made."""
-    key = (id(value.tensor), value.writes)
-    if key not in values:
+def _value(value: _Value, device: torch.device, computed: dict) -> torch.Tensor:
+    """The computed tensor `value` names, on `device`: its recipe run once per `computed` (a draw drawn once, whoever
+    reads it, as in the eager build), then its first `value.writes` writes made on a copy."""
+    key = (value.tensor, str(device), value.writes)  # the meta tensor itself: kept alive while its value is
+    if key in computed:
+        return computed[key]
+    base = computed.get((value.tensor, str(device), 0))
+    if base is None:
         func, args, kwargs, index = getattr(value.tensor, RECIPE)
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
             kwargs = {**kwargs, "device": device}
-        scratch = torch.empty(0, device=device)
-        args, kwargs = _placed((args, kwargs), scratch, values)
-        result = func(*args, **kwargs)
-        result = result[index] if index is not None else result
-        if result.is_meta:  # a factory that took its device from the build's mode
-            result = torch.empty_like(result, device=device)
-        writes = getattr(value.tensor, "_tp_writes", None) or []
-        for func, write_args, write_kwargs in writes[: value.writes]:
-            write_args, write_kwargs = _placed((write_args, write_kwargs), result, values)
-            func(*write_args, **write_kwargs)
-        values[key] = result
-    return values[key]
+        args, kwargs = _placed((args, kwargs), torch.empty(0, device=device), computed)
+        base = func(*args, **kwargs)
+        base = base[index] if index is not None else base
+        if not isinstance(base, torch.Tensor) or base.is_meta:
+            raise RuntimeError(f"deferred_init: {getattr(func, '__name__', func)} computed no real value on {device}")
+        computed[(value.tensor, str(device), 0)] = base
+    result = base.clone()
+    for func, write_args, write_kwargs in value.tensor._tp_writes[: value.writes]:
+        write_args, write_kwargs = _placed((write_args, write_kwargs), result, computed)
+        func(*write_args, **write_kwargs)
+    computed[key] = result
+    return result
 
 
 @contextmanager

@@ -16,7 +16,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tp_train.plan.init_record import (
     INIT_RECORDS,
+    RECIPE,
+    TARGET,
     InitRecorder,
+    computed_value,
     recording_skipped_inits,
     replay,
     replayable,
@@ -36,6 +39,7 @@ KEPT_VALUES_LIMIT = 1 << 20  # elements: biases, norms, scalars and buffers; nev
 _DEVICE_FACTORIES = frozenset(torch.utils._device._device_constructors())  # what torch.device("meta") places
 _DATA_GETTER = torch.Tensor.data.__get__  # `tensor.data`, an alias whose writes are the tensor's
 KEPT = "_tp_kept_values"  # a module's attribute: the names of its tensors whose constructed values were kept
+COMPUTED_VALUES = "computed values"  # in `materialize`'s `materialized`: the values records read, by meta tensor
 
 
 class _KeptValuesMode(TorchFunctionMode):
@@ -91,7 +95,10 @@ def deferred_init() -> Iterator[None]:
         if tensor is not None and not tensor.is_meta:
             module.__dict__.setdefault(KEPT, set()).add(name)
         elif tensor is not None:  # the writes made to it from here on (and before, as the same tensor)
-            module.__dict__.setdefault(INIT_RECORDS, {})[name] = recorder.record_of(tensor)
+            writes = recorder.record_of(tensor)
+            module.__dict__.setdefault(INIT_RECORDS, {})[name] = writes
+            if not writes and hasattr(tensor, RECIPE):  # registered as drawn (a buffer of `torch.randn`): drawn again
+                writes.append((torch.Tensor.copy_, (TARGET, computed_value(tensor)), {}))
 
     handles = [
         module_hooks.register_module_parameter_registration_hook(tag),
@@ -171,33 +178,30 @@ def materialize(
     unrecorded = {key: tensor for key, tensor in drawn.items() if not replayable(records.get(key))}
     if kept or unrecorded:
         _initialise(name, module, init, unrecorded)
+    computed = materialized.setdefault(COMPUTED_VALUES, {})  # the draws records read, shared by this materialisation
     for key, tensor in drawn.items():
         if key not in unrecorded:
-            replay(records[key], tensor)
+            replay(records[key], tensor, computed)
 
 
-def _initialise(name: str, module: nn.Module, init: ModuleInitializer, tensors: dict[str, torch.Tensor]) -> set[int]:
-    """`module`'s own initialiser, then the enclosing models' rules writing to `tensors` only; returns the storages
-    (`_storage`) they wrote."""
-    written: set[int] = set()
-    with _WritesOnly(written):
-        if init.own is not None:
-            init.own(module)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-        elif tensors:
-            raise ValueError(
-                f"module '{name}' ({type(module).__name__}) was built on the meta device but has no "
-                f"reset_parameters() to initialise it, and its constructor's initialisation of {sorted(tensors)} "
-                f"cannot be made again; define reset_parameters(), or build the model on a real device"
-            )
+def _initialise(name: str, module: nn.Module, init: ModuleInitializer, tensors: dict[str, torch.Tensor]) -> None:
+    """`module`'s own initialiser, then the enclosing models' rules writing to `tensors` only."""
+    if init.own is not None:
+        init.own(module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    elif tensors:
+        raise ValueError(
+            f"module '{name}' ({type(module).__name__}) was built on the meta device but has no reset_parameters() "
+            f"to initialise it, and its constructor's initialisation of {sorted(tensors)} cannot be made again; "
+            f"define reset_parameters(), or build the model on a real device"
+        )
     if tensors and init.enclosing:
         outermost = init.enclosing[-1][0]
         others = {_storage(t) for t in [*outermost.parameters(), *outermost.buffers()] if not t.is_meta}
-        with _WritesOnly(written, protected=others - {_storage(tensor) for tensor in tensors.values()}):
+        with _WritesOnly(protected=others - {_storage(tensor) for tensor in tensors.values()}):
             for owner, rule in init.enclosing:
                 rule(owner)
-    return written
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -205,19 +209,17 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 class _WritesOnly(TorchFunctionMode):
-    """Notes in `written` the storage of every tensor an in-place write reaches, and keeps such writes from the
-    `protected` storages (views of them included): an enclosing model's initialiser, run for one module's sake,
-    leaves the rest of the model as it is (its scratch tensors, a rejection sampler's draws, are written as usual)."""
+    """Keeps in-place writes from the `protected` storages (views of them included): an enclosing model's initialiser,
+    run for one module's sake, leaves the rest of the model as it is (its scratch tensors, a rejection sampler's
+    draws, are written as usual)."""
 
-    def __init__(self, written: set[int], protected: frozenset[int] | set[int] = frozenset()) -> None:
+    def __init__(self, protected: set[int]) -> None:
         super().__init__()
-        self.written, self.protected = written, protected
+        self.protected = protected
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = written_tensor(func, args, kwargs)
-        if target is not None and not target.is_meta:
-            if _storage(target) in self.protected:
-                return target
-            self.written.add(_storage(target))
+        if target is not None and not target.is_meta and _storage(target) in self.protected:
+            return target
         return func(*args, **kwargs)
