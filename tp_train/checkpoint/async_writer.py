@@ -6,6 +6,7 @@ import atexit
 import copy
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -23,8 +24,11 @@ class AsyncCheckpointWriter:
             creation is a collective: every rank constructs the writer together.
     """
 
+    _live: weakref.WeakSet[AsyncCheckpointWriter] = weakref.WeakSet()  # every writer of this process
+
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group if group is not None else dist.new_group(backend="gloo")
+        AsyncCheckpointWriter._live.add(self)
         self._jobs: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._pending: list[Future] = []
         # A daemon thread, which a job blocked on a dead rank cannot keep alive; what was submitted is still written
@@ -49,6 +53,14 @@ class AsyncCheckpointWriter:
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
+
+    @classmethod
+    def wait_all(cls) -> None:
+        """Blocks until every writer of this process has written what it was given: a load may read what another
+        trainer's strategy saved in the background (`trainer.save_checkpoint(path)` after `fit`, then a new trainer
+        loading `path`)."""
+        for writer in list(cls._live):
+            writer.wait()
 
     @property
     def busy(self) -> bool:

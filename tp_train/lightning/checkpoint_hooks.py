@@ -58,7 +58,7 @@ class CheckpointHooks:
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.wait_for_checkpoints()
+        AsyncCheckpointWriter.wait_all()  # this strategy's saves, and another trainer's in this process
         path = Path(self.broadcast(str(checkpoint_path)))
         load = consolidated.load if path.is_file() else checkpoint_io.load  # a file: save_distributed_checkpoint=False
         return load(path, self.lightning_module, self.optimizers, self.device_mesh, self.trust_checkpoint)
