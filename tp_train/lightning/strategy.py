@@ -20,7 +20,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import default_pg_timeout
@@ -40,7 +39,7 @@ from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_argume
 from tp_train.lightning.pipeline_hooks import PipelineStepHooks
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
-from tp_train.parallel.mesh import first_rank_decides
+from tp_train.parallel.mesh import backend_with_timeout, first_rank_decides
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
@@ -276,7 +275,10 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         dims = self.parallel_dims
         dims.validate("devices", self.num_nodes)
         super().setup_environment()
-        self._mesh = dims.build_mesh(self.root_device.type, self._mesh_backend())
+        # every group of the mesh times out like the world group (torch gives its sub-groups a 30-minute default)
+        self._mesh = dims.build_mesh(
+            self.root_device.type, backend_with_timeout(self._get_process_group_backend(), self._timeout)
+        )
         # DDP (or FSDP2) averages gradients over data x context parallel ranks, which hold the same parameters.
         self._ddp_kwargs["process_group"] = self.replica_group
         self._experts.setup_groups(self._mesh)
@@ -327,19 +329,6 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
         else:
             self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def _mesh_backend(self) -> tuple[str, Any] | None:
-        """The backend and options of every group of the mesh, so they time out like the world group (torch gives
-        its sub-groups a 30-minute default)."""
-        if self._timeout is None:
-            return None
-        backend = self._get_process_group_backend()
-        if backend == "nccl":
-            options = torch.distributed.ProcessGroupNCCL.Options()
-            options._timeout = self._timeout
-        else:
-            options = C10dBackend.Options(backend, self._timeout)
-        return backend, options
 
     @contextmanager
     @override

@@ -4,9 +4,11 @@ what a caller may pass, and a decision the group's first rank takes for all of t
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -41,6 +43,19 @@ def as_process_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup
             raise ValueError(f"tp_group must be a 1-D DeviceMesh, got mesh_dim_names={tp_group.mesh_dim_names}")
         return tp_group.get_group()
     return tp_group
+
+
+def backend_with_timeout(backend: str, timeout: timedelta | None) -> tuple[str, Any] | None:
+    """`backend` ("nccl", "gloo") with options timing out after `timeout`, as `init_device_mesh`'s backend override
+    takes it; None without a timeout (torch's defaults)."""
+    if timeout is None:
+        return None
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+    else:
+        options = C10dBackend.Options(backend, timeout)
+    return backend, options
 
 
 def first_rank_decides(decide: Callable[[], Any], group: ProcessGroup | None = None) -> Any:
