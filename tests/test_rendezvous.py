@@ -132,3 +132,29 @@ def test_rank_zero_decides_for_every_rank_of_a_job_a_cluster_started():
     decisions = [json.loads(out.split("DECISION ", 1)[1]) for out, _ in outputs]
     assert decisions[0]["decided_by"] == decisions[0]["pid"]  # rank 0 decided
     assert decisions[1]["decided_by"] == decisions[0]["pid"] != decisions[1]["pid"]  # and rank 1 took it
+
+
+def test_the_launching_process_holds_the_stores_port_before_any_rank_starts(monkeypatch):
+    """Lightning drew a free port and rank 0 bound it only once it had started: in a parallel test run another
+    process took it in between (`EADDRINUSE` in rank 0's TCPStore, the spawn launcher)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from tp_train.lightning import rendezvous
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    port = rendezvous.host_store(LightningEnvironment(), timedelta(seconds=30))
+    try:
+        assert os.environ[rendezvous.HOSTED_PORT] == str(port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # no other process can take it now
+        own, _ = rendezvous.job_store("127.0.0.1", port, 0, 2, timedelta(seconds=30))  # popen: rank 0 launched
+        own.set("from rank 0", "1")
+        code = ("import os, sys; from datetime import timedelta; from tp_train.lightning import rendezvous; "
+                f"store, _ = rendezvous.job_store('127.0.0.1', {port}, 0, 2, timedelta(seconds=30)); "
+                "print(store.get('from rank 0').decode())")  # fmt: skip
+        spawned = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert spawned.returncode == 0, spawned.stderr[-2000:]  # rank 0 in a spawned child: a client of it
+        assert spawned.stdout.strip() == "1"
+    finally:
+        rendezvous.release_store(port)
+    assert rendezvous.HOSTED_PORT not in os.environ

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 from unittest import mock
 
@@ -16,7 +17,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from typing_extensions import override
 
 from tp_train.errors import CheckpointError, DiskFullError
-from tp_train.lightning import watchdog
+from tp_train.lightning import rendezvous, watchdog
 
 
 def _hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -42,7 +43,12 @@ def _hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
 class HydraJobLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess launcher, with children that re-run the current Hydra job only, and a watchdog that
-    ends the job when any rank dies."""
+    ends the job when any rank dies. Node 0's launcher hosts the store its ranks meet at before starting them
+    (`rendezvous.host_store`)."""
+
+    def __init__(self, *args: Any, timeout: timedelta, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeout = timeout
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -75,6 +81,8 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
     @override
     def _call_children_scripts(self) -> None:
         os.environ[watchdog.LAUNCHER_PID] = str(os.getpid())  # in the children's environment only
+        if self.cluster_environment.node_rank() == 0:
+            rendezvous.host_store(self.cluster_environment, self.timeout)  # this process is rank 0: it keeps it
         try:
             with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", _hydra_job_command):
                 super()._call_children_scripts()
@@ -84,7 +92,19 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
 
 class ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
     """Spawn/fork launcher that sends no weights back: the main process holds the unsharded model, into which a
-    rank's shards do not load. Read trained weights from a checkpoint instead."""
+    rank's shards do not load. Read trained weights from a checkpoint instead. Node 0's launching process hosts
+    the store the ranks meet at, from before they start until they end (`rendezvous.host_store`)."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        environment = self._strategy.cluster_environment
+        if environment.node_rank() != 0:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        port = rendezvous.host_store(environment, self._strategy.launch.timeout)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            rendezvous.release_store(port)
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any):

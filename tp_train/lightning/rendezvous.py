@@ -17,6 +17,9 @@ from tp_train.lightning import watchdog
 
 PREFIX = "tp_train"
 POLL_SECONDS = 0.05
+HOSTED_PORT = "TP_TRAIN_HOSTED_STORE_PORT"  # in the ranks' environment: the launching process hosts the store there
+
+_hosted: dict[int, TCPStore] = {}  # the stores this process hosts for the ranks it launched, by port
 
 
 class JoinError(RuntimeError):
@@ -32,7 +35,29 @@ def job_store(address: str, port: int, rank: int, world_size: int, timeout: time
         token = join_round(PrefixStore(f"{PREFIX}/join", store), rank, world_size, timeout)
         scope = f"{PREFIX}/round/{token}"
         return PrefixStore(scope, store), scope
-    return TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True), ""
+    if port in _hosted:  # this process launched the ranks and is rank 0 (the popen launcher)
+        return _hosted[port], ""
+    is_master = rank == 0 and os.environ.get(HOSTED_PORT) != str(port)
+    return TCPStore(address, port, world_size, is_master=is_master, timeout=timeout, multi_tenant=True), ""
+
+
+def host_store(environment: ClusterEnvironment, timeout: timedelta) -> int:
+    """Binds the launch's store in the launching process before any rank starts, and names its port in the ranks'
+    environment: a port drawn free, and bound only once rank 0 had started, could be taken in between (seen in a
+    parallel test run: `EADDRINUSE` in rank 0's TCPStore). Returns the port."""
+    port = environment.main_port  # the user's MASTER_PORT, or one drawn free now and kept by the environment
+    if port not in _hosted:
+        _hosted[port] = TCPStore(environment.main_address, port, is_master=True, wait_for_workers=False,
+                                 timeout=timeout, multi_tenant=True)  # fmt: skip
+    os.environ[HOSTED_PORT] = str(port)
+    return port
+
+
+def release_store(port: int) -> None:
+    """Stops hosting the store on `port` (the spawn launcher, once its ranks ended)."""
+    _hosted.pop(port, None)
+    if os.environ.get(HOSTED_PORT) == str(port):
+        del os.environ[HOSTED_PORT]
 
 
 def join_round(store: Store, rank: int, world_size: int, timeout: timedelta) -> str:

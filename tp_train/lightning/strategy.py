@@ -328,7 +328,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
         else:
-            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                              timeout=self._timeout or default_pg_timeout)  # fmt: skip
 
     @contextmanager
     @override
