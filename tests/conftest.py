@@ -21,6 +21,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its pool he
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests import timing  # noqa: E402
+
 torch.set_num_threads(1)
 
 LONGEST_FIRST = [  # by their summed times in one whole run at -n 3 (2026-12-06, pooled ranks, an idle 2-core machine)
@@ -48,6 +50,15 @@ LONGEST_FIRST = [  # by their summed times in one whole run at -n 3 (2026-12-06,
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist present: keep the order made below
         config.option.loadscopereorder = False
+    timing.join_cpu_cgroup(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = timing.cpu_seconds()
+    yield
+    if before is not None:
+        timing.record_cpu(item.nodeid, timing.cpu_seconds() - before)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -53,3 +53,36 @@ def phases_spent() -> dict[str, float]:
     spent = dict(_spent)
     _spent.clear()
     return spent
+
+
+# With `TP_TRAIN_TEST_CPU=<file>`: each pytest worker moves itself into a cpuacct cgroup of its own (cgroup v1, as
+# root; without one, nothing is recorded) before it starts any process, so its rank pools, the forked train.py server
+# and every process a test starts are counted with it; one JSON line per test gives its CPU-seconds, which, unlike
+# wall seconds, do not depend on what the other workers run meanwhile.
+_CPUACCT = "/sys/fs/cgroup/cpuacct"
+_cgroup: str | None = None
+
+
+def join_cpu_cgroup(worker: str) -> None:
+    """In a pytest worker, with a CPU file set: moves this process into cgroup `tp_train_test_<worker>`."""
+    global _cgroup
+    if not os.environ.get("TP_TRAIN_TEST_CPU") or not os.access(_CPUACCT, os.W_OK):
+        return
+    path = os.path.join(_CPUACCT, f"tp_train_test_{worker}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "tasks"), "w") as tasks:
+        tasks.write(str(os.getpid()))
+    _cgroup = path
+
+
+def cpu_seconds() -> float | None:
+    """The CPU-seconds this worker's cgroup has used, or None without one."""
+    if _cgroup is None:
+        return None
+    with open(os.path.join(_cgroup, "cpuacct.usage")) as usage:
+        return int(usage.read()) / 1e9
+
+
+def record_cpu(test: str, seconds: float) -> None:
+    with open(os.environ["TP_TRAIN_TEST_CPU"], "a") as file:
+        file.write(json.dumps({"test": test, "cpu_s": round(seconds, 3)}) + "\n")
