@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 from tp_train.errors import HeadOutputChangedError
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
+from tp_train.plan.context_parallel import mean_over_group
 from tp_train.plan.parallelize import attached
 
 # What a LightningModule sets to say that its training and validation steps pass the model's output to
@@ -34,17 +35,12 @@ def _whole_logits_loss(logits, target, ignore_index, label_smoothing):
 def mean_over_replicas(loss: torch.Tensor, weight: torch.Tensor | float, group: ProcessGroup | None) -> torch.Tensor:
     """The mean of every rank's `loss` over `group`, each weighted by its `weight` (the count of targets its mean is
     over; 1 where it is not a token mean): the batch's loss from each data x context parallel rank's share, for
-    logging (detached, one all-reduce of two numbers). `loss` itself where `group` is one rank or None.
-
-    A rank whose targets were all ignored (a mean of nothing) adds nothing; a batch with none counted logs 0, as
-    `tp_train.plan.context_parallel.mean_over_group` gives."""
+    logging (detached; `mean_over_group`'s one all-reduce of two numbers). `loss` itself where `group` is one rank or
+    None. A rank whose targets were all ignored (a mean of nothing) adds nothing; a batch with none counted logs 0."""
     if group is None or dist.get_world_size(group) == 1:
         return loss
-    weight = torch.as_tensor(weight, dtype=torch.float32, device=loss.device)
-    weighted = torch.where(weight > 0, loss.detach().float() * weight, torch.zeros_like(weight))
-    sums = torch.stack([weighted, weight])
-    dist.all_reduce(sums, group=group)
-    return sums[0] / sums[1].clamp(min=1e-12)
+    count = torch.as_tensor(weight, dtype=torch.float32, device=loss.device)
+    return mean_over_group(loss.detach(), count, group).detach()
 
 
 def _compiled(fn, compile: bool | str):
