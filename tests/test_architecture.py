@@ -8,7 +8,8 @@ Hydra, OmegaConf and datasets are imported only in `lightning/` and `app/`; only
 reference models (`models`), and `models/` imports nothing from tp_train; there are no import cycles; and
 tp_train keeps at most 8 entries at its top level. Inside plan/, deciding a plan, applying it and checking it
 (`PLAN_JOBS`) import only their own job's modules and the vocabulary all three share; `parallelize` runs the three.
-Only `parallel/dims.py` (`ParallelDims`) multiplies or divides parallel degrees (tp x cp, world_size // tp, ...).
+Only `parallel/dims.py` (`ParallelDims`) multiplies or divides parallel degrees (tp x cp, world_size // tp, ...) and
+builds the device mesh.
 The checker is also run on a small tree with one broken rule of each kind, so each rule is shown to fire.
 """
 
@@ -222,7 +223,7 @@ DEGREE_NAMES = {
     "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
 }  # fmt: skip
 DEGREE_OWNER = "parallel/dims.py"
-PRODUCT_OPS = (ast.Mult, ast.FloorDiv)
+PRODUCT_OPS = (ast.Mult, ast.FloorDiv, ast.Div, ast.Mod)  # a product, a quotient, or a divisibility check
 
 
 def _degree_name(node: ast.AST) -> str | None:
@@ -236,18 +237,19 @@ def _degree_name(node: ast.AST) -> str | None:
         name = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
     else:
         return None
-    return name if name in DEGREE_NAMES else None
+    return name.lower() if name.lower() in DEGREE_NAMES else None  # a module's constants too: DP * TP
 
 
 def _factors(node: ast.AST) -> list[ast.AST]:
-    """The operands of a chain of `*` and `//` (`a * (b // c)` -> a, b, c)."""
+    """The operands of a chain of `*`, `/`, `//` and `%` (`a * (b // c)` -> a, b, c)."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, PRODUCT_OPS):
         return _factors(node.left) + _factors(node.right)
     return [node]
 
 
 def degree_product_problems(package_root: Path) -> list[str]:
-    """Each chain of `*` / `//` with two or more degrees among its operands, outside `DEGREE_OWNER`."""
+    """Each chain of `*`, `/`, `//`, `%` with two or more degrees among its operands, outside `DEGREE_OWNER`; and
+    each call of `init_device_mesh` there: the job's mesh is `ParallelDims.build_mesh`'s."""
     problems = []
     for path in sorted(package_root.rglob("*.py")):
         relative = path.relative_to(package_root).as_posix()
@@ -261,6 +263,10 @@ def degree_product_problems(package_root: Path) -> list[str]:
             for child in (node.left, node.right)
         }  # a chain is reported once, at its outermost operator
         chains = [node for node in ast.walk(tree) if isinstance(node, ast.BinOp) and isinstance(node.op, PRODUCT_OPS)]
+        for node in ast.walk(tree):
+            called = getattr(node, "func", None) if isinstance(node, ast.Call) else None
+            if getattr(called, "id", getattr(called, "attr", None)) == "init_device_mesh":
+                problems.append(f"{relative}:{node.lineno}: a mesh built here; use ParallelDims.build_mesh")
         for node in sorted(chains, key=lambda node: (node.lineno, node.col_offset)):
             if id(node) not in inner:
                 degrees = [name for name in map(_degree_name, _factors(node)) if name is not None]
@@ -283,11 +289,17 @@ def test_the_degree_checker_flags_a_product_of_degrees(tmp_path):
         "plan/views.py": "def local(width, tp):\n    return width // tp\n",  # one degree: a shard's width
         "lightning/metrics.py": "def dp(trainer, tp):\n    return trainer.world_size // tp\n",
         "app/checks.py": "def fits(cfg, devices):\n    return devices % (cfg.tp * cfg.get('cp', 1) * 2)\n",
+        "tools/bench/sizes.py": "DP, TP = 2, 2\nWORLD = DP * TP\n",  # a module's constants
+        "tools/bench/checks.py": "def fits(world_size, tp):\n    return world_size % tp == 0\n",
+        "app/generate.py": "import torch.distributed.device_mesh as dm\nmesh = dm.init_device_mesh('cpu', (2,))\n",
     }
     for relative, source in sources.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(source)
     assert degree_product_problems(tmp_path) == [
         "app/checks.py:2: tp x cp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
+        "app/generate.py:2: a mesh built here; use ParallelDims.build_mesh",
         "lightning/metrics.py:2: world_size x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
+        "tools/bench/checks.py:2: world_size x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
+        "tools/bench/sizes.py:2: dp x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
     ]

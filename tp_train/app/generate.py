@@ -20,6 +20,7 @@ from tp_train.app.resolvers import register_resolvers
 from tp_train.checkpoint.checks import check_files
 from tp_train.checkpoint.dcp import checkpoint_extra, load
 from tp_train.errors import CheckpointError, ConfigError
+from tp_train.parallel.dims import ParallelDims
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.generation import Sampling, generate
@@ -54,11 +55,11 @@ def load_sharded(checkpoint: Path, group, mesh, device: torch.device) -> tuple[n
 
 
 def _rank(rank: int, world_size: int, device: torch.device, args: argparse.Namespace, tokenizer_path: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the continuation's alone
-        mesh = init_device_mesh(device.type, (world_size,))
-        model, _ = load_sharded(args.checkpoint, mesh, mesh, device)
+        dims = ParallelDims.from_world(world_size, tp=world_size)
+        dims.validate()
+        mesh = dims.build_mesh(device.type)
+        model, _ = load_sharded(args.checkpoint, mesh.tensor_parallel, mesh.root, device)
     tokenizer = load_tokenizer(tokenizer_path)
     ids = torch.tensor([tokenizer.encode(args.prompt, add_special_tokens=False)], device=device)
     sampling = Sampling(args.temperature, args.top_k, args.seed)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from models import GPT, GPTConfig
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.dcp import save
+from tp_train.parallel.dims import ParallelDims
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.contenders import TrainingStep
 from tp_train.tools.bench.measure import group_max, seconds_per_step
@@ -29,12 +29,14 @@ MODES = ("sync", "async")
 
 
 def benchmark(rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> None:
-    mesh = init_device_mesh(device.type, (world_size,))
+    dims = ParallelDims.from_world(world_size, tp=world_size)
+    dims.validate()
+    mesh = dims.build_mesh(device.type)
     group = dist.group.WORLD
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                        n_embd=args.n_embd)  # fmt: skip
-    model = parallelize(GPT(config).to(device), mesh, verify=False)
+    model = parallelize(GPT(config).to(device), mesh.tensor_parallel, verify=False)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
     step = TrainingStep(model, batch.to(device))
     step()  # AdamW's state exists, as in any checkpoint after the first step
@@ -48,7 +50,8 @@ def benchmark(rank: int, world_size: int, device: torch.device, args: argparse.N
             times.setdefault("step_s", []).append(seconds_per_step(step, args.steps, group, device))
             dist.barrier(group)
             start = time.perf_counter()
-            save(directory / "last.ckpt", model, [step.optimizer], mesh, writer=writer if mode == "async" else None)
+            asynchronously = writer if mode == "async" else None
+            save(directory / "last.ckpt", model, [step.optimizer], mesh.root, writer=asynchronously)
             blocked = time.perf_counter() - start
             during = seconds_per_step(step, args.steps, group, device)
             writer.wait()

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from models import GPT
-from tp_train.parallel.mesh import DATA_PARALLEL, TENSOR_PARALLEL
+from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.contenders import SIZES, Size, TrainingStep
@@ -27,20 +26,22 @@ DP, TP = 2, 2
 MODES = ("ddp", "fsdp")
 
 
-def build(mode: str, size: Size, mesh, device: torch.device) -> TrainingStep:
+def build(mode: str, size: Size, mesh: ParallelMesh, device: torch.device) -> TrainingStep:
     torch.manual_seed(0)
     model = GPT(size.config()).to(device)
-    generator = torch.Generator().manual_seed(1 + mesh[DATA_PARALLEL].get_local_rank())  # a batch per dp rank
+    generator = torch.Generator().manual_seed(1 + mesh.data_parallel.get_local_rank())  # a batch per dp rank
     batch = torch.randint(0, size.vocab, (size.batch, size.seq + 1), generator=generator).to(device)
-    parallelize(model, mesh[TENSOR_PARALLEL], verify=False)
+    parallelize(model, mesh.tensor_parallel, verify=False)
     if mode == "ddp":
-        return TrainingStep(DistributedDataParallel(model, process_group=mesh[DATA_PARALLEL].get_group()), batch)
-    fully_shard_data_parallel(model, [model], mesh[DATA_PARALLEL])
+        return TrainingStep(DistributedDataParallel(model, process_group=mesh.data_parallel.get_group()), batch)
+    fully_shard_data_parallel(model, [model], mesh.data_parallel)
     return TrainingStep(model, batch)
 
 
 def benchmark(rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> None:
-    mesh = init_device_mesh(device.type, (DP, TP), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
+    dims = ParallelDims.from_world(world_size, tp=TP)  # DDP's and FSDP2's dp: the data-parallel axis either way
+    dims.validate()
+    mesh = dims.build_mesh(device.type)
     world = dist.group.WORLD
     results = []
     for name in args.sizes.split(","):
@@ -56,11 +57,11 @@ def benchmark(rank: int, world_size: int, device: torch.device, args: argparse.N
             meta_model = GPT(size.config())
         rows = {}
         for mode, step in steps.items():
-            predicted = estimate_memory(meta_model, size.batch, size.seq, tp=TP, dp=DP, data_parallel=mode)
+            predicted = estimate_memory(meta_model, size.batch, size.seq, tp=dims.tp, dp=dims.dp, data_parallel=mode)
             rows[mode] = {
                 "step_s": statistics.median(times[mode]),
                 "step_s_repeats": times[mode],
-                "tokens_per_s": DP * size.batch * size.seq / statistics.median(times[mode]),
+                "tokens_per_s": dims.dp * size.batch * size.seq / statistics.median(times[mode]),
                 "model_state_mib": group_max(step.model_state_bytes(), world, device) / MIB,
                 "predicted_state_mib": predicted.model_states / MIB,
             }
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [name for name in args.sizes.split(",") if name not in SIZES]
     if unknown:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(SIZES)}")
-    start_ranks(benchmark, DP * TP, args)
+    start_ranks(benchmark, ParallelDims.devices_for(dp=DP, tp=TP), args)
 
 
 if __name__ == "__main__":
