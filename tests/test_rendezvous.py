@@ -149,12 +149,19 @@ def test_the_launching_process_holds_the_stores_port_before_any_rank_starts(monk
             other.bind(("127.0.0.1", port))  # no other process can take it now
         own, _ = rendezvous.job_store("127.0.0.1", port, 0, 2, timedelta(seconds=30))  # popen: rank 0 launched
         own.set("from rank 0", "1")
-        code = ("import os, sys; from datetime import timedelta; from tp_train.lightning import rendezvous; "
-                f"store, _ = rendezvous.job_store('127.0.0.1', {port}, 0, 2, timedelta(seconds=30)); "
-                "print(store.get('from rank 0').decode())")  # fmt: skip
-        spawned = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert spawned.returncode == 0, spawned.stderr[-2000:]  # rank 0 in a spawned child: a client of it
-        assert spawned.stdout.strip() == "1"
+        peer, _ = rendezvous.job_store("127.0.0.1", port, 1, 2, timedelta(seconds=30))
+        assert peer.get("from rank 0") == b"1"
     finally:
         rendezvous.release_store(port)
     assert rendezvous.HOSTED_PORT not in os.environ
+
+
+def test_rank_zero_joins_as_a_client_where_its_launcher_hosts_the_store(monkeypatch):
+    """A rank 0 the spawn launcher started finds the store already listening, in its launching process."""
+    from tp_train.lightning import rendezvous
+
+    launcher = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    launcher.set("hosted by", "the launcher")
+    monkeypatch.setenv(rendezvous.HOSTED_PORT, str(launcher.port))
+    rank_zero, _ = rendezvous.job_store("127.0.0.1", launcher.port, 0, 2, timedelta(seconds=30))  # no EADDRINUSE
+    assert rank_zero.get("hosted by") == b"the launcher"
