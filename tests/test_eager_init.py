@@ -7,7 +7,8 @@ tensor (zeros, ones, a computed value) is compared exactly.
 The rules the meta build used to lose: GPT-2's and nanochat's residual projections scaled by 1/sqrt(2 n_layer) (a
 rule of the parent attention on its child), Mamba's time-step bias (an inverse softplus of a draw, copied in) and its
 convolution, Mamba2's convolution and output projection, openai-gpt's `Conv1D` drawing its own weight in `__init__`,
-and a nanoGPT-style model's `self.apply(self._init_weights)` and scaled `c_proj` loop.
+and a nanoGPT-style model's `self.apply(self._init_weights)` and scaled `c_proj` loop. A LightningModule's own layer
+built on meta beside the planned model leaves the planned weights as the strategy's setup drew them.
 """
 
 from __future__ import annotations
@@ -243,3 +244,43 @@ def test_constructor_writes_are_made_again_or_left_to_the_initialiser():
     eager = _Corners()
     assert not mismatches({"truncated": eager.truncated, "noise": eager.noise},
                           {"truncated": model.truncated, "noise": model.noise})  # fmt: skip
+
+
+def _lightning_initial_weights(rank, world_size):
+    """This rank's initial model weights from `init_module(empty_init=True)` at tp=2, built alone and built beside an
+    unplanned layer of the LightningModule's own; and that layer's."""
+    import lightning as L
+
+    from tests.lightning_helpers import LitLM, loader, make_trainer
+    from tp_train.parallel.sharding import local_part
+
+    class Kept(L.Callback):  # this rank's parameters when training starts, after the strategy's setup
+        def on_train_start(self, trainer, pl_module):
+            self.weights = {name: local_part(p).detach().clone() for name, p in pl_module.named_parameters()}
+
+    class WithOwnLayer(LitLM):
+        def configure_model(self):
+            super().configure_model()
+            with self.trainer.init_module(empty_init=True):
+                self.temperature = nn.Linear(4, 4)  # built on meta outside the planned model
+
+    runs = {}
+    for name, module in (("alone", LitLM(build_in_configure_model=True)),
+                         ("beside", WithOwnLayer(build_in_configure_model=True))):  # fmt: skip
+        torch.manual_seed(0)
+        kept = Kept()
+        make_trainer(world_size, callbacks=[kept], max_steps=1).fit(module, loader(world_size, 1))
+        runs[name] = kept.weights
+    return runs
+
+
+def test_a_lightning_modules_own_meta_layer_leaves_the_planned_models_initialisation_as_it_is():
+    """Lightning's `_materialize_distributed_module` (`to_empty` on the whole LightningModule, then every module's
+    `reset_parameters`) drew every planned weight again once anything outside the planned model was still on meta."""
+    for rank, runs in enumerate(run_on_ranks(_lightning_initial_weights, 2)):
+        alone, beside = runs["alone"], runs["beside"]
+        own = {name: beside.pop(name) for name in list(beside) if name.startswith("temperature.")}
+        assert sorted(alone) == sorted(beside) and own, (rank, sorted(alone), sorted(beside))
+        for name, weight in alone.items():
+            assert torch.equal(weight, beside[name]), (rank, name)
+        assert all(torch.isfinite(t).all() and t.abs().max() < 1 for t in own.values())  # reset_parameters' range

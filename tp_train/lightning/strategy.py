@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -43,7 +42,7 @@ from tp_train.parallel.mesh import backend_with_timeout, first_rank_decides
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
-from tp_train.plan.meta_init import deferred_init
+from tp_train.plan.meta_init import deferred_init, materialize_remaining
 from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.resolve import modules_with_plans
 
@@ -419,7 +418,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 )
             # Whatever else was built on the meta device (outside the planned models) is replicated.
             if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
-                _materialize_distributed_module(root, self.root_device)
+                materialize_remaining(root, self.root_device)
             data_parallel_rank = self.mesh.data_parallel.get_local_rank()
             for rng in attached(root, "tp_rng"):
                 rng.separate_data_parallel_replicas(data_parallel_rank)

@@ -184,6 +184,16 @@ def materialize(
             replay(records[key], tensor, computed)
 
 
+def materialize_remaining(root: nn.Module, device: torch.device) -> None:
+    """Gives storage to what of `root` is still on the meta device (the modules outside its planned models: a
+    LightningModule's own layers), each module initialised as an eager build would (`materialize`), and leaves every
+    tensor that has storage as it is. Lightning's `to_empty` on the root then `reset_parameters` everywhere drew the
+    planned models' weights again (their replayed initialisation lost, each rank's shards drawn apart)."""
+    materialized: dict = {}
+    for name, module in root.named_modules():
+        materialize(name, module, device, materialized, initializer(root, name))
+
+
 def _initialise(name: str, module: nn.Module, init: ModuleInitializer, tensors: dict[str, torch.Tensor]) -> None:
     """`module`'s own initialiser, then the enclosing models' rules writing to `tensors` only."""
     if init.own is not None:
