@@ -39,6 +39,7 @@ from tp_train.lightning.pipeline_hooks import PipelineStepHooks
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.mesh import backend_with_timeout, first_rank_decides
+from tp_train.parallel.random import sync_default_generator
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
@@ -390,6 +391,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             if not any(t.is_meta for t in root.parameters()):
                 # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
                 _sync_module_states(root)
+            else:  # built on meta: each rank draws the whole weights it keeps from rank 0's stream, as one process
+                # would, though the ranks may come here on different ones (a prepare_data drew on rank 0 only)
+                sync_default_generator(torch.distributed.group.WORLD, self.root_device)
             examples = example_inputs(self.lightning_module.trainer, root, targets, self.tensor_parallel_group)
             separator = getattr(self.lightning_module.trainer.datamodule, "document_separator", None)  # document_mask
             cp_group = self.context_parallel_group if self.context_parallel_size > 1 or separator is not None else None

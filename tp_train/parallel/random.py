@@ -27,6 +27,14 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def sync_default_generator(group: ProcessGroup, device: torch.device) -> None:
+    """Sets `device`'s default generator on every rank of `group` to the group's first rank's (a collective)."""
+    state = _get_state(device).to(device)  # generator states live on the CPU; NCCL needs the device
+    before_collective()
+    dist.broadcast(state, group=group, group_src=0)
+    _set_state(device, state.cpu())
+
+
 class TensorParallelRNG:
     """The two dropout streams of one TP group on one device. Creating it is a collective over `group`."""
 
@@ -53,10 +61,7 @@ class TensorParallelRNG:
 
     def sync_replicated(self, group: ProcessGroup) -> None:
         """Makes the replicated stream (the default generator) identical on every rank of `group`."""
-        state = _get_state(self.device).to(self.device)  # generator states live on the CPU; NCCL needs the device
-        before_collective()
-        dist.broadcast(state, group=group, group_src=0)
-        _set_state(self.device, state.cpu())
+        sync_default_generator(group, self.device)
 
     def enter(self, region: str) -> None:
         """Switches the default generator to `region`'s stream until the matching `exit`; a model that draws no
