@@ -132,6 +132,8 @@ LIGHTNING_COMPOSITIONS = {
     # 2 stages per rank (0 and 2, 1 and 3), each a view of the module's one model; the tie across ranks 0 and 1
     "pp2_dp2_interleaved": dict(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4),
     "pp2_dp2_looped_bfs": dict(pipeline_schedule="looped_bfs", pipeline_virtual_stages=2, layers=4),
+    # a block per rank, the embedding on the first and its tied head on the last: the tie across ranks 0 and 3
+    "pp4_tied": dict(pipeline_parallel_size=4, pipeline_microbatches=4, layers=4),
 }
 # plain Lightning on one device, at each precision and accumulation the compositions use
 PLAIN = {"plain": dict(), "plain_16mixed": dict(precision="16-mixed"), "plain_bf16mixed": dict(precision="bf16-mixed"),
@@ -178,7 +180,7 @@ def _fit_composed(rank, world_size, names):
             scaler = torch.amp.GradScaler("cpu") if plain else ShardedGradScaler("cpu")
             plugins, precision = [MixedPrecision("16-mixed", "cpu", scaler)], None
         inner = kwargs.get("tensor_parallel_size", 1) * kwargs.get("context_parallel_size", 1)  # mesh (pp, dp, cp, tp)
-        replicas = 1 if plain else world_size // (2 * inner)
+        replicas = 1 if plain else world_size // (kwargs["pipeline_parallel_size"] * inner)
         replica = rank // inner % replicas
         module, recorder = PlainLM(layers), LoggedLoss()
         trainer = L.Trainer(
