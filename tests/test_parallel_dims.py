@@ -38,9 +38,12 @@ REFUSALS = {
     "ep_with_cp": (ParallelDims.from_world(3, cp=3, ep=2), {},
                    "ep=2 does not divide dp x cp = 3 (devices=3 x num_nodes=1 over tp=1 x pp=1); expert parallelism "
                    "splits the experts among those ranks, it adds none: use devices in [6, 12, 18, 24]"),
-    "hsdp": (ParallelDims(dp_replicate=2, dp_shard=2, world_size=4), {},
-             "dp_replicate=2 x dp_shard=2 (HSDP) is not offered yet; use data_parallel=ddp (dp_shard=1) or "
-             "data_parallel=fsdp (dp_replicate=1)"),
+    "dp_shard_not_dividing": (ParallelDims.from_world(12, tp=2, data_parallel="fsdp", dp_shard=4), {},
+                              "dp_shard=4 does not divide the 6 data-parallel ranks (dp per node x nodes); use "
+                              "dp_shard in [2, 3, 6]"),
+    "shard_group_over_nodes": (ParallelDims.from_world(16, cp=2, data_parallel="fsdp", dp_shard=4), {"num_nodes": 4},
+                               "dp_shard=4: a shard group of dp_shard x cp=2 x tp=1 = 8 ranks would span nodes (4 "
+                               "ranks each); use dp_shard in [2]"),
     "degrees_not_filling_the_world": (ParallelDims(dp_replicate=2, tp=2, world_size=8), {},
                                       "pp=1 x dp_replicate=2 x dp_shard=1 x cp=1 x tp=2 = 4 ranks, not the world size "
                                       "8; use ParallelDims.from_world(8, ...), which derives dp"),
@@ -62,6 +65,28 @@ def test_validate_refuses_in_one_line_naming_what_would_work(case):
 def test_an_unknown_data_parallel_mode_is_refused():
     with pytest.raises(ValueError, match=r"^data_parallel='zero': use one of 'ddp', 'fsdp'$"):
         ParallelDims.from_world(8, data_parallel="zero")
+
+
+@pytest.mark.parametrize(
+    "mode, dp_shard, expected",
+    [
+        ("ddp", 2, "dp_shard=2 with data_parallel=ddp: HSDP needs data_parallel=fsdp; use data_parallel=fsdp, or "
+                   "dp_shard=null"),
+        ("fsdp", 1, "dp_shard=1 with data_parallel=fsdp shards nothing (every data-parallel rank a whole copy); use "
+                    "data_parallel=ddp, or dp_shard of 2 or more"),
+    ],
+)  # fmt: skip
+def test_a_shard_group_size_without_sharding_is_refused(mode, dp_shard, expected):
+    with pytest.raises(ValueError) as refused:
+        ParallelDims.from_world(8, data_parallel=mode, dp_shard=dp_shard)
+    assert str(refused.value) == expected
+
+
+@pytest.mark.parametrize("dp_shard, replicate, name", [(2, 4, "hsdp"), (8, 1, "fsdp"), (None, 1, "fsdp")])
+def test_dp_shard_leaves_the_replicate_size(dp_shard, replicate, name):
+    dims = ParallelDims.from_world(32, tp=2, cp=2, data_parallel="fsdp", dp_shard=dp_shard)
+    dims.validate(num_nodes=2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.dp, dims.data_parallel) == (replicate, 8 // replicate, 8, name)
 
 
 @pytest.mark.parametrize(
@@ -125,6 +150,11 @@ MESHES = {
         "data_replicate": [11], "data_shard": [11, 15], "data_parallel": [11, 15], "replicas": [9, 11, 13, 15],
         "expert_parallel": [9, 11, 13, 15], "expert_replicas": [11],
     }),
+    # HSDP: FSDP2's mesh is (replicate, shard x context); its rows are the shard groups, its columns the copies
+    "hsdp_rep2_shard2_cp2_tp2": ((16, 13), {"cp": 2, "tp": 2, "data_parallel": "fsdp", "dp_shard": 2}, {
+        "data_replicate": [5, 13], "data_shard": [9, 13], "data_parallel": [1, 5, 9, 13], "replicas": [1, 3, 5, 7, 9,
+        11, 13, 15], "hybrid_shard": [1, 3, 5, 7, 9, 11, 13, 15], "fully_sharded": [1, 3, 5, 7, 9, 11, 13, 15],
+    }),
     "dp8_tp2_ep4": ((16, 3), {"tp": 2, "ep": 4}, {
         "tensor_parallel": [2, 3], "pipeline_parallel": [3], "data_parallel": [1, 3, 5, 7, 9, 11, 13, 15],
         "replicas": [1, 3, 5, 7, 9, 11, 13, 15], "expert_parallel": [1, 3, 5, 7], "expert_replicas": [3, 11],
@@ -144,6 +174,12 @@ def test_the_mesh_views_hold_the_ranks_the_layout_gives(fake_world, case):
     assert tuple(mesh.root.mesh.shape) == (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
     views = {name: _ranks(getattr(mesh, name)) for name in expected}
     assert views == expected
+    if dims.data_parallel == "hsdp":  # (replicate, shard x context), each row a shard group of this rank's copy
+        assert mesh.hybrid_shard.mesh_dim_names == ("data_parallel_replicate", "data_context_shard")
+        assert mesh.hybrid_shard.mesh.tolist() == [[1, 3, 5, 7], [9, 11, 13, 15]]
+        assert _ranks(mesh.hybrid_shard["data_context_shard"]) == [9, 11, 13, 15]
+    else:
+        assert mesh.hybrid_shard is None and mesh.fully_sharded is mesh.replicas
     if dims.ep == 1:
         with pytest.raises(ValueError, match="exists with expert parallelism only; use ep > 1"):
             _ = mesh.expert_parallel

@@ -80,6 +80,10 @@ CASES = {
     "cp_attention_dropout": (["cp=2", "model.config.dropout=0.1"],
                              "cp=2: blocks.0.attn: attention dropout 0.1 cannot be context-parallel; set it to 0"),
     "cp_samples": (["cp=2", "samples.prompts=[x]"], "samples.prompts=['x'] with cp=2: samples are drawn one token"),
+    "dp_shard_not_dividing_dp": (["dp=4", "dp_shard=3", "data_parallel=fsdp"],
+                                 "dp_shard=3 does not divide the 4 data-parallel ranks (dp per node x nodes); use "
+                                 "dp_shard in [2, 4]"),
+    "dp_shard_with_ddp": (["dp=4", "dp_shard=2"], "dp_shard=2 with data_parallel=ddp: HSDP needs data_parallel=fsdp"),
 }  # fmt: skip
 CASES |= PIPELINE_CASES  # python train.py pp=2's refusals, in the same start-up
 CASES |= EXPERT_CASES  # and ep=2's

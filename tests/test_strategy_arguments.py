@@ -17,8 +17,20 @@ from tp_train import TensorParallelStrategy
         ({"bucket_cap": 5}, TypeError, "TensorParallelStrategy got unknown arguments ['bucket_cap']; other keyword"),
         ({"context_parallel_rotation": "allgathr"}, ValueError, "context_parallel_rotation='allgathr'): use one of"),
         ({"data_parallel": "fsdp", "fused_loss": True}, ValueError, "fused_loss=True) with data_parallel='fsdp'"),
+        ({"data_parallel_shard_size": 2}, ValueError, "data_parallel_shard_size=2) with data_parallel='ddp': HSDP"),
+        ({"data_parallel": "fsdp", "data_parallel_shard_size": 0}, ValueError, "data_parallel_shard_size=0 must be a"),
     ],
-    ids=["tp", "cp", "data_parallel", "fsdp_with_ddp_arguments", "unknown", "rotation", "fused_loss_with_fsdp"],
+    ids=[
+        "tp",
+        "cp",
+        "data_parallel",
+        "fsdp_with_ddp_arguments",
+        "unknown",
+        "rotation",
+        "fused_loss_with_fsdp",
+        "shard_size_with_ddp",
+        "shard_size_zero",
+    ],
 )
 def test_a_wrong_argument_is_refused_in_one_line(arguments, error, message):
     with pytest.raises(error) as refused:

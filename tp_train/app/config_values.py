@@ -31,6 +31,7 @@ _LIMIT = "an integer number of batches >= 0 or a fraction in [0.0, 1.0]"
 
 RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("dp", _at_least(1), "a positive integer (data-parallel replicas per node), e.g. dp=2"),
+    ("dp_shard", _at_least(2, optional=True), "an integer >= 2 dividing dp (ranks per FSDP2 shard group), or null"),
     ("ep", _at_least(1), "a positive integer (ranks among dp x cp that split each layer's experts), e.g. ep=2"),
     ("data.batch_size", _at_least(1), "a positive integer (sequences per batch on each replica), e.g. 8"),
     ("data.block_size", _at_least(2), "an integer >= 2 (tokens per sequence), e.g. 128"),

@@ -52,12 +52,12 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
             f"data_parallel={mode}: use data_parallel=ddp (each data-parallel rank holds its whole tensor-parallel "
             f"shard) or data_parallel=fsdp (shards, gradients and AdamW states split over the data-parallel ranks)"
         )
-    dims = config_dims(cfg)
-    if dims is not None:
-        try:
+    try:
+        dims = config_dims(cfg)
+        if dims is not None:
             dims.validate("trainer.devices", cfg.trainer.get("num_nodes", 1))
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     block_size = cfg.data.get("block_size")
     if cp > 1 and isinstance(block_size, int) and block_size % (2 * cp):
         raise ConfigError(
@@ -227,8 +227,9 @@ def _meta_error(forward, model: nn.Module, batch: torch.Tensor) -> Exception | N
 
 
 def config_dims(cfg: DictConfig) -> ParallelDims | None:
-    """The degrees `cfg` asks for (tp, cp, pp, ep, data_parallel, the strategy's virtual stages) at its
-    trainer.devices x trainer.num_nodes ranks, not yet validated; None while trainer.devices is not a number."""
+    """The degrees `cfg` asks for (tp, cp, pp, ep, data_parallel, dp_shard, the strategy's virtual stages) at its
+    trainer.devices x trainer.num_nodes ranks, not yet validated; None while trainer.devices is not a number.
+    Raises ValueError for dp_shard without data_parallel=fsdp."""
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     if not isinstance(devices, int) or not isinstance(nodes, int):
         return None
@@ -236,14 +237,16 @@ def config_dims(cfg: DictConfig) -> ParallelDims | None:
         devices * nodes, tp=cfg.tp, cp=cfg.get("cp", 1), pp=cfg.get("pp", 1), ep=cfg.get("ep", 1),
         data_parallel=str(_setting(cfg, "data_parallel", "ddp")),
         virtual_stages=_setting(cfg, "pipeline_virtual_stages", 1),
+        dp_shard=_setting(cfg, "data_parallel_shard_size", key="dp_shard"),
     )  # fmt: skip
 
 
-def _setting(cfg: DictConfig, name: str, default=None):
-    """`name` as the strategy gets it: set on the strategy (`trainer.strategy.<name>`), else the top-level key."""
+def _setting(cfg: DictConfig, name: str, default=None, key: str | None = None):
+    """`name` as the strategy gets it: set on the strategy (`trainer.strategy.<name>`), else the top-level key
+    (`key`, where its name differs: `dp_shard` for `data_parallel_shard_size`)."""
     strategy = cfg.get("trainer", {}).get("strategy") or {}
     value = strategy.get(name) if hasattr(strategy, "get") else None
-    return value if value is not None else cfg.get(name, default)
+    return value if value is not None else cfg.get(key or name, default)
 
 
 def _check_data_source(data: DictConfig) -> None:
@@ -330,6 +333,8 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
     dims = config_dims(cfg)
     cp, pp = cfg.get("cp", 1), cfg.get("pp", 1)
     dp = dims.dp if dims is not None else cfg.get("dp", 1)
+    if dims is not None and dims.data_parallel == "hsdp":  # FSDP2 splits the model state over one shard group only
+        dp = dims.dp_shard
     return estimate_memory(
         model,
         micro_batch_size=cfg.data.batch_size,

@@ -21,7 +21,13 @@ from tp_train.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner,
 from tp_train.errors import CheckpointError
 from tp_train.parallel.experts import ExpertParallelRegion, named_expert_parameters
 from tp_train.parallel.mesh import TENSOR_PARALLEL, first_rank_decides  # TENSOR_PARALLEL: the axis a 2-D mesh shards
-from tp_train.parallel.sharding import ShardSpec, fill_replicas, local_part, named_sharded_parameters
+from tp_train.parallel.sharding import (
+    ShardSpec,
+    data_parallel_split,
+    fill_replicas,
+    local_part,
+    named_sharded_parameters,
+)
 
 META_FILE = "meta.pt"  # the caller's `extra` metadata, beside DCP's files
 HUGGING_FACE_CONFIG_KEY = "hugging_face_config"  # a checkpoint's copy of its Hugging Face model's config
@@ -325,18 +331,24 @@ def _as_dtensors(
     tp_dim = tensor_parallel_dim(mesh)
     tp, rank = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     slices = spec.slices(rank, tp)
-    local, data_parallel = shard, Replicate()
+    local, data_parallel, copies_over = shard, Replicate(), ()
     if isinstance(shard, DTensor):  # FSDP2: a DTensor over the data-parallel mesh
-        (placement,) = shard.placements
+        split, placement = data_parallel_split(shard)
+        # HSDP: whole copies along its replicate axis, which the job's mesh names alike
+        named = zip(shard.device_mesh.mesh_dim_names or (), shard.placements, strict=False)
+        copies_over = [name for name, kind in named if kind.is_replicate()]
         if placement.dim != spec.dim:
             local, data_parallel = shard.to_local(), placement
         else:
             local = shard.full_tensor()
             if write_backs is not None:
-                write_backs.append(lambda: _write_back(shard, local, placement.dim))
+                write_backs.append(lambda: _write_back(shard, local, split, placement.dim))
     if local.size(spec.dim) != sum(rows.local for rows in slices):
         raise ValueError(f"'{key}' has {local.size(spec.dim)} rows along dim {spec.dim}, not a shard for tp={tp}")
-    placements = [Shard(spec.dim) if dim == tp_dim else data_parallel for dim in range(mesh.ndim)]
+    placements = [
+        Shard(spec.dim) if dim == tp_dim else Replicate() if name in copies_over else data_parallel
+        for dim, name in enumerate(mesh.mesh_dim_names or [None] * mesh.ndim)
+    ]
     pieces, offset = {}, 0
     for index, (full_size, rows, copies) in enumerate(zip(spec.sections, slices, spec.replicas(tp), strict=True)):
         piece = local.narrow(spec.dim, offset, rows.real)
@@ -359,11 +371,12 @@ def _expert_dtensor(local: torch.Tensor, region: ExpertParallelRegion) -> DTenso
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
-def _write_back(shard: DTensor, gathered: torch.Tensor, dim: int) -> None:
-    """Copies this rank's chunk of `gathered` (FSDP2's torch.chunk split, empty past the last chunk) into `shard`."""
+def _write_back(shard: DTensor, gathered: torch.Tensor, split: int, dim: int) -> None:
+    """Copies this rank's chunk of `gathered` (FSDP2's torch.chunk split over mesh dimension `split`, empty past the
+    last chunk) into `shard`."""
     local = shard.to_local()
-    chunks = gathered.chunk(shard.device_mesh.size(), dim=dim)
-    rank = shard.device_mesh.get_local_rank()
+    chunks = gathered.chunk(shard.device_mesh.size(split), dim=dim)
+    rank = shard.device_mesh.get_local_rank(split)
     if rank < len(chunks) and local.numel():
         local.copy_(chunks[rank])
 

@@ -51,3 +51,17 @@ def check_fused_loss(fused_loss: bool | None, data_parallel: str) -> None:
             "TensorParallelStrategy(fused_loss=True) with data_parallel='fsdp': FSDP frees the head's gathered "
             "weight when the forward ends, before the loss; use data_parallel='ddp' or fused_loss=None"
         )
+
+
+def check_shard_size(data_parallel_shard_size: int | None, data_parallel: str) -> None:
+    """Raises ValueError for a shard size that is not a positive integer, or is given without FSDP (HSDP shards)."""
+    if data_parallel_shard_size is None:
+        return
+    size = data_parallel_shard_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"data_parallel_shard_size={size!r} must be a positive integer dividing dp, e.g. 2")
+    if data_parallel != "fsdp":
+        raise ValueError(
+            f"TensorParallelStrategy(data_parallel_shard_size={size}) with data_parallel={data_parallel!r}: HSDP needs "
+            f"data_parallel='fsdp'; use data_parallel='fsdp', or data_parallel_shard_size=None"
+        )

@@ -28,7 +28,7 @@ from typing_extensions import override
 from tp_train.checkpoint import consolidated
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.lightning import rendezvous
-from tp_train.lightning.arguments import check_arguments, check_fused_loss
+from tp_train.lightning.arguments import check_arguments, check_fused_loss, check_shard_size
 from tp_train.lightning.checkpoint_hooks import CheckpointHooks
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.experts import StrategyExperts
@@ -88,6 +88,11 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         data_parallel: "ddp" (replicate each tensor-parallel shard over the data-parallel ranks) or "fsdp" (shard
             it, with its gradients and optimizer states, over them: about 1/dp of the model state per rank, for
             one all-gather per block forward and backward and a reduce-scatter in place of DDP's all-reduce).
+        data_parallel_shard_size: with "fsdp", the data-parallel ranks each shard is split over (HSDP): groups of
+            that many ranks each hold one copy of the model state, split between them, and the groups replicate it
+            (gradients reduce-scattered within a group, then all-reduced across the groups). It divides the
+            data-parallel ranks of a node, so a group's every-block all-gathers stay within the node. Default None:
+            all of the data-parallel ranks (FSDP).
         context_parallel_size: ranks per context-parallel group, each holding a load-balanced share of every
             sequence (devices = dp x cp x tp; the block size must be a multiple of 2 x cp); attention runs across them.
         context_parallel_rotation: how keys and values reach every context-parallel rank: "ring" (passed rank to
@@ -115,6 +120,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         start_method: str = "popen",
         verify_plan: bool | None = None,
         data_parallel: str = "ddp",
+        data_parallel_shard_size: int | None = None,
         loss_parallel: bool = False,
         fused_loss: bool | None = None,
         compile: bool = False,
@@ -134,6 +140,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
+        check_shard_size(data_parallel_shard_size, data_parallel)
         self._experts = StrategyExperts(expert_parallel_size, expert_capacity_factor)  # checks them
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
@@ -168,6 +175,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel = data_parallel
+        self.data_parallel_shard_size = data_parallel_shard_size
         self._mesh: ParallelMesh | None = None  # the mesh and its views (setup_environment)
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         check_fused_loss(fused_loss, data_parallel)
@@ -179,7 +187,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         return ParallelDims.from_world(
             self.world_size, tp=self.tensor_parallel_size, cp=self.context_parallel_size,
             pp=self.pipeline_parallel_size, ep=self.expert_parallel_size, data_parallel=self.data_parallel,
-            virtual_stages=self.pipeline_virtual_stages,
+            virtual_stages=self.pipeline_virtual_stages, dp_shard=self.data_parallel_shard_size,
         )  # fmt: skip
 
     @property
@@ -439,7 +447,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         fully_shard_data_parallel(
             root,
             models or [root],
-            self.mesh.replicas,
+            self.mesh.fully_sharded,
             mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
             extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
             ignored_params=self._experts.held,
@@ -450,8 +458,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         torchtitan does; torch's `PipelineStage` reduce-scatters its gradients after the last microbatch."""
         refuse_replicated_shards(stage, self.tensor_parallel_size)
         policy = fsdp_mixed_precision_policy(self.precision_plugin)
-        held, replicas = self._experts.held, self.mesh.replicas
-        fully_shard_data_parallel(stage, list(stage.children()), replicas, mp_policy=policy, ignored_params=held)
+        held, mesh = self._experts.held, self.mesh.fully_sharded
+        fully_shard_data_parallel(stage, list(stage.children()), mesh, mp_policy=policy, ignored_params=held)
         return stage
 
     def _tell_precision_plugin(self, root: torch.nn.Module) -> None:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from tp_train.parallel.sharding import ShardSpec, local_part, replicated_rows
+from tp_train.parallel.sharding import ShardSpec, data_parallel_split, local_part, replicated_rows
 
 
 def global_grad_norm(
@@ -51,9 +51,11 @@ def global_grad_norm(
             buckets[(id(p) in sharded, isinstance(p, DTensor))].append(local_part(p.grad.detach()))
     # Where the reduction runs: with the parameters (NCCL needs the GPU), even on a rank with no gradients.
     device = local_part(parameters[0]).device if parameters else torch.device("cpu")
-    data_parallel = next((p.device_mesh for p in parameters if isinstance(p, DTensor)), None)
-    if data_parallel is not None and data_parallel.ndim != 1:
-        raise ValueError(f"norm clipping needs a 1-D data-parallel mesh, got {data_parallel.mesh_dim_names}")
+    # FSDP2's data-parallel group: where its DTensors split (HSDP's replicate axis holds copies, counted once)
+    fully_sharded = next((p for p in parameters if isinstance(p, DTensor)), None)
+    data_parallel = None
+    if fully_sharded is not None:
+        data_parallel = fully_sharded.device_mesh.get_group(data_parallel_split(fully_sharded)[0])
 
     def part(key: tuple[bool, bool]) -> torch.Tensor:
         grads = buckets[key]
@@ -78,7 +80,7 @@ def global_grad_norm(
     total = combine(over_tp[1], part((False, False)))
     if data_parallel is not None:  # every rank holds DTensors alike, so all of them join this reduction
         over_dp = combine(over_tp[0], part((False, True))).reshape(1)
-        dist.all_reduce(over_dp, op=op, group=data_parallel.get_group())
+        dist.all_reduce(over_dp, op=op, group=data_parallel)
         total = combine(total, over_dp[0])
     else:
         total = combine(total, over_tp[0])
@@ -90,7 +92,7 @@ def _replicated_excess(grad: torch.Tensor, spec: ShardSpec, group: ProcessGroup)
     A DTensor gradient (FSDP2) is gathered over the data-parallel ranks first, each of which then adds 1/dp."""
     world_size, share = dist.get_world_size(group), 1.0
     if isinstance(grad, DTensor):
-        share = 1 / grad.device_mesh.size()
+        share = 1 / grad.device_mesh.size(data_parallel_split(grad)[0])
         grad = grad.full_tensor()
     excess = torch.zeros((), device=grad.device)
     for start, rows, copies in replicated_rows(spec, world_size):

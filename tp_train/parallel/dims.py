@@ -28,6 +28,7 @@ from tp_train.parallel.mesh import (
     EXPERT_REPLICAS,
     PIPELINE_PARALLEL,
     REPLICAS,
+    SHARD_GROUP,
     TENSOR_PARALLEL,
 )
 
@@ -63,14 +64,28 @@ class ParallelDims:
         ep: int = 1,
         data_parallel: str = "ddp",
         virtual_stages: int = 1,
+        dp_shard: int | None = None,
     ) -> ParallelDims:
         """The degrees `world_size` ranks hold at these model-parallel sizes: the data-parallel size is what they
-        leave, replicated ("ddp") or sharded ("fsdp"). Not yet validated (a size that does not divide is kept
-        as given for `validate` to name)."""
+        leave, replicated ("ddp") or sharded ("fsdp"): over all of it (`dp_shard` None), or over groups of `dp_shard`
+        ranks, replicated across the groups (HSDP). Not yet validated (a size that does not divide is kept as given
+        for `validate` to name)."""
         if data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(f"data_parallel={data_parallel!r}: use one of {', '.join(map(repr, DATA_PARALLEL_MODES))}")
+        if dp_shard is not None and data_parallel != "fsdp":
+            raise ValueError(
+                f"dp_shard={dp_shard} with data_parallel={data_parallel}: HSDP needs data_parallel=fsdp; use "
+                f"data_parallel=fsdp, or dp_shard=null"
+            )
+        if dp_shard == 1:  # validate cannot tell it from DDP's degrees, which FSDP2 would then shard over all of dp
+            raise ValueError(
+                "dp_shard=1 with data_parallel=fsdp shards nothing (every data-parallel rank a whole copy); use "
+                "data_parallel=ddp, or dp_shard of 2 or more"
+            )
         fills = world_size // (tp * cp * pp) if _positive(tp, cp, pp, world_size) else 0  # validate names a rest
         replicate, shard = (fills, 1) if data_parallel == "ddp" else (1, fills)
+        if dp_shard is not None:  # a dp_shard that does not divide leaves a rest, which validate names
+            replicate, shard = (fills // dp_shard if _positive(dp_shard) else 0), dp_shard
         return cls(replicate, shard, cp, tp, pp, ep, virtual_stages, world_size)
 
     @staticmethod
@@ -128,15 +143,11 @@ class ParallelDims:
                 f"{devices} = {self.world_size} ranks is not a multiple of tp={self.tp} x cp={self.cp} x "
                 f"pp={self.pp}; use {devices_key} in {_fitting(self.model_parallel, num_nodes)}"
             )
-        for name in ("dp_replicate", "dp_shard"):
-            value = getattr(self, name)
-            if not _positive(value):
-                raise ValueError(f"{name}={value!r} must be a positive integer, e.g. {name}=1")
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            raise ValueError(
-                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} (HSDP) is not offered yet; use "
-                f"data_parallel=ddp (dp_shard=1) or data_parallel=fsdp (dp_replicate=1)"
-            )
+        if not _positive(self.dp_shard):
+            raise ValueError(f"dp_shard={self.dp_shard!r} must be a positive integer, e.g. dp_shard=2")
+        self._check_shard_groups(num_nodes)
+        if not _positive(self.dp_replicate):
+            raise ValueError(f"dp_replicate={self.dp_replicate!r} must be a positive integer, e.g. dp_replicate=1")
         filled = self.pp * self.dp * self.cp * self.tp
         if filled != self.world_size:
             raise ValueError(
@@ -152,6 +163,26 @@ class ParallelDims:
                 f"{devices_key} in {_fitting(fits, num_nodes)}"
             )
 
+    def _check_shard_groups(self, num_nodes: int) -> None:
+        """HSDP's shard groups (`dp_shard` data-parallel ranks, each with its cp x tp ranks: consecutive ranks) must
+        divide the data-parallel ranks and stay within a node, where FSDP2's every-block all-gathers run."""
+        dp = self.world_size // self.model_parallel
+        if self.dp_shard == 1 or self.dp_shard == dp:
+            return  # DDP, or FSDP2 over all of dp (which may span nodes)
+        per_node = self.world_size // num_nodes if self.world_size % num_nodes == 0 else self.world_size
+        fits = [k for k in range(2, dp + 1) if dp % k == 0 and per_node % (k * self.cp * self.tp) == 0]
+        if dp % self.dp_shard:
+            raise ValueError(
+                f"dp_shard={self.dp_shard} does not divide the {dp} data-parallel ranks (dp per node x nodes); "
+                f"use dp_shard in {fits}"
+            )
+        if per_node % (self.dp_shard * self.cp * self.tp):
+            raise ValueError(
+                f"dp_shard={self.dp_shard}: a shard group of dp_shard x cp={self.cp} x tp={self.tp} = "
+                f"{self.dp_shard * self.cp * self.tp} ranks would span nodes ({per_node} ranks each); use dp_shard "
+                f"in {fits}"
+            )
+
     def build_mesh(self, device_type: str, backend: Any = None) -> ParallelMesh:
         """The job's one `DeviceMesh` (axes `MESH_AXES`) and every view the code uses; a collective over the world
         (every rank builds every group). `backend` (a backend name, or a (name, options) pair such as a timeout) is
@@ -162,12 +193,17 @@ class ParallelDims:
         # torch 2.13 makes derived views only through these private calls; this is the one file that uses them.
         data_parallel = root[(DATA_REPLICATE, DATA_SHARD)]._flatten(DATA_PARALLEL, backend)
         replicas = root[(DATA_REPLICATE, DATA_SHARD, CONTEXT_PARALLEL)]._flatten(REPLICAS, backend)
+        hybrid = None
+        if self.dp_replicate > 1 and self.dp_shard > 1:  # HSDP: FSDP2's (replicate, shard) mesh
+            names = (DATA_REPLICATE, SHARD_GROUP)
+            hybrid_override = None if backend is None else dict.fromkeys(names, backend)
+            hybrid = replicas._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp), names, hybrid_override)
         experts = None
         if self.ep > 1:  # runs of ep consecutive replicas (context innermost), and the ranks at one place of each run
             names = (EXPERT_REPLICAS, EXPERT_PARALLEL)
             experts_override = None if backend is None else dict.fromkeys(names, backend)
             experts = replicas._unflatten(0, (self.expert_replicas, self.ep), names, experts_override)
-        return ParallelMesh(root, data_parallel, replicas, experts)
+        return ParallelMesh(root, data_parallel, replicas, experts, hybrid)
 
 
 @dataclass(frozen=True)
@@ -179,6 +215,14 @@ class ParallelMesh:
     data_parallel: DeviceMesh  # replicate x shard flattened: the ranks that each take a different batch (sampler)
     replicas: DeviceMesh  # data x context flattened: same parameters, different tokens; DDP / FSDP2 average over it
     experts: DeviceMesh | None = None  # (expert replicas, expert parallel) over `replicas`; None at ep=1
+    # HSDP's (data replicate, data shard x context) over `replicas`; None unless dp_replicate and dp_shard are over 1
+    hybrid_shard: DeviceMesh | None = None
+
+    @property
+    def fully_sharded(self) -> DeviceMesh:
+        """FSDP2's mesh: `replicas` (1-D: each shard split over every data x context rank), or under HSDP the 2-D
+        (replicate, shard) `hybrid_shard` (split within a shard group, replicated across the groups)."""
+        return self.replicas if self.hybrid_shard is None else self.hybrid_shard
 
     @property
     def tensor_parallel(self) -> DeviceMesh:

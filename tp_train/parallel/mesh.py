@@ -25,6 +25,9 @@ DATA_REPLICATE, DATA_SHARD = "data_parallel_replicate", "data_parallel_shard"
 # Pipeline stages, the outermost axis: only activations cross it, once per microbatch, so it can span nodes.
 PIPELINE_PARALLEL = "pipeline_parallel"
 REPLICAS = "data_context_parallel"  # data x context parallel, flattened: the group gradients are averaged over
+# HSDP's inner axis: data shard x context parallel, flattened: the ranks FSDP2 splits a shard over when it is also
+# replicated over `DATA_REPLICATE` (with cp > 1 the context ranks hold the same parameters, so they split them too)
+SHARD_GROUP = "data_context_shard"
 # Expert parallelism, a view over the replicas (data x context): runs of `expert_parallel_size` consecutive replicas
 # each hold all of the experts between them; the ranks at one place of every run hold the same experts (replicas).
 EXPERT_PARALLEL, EXPERT_REPLICAS = "expert_parallel", "expert_data_parallel"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from tp_train.parallel.agreement import before_collective
 
@@ -226,6 +226,13 @@ def data_parallel_shard_dim(local_shape: tuple[int, ...], spec: ShardSpec | None
         return 0
     candidates = [d for d in range(1, len(local_shape)) if local_shape[d] % data_parallel_size == 0]
     return max(candidates, key=lambda d: local_shape[d], default=0)
+
+
+def data_parallel_split(tensor: DTensor) -> tuple[int, Shard]:
+    """The mesh dimension FSDP2 splits `tensor` over, and how: the only one of a 1-D mesh, or the shard axis of
+    HSDP's (replicate, shard) mesh, whose other axis holds whole copies (`Replicate`)."""
+    (split,) = [(dim, placement) for dim, placement in enumerate(tensor.placements) if placement.is_shard()]
+    return split
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

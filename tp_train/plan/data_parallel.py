@@ -34,18 +34,25 @@ def fully_shard_data_parallel(
     extra_methods: Iterable[str] = (),
     ignored_params: set[nn.Parameter] | None = None,
 ) -> list[FSDPModule]:
-    """Shards the parameters of `root` over the 1-D data-parallel `mesh` with FSDP2, bottom-up (each of `models`'
+    """Shards the parameters of `root` over the data-parallel `mesh` with FSDP2, bottom-up (each of `models`'
     blocks, then each model, then `root`; `extra_methods` gather the parameters too); returns every FSDP module, root
     last. `ignored_params` stay as they are, neither sharded nor their gradients reduced (an expert-parallel rank's
-    experts, which its replicas do not share with the other ranks)."""
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard_data_parallel needs a 1-D data-parallel mesh, got {mesh.mesh_dim_names}")
+    experts, which its replicas do not share with the other ranks).
+
+    A 1-D `mesh` splits each tensor-parallel shard over all of its ranks (FSDP); a 2-D (replicate, shard) mesh splits
+    it over the shard axis and replicates that over the other (HSDP): each gradient is reduce-scattered within a
+    shard group, then all-reduced across the groups, averaged over every rank of the mesh either way."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard_data_parallel needs a 1-D data-parallel mesh, or a 2-D (replicate, shard) one, got "
+            f"{mesh.mesh_dim_names}"
+        )
     models = list(models)
     specs = {id(param): spec for model in models for _, param, spec in named_sharded_parameters(model)}
-    dp = mesh.size()
+    shards = mesh.size(mesh.ndim - 1)  # the ranks each parameter is split over: the shard axis, innermost
 
     def placement(param: nn.Parameter) -> Shard:
-        return Shard(data_parallel_shard_dim(tuple(param.shape), specs.get(id(param)), dp))
+        return Shard(data_parallel_shard_dim(tuple(param.shape), specs.get(id(param)), shards))
 
     options = dict(
         mesh=mesh, shard_placement_fn=placement, mp_policy=mp_policy or MixedPrecisionPolicy(),

@@ -1,0 +1,83 @@
+"""HSDP through `python train.py data_parallel=fsdp dp=4 dp_shard=2` (FSDP2 on a (replicate, shard) mesh: 2 groups
+of 2 ranks, each group holding the model split between its ranks, the groups replicating it) on gloo ranks: the
+logged losses, gradient norms and final parameters of one process at the same global batch (data.batch_size x dp),
+each rank holding 1/dp_shard of the parameters (not 1/dp), and checkpoints that move between HSDP and one device
+(DDP at dp=1) in both directions with the losses of the unbroken run. One test: its four runs share the cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from models.gpt import GPT, GPTConfig
+from tests.test_pipeline_train import _train
+from tp_train.checkpoint.checks import check_files
+from tp_train.checkpoint.safe_load import SafeFileSystemReader
+from tp_train.tools.memory import parameters_per_rank
+
+BATCH, DP, DP_SHARD = 8, 4, 2  # the global batch, and HSDP's data-parallel ranks and ranks per shard group
+SMALL = ["tp=1", "data.max_files=20", "data.vocab_size=300", "data.block_size=32",
+         "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+         "+callbacks.checkpoint.save_top_k=-1"]  # fmt: skip  # keeps step 2's checkpoint for the resumes
+ONE_DEVICE = ["dp=1", f"data.batch_size={BATCH}"]
+HSDP = [f"dp={DP}", f"dp_shard={DP_SHARD}", "data_parallel=fsdp", f"data.batch_size={BATCH // DP}"]
+SERIES = ("train/loss", "train/grad_norm")  # the norm: clipping (gradient_clip_val=1.0) counts each element once
+
+
+def _parameters(run: Path, checkpoint: str = "last.ckpt") -> dict[str, torch.Tensor]:
+    """The model's tensors in one of the run's checkpoints, whole, by DCP key (the layout is the same at any
+    parallelism), read in this process."""
+    path = run / "checkpoints" / checkpoint
+    stored = check_files(path).state_dict_metadata
+    tensors = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(tensors, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    return tensors
+
+
+def _worst(metrics: dict, reference: dict, steps: list[int]) -> float:
+    return max(abs(metrics[name][step] - reference[name][step]) for name in SERIES for step in steps)
+
+
+@pytest.mark.slow
+def test_hsdp_trains_like_one_device_holds_half_and_resumes_across_layouts(tmp_path):
+    one_device = _train(tmp_path, "one_device", [*SMALL, *ONE_DEVICE])
+    hsdp = _train(tmp_path, "hsdp", [*SMALL, *HSDP])
+    for name in SERIES:
+        assert sorted(hsdp[name]) == [0, 1, 2, 3], (name, hsdp[name])
+    worst_loss = _worst(hsdp, one_device, [0, 1, 2, 3])
+    whole, own = _parameters(tmp_path / "one_device"), _parameters(tmp_path / "hsdp")
+    worst_parameter = max((whole[name] - own[name]).abs().max().item() for name in whole)
+    print(f"HSDP dp={DP} dp_shard={DP_SHARD} against one device: losses and norms {worst_loss:.2e}, "
+          f"parameters {worst_parameter:.2e}")  # fmt: skip
+    assert worst_loss < 1e-5 and worst_parameter < 1e-5
+    assert whole.keys() == own.keys()
+    at_step_2 = _parameters(tmp_path / "hsdp", "step000002.ckpt")  # the last steps moved them: not a stale save
+    assert max((own[name] - at_step_2[name]).abs().max().item() for name in own) > 1e-4
+
+    # Rank 0 holds its half of every parameter (FSDP2's larger piece of an odd split), not a quarter.
+    summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())
+    model = GPT(_config())
+    assert summary["parameters"] == sum(p.numel() for p in model.parameters())
+    assert summary["parameters_on_rank"] == parameters_per_rank(model, tp=1, dp=DP_SHARD, data_parallel="fsdp")
+    assert summary["parameters_on_rank"] > parameters_per_rank(model, tp=1, dp=DP, data_parallel="fsdp")
+
+    step_2 = "checkpoints/step000002.ckpt"
+    to_one_device = _train(tmp_path, "to_one_device", [*SMALL, *ONE_DEVICE, f"ckpt_path={tmp_path / 'hsdp' / step_2}"])
+    to_hsdp = _train(tmp_path, "to_hsdp", [*SMALL, *HSDP, f"ckpt_path={tmp_path / 'one_device' / step_2}"])
+    for resumed in (to_one_device, to_hsdp):  # steps 3 and 4: the loaded weights, then AdamW's loaded state
+        assert all(sorted(resumed[name]) == [2, 3] for name in SERIES), resumed
+        assert _worst(resumed, one_device, [2, 3]) < 1e-5, (resumed, one_device)
+
+
+def _config() -> GPTConfig:
+    """conf/model/gpt_tiny.yaml under experiment=smoke, at SMALL's data sizes."""
+    return GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0, bias=True)
