@@ -1,4 +1,5 @@
-"""The context-parallel attention op on real gloo ranks equals one process's SDPA, forward and backward (fp32).
+"""The context-parallel attention op on real gloo ranks equals one process's SDPA, forward and backward (fp32), under
+every rotation (ring, allgather, alltoall).
 
 Each rank holds its load-balanced share (chunks r and 2cp-1-r of 2cp) of q, k, v and the document ids; its output
 and its shares of dq, dk, dv must equal the same shares of plain `scaled_dot_product_attention` over the whole
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from tests.distributed import run_on_ranks
 from tp_train.parallel.context_parallel import (
+    ROTATIONS,
     attention_mask,
     context_parallel_attention,
     positions_within_documents,
@@ -61,18 +63,20 @@ def _rank_errors(rank, world_size, q_heads, kv_heads, documents, rotation, devic
 # documents crossing chunk and rank boundaries, and one whose first document spans every rank's share
 CASES = {
     "causal": (4, 4, None),
-    "gqa_8q_2kv": (8, 2, None),
+    "gqa_8q_2kv": (8, 2, None),  # at cp=4 alltoall repeats kv heads (2 < cp)
+    "gqa_8q_1kv": (8, 1, None),  # one kv head: alltoall repeats it for every rank
     "documents": (4, 2, [[3, 7, 5, 9, 8], [8, 9, 5, 7, 3]]),
     "first_document_everywhere": (4, 4, [[27, 2, 3], [30, 1, 1]]),
+    "documents_one_kv_head": (4, 1, [[5, 11, 16], [16, 11, 5]]),
 }
 
 
 def _rank_all_errors(rank, world_size, device="cpu"):
-    """Every case under both rotations on one set of ranks: {(case, rotation): [out, dq, dk, dv max errors]}."""
+    """Every case under every rotation on one set of ranks: {(case, rotation): [out, dq, dk, dv max errors]}."""
     return {
         (case, rotation): _rank_errors(rank, world_size, *CASES[case], rotation, device)
         for case in CASES
-        for rotation in ("ring", "allgather")
+        for rotation in ROTATIONS
     }
 
 

@@ -1,5 +1,6 @@
 """Our GPT trained context-parallel on real gloo ranks equals one process: 5 optimizer steps, losses within 1e-5
-(fp32), at cp=2, tp=2 x cp=2 and dp=2 x cp=2, with sequence parallelism and activation checkpointing on."""
+(fp32), at cp=2 (ring and alltoall), tp=2 x cp=2 and dp=2 x cp=2, with sequence parallelism and activation
+checkpointing on; and heads that do not divide by cp are refused in one line under alltoall."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _one_process_losses():
     return losses
 
 
-def _rank_losses(rank, world_size, dp, cp, tp, sequence_parallel, activation_checkpointing):
+def _rank_losses(rank, world_size, dp, cp, tp, sequence_parallel, activation_checkpointing, rotation):
     names = ("data_parallel", "context_parallel", "tensor_parallel")
     mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=names)
     replicas = mesh["data_parallel", "context_parallel"]._flatten("data_context_parallel").get_group()
@@ -52,6 +53,7 @@ def _rank_losses(rank, world_size, dp, cp, tp, sequence_parallel, activation_che
         sequence_parallel=sequence_parallel,
         activation_checkpointing=activation_checkpointing,
         cp_group=mesh["context_parallel"].get_group(),
+        cp_options={"rotation": rotation},
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     dp_rank, per_replica = mesh["data_parallel"].get_local_rank(), BATCH // dp
@@ -74,16 +76,42 @@ def _rank_losses(rank, world_size, dp, cp, tp, sequence_parallel, activation_che
     return losses
 
 
-def _check(dp, cp, tp, sequence_parallel=False, activation_checkpointing=False):
+def _check(dp, cp, tp, sequence_parallel=False, activation_checkpointing=False, rotation="ring"):
     expected = _one_process_losses()
-    by_rank = run_on_ranks(_rank_losses, dp * cp * tp, dp, cp, tp, sequence_parallel, activation_checkpointing)
+    by_rank = run_on_ranks(
+        _rank_losses, dp * cp * tp, dp, cp, tp, sequence_parallel, activation_checkpointing, rotation
+    )  # fmt: skip
     worst = max(abs(a - b) for losses in by_rank for a, b in zip(losses, expected, strict=True))
-    assert worst < 1e-5, f"dp={dp} cp={cp} tp={tp}: {by_rank[0]} vs one process {expected} (max {worst:.2e})"
+    assert worst < 1e-5, f"dp={dp} cp={cp} tp={tp} {rotation}: {by_rank[0]} vs one process {expected} ({worst:.2e})"
     assert expected[-1] < expected[0] - 0.05, expected  # the steps do train
 
 
-def test_cp2_equals_one_process():
-    _check(1, 2, 1)
+@pytest.mark.parametrize("rotation", ["ring", "alltoall"])
+def test_cp2_equals_one_process(rotation):
+    _check(1, 2, 1, rotation=rotation)
+
+
+def _rank_refusal(rank, world_size):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**dict(CONFIG, n_head=3, n_embd=24)))
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("context_parallel", "tensor_parallel"))
+    groups = {name: mesh[name].get_group() for name in ("context_parallel", "tensor_parallel")}
+    parallelize(model, groups["tensor_parallel"], verify=False, cp_group=groups["context_parallel"],
+                cp_options={"rotation": "alltoall"})  # fmt: skip
+    try:
+        model(_batches()[0][:, :-1])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_alltoall_refuses_heads_not_dividing_by_cp_in_one_line():
+    messages = run_on_ranks(_rank_refusal, 2)
+    assert messages[0] == messages[1], messages
+    assert "\n" not in messages[0], messages[0]
+    assert messages[0].startswith("blocks.0.attn: 3 query heads per rank (after tensor parallelism) do not divide by "
+                                  "cp=2"), messages[0]  # fmt: skip
+    assert "use cp in [3] or rotation 'ring' or 'allgather'" in messages[0], messages[0]
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Context parallelism through `python train.py` (subprocesses, real ranks): Llama and Qwen2 (GQA, RoPE) at cp=2 and
-tp=2 x cp=2 train with the cp=1 losses, and with data.document_mask cp=1 and cp=2 train alike. Slow: each run
+tp=2 x cp=2 train with the cp=1 losses, and with data.document_mask Qwen2 at cp=1, at cp=2 (ring) and at tp=2 x
+cp=2 with the alltoall rotation train alike. Slow: each run
 starts real ranks (tests/test_context_parallel_resume.py holds the checkpoint and FSDP2 cases, so that pytest-xdist
 runs the two files side by side)."""
 
@@ -42,7 +43,9 @@ def test_hugging_face_at_cp2_and_tp2_cp2_trains_with_the_cp1_losses(tmp_path, fa
 @pytest.mark.slow
 def test_data_document_mask_trains_alike_at_cp1_and_cp2_and_differs_from_unmasked(tmp_path):
     """Short JSON records packed into 32-token blocks (several documents per block): with data.document_mask=true,
-    cp=1 and cp=2 give the same losses, and they differ from unmasked packing."""
+    Qwen2 at cp=1, at cp=2 (ring) and at tp=2 x cp=2 with the alltoall rotation (2 query heads and 1 kv head per
+    tensor-parallel rank: the kv head repeated for both cp ranks) give the same losses, and they differ from unmasked
+    packing."""
     import json
     import random
 
@@ -52,10 +55,17 @@ def test_data_document_mask_trains_alike_at_cp1_and_cp2_and_differs_from_unmaske
     corpus.write_text(
         "".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(3, 12)))}) + "\n" for _ in range(400))
     )
-    data = ("data=local_text", f"data.source={corpus}", "ckpt_path=null")
+    data = ("data=local_text", f"data.source={corpus}", "ckpt_path=null", "model=hf", "model.type=qwen2")
+    layouts = {
+        "cp1": (),
+        "cp2_ring": ("cp=2",),
+        "tp2_cp2_alltoall": ("tp=2", "cp=2", "trainer.strategy.context_parallel_rotation=alltoall"),
+    }
     masked = {
-        cp: _losses(tmp_path, f"masked{cp}", *data, f"cp={cp}", "data.document_mask=true", steps=4) for cp in (1, 2)
+        name: _losses(tmp_path, f"masked_{name}", *data, *parallel, "data.document_mask=true", steps=4)
+        for name, parallel in layouts.items()
     }
     unmasked = _losses(tmp_path, "unmasked", *data, "data.document_mask=false", steps=4)
-    assert max(abs(a - b) for a, b in zip(masked[1], masked[2], strict=True)) < 1e-5, masked
-    assert max(abs(a - b) for a, b in zip(masked[1], unmasked, strict=True)) > 1e-3, (masked, unmasked)
+    for name in ("cp2_ring", "tp2_cp2_alltoall"):
+        assert max(abs(a - b) for a, b in zip(masked["cp1"], masked[name], strict=True)) < 1e-5, (name, masked)
+    assert max(abs(a - b) for a, b in zip(masked["cp1"], unmasked, strict=True)) > 1e-3, (masked, unmasked)

@@ -15,7 +15,11 @@ from tp_train import TensorParallelStrategy
         ({"data_parallel": "zero3"}, ValueError, "data_parallel='zero3': use 'ddp' (replicated tensor-parallel"),
         ({"data_parallel": "fsdp", "bucket_cap_mb": 5}, TypeError, "got DistributedDataParallel arguments"),
         ({"bucket_cap": 5}, TypeError, "TensorParallelStrategy got unknown arguments ['bucket_cap']; other keyword"),
-        ({"context_parallel_rotation": "allgathr"}, ValueError, "context_parallel_rotation='allgathr'): use one of"),
+        (
+            {"context_parallel_rotation": "ulysses"},
+            ValueError,
+            "rotation='ulysses'): use one of 'ring', 'allgather', 'alltoall'",
+        ),
         ({"data_parallel": "fsdp", "fused_loss": True}, ValueError, "fused_loss=True) with data_parallel='fsdp'"),
         ({"data_parallel_shard_size": 2}, ValueError, "data_parallel_shard_size=2) with data_parallel='ddp': HSDP"),
         ({"data_parallel": "fsdp", "data_parallel_shard_size": 0}, ValueError, "data_parallel_shard_size=0 must be a"),
@@ -40,6 +44,6 @@ def test_a_wrong_argument_is_refused_in_one_line(arguments, error, message):
 
 def test_the_arguments_users_pass_are_accepted():
     strategy = TensorParallelStrategy(
-        tensor_parallel_size=2, context_parallel_size=2, context_parallel_rotation="allgather", bucket_cap_mb=5
+        tensor_parallel_size=2, context_parallel_size=2, context_parallel_rotation="alltoall", bucket_cap_mb=5
     )
-    assert (strategy.tensor_parallel_size, strategy.context_parallel_rotation) == (2, "allgather")
+    assert (strategy.tensor_parallel_size, strategy.context_parallel_rotation) == (2, "alltoall")

@@ -96,7 +96,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         context_parallel_size: ranks per context-parallel group, each holding a load-balanced share of every
             sequence (devices = dp x cp x tp; the block size must be a multiple of 2 x cp); attention runs across them.
         context_parallel_rotation: how keys and values reach every context-parallel rank: "ring" (passed rank to
-            rank, two shares in memory) or "allgather" (gathered at once).
+            rank, two shares in memory) or "allgather" (gathered at once); or "alltoall" (DeepSpeed-Ulysses: q, k,
+            v traded for 1/cp of the heads over the whole sequence; the heads per tensor-parallel rank must divide
+            by cp).
         expert_parallel_size: ranks among which each mixture-of-experts layer's experts are split, whole experts per
             rank, tokens sent to their experts' ranks (all-to-all): a view over the data x context parallel ranks
             (it divides dp x cp and does not add ranks); the experts' gradients are averaged over the ranks holding

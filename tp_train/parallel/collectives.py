@@ -34,6 +34,28 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.T
     return x
 
 
+def all_to_all(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Not autograd: `x` (size x ...) cut along dim 0 into one block per rank, block j sent to rank j; the result's
+    block s is what rank s sent this rank (its own size x ... tensor's block for this rank). Applied to the result,
+    the same exchange sends every block back (the backward of an all-to-all is the reverse all-to-all). Gloo sends
+    CUDA tensors through the host."""
+    world_size = group.size()
+    if world_size == 1:
+        return x
+    check_divisible("an all-to-all", "dimension 0", x.size(0), world_size)
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_single(x, None, None, group)
+    device = x.device
+    if device.type != "cpu" and dist.get_backend(group) == "gloo":
+        x = x.cpu()
+    out = torch.empty_like(x)
+    before_collective()
+    with torch.profiler.record_function(COLLECTIVE_RANGE):
+        dist.all_to_all_single(out, x, group=group)
+    return out.to(device)
+
+
 def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """This rank's contiguous chunk of `x` along `dim`."""
     world_size = group.size()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.context_parallel import (
+    check_heads,
     context_parallel_attention,
     document_ids_from_separators,
     positions_within_documents,
@@ -43,6 +44,8 @@ class ContextParallelState:
                 f"{where}: sliding window {window} < sequence length {total} is not handled by context parallelism; "
                 f"use cp=1 or sequences of at most {window} tokens"
             )
+        if self.rotation == "alltoall":
+            check_heads(q.shape[1], self.size, where)
         return context_parallel_attention(
             q, k, v, self.group, causal=True, document_ids=self.document_ids, scale=scale, rotation=self.rotation
         )
@@ -52,8 +55,8 @@ def enable_context_parallel(
     model: nn.Module, cp_group: ProcessGroup, rotation: str = "ring", document_separator: int | None = None
 ) -> nn.Module:
     """Makes `model` (token ids -> logits) run context-parallel over `cp_group`, in place: keys and values reach each
-    rank by `rotation` ("ring" or "allgather"); `document_separator`, the end-of-text id between packed documents,
-    makes attention block-diagonal by document."""
+    rank by `rotation` ("ring" or "allgather"), or "alltoall" trades every rank's tokens for a share of the heads;
+    `document_separator`, the end-of-text id between packed documents, makes attention block-diagonal by document."""
     state = ContextParallelState(cp_group, rotation, document_separator)
     target, position_argument = _positioned_model(model)
     kernels = _swap_attention_kernels(model, state)

@@ -6,9 +6,17 @@ whole sequence's K/V, one collective). Either way each (query chunk, key chunk) 
 kernel (`fused_attention`), the blocks merged by their log-sum-exp in fp32; backward runs the fused backward of each
 pair from the merged output and log-sum-exp, K/V gradients travelling back to their owners. Nothing of size
 (T / cp)^2 is allocated; packed documents run one call per document of each pair (`block_pairs`).
+
+A third exchange, "alltoall" (DeepSpeed-Ulysses, arXiv 2309.14509), moves the queries instead of passing keys:
+one all-to-all trades each rank's share of the tokens for 1/cp of the heads over the whole sequence
+(`head_exchange`), the same fused calls run on the whole sequence as on one process, and a second all-to-all brings
+the output back to sequence shards. The query heads on each rank must divide by cp; kv heads are repeated until cp
+divides them, so that each rank receives whole kv heads.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -17,8 +25,10 @@ from torch.distributed import ProcessGroup
 from tp_train.parallel.collectives import all_gather_single, reduce_scatter_single
 from tp_train.parallel.context_parallel.block_pairs import TILE, BlockPairs
 from tp_train.parallel.context_parallel.fused_attention import block_backward, block_forward, merge_block
+from tp_train.parallel.context_parallel.head_exchange import heads_to_sequence, sequence_to_heads
+from tp_train.parallel.context_parallel.load_balance import unshard_sequence
 
-ROTATIONS = ("ring", "allgather")
+ROTATIONS = ("ring", "allgather", "alltoall")
 
 
 def context_parallel_attention(
@@ -42,7 +52,7 @@ def context_parallel_attention(
         document_ids: (B, Tl) this rank's share of the document ids, or None: a query attends only to keys of
             its own document (block-diagonal), which holds across ranks.
         scale: the score scale, 1/sqrt(D) by default.
-        rotation: "ring" or "allgather" (see the module docstring).
+        rotation: "ring", "allgather" or "alltoall" (see the module docstring); "alltoall" needs Hq divisible by cp.
 
     Returns:
         (B, Hq, Tl, D) the attention output for this rank's queries, in q's dtype. Backward returns gradients
@@ -54,7 +64,38 @@ def context_parallel_attention(
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     documents = None if document_ids is None else _gather(document_ids.contiguous(), group, dim=1)
-    return _ContextParallelAttention.apply(q, k, v, group, causal, documents, scale, rotation)
+    if rotation == "alltoall" and _size(group) > 1:
+        return _all_to_all_attention(q, k, v, group or dist.group.WORLD, causal, documents, scale)
+    return _ContextParallelAttention.apply(q, k, v, group, causal, documents, scale, rotation, False)
+
+
+def check_heads(q_heads: int, cp: int, where: str = "attention") -> None:
+    """Raises a one-line error naming `where` unless `q_heads` (this rank's query heads, after tensor parallelism)
+    divide by `cp`, as the "alltoall" exchange needs (each rank attends with whole heads)."""
+    if q_heads % cp:
+        fitting = [size for size in range(2, q_heads + 1) if q_heads % size == 0]
+        raise ValueError(
+            f"{where}: {q_heads} query heads per rank (after tensor parallelism) do not divide by cp={cp}, as "
+            f"context_parallel_rotation='alltoall' needs; use cp in {fitting or [1]} or rotation 'ring' or 'allgather'"
+        )
+
+
+def _all_to_all_attention(q, k, v, group, causal, documents, scale):
+    """The "alltoall" exchange: kv heads repeated until cp divides them, q, k, v sent to head shards in one
+    all-to-all, attention over the whole sequence on this rank's heads, the output sent back to sequence shards."""
+    size, q_heads = group.size(), q.shape[1]
+    check_heads(q_heads, size)
+    repeats = size // math.gcd(k.shape[1], size)  # kv head i becomes heads i x repeats .. (i + 1) x repeats - 1
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    kv_heads = k.shape[1]
+    blocks = [t.unflatten(1, (size, -1)) for t in (q, k, v)]  # (B, cp, H / cp, Tl, D): rank j's heads at j
+    exchanged = sequence_to_heads(torch.cat(blocks, dim=2).flatten(1, 2), group)  # one all-to-all for all three
+    q, k, v = exchanged.split([q_heads // size, kv_heads // size, kv_heads // size], dim=1)
+    if documents is not None:  # (B, cp, Tl) every rank's share -> (B, 1, T) the whole sequence's, in order
+        documents = unshard_sequence(list(documents.unbind(1)), dim=1).unsqueeze(1)
+    out = _ContextParallelAttention.apply(q, k, v, group, causal, documents, scale, "ring", True)
+    return heads_to_sequence(out, group)
 
 
 def workspace_bytes(
@@ -76,6 +117,11 @@ def workspace_bytes(
     queries, keys = batch * q_heads * share * head_dim, batch * kv_heads * share * head_dim
     tile = min(TILE, share)
     tile_call = 2 * batch * (q_heads + kv_heads) * tile * head_dim * element_size
+    if rotation == "alltoall" and cp > 1:  # Hq / cp heads over T tokens: as many elements as a share of every head
+        keys = batch * (kv_heads * cp // math.gcd(kv_heads, cp)) * share * head_dim  # after repeating kv heads
+        exchanged = (queries + 2 * keys) * element_size  # q, k, v on head shards, saved for backward
+        # the exchanged q, k, v and output, fp32 gradients of q, k, v, and the gradients' exchange buffers
+        return exchanged + queries * element_size + (queries + 2 * keys) * 4 + 2 * exchanged + tile_call
     if cp == 1:
         travelling = 2 * keys * 4  # the fp32 gradients of k and v
     elif rotation == "allgather":
@@ -90,11 +136,13 @@ class _ContextParallelAttention(torch.autograd.Function):
     block pair given the merged output and log-sum-exp (`fused_attention.block_backward`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, documents, scale, rotation):
-        pairs = BlockPairs(q.shape[2], _size(group), _rank(group), causal, documents)
+    def forward(ctx, q, k, v, group, causal, documents, scale, rotation, whole):
+        """`whole`: this rank holds the whole sequence (after "alltoall"): one process's attention, nothing sent."""
+        size, rank = (1, 0) if whole else (_size(group), _rank(group))
+        pairs = BlockPairs(q.shape[2], size, rank, causal, documents)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Hq, Tl, D)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, Hq, Tl)
-        for source, (keys, values) in _visits(k, v, group, rotation):
+        for source, (keys, values) in _visits(k, v, group, rotation, size, rank):
             for call in pairs.calls(source):
                 queries, where = q[call.batch, :, call.rows], (call.batch, slice(None), call.rows)
                 block_out, block_lse = block_forward(
@@ -104,7 +152,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 del block_out, block_lse
         out = out.to(q.dtype)  # fp32 inputs: the same tensor
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pairs, ctx.scale, ctx.rotation, ctx.group = pairs, scale, rotation, group
+        ctx.pairs, ctx.scale, ctx.rotation, ctx.group, ctx.size, ctx.rank = pairs, scale, rotation, group, size, rank
         return out
 
     @staticmethod
@@ -126,15 +174,14 @@ class _ContextParallelAttention(torch.autograd.Function):
                 del dq, dk, dv
 
         if ctx.rotation == "allgather":
-            grad_k, grad_v = _ring_free_grads(k, v, ctx.group, block_grads)
+            grad_k, grad_v = _ring_free_grads(k, v, ctx.group, ctx.size, block_grads)
         else:
-            grad_k, grad_v = _ring_grads(k, v, ctx.group, block_grads)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
+            grad_k, grad_v = _ring_grads(k, v, ctx.group, ctx.size, ctx.rank, block_grads)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, None
 
 
-def _visits(k, v, group, rotation):
+def _visits(k, v, group, rotation, size, rank):
     """Yields (source rank, (its keys, its values)) for every rank of the group, this rank's first."""
-    size, rank = _size(group), _rank(group)
     if rotation == "allgather" and size > 1:
         keys, values = _gather(k.contiguous(), group, dim=0), _gather(v.contiguous(), group, dim=0)
         for offset in range(size):
@@ -149,10 +196,9 @@ def _visits(k, v, group, rotation):
             shares = pending()
 
 
-def _ring_grads(k, v, group, block_grads):
+def _ring_grads(k, v, group, size, rank, block_grads):
     """Backward of the ring: each K/V share travels the ring with its gradient, which every rank adds to; after a
     full turn the gradient is back at the share's owner."""
-    size, rank = _size(group), _rank(group)
     shares = [k, v]
     grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
     for step in range(size):
@@ -163,9 +209,8 @@ def _ring_grads(k, v, group, block_grads):
     return grads
 
 
-def _ring_free_grads(k, v, group, block_grads):
+def _ring_free_grads(k, v, group, size, block_grads):
     """Backward of the all-gather: every rank's K/V gathered again, gradients reduce-scattered to their owners."""
-    size = _size(group)
     if size == 1:
         grads = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         block_grads(0, k, v, grads[0], grads[1])

@@ -1,6 +1,7 @@
 """`python -m tp_train.tools.bench.context_parallel`: each rank's measured peak memory and the tokens/s of one
 forward + backward of causal attention over the whole sequence, against sequence length: torch's SDPA in one process,
-and `context_parallel_attention` at cp = 1, 2 and 4 (ring and all-gather), with and without packed documents.
+and `context_parallel_attention` at cp = 1, 2 and 4 (ring, all-gather and all-to-all), with and without packed
+documents.
 Prints one table, writes JSON and an SVG plot (no plotting library needed).
 
 Time is the slowest rank's wall time, and each rank's CPU time: on a machine shared with other work the CPU time shows
@@ -41,8 +42,11 @@ SETUPS = [
     ("cp=1 masked", 1, "ring", True),
     ("cp=2 ring", 2, "ring", False),
     ("cp=2 allgather", 2, "allgather", False),
+    ("cp=2 alltoall", 2, "alltoall", False),
     ("cp=2 ring masked", 2, "ring", True),
+    ("cp=2 alltoall masked", 2, "alltoall", True),
     ("cp=4 ring", 4, "ring", False),
+    ("cp=4 alltoall", 4, "alltoall", False),
     ("cp=4 ring masked", 4, "ring", True),
 ]
 DOCUMENTS = (512, 4096)  # packed documents' lengths are drawn from this range (the last one is cut at the end)
