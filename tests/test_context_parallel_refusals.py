@@ -44,3 +44,17 @@ def test_our_gpt_with_attention_dropout_is_refused():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=8, dropout=0.1))
     with pytest.raises(ValueError, match=r"blocks.0.attn: attention dropout 0.1 cannot be context-parallel"):
         check_context_parallel(model)
+
+
+def test_alltoall_with_query_heads_per_rank_not_dividing_by_cp_is_refused_before_any_rank():
+    """The all-to-all gives each context-parallel rank 1/cp of the heads a tensor-parallel rank holds: 4 heads at tp=2
+    leave 2, which cp=4 cannot split; ring and all-gather split tokens, not heads, and take them."""
+    model = _hf("llama")
+    with pytest.raises(ValueError) as error:
+        check_context_parallel(model, 32, rotation="alltoall", cp=4, tp=2)
+    assert str(error.value) == (
+        "config.num_attention_heads=4 at tp=2: 2 query heads per rank (after tensor parallelism) do not divide by "
+        "cp=4, as context_parallel_rotation='alltoall' needs; use cp in [2] or rotation 'ring' or 'allgather'"
+    )
+    check_context_parallel(model, 32, rotation="alltoall", cp=2, tp=2)
+    check_context_parallel(model, 32, rotation="ring", cp=4, tp=2)

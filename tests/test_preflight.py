@@ -80,6 +80,10 @@ CASES = {
     "cp_attention_dropout": (["cp=2", "model.config.dropout=0.1"],
                              "cp=2: blocks.0.attn: attention dropout 0.1 cannot be context-parallel; set it to 0"),
     "cp_samples": (["cp=2", "samples.prompts=[x]"], "samples.prompts=['x'] with cp=2: samples are drawn one token"),
+    "alltoall_heads_not_dividing_cp": (["tp=1", "cp=2", "trainer.strategy.context_parallel_rotation=alltoall",
+                                        "model.config.n_head=1"],
+                                       "cp=2: config.n_head=1 at tp=1: 1 query heads per rank (after tensor "
+                                       "parallelism) do not divide by cp=2"),
     "dp_shard_not_dividing_dp": (["dp=4", "dp_shard=3", "data_parallel=fsdp"],
                                  "dp_shard=3 does not divide the 4 data-parallel ranks (dp per node x nodes); use "
                                  "dp_shard in [2, 4]"),

@@ -91,7 +91,8 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     check_experts(cfg, model)
     if cp > 1:
         try:
-            check_context_parallel(model, block_size)
+            rotation = str(_setting(cfg, "context_parallel_rotation", "ring"))
+            check_context_parallel(model, block_size, rotation, cp, tp)
         except ValueError as error:
             raise ConfigError(f"cp={cp}: {error}") from None
     vocab, data_vocab = embedding_rows(model), cfg.data.get("vocab_size")

@@ -20,6 +20,7 @@ from tp_train.parallel.context_parallel import (
     shard_sequence,
 )
 from tp_train.parallel.context_parallel.load_balance import check_sequence_length
+from tp_train.plan.styles import HEAD_ATTRIBUTES
 
 HF_ATTENTION = "tp_train_context_parallel"
 _POSITION_ARGUMENTS = ("position_ids", "positions")  # Hugging Face's name, then our GPT's
@@ -215,10 +216,18 @@ def _register_hf_attention() -> None:
     AttentionMaskInterface.register(HF_ATTENTION, lambda *args, **kwargs: None)
 
 
-def check_context_parallel(model: nn.Module, sequence_length: int | None = None) -> None:
+def check_context_parallel(
+    model: nn.Module, sequence_length: int | None = None, rotation: str = "ring", cp: int = 1, tp: int = 1
+) -> None:
     """Raises a one-line `ValueError` for what `model` (built on meta is enough) shows context parallelism cannot
     split exactly: run before any rank starts. Our GPT with dropout, a Hugging Face config with a score soft-cap,
-    ALiBi, cross-attention, attention dropout, or a sliding window shorter than `sequence_length`."""
+    ALiBi, cross-attention, attention dropout, or a sliding window shorter than `sequence_length`; with the
+    "alltoall" `rotation`, query heads per tensor-parallel rank that do not divide by `cp`."""
+    config = getattr(model, "config", None)
+    for field in HEAD_ATTRIBUTES if rotation == "alltoall" and cp > 1 else ():
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % tp == 0:  # a count tp does not divide is the plan's refusal
+            check_heads(heads // tp, cp, where=f"config.{field}={heads} at tp={tp}")
     for name, module in model.named_modules():
         if hasattr(module, "sdpa") and getattr(module, "dropout", 0):
             raise ValueError(f"{name}: attention dropout {module.dropout} cannot be context-parallel; set it to 0")
