@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from models import GPT, GPTConfig, MoEConfig, MoEGPT
 from tests.distributed import run_on_ranks
-from tp_train import CausalLMModule, TensorParallelStrategy
+from tests.lightning_helpers import make_trainer
+from tp_train import CausalLMModule
 from tp_train.parallel.experts import named_expert_parameters
 from tp_train.parallel.sharding import full_state_dict
 
@@ -92,18 +93,9 @@ def _initial_parameters(rank, world_size, cases):
         model, lightning_module = BUILDS[build]
         module = lightning_module(model, partial(torch.optim.SGD, lr=0.1))
         grab = InitialParameters()
-        trainer = L.Trainer(
-            strategy=TensorParallelStrategy(**strategy),
-            accelerator="cpu",
-            devices=world_size,
-            max_steps=0,
-            callbacks=[grab],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-        )
+        settings = dict(strategy)
+        tp = settings.pop("tensor_parallel_size", 1)
+        trainer = make_trainer(tp, callbacks=[grab], strategy_kwargs=settings, max_steps=0)
         trainer.fit(module, data)
         assert dist.get_world_size() == world_size
         results[case] = grab.parameters
