@@ -3,8 +3,9 @@ arXiv 2309.14509): before attention each rank holds every head for its share of 
 holds 1/cp of the heads for every token, in natural order, so that attention runs as on one process; a second
 all-to-all brings the output back to sequence shards.
 
-Each rank's share is two chunks of 2 x cp (`load_balance`); the tokens that arrive, rank after rank, are put back in
-their global order here, so the causal mask and the document ids of the whole sequence apply as they are.
+Each rank's share is two chunks of 2 x cp (`load_balance`): the tokens that arrive from rank s are chunks s and
+2cp-1-s, copied straight to their places in the whole sequence. Each exchange holds one send and one receive buffer
+beside its input and output, no other copy.
 """
 
 from __future__ import annotations
@@ -13,57 +14,78 @@ import torch
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import all_to_all
-from tp_train.parallel.context_parallel.load_balance import local_positions
 
 
-def sequence_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """(B, H, T / cp, D) every head of this rank's share of the tokens -> (B, H / cp, T, D) this rank's block of
-    heads (rank r: heads r H / cp .. (r + 1) H / cp - 1) for every token, in natural order. Backward: the reverse
-    exchange (`heads_to_sequence`) of the gradient."""
-    return _Exchange.apply(x, group, True)
+def sequence_to_heads(tensors: tuple[torch.Tensor, ...], group: ProcessGroup) -> torch.Tensor:
+    """Each of `tensors`, (B, H_i, T / cp, D): every head for this rank's share of the tokens -> one (B, sum_i H_i /
+    cp, T, D): this rank's block of each one's heads (rank r: heads r H_i / cp .. (r + 1) H_i / cp - 1), side by side,
+    for every token in natural order; one all-to-all for all of them. Backward: the reverse exchange."""
+    return _ToHeads.apply(group, *tensors)
 
 
 def heads_to_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """The inverse of `sequence_to_heads`: (B, H / cp, T, D) -> (B, H, T / cp, D). Backward: `sequence_to_heads`."""
-    return _Exchange.apply(x, group, False)
+    """(B, H / cp, T, D) this rank's heads for every token -> (B, H, T / cp, D) every head for this rank's share of
+    the tokens (the inverse of `sequence_to_heads` for one tensor). Backward: the reverse exchange."""
+    return _ToSequence.apply(x, group)
 
 
-class _Exchange(torch.autograd.Function):
-    """Forward: one all-to-all from sequence shards to head shards (`to_heads`) or back. Backward: the other way."""
-
+class _ToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, to_heads):
-        ctx.group, ctx.to_heads = group, to_heads
-        return _to_heads(x, group) if to_heads else _to_sequence(x, group)
+    def forward(ctx, group, *tensors):
+        ctx.group, ctx.heads = group, [t.shape[1] for t in tensors]
+        return _natural_order(all_to_all(_head_blocks(tensors, group.size()), group))
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _to_sequence(grad, ctx.group) if ctx.to_heads else _to_heads(grad, ctx.group)
-        return grad, None, None
+        received = all_to_all(_arrival_blocks(grad, ctx.group.size()), ctx.group)  # (cp, B, sum H_i / cp, Tl, D)
+        grads, offset = [], 0
+        for heads in ctx.heads:
+            width = heads // ctx.group.size()
+            grads.append(received[:, :, offset : offset + width].movedim(0, 1).flatten(1, 2))  # (B, H_i, Tl, D)
+            offset += width
+        return (None, *grads)
 
 
-def _to_heads(x, group):
-    size = group.size()
-    if size == 1:
-        return x
-    batch, heads, share, dim = x.shape
-    send = x.unflatten(1, (size, heads // size)).movedim(1, 0)  # (cp, B, H / cp, Tl, D): block j for rank j
-    received = all_to_all(send, group)  # block s: rank s's share of the tokens, for this rank's heads
-    tokens = received.movedim(0, 2).flatten(2, 3)  # (B, H / cp, T, D), shares in rank order
-    return tokens.index_select(2, _arrival_order(share * size, size, x.device).argsort())
+class _ToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_to_all(_arrival_blocks(x, group.size()), group).movedim(0, 1).flatten(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _natural_order(all_to_all(_head_blocks((grad,), ctx.group.size()), ctx.group)), None
 
 
-def _to_sequence(x, group):
-    size = group.size()
-    if size == 1:
-        return x
+def _head_blocks(tensors: tuple[torch.Tensor, ...], size: int) -> torch.Tensor:
+    """The send buffer (cp, B, sum H_i / cp, Tl, D): block j holds rank j's heads of every tensor, side by side."""
+    batch, _, share, dim = tensors[0].shape
+    widths = [t.shape[1] // size for t in tensors]
+    send = torch.empty(size, batch, sum(widths), share, dim, dtype=tensors[0].dtype, device=tensors[0].device)
+    offset = 0
+    for tensor, width in zip(tensors, widths, strict=True):
+        send[:, :, offset : offset + width] = tensor.unflatten(1, (size, width)).movedim(1, 0)
+        offset += width
+    return send
+
+
+def _natural_order(received: torch.Tensor) -> torch.Tensor:
+    """(cp, B, h, Tl, D), block s rank s's share of the tokens -> (B, h, T, D) in the sequence's order."""
+    size, batch, heads, share, dim = received.shape
+    chunk = share // 2
+    out = received.new_empty(batch, heads, share * size, dim)
+    for rank in range(size):
+        for half, place in enumerate((rank, 2 * size - 1 - rank)):
+            out[:, :, place * chunk : (place + 1) * chunk] = received[rank, :, :, half * chunk : (half + 1) * chunk]
+    return out
+
+
+def _arrival_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The inverse of `_natural_order`: (B, h, T, D) -> the send buffer (cp, B, h, Tl, D), block s rank s's share."""
     batch, heads, length, dim = x.shape
-    shares = x.index_select(2, _arrival_order(length, size, x.device))  # (B, H / cp, T, D), shares in rank order
-    send = shares.unflatten(2, (size, length // size)).movedim(2, 0)  # (cp, B, H / cp, Tl, D): rank j's share
-    received = all_to_all(send, group)  # block s: this rank's share of the tokens, for rank s's heads
-    return received.movedim(0, 1).flatten(1, 2)  # (B, H, Tl, D)
-
-
-def _arrival_order(length: int, size: int, device) -> torch.Tensor:
-    """The global positions of the tokens as they arrive: every rank's share (`shard_sequence` order), by rank."""
-    return torch.cat([local_positions(length, size, rank, device) for rank in range(size)])
+    chunk = length // (2 * size)
+    send = x.new_empty(size, batch, heads, 2 * chunk, dim)
+    for rank in range(size):
+        for half, place in enumerate((rank, 2 * size - 1 - rank)):
+            send[rank, :, :, half * chunk : (half + 1) * chunk] = x[:, :, place * chunk : (place + 1) * chunk]
+    return send

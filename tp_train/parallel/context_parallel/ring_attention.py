@@ -89,8 +89,7 @@ def _all_to_all_attention(q, k, v, group, causal, documents, scale):
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     kv_heads = k.shape[1]
-    blocks = [t.unflatten(1, (size, -1)) for t in (q, k, v)]  # (B, cp, H / cp, Tl, D): rank j's heads at j
-    exchanged = sequence_to_heads(torch.cat(blocks, dim=2).flatten(1, 2), group)  # one all-to-all for all three
+    exchanged = sequence_to_heads((q, k, v), group)  # one all-to-all for all three
     q, k, v = exchanged.split([q_heads // size, kv_heads // size, kv_heads // size], dim=1)
     if documents is not None:  # (B, cp, Tl) every rank's share -> (B, 1, T) the whole sequence's, in order
         documents = unshard_sequence(list(documents.unbind(1)), dim=1).unsqueeze(1)
