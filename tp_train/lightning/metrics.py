@@ -128,10 +128,13 @@ class TrainingMetrics(L.Callback):
             self.first_loss = first.item() if first is not None else None
         batch_size, block = batch.shape[0], batch.shape[1] - 1
         if self.flops_per_batch is None:  # 0 once they cannot be counted: not tried again
-            self.flops_per_batch = self._optional(
-                "counting FLOPs", lambda: self._measure_flops(pl_module, batch_size, block),
-                "FLOPs/s and MFU are not logged", default=0, every_rank=True,
-            )  # fmt: skip
+            counted = None
+            if trainer.is_global_zero:  # the unsharded model's count, the same on every rank: counted once
+                counted = self._optional(
+                    "counting FLOPs", lambda: self._measure_flops(pl_module, batch_size, block),
+                    "FLOPs/s and MFU are not logged", default=0, every_rank=True,
+                )  # fmt: skip
+            self.flops_per_batch = trainer.strategy.broadcast(counted, src=0)
         self._batches += 1
         self._samples += batch_size
         self._tokens += batch_size * block
