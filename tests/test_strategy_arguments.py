@@ -21,7 +21,7 @@ from tp_train import TensorParallelStrategy
             "rotation='ulysses'): use one of 'ring', 'allgather', 'alltoall'",
         ),
         ({"data_parallel": "fsdp", "fused_loss": True}, ValueError, "fused_loss=True) with data_parallel='fsdp'"),
-        ({"data_parallel_shard_size": 2}, ValueError, "data_parallel_shard_size=2) with data_parallel='ddp': HSDP"),
+        ({"data_parallel_shard_size": 2}, ValueError, "data_parallel_shard_size=2 with data_parallel=ddp: HSDP needs"),
         ({"data_parallel": "fsdp", "data_parallel_shard_size": 0}, ValueError, "data_parallel_shard_size=0 must be a"),
     ],
     ids=[

@@ -9,6 +9,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.context_parallel import ROTATIONS
+from tp_train.parallel.dims import check_shard_mode
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 
 
@@ -60,8 +61,4 @@ def check_shard_size(data_parallel_shard_size: int | None, data_parallel: str) -
     size = data_parallel_shard_size
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"data_parallel_shard_size={size!r} must be a positive integer dividing dp, e.g. 2")
-    if data_parallel != "fsdp":
-        raise ValueError(
-            f"TensorParallelStrategy(data_parallel_shard_size={size}) with data_parallel={data_parallel!r}: HSDP needs "
-            f"data_parallel='fsdp'; use data_parallel='fsdp', or data_parallel_shard_size=None"
-        )
+    check_shard_mode(size, data_parallel, "data_parallel_shard_size", unset="None")

@@ -37,6 +37,22 @@ MESH_AXES = (PIPELINE_PARALLEL, DATA_REPLICATE, DATA_SHARD, CONTEXT_PARALLEL, TE
 SUGGESTIONS = 4  # how many fitting device counts an error lists
 
 
+def check_shard_mode(
+    dp_shard: int | None,
+    data_parallel: str,
+    shard_key: str = "dp_shard",
+    mode_key: str = "data_parallel",
+    unset: str = "null",
+) -> None:
+    """Raises ValueError for a data-parallel shard size (HSDP) given without FSDP2, in the caller's names for the
+    two settings (the config's keys, or the strategy's arguments) and for leaving the size unset."""
+    if dp_shard is not None and data_parallel != "fsdp":
+        raise ValueError(
+            f"{shard_key}={dp_shard} with {mode_key}={data_parallel}: HSDP needs {mode_key}=fsdp; use "
+            f"{mode_key}=fsdp, or {shard_key}={unset}"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """The degrees of one job, which `world_size` ranks must fill: `pp x dp_replicate x dp_shard x cp x tp`.
@@ -72,11 +88,7 @@ class ParallelDims:
         for `validate` to name)."""
         if data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(f"data_parallel={data_parallel!r}: use one of {', '.join(map(repr, DATA_PARALLEL_MODES))}")
-        if dp_shard is not None and data_parallel != "fsdp":
-            raise ValueError(
-                f"dp_shard={dp_shard} with data_parallel={data_parallel}: HSDP needs data_parallel=fsdp; use "
-                f"data_parallel=fsdp, or dp_shard=null"
-            )
+        check_shard_mode(dp_shard, data_parallel)
         if dp_shard == 1:  # validate cannot tell it from DDP's degrees, which FSDP2 would then shard over all of dp
             raise ValueError(
                 "dp_shard=1 with data_parallel=fsdp shards nothing (every data-parallel rank a whole copy); use "
