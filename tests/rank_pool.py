@@ -231,15 +231,19 @@ class RankPool:
         outputs: dict[int, tuple[str, Any]] = {}
         failure = None
         deadline = time.monotonic() + timeout
+        closed: set[int] = set()  # ranks whose pipe ended: the worker died (a closed pipe is always ready to read)
         while len(outputs) < self.world_size:
-            waiting = {self.pipes[rank]: rank for rank in range(self.world_size) if rank not in outputs}
+            waiting = {
+                self.pipes[rank]: rank for rank in range(self.world_size) if rank not in outputs and rank not in closed
+            }
             ready = connection.wait(list(waiting), timeout=1.0)
             for pipe in ready:
                 rank = waiting[pipe]
                 try:
                     got_id, status, payload, leaks = pipe.recv()
                 except (EOFError, OSError):
-                    continue  # the worker died: found below
+                    closed.add(rank)  # the worker died: found below
+                    continue
                 if got_id != task_id:
                     continue
                 if status == "rendezvous failed":
@@ -252,8 +256,10 @@ class RankPool:
                     failure = f"{test}: rank {rank} of {self.world_size} failed:\n{payload}"
                     deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE)
             missing = sorted(set(range(self.world_size)) - set(outputs))
-            dead = [rank for rank in missing if not self.procs[rank].is_alive()]
-            if dead and not ready:
+            dead = [rank for rank in missing if rank in closed or not self.procs[rank].is_alive()]
+            if dead and (closed or not ready):
+                for rank in dead:
+                    self.procs[rank].join(timeout=5)  # its pipe can end a moment before its exit status is known
                 codes = [self.procs[rank].exitcode for rank in dead]
                 self.kill(f"ranks {dead} died in {test}")
                 raise RuntimeError(failure or f"{test}: ranks {dead} exited with codes {codes}") from None

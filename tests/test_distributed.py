@@ -69,6 +69,19 @@ def test_collective_a_rank_never_joins_fails_instead_of_hanging(ranks):
         run_on_ranks(_rank_one_skips_collective, 2, timeout=20)
 
 
+def _rank_one_exits(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def test_a_rank_that_dies_fails_the_task_at_once_with_its_exit_status(ranks):
+    # Before its timeout: a pool that took the dead worker's closed pipe for one with news waited out the timeout,
+    # polling it at full speed, and said the ranks did not finish.
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] exited with codes \[3\]"):
+        run_on_ranks(_rank_one_exits, 2, timeout=60)
+
+
 def _connection_closed_once(marker: str, rank, world_size, port, timeout):
     """gloo's rendezvous as on a loaded machine: the first time, rank 1's connection is closed by its peer."""
     if rank == 1 and not Path(marker).exists():
