@@ -1,6 +1,7 @@
 """The parity pattern, shared by the whole-model tests: build the unsharded reference with a fixed seed, shard a
 deep copy, and measure how far the sharded model's logits, gradients, losses and weights are from the reference.
-Runs inside a rank (see `tests.distributed.run_on_ranks`)."""
+Runs inside a rank (see `tests.distributed.run_on_ranks`): rank 0 alone trains the reference and sends its numbers;
+every rank measures its own sharded model against them."""
 
 from __future__ import annotations
 
@@ -53,35 +54,91 @@ def parity_errors(
 
 def batch_parity_errors(reference, steps: list[tuple], parallelize_kwargs: dict | None = None) -> dict[str, float]:
     """`parity_errors` over any inputs: one SGD step per `(batch, forward, loss)` in `steps`, where
-    `forward(model, batch)` returns the output compared (as `logits`) and `loss(output)` the scalar trained on."""
+    `forward(model, batch)` returns the output compared (as `logits`) and `loss(output)` the scalar trained on.
+
+    The reference is the same model on every rank (built from one seed), so rank 0 alone trains it and sends its
+    numbers to the others (`_reference_step`); every rank compares its own sharded numbers with them."""
     group = dist.group.WORLD
     model = tp_train.parallelize(copy.deepcopy(reference), **(parallelize_kwargs or {}))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_params = dict(reference.named_parameters())
     errors: dict[str, float] = {}
     for step, (batch, forward, loss_of) in enumerate(steps):
-        ref_logits, logits = forward(reference, batch), forward(model, batch)
-        ref_loss, loss = loss_of(ref_logits), loss_of(logits)
-        ref_loss.backward()
+        ref = _reference_step(reference, ref_opt, batch, forward, loss_of, step == 0, group)
+        logits = forward(model, batch)
+        loss = loss_of(logits)
         loss.backward()
-        errors[f"loss_step{step}"] = (ref_loss - loss).abs().item()
+        errors[f"loss_step{step}"] = (ref["loss"] - loss.detach().cpu()).abs().item()
         if step == 0:
-            errors["logits"] = (ref_logits - logits).abs().max().item()
+            errors["logits"] = (ref["logits"] - logits.detach().cpu()).abs().max().item()
             for name, grad in full_tensors(model, group, grads=True).items():
-                if grad is None and ref_params[name].grad is None:
+                if grad is None and ref["grads"][name] is None:
                     continue  # a parameter the forward never uses (an encoder's, in a decoder-only forward)
-                errors[f"grad:{name}"] = (ref_params[name].grad - grad).abs().max().item()
-        ref_opt.step()
+                errors[f"grad:{name}"] = (ref["grads"][name] - grad.cpu()).abs().max().item()
         opt.step()
-        ref_opt.zero_grad()
         opt.zero_grad()
+    ref_params = _trained_reference(reference, group)
     for name, param in full_tensors(model, group, grads=False).items():
-        errors[f"param:{name}"] = (ref_params[name].detach() - param).abs().max().item()
+        errors[f"param:{name}"] = (ref_params[name] - param.cpu()).abs().max().item()
     errors["shard_fraction"] = _shard_fraction(model, dist.get_world_size(group))
     errors["block_fraction"] = _block_fraction(model)
     errors["replica_spread"] = _replica_spread(model, group)
     return errors
+
+
+def _reference_step(reference, ref_opt, batch, forward, loss_of, first: bool, group) -> dict:
+    """One training step of the unsharded reference on rank 0, its numbers (on the CPU) sent to every rank: the loss;
+    at the first step the output and every parameter's gradient (None where the forward never used it). Rank 0's
+    random streams are left as they were before it, as the other ranks' are."""
+
+    def step() -> dict:
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            output = forward(reference, batch)
+            loss = loss_of(output)
+            loss.backward()
+        numbers = {"loss": loss.detach().cpu()}
+        if first:
+            numbers["logits"] = output.detach().cpu()
+            numbers["grads"] = {
+                name: None if param.grad is None else param.grad.cpu() for name, param in reference.named_parameters()
+            }
+        ref_opt.step()
+        ref_opt.zero_grad()
+        return numbers
+
+    return _from_rank_zero(step, group)
+
+
+def _trained_reference(reference, group) -> dict[str, torch.Tensor]:
+    """Rank 0's reference parameters after its steps (on the CPU), also copied, with its buffers, into every other
+    rank's reference: a caller goes on with the trained reference on every rank, as if each had trained it."""
+    state = _from_rank_zero(lambda: {name: tensor.detach().cpu() for name, tensor in _named_state(reference)}, group)
+    if dist.get_rank(group) != 0:
+        with torch.no_grad():
+            for name, tensor in _named_state(reference):
+                tensor.copy_(state[name])
+    return state
+
+
+def _named_state(module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _from_rank_zero(compute, group):
+    """`compute()` run on rank 0 and its result sent to every rank; an error it raises is raised on every rank."""
+    sent: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            sent[0] = ("ok", compute())
+        except Exception as error:  # noqa: BLE001 - every rank raises it, none waits for a result never sent
+            sent[0] = ("error", error)
+    dist.broadcast_object_list(sent, src=0, group=group)
+    status, value = sent[0]
+    if status == "error":
+        raise value
+    return value
 
 
 def _replica_spread(model, group) -> float:
