@@ -147,6 +147,18 @@ def test_fsdp_estimate_splits_the_model_state_over_dp_and_drops_the_buckets():
         estimate_memory(model, 2, 64, tp=2, dp=4, data_parallel="zero")
 
 
+def test_hsdp_estimate_splits_the_model_state_over_one_shard_group():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64))
+    hsdp = estimate_memory(model, 2, 64, tp=2, dp=4, data_parallel="fsdp", dp_shard=2)
+    assert hsdp == estimate_memory(model, 2, 64, tp=2, dp=2, data_parallel="fsdp")  # two groups of the same state
+    assert hsdp.parameters > estimate_memory(model, 2, 64, tp=2, dp=4, data_parallel="fsdp").parameters
+    with pytest.raises(ValueError, match="dp_shard=3 does not divide the 4 data-parallel ranks"):
+        estimate_memory(model, 2, 64, tp=2, dp=4, data_parallel="fsdp", dp_shard=3)
+    with pytest.raises(ValueError, match="dp_shard=2 with data_parallel=ddp: HSDP needs data_parallel=fsdp"):
+        estimate_memory(model, 2, 64, tp=2, dp=4, dp_shard=2)
+
+
 def _measured_and_estimated_peaks(rank, world_size, cases):
     """(layers, width, precision, measured peak bytes of our training step, estimate_memory's peak) per case: one
     step of the sharded model with the vocabulary-parallel loss and AdamW, measured as the benchmark does (the live

@@ -334,8 +334,6 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
     dims = config_dims(cfg)
     cp, pp = cfg.get("cp", 1), cfg.get("pp", 1)
     dp = dims.dp if dims is not None else cfg.get("dp", 1)
-    if dims is not None and dims.data_parallel == "hsdp":  # FSDP2 splits the model state over one shard group only
-        dp = dims.dp_shard
     return estimate_memory(
         model,
         micro_batch_size=cfg.data.batch_size,
@@ -352,4 +350,5 @@ def estimate_for_config(cfg: DictConfig, build_model: Callable[[], Callable[[], 
         pipeline_schedule=str(_setting(cfg, "pipeline_schedule", "1f1b")),
         pipeline_microbatches=_setting(cfg, "pipeline_microbatches"),
         pipeline_virtual_stages=int(_setting(cfg, "pipeline_virtual_stages", 1)),
+        dp_shard=dims.dp_shard if dims is not None and dims.data_parallel == "hsdp" else None,
     )

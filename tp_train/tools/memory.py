@@ -199,6 +199,7 @@ def estimate_memory(
     pipeline_schedule: str = "1f1b",
     pipeline_microbatches: int | None = None,
     pipeline_virtual_stages: int = 1,
+    dp_shard: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of training `model` with AdamW at `pp` x `dp` x `cp` x `tp` (see the module docstring); with
     `pp` > 1, of the pipeline rank that holds the most.
@@ -217,6 +218,8 @@ def estimate_memory(
         pp, pipeline_schedule, pipeline_microbatches, pipeline_virtual_stages: the pipeline (`TensorParallelStrategy`'s
             arguments of those names; microbatches default to `pp`): each rank holds its stages' parameters and the
             activations of the microbatches its schedule keeps in flight (`tp_train.tools.pipeline_memory`).
+        dp_shard: HSDP (`data_parallel="fsdp"` only): FSDP2 splits the model state over groups of `dp_shard` of the
+            `dp` ranks (times cp), replicated across the groups, as `TensorParallelStrategy(data_parallel_shard_size=)`.
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision={precision!r} is not one of {sorted(PRECISION_BYTES)}")
@@ -224,9 +227,13 @@ def estimate_memory(
     model = _planned_model(model)
     dims = ParallelDims.from_world(
         ParallelDims.devices_for(dp=dp, tp=tp, cp=cp, pp=pp), tp=tp, cp=cp, pp=pp, data_parallel=data_parallel,
-        virtual_stages=pipeline_virtual_stages,
+        virtual_stages=pipeline_virtual_stages, dp_shard=dp_shard,
     )  # fmt: skip
-    rank = _RankMemory(model, seq_len, tp, dims.dp_cp, precision, sequence_parallel, activation_checkpointing, plan,
+    if dp_shard is not None:
+        dims.validate()  # a shard size that does not divide dp, in one line
+    # the ranks FSDP2 splits the model state over (one shard group's, under HSDP), or DDP's copies of it
+    holding = dims.dp_shard * dims.cp if data_parallel == "fsdp" else dims.dp_cp
+    rank = _RankMemory(model, seq_len, tp, holding, precision, sequence_parallel, activation_checkpointing, plan,
                        data_parallel, loss_parallel, cp)  # fmt: skip
     if pp == 1:
         return rank.estimate(micro_batch_size, None, model_shape(model)[0], in_flight=1, last=True, pipelined=False)
