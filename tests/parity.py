@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tp_train
+from tp_train.parallel.mesh import first_rank_decides
 from tp_train.parallel.sharding import ceil_div, full_numel, replicated_rows
 
 VOCAB_OF_TESTS = 101  # not a multiple of 2 or 4: exercises vocabulary padding
@@ -107,13 +108,13 @@ def _reference_step(reference, ref_opt, batch, forward, loss_of, first: bool, gr
         ref_opt.zero_grad()
         return numbers
 
-    return _from_rank_zero(step, group)
+    return first_rank_decides(step, group)
 
 
 def _trained_reference(reference, group) -> dict[str, torch.Tensor]:
     """Rank 0's reference parameters after its steps (on the CPU), also copied, with its buffers, into every other
     rank's reference: a caller goes on with the trained reference on every rank, as if each had trained it."""
-    state = _from_rank_zero(lambda: {name: tensor.detach().cpu() for name, tensor in _named_state(reference)}, group)
+    state = first_rank_decides(lambda: {name: tensor.detach().cpu() for name, tensor in _named_state(reference)}, group)
     if dist.get_rank(group) != 0:
         with torch.no_grad():
             for name, tensor in _named_state(reference):
@@ -124,21 +125,6 @@ def _trained_reference(reference, group) -> dict[str, torch.Tensor]:
 def _named_state(module):
     yield from module.named_parameters()
     yield from module.named_buffers()
-
-
-def _from_rank_zero(compute, group):
-    """`compute()` run on rank 0 and its result sent to every rank; an error it raises is raised on every rank."""
-    sent: list = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            sent[0] = ("ok", compute())
-        except Exception as error:  # noqa: BLE001 - every rank raises it, none waits for a result never sent
-            sent[0] = ("error", error)
-    dist.broadcast_object_list(sent, src=0, group=group)
-    status, value = sent[0]
-    if status == "error":
-        raise value
-    return value
 
 
 def _replica_spread(model, group) -> float:
