@@ -1,25 +1,18 @@
-"""tp_train: Megatron-style tensor parallelism for PyTorch Lightning."""
+"""tp_train: Megatron-style tensor parallelism for PyTorch Lightning.
 
-from lightning.pytorch.strategies import StrategyRegistry
+The Lightning half (the strategy, its plugins and callbacks, the app's module and data) is imported on first use of
+one of its names, so a plain PyTorch program (`tp_train.training.parallelize_for_training`, `tp_train.parallelize`)
+never imports Lightning. Importing the strategy registers it with Lightning as `strategy="tensor_parallel"`.
+"""
 
-from tp_train.app.data import TextDataModule
-from tp_train.app.module import CausalLMModule
-from tp_train.app.samples import ValidationSamples
-from tp_train.app.schedulers import constant_with_warmup, cosine_with_warmup
+import importlib
+from typing import Any
+
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.checkpoint.dcp import load as load_checkpoint
 from tp_train.checkpoint.dcp import save as save_checkpoint
 from tp_train.checkpoint.pretrained import load_pretrained
 from tp_train.errors import CheckpointError, NonFiniteError
-from tp_train.lightning.hang import HangDetector
-from tp_train.lightning.metrics import TrainingMetrics
-from tp_train.lightning.nonfinite import NonFiniteGuard
-from tp_train.lightning.precision import TensorParallelMixedPrecision
-from tp_train.lightning.preemption import Preempted, PreemptionCheckpoint
-from tp_train.lightning.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
-from tp_train.lightning.rng_state import RandomStateCheckpoint
-from tp_train.lightning.strategy import TensorParallelStrategy
-from tp_train.lightning.wandb_logger import WandbLogger
 from tp_train.parallel.clipping import clip_grad_norm_, global_grad_norm
 from tp_train.parallel.collectives import (
     CommunicationCounter,
@@ -50,7 +43,35 @@ from tp_train.tools.export import export_hugging_face
 from tp_train.tools.generation import Sampling, generate
 from tp_train.tools.memory import estimate_memory
 
-TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor_parallel"
+# name -> (module, attribute): the Lightning half, imported by `__getattr__` on first use
+_LIGHTNING_NAMES = {
+    "CausalLMModule": ("tp_train.app.module", "CausalLMModule"),
+    "HangDetector": ("tp_train.lightning.hang", "HangDetector"),
+    "NonFiniteGuard": ("tp_train.lightning.nonfinite", "NonFiniteGuard"),
+    "Preempted": ("tp_train.lightning.preemption", "Preempted"),
+    "PreemptionCheckpoint": ("tp_train.lightning.preemption", "PreemptionCheckpoint"),
+    "RandomStateCheckpoint": ("tp_train.lightning.rng_state", "RandomStateCheckpoint"),
+    "ResumableDataLoader": ("tp_train.lightning.resumable_loader", "ResumableDataLoader"),
+    "ResumableDistributedSampler": ("tp_train.lightning.resumable_loader", "ResumableDistributedSampler"),
+    "TensorParallelMixedPrecision": ("tp_train.lightning.precision", "TensorParallelMixedPrecision"),
+    "TensorParallelStrategy": ("tp_train.lightning.strategy", "TensorParallelStrategy"),
+    "TextDataModule": ("tp_train.app.data", "TextDataModule"),
+    "TrainingMetrics": ("tp_train.lightning.metrics", "TrainingMetrics"),
+    "ValidationSamples": ("tp_train.app.samples", "ValidationSamples"),
+    "WandbLogger": ("tp_train.lightning.wandb_logger", "WandbLogger"),
+    "constant_with_warmup": ("tp_train.app.schedulers", "constant_with_warmup"),
+    "cosine_with_warmup": ("tp_train.app.schedulers", "cosine_with_warmup"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LIGHTNING_NAMES:
+        raise AttributeError(f"module 'tp_train' has no attribute '{name}'")
+    module, attribute = _LIGHTNING_NAMES[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AsyncCheckpointWriter",

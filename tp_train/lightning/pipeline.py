@@ -17,7 +17,7 @@ The strategy owns backward: the schedule runs it in `training_step`, and Lightni
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,10 +29,7 @@ from torch.distributed import ProcessGroup
 
 from tp_train.lightning.loss import mean_over_replicas
 from tp_train.parallel.pipeline import SCHEDULES, Pipeline, schedule_named
-from tp_train.parallel.pipeline.runner import average_gradients
-from tp_train.parallel.pipeline.split import PipelineSplit
-from tp_train.plan.pipeline import plan_pipeline_split
-from tp_train.plan.resolve import modules_with_plans
+from tp_train.training.apply_order import pipelined_model
 
 
 class _Captured(Exception):  # noqa: N818 - control flow: training_step called the model, with these inputs
@@ -59,57 +56,21 @@ class _StageOutput(nn.Module):
         return self.output
 
 
-def pipelined_model(module: pl.LightningModule) -> tuple[str, nn.Module]:
-    """The one submodule of `module` with a plan (its model), which the pipeline cuts; one-line error otherwise."""
-    found = [(name, model) for name, model in modules_with_plans(module) if name and "." not in name]
-    if len(found) != 1:
-        names = [name for name, _ in found] or "none"
-        raise ValueError(
-            f"pipeline_parallel_size > 1 needs {type(module).__name__} to hold its model as one attribute with a "
-            f"plan (e.g. self.model = GPT(...)); found {names}"
-        )
-    return found[0]
-
-
-def decide_split(module: pl.LightningModule, stages: int, explicit: list[int] | None) -> PipelineSplit:
-    """Where `module`'s model splits into `stages` stages, read off the unsharded model (before the planner swaps its
-    layers)."""
-    return plan_pipeline_split(pipelined_model(module)[1], stages, explicit=explicit)
-
-
 class LightningPipeline:
-    """The pipeline of `module`'s model on this rank (cut in place along `split`), run by `training_step`.
+    """The user's step methods run through `pipeline` (this rank's stages of `module`'s model, cut by
+    `tp_train.training.parallelize_for_training`), by `training_step` and `evaluation_step`.
 
     `replicas` are the data x context parallel ranks of this stage (other tokens, the same parameters): the logged
-    loss is the batch's over them, and with `average_gradients` (DDP's way; FSDP2 reduces in its stages instead)
-    `backward` averages the gradients over them."""
+    loss is the batch's over them. The gradients' average over them is `ParallelTraining.after_backward`'s."""
 
-    def __init__(
-        self,
-        module: pl.LightningModule,
-        group: ProcessGroup,
-        schedule: str,
-        microbatches: int,
-        device: torch.device,
-        split: PipelineSplit,
-        replicas: ProcessGroup | None = None,
-        average_gradients: bool = True,
-        wrap: Callable[[nn.Module], nn.Module] | None = None,
-        apart: Collection[nn.Parameter] = (),
-    ) -> None:
+    def __init__(self, module: pl.LightningModule, pipeline: Pipeline, replicas: ProcessGroup | None = None) -> None:
         self.module = module
-        self.name, model = pipelined_model(module)
-        self.split = split
-        self.microbatches = microbatches
-        self.pipeline = Pipeline(
-            model, self.split, group, schedule, microbatches, device, loss_fn=self._microbatch_loss, in_place=True,
-            wrap=wrap,
-        )  # fmt: skip
+        self.name, _ = pipelined_model(module)
+        self.pipeline = pipeline
+        pipeline.loss_fn = self._microbatch_loss  # the user's training_step on the last stage's output
+        self.split = pipeline.split
+        self.microbatches = pipeline.microbatches
         self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
-        # DDP's: the gradients are averaged over the replicas once per optimizer step, in `backward` (not per batch)
-        self.average_gradients = average_gradients
-        self.apart = frozenset(id(param) for param in apart)  # averaged elsewhere: expert parallelism's experts
-        self.synchronize = True
         # 16-mixed: the scaler's scale, by which each microbatch's loss is multiplied before the schedule's backward
         # (Lightning scales the loss before its own backward; here the schedule runs it)
         self.loss_scale: torch.Tensor | None = None
@@ -168,35 +129,11 @@ class LightningPipeline:
 
     def backward(self, scale: float = 1.0) -> None:
         """Adds the gradients of the last `training_step`, times `scale` (1 / accumulate_grad_batches, as Lightning
-        divides the loss), to the parameters' (Lightning's backward, after its zero_grad). On the last batch Lightning
-        accumulates (`synchronize`: outside the strategy's `block_backward_sync`) the sum is averaged over the
-        data-parallel replicas, as DDP would (but for the parameters `apart`)."""
+        divides the loss), to the parameters' (Lightning's backward, after its zero_grad)."""
         for param, grad in self._pending.items():
             grad = grad.mul_(scale) if scale != 1.0 else grad
             param.grad = grad if param.grad is None else param.grad + grad
         self._pending = {}
-        if self.synchronize and self.average_gradients and self.replicas is not None:
-            dense = [param for param in self.pipeline.parameters() if id(param) not in self.apart]
-            average_gradients(dense, self.replicas)
-
-    def duplicate_parameters(self) -> frozenset[int]:
-        """`id()` of this rank's copies of tied parameters that an earlier stage also holds: a norm over the stages
-        counts each tied parameter once, on the first stage holding it."""
-        duplicates = set()
-        for model, stage in zip(self.pipeline.models, self.pipeline.stage_indices, strict=True):
-            held = dict(model.named_parameters(remove_duplicate=False))
-            for tie in self.pipeline.ties:
-                holders = [self._stage_holding(name) for name in tie.names]
-                for name, holder in zip(tie.names, holders, strict=True):
-                    if holder == stage and stage > min(holders) and name in held:
-                        duplicates.add(id(held[name]))
-        return frozenset(duplicates)
-
-    def _stage_holding(self, parameter: str) -> int:
-        for stage in range(self.split.num_stages):
-            if any(parameter.startswith(module + ".") for module in self.split.stage_modules(stage)):
-                return stage
-        raise ValueError(f"pipeline: no stage holds the tied parameter '{parameter}'")
 
     def count_tokens(self, count: int, size: int) -> None:
         """Called by strategy.cross_entropy inside the last stage's training_step: that microbatch's `count` of

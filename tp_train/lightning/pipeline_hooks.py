@@ -41,8 +41,10 @@ class PipelineStepHooks:
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._pipeline.backward(1.0 / module.trainer.accumulate_grad_batches)
+        # the strategy's own, where the gradients are averaged over the data-parallel replicas, before the module's
+        # on_after_backward sees them (as DDP's are, in its backward)
+        self.post_backward(closure_loss)
         self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)  # the strategy's own (expert parallelism averages the experts there)
         return closure_loss
 
     @override

@@ -2,51 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
 
-from tp_train.parallel.clipping import clip_grad_norm_, clip_grads_with_norm_, global_grad_norm
-from tp_train.parallel.sharding import ShardSpec
+from tp_train.training.parallel_training import ClippingGroups
 
 
 class _TensorParallelClipping:
-    """Mixin: `clip_grad_by_norm` with the norm of the whole (unsharded) model. The strategy sets the group and
-    the shard ids once the model is sharded; `last_grad_norm` keeps the norm of the last clipped step."""
+    """Mixin: `clip_grad_by_norm` with the norm of the whole (unsharded) model, over the groups the strategy sets once
+    the model is parallelized (`clipping`); `last_grad_norm` keeps the norm of the last clipped step."""
 
-    tensor_parallel_group: ProcessGroup | None = None
-    sharded_parameters: Mapping[int, ShardSpec] = MappingProxyType({})  # id(shard) -> how it is split
+    clipping: ClippingGroups | None = None
     last_grad_norm: torch.Tensor | None = None
-    pipeline_parallel_group: ProcessGroup | None = None  # with pipeline stages: the norm is over all of them
-    pipeline_duplicates: frozenset[int] = frozenset()  # id() of tied copies an earlier stage holds (counted once)
-    experts: tuple[frozenset[int], ProcessGroup] | None = None  # expert parallelism: (id() of experts, ep group)
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        if self.tensor_parallel_group is None:
+        if self.clipping is None:
             raise RuntimeError("the tensor-parallel precision plugin was used before the strategy's setup()")
-        if self.pipeline_parallel_group is not None:  # each stage's parameters are its own: summed over the stages
-            params = list(self.main_params(optimizer))
-            counted = [p for p in params if id(p) not in self.pipeline_duplicates]
-            # this stage's norm over tp (and FSDP2's dp), then its square summed over the stages
-            stage = global_grad_norm(counted, self.sharded_parameters, self.tensor_parallel_group, experts=self.experts)
-            squared = stage.square().reshape(1)
-            torch.distributed.all_reduce(squared, group=self.pipeline_parallel_group)
-            norm = squared[0].sqrt()
-            clip_grads_with_norm_(params, clip_val, norm)
-            self.last_grad_norm = norm
-            return
-        self.last_grad_norm = clip_grad_norm_(
-            self.main_params(optimizer), clip_val, self.sharded_parameters, self.tensor_parallel_group,
-            experts=self.experts,
-        )  # fmt: skip
+        self.last_grad_norm = self.clipping.clip_(self.main_params(optimizer), clip_val)
 
 
 class TensorParallelPrecision(_TensorParallelClipping, Precision):

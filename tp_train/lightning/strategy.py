@@ -13,16 +13,14 @@ import torch
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import default_pg_timeout
-from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from tp_train.checkpoint import consolidated
@@ -31,21 +29,17 @@ from tp_train.lightning import rendezvous
 from tp_train.lightning.arguments import check_arguments, check_fused_loss, check_shard_size
 from tp_train.lightning.checkpoint_hooks import CheckpointHooks
 from tp_train.lightning.example_input import example_inputs
-from tp_train.lightning.experts import StrategyExperts
 from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
 from tp_train.lightning.loss import StrategyLoss, mean_over_replicas
-from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_arguments, decide_split
+from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_arguments
 from tp_train.lightning.pipeline_hooks import PipelineStepHooks
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.mesh import backend_with_timeout, first_rank_decides
-from tp_train.parallel.random import sync_default_generator
-from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
-from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
-from tp_train.plan.meta_init import deferred_init, materialize_remaining
-from tp_train.plan.parallelize import attached, parallelize
-from tp_train.plan.resolve import modules_with_plans
+from tp_train.plan.meta_init import deferred_init
+from tp_train.training import ParallelTraining, TrainingOptions, parallelize_for_training
+from tp_train.training.experts import check_expert_parallel_arguments
 
 
 class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
@@ -143,7 +137,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
         check_shard_size(data_parallel_shard_size, data_parallel)
-        self._experts = StrategyExperts(expert_parallel_size, expert_capacity_factor)  # checks them
+        check_expert_parallel_arguments(expert_parallel_size, expert_capacity_factor)
+        self.expert_parallel_size, self.expert_capacity_factor = expert_parallel_size, expert_capacity_factor
+        self._parallel: ParallelTraining | None = None  # the model as parallelized (setup)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
@@ -258,7 +254,14 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
     def pipeline_duplicates(self) -> frozenset[int]:
         """`id()` of this rank's copies of tied parameters that an earlier pipeline stage holds too (none without a
         pipeline): counted once over the stages, on the first."""
-        return self._pipeline.duplicate_parameters() if self._pipeline is not None else frozenset()
+        return self.parallel_training.clipping().pipeline_duplicates
+
+    @property
+    def parallel_training(self) -> ParallelTraining:
+        """The model as `tp_train.training.parallelize_for_training` parallelized it (from `setup` on)."""
+        if self._parallel is None:
+            raise RuntimeError("the model is parallelized in the strategy's setup(); it has not run yet")
+        return self._parallel
 
     def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
         group = self.tensor_parallel_group if self.loss_parallel else None
@@ -267,7 +270,8 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # the head and the loss fused, where they may be; the tokens dropped over the experts' capacity logged
-        with self._experts.counting_drops(self.lightning_module):
+        module = self.lightning_module
+        with self.parallel_training.experts.counting_drops(module, module.log, self.root_device):
             return self._loss.step(self.lightning_module, partial(super().training_step, *args, **kwargs))
 
     @override
@@ -289,20 +293,13 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self._mesh = dims.build_mesh(
             self.root_device.type, backend_with_timeout(self._get_process_group_backend(), self._timeout)
         )
-        # DDP (or FSDP2) averages gradients over data x context parallel ranks, which hold the same parameters.
-        self._ddp_kwargs["process_group"] = self.replica_group
-        self._experts.setup_groups(self._mesh)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self.device_mesh
-
-    @property
-    def expert_parallel_size(self) -> int:
-        return self._experts.size
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        self._experts.after_backward()
+        self.parallel_training.after_backward()
 
     @override
     def setup_distributed(self) -> None:
@@ -354,29 +351,26 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        if not any(t.is_meta for t in self.lightning_module.parameters()):
+        module = self.lightning_module
+        if not any(t.is_meta for t in module.parameters()):
             self.model_to_device()  # shard on the device: the collectives below run on it
-        split = None
-        if self.pipeline_parallel_size > 1 and self._pipeline is None:  # decided on the model as written
-            split = decide_split(self.lightning_module, self.parallel_dims.stages, self.pipeline_split)
-        self._shard(self.lightning_module)
-        if split is not None:  # cut the model: this rank's stage only, data-parallel over its replicas
-            fsdp = self.data_parallel == "fsdp"
-            self._pipeline = LightningPipeline(
-                self.lightning_module, self.pipeline_parallel_group, self.pipeline_schedule,
-                self.pipeline_microbatches, self.root_device, split,
-                replicas=self.replica_group, average_gradients=not fsdp,
-                wrap=self._fully_shard_stage if fsdp else None, apart=self._experts.held,
-            )  # fmt: skip
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if self.data_parallel == "fsdp" and self._pipeline is None:
-            self._fully_shard(self.lightning_module)
-        self._tell_precision_plugin(self.lightning_module)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        replicated = self.parallel_dims.dp_cp > 1 and self.data_parallel == "ddp"
-        if fitting and replicated and self._pipeline is None:  # a pipeline averages its stages' gradients itself
-            self.configure_ddp()
+        self._parallel = parallelize_for_training(
+            module, self.parallel_dims, self.mesh, self.root_device, self._training_options(trainer),
+            example_inputs=partial(example_inputs, trainer, module, group=self.tensor_parallel_group),
+            convert=self.precision_plugin.convert_module, mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
+            wrap_replicas=self._replicate if fitting else None,
+        )  # fmt: skip
+        self.model = self._parallel.module
+        if self.loss_parallel and not self._parallel.loss_parallel:
+            self.loss_parallel = self._loss.loss_parallel = False
+            rank_zero_info(
+                "loss_parallel off: no LM head is planned 'colwise_gather_output' (the model's "
+                "get_output_embeddings() stays whole under its plan); the loss takes the whole logits"
+            )
+        if self._parallel.pipeline is not None and self._pipeline is None:  # the user's steps through the schedule
+            self._pipeline = LightningPipeline(module, self._parallel.pipeline, self.replica_group)
+        self.precision_plugin.clipping = self._parallel.clipping()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -392,112 +386,34 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         self._precision_plugin = None if precision_plugin is None else tensor_parallel_precision(precision_plugin)
 
-    def _shard(self, root: torch.nn.Module) -> None:
-        """Shards every planned module of `root` once (setup runs again for validate/test after fit)."""
-        if not getattr(root, "_tp_sharded", False):
-            targets = [("", root)] if self._plan is not None else modules_with_plans(root)
-            # No plan anywhere: the auto-planner plans the LightningModule through its forward (ids -> logits).
-            targets = targets or [("", root)]
-            if not any(t.is_meta for t in root.parameters()):
-                # Ranks may have built different random weights: shard the same ones everywhere, as DDP would.
-                _sync_module_states(root)
-            else:  # built on meta: each rank draws the whole weights it keeps from rank 0's stream, as one process
-                # would, though the ranks may come here on different ones (a prepare_data drew on rank 0 only)
-                sync_default_generator(torch.distributed.group.WORLD, self.root_device)
-            examples = example_inputs(self.lightning_module.trainer, root, targets, self.tensor_parallel_group)
-            separator = getattr(self.lightning_module.trainer.datamodule, "document_separator", None)  # document_mask
-            cp_group = self.context_parallel_group if self.context_parallel_size > 1 or separator is not None else None
-            for name, module in targets:
-                parallelize(
-                    module,
-                    self.tensor_parallel_group,
-                    plan=self._plan,
-                    device=self.root_device,
-                    verify=self._verify_plan,
-                    loss_parallel="auto" if self.loss_parallel else False,
-                    compile=self.compile,
-                    overlap=self.overlap,
-                    sequence_parallel=self.sequence_parallel,
-                    activation_checkpointing=self.activation_checkpointing,
-                    example_input=examples.get(name),
-                    cp_group=cp_group,
-                    cp_options={"rotation": self.context_parallel_rotation, "document_separator": separator},
-                    experts_whole=self._experts.size > 1,
-                )
-            if self.loss_parallel and not attached(root, "tp_vocab_size"):
-                self.loss_parallel = self._loss.loss_parallel = False
-                rank_zero_info(
-                    "loss_parallel off: no LM head is planned 'colwise_gather_output' (the model's "
-                    "get_output_embeddings() stays whole under its plan); the loss takes the whole logits"
-                )
-            # Whatever else was built on the meta device (outside the planned models) is replicated.
-            if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
-                materialize_remaining(root, self.root_device)
-            data_parallel_rank = self.mesh.data_parallel.get_local_rank()
-            for rng in attached(root, "tp_rng"):
-                rng.separate_data_parallel_replicas(data_parallel_rank)
-            self._experts.shard(root, self.tensor_parallel_size)  # whole experts per rank, split over the ep group
-            root._tp_sharded = True
+    def _training_options(self, trainer: pl.Trainer) -> TrainingOptions:
+        split = self.pipeline_split
+        return TrainingOptions(
+            plan=self._plan, verify_plan=self._verify_plan, loss_parallel=self.loss_parallel,
+            sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile, overlap=self.overlap, data_parallel=self.data_parallel,
+            context_parallel_rotation=self.context_parallel_rotation,
+            document_separator=getattr(trainer.datamodule, "document_separator", None),  # its document_mask
+            pipeline_schedule=self.pipeline_schedule, pipeline_microbatches=self.pipeline_microbatches,
+            pipeline_split=None if split is None else tuple(split), expert_capacity_factor=self.expert_capacity_factor,
+            fsdp_methods=("training_step", "validation_step", "test_step", "predict_step"),
+        )  # fmt: skip
 
-    def _fully_shard(self, root: pl.LightningModule) -> None:
-        """FSDP2 over the data-parallel axis, once: per block, per planned model, then the LightningModule, whose
-        step methods gather the parameters as its forward would."""
-        if isinstance(root, FSDPModule):
-            return
-        refuse_replicated_shards(root, self.tensor_parallel_size)
-        models = [module for _, module in modules_with_plans(root)] if self._plan is None else [root]
-        fully_shard_data_parallel(
-            root,
-            models or [root],
-            self.mesh.fully_sharded,
-            mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
-            extra_methods=("training_step", "validation_step", "test_step", "predict_step"),
-            ignored_params=self._experts.held,
-        )
-
-    def _fully_shard_stage(self, stage: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2 over the data-parallel axis on one pipeline stage's module (its blocks, then the stage), as
-        torchtitan does; torch's `PipelineStage` reduce-scatters its gradients after the last microbatch."""
-        refuse_replicated_shards(stage, self.tensor_parallel_size)
-        policy = fsdp_mixed_precision_policy(self.precision_plugin)
-        held, mesh = self._experts.held, self.mesh.fully_sharded
-        fully_shard_data_parallel(stage, list(stage.children()), mesh, mp_policy=policy, ignored_params=held)
-        return stage
-
-    def _tell_precision_plugin(self, root: torch.nn.Module) -> None:
-        """The clipping norm's group and the tensor-parallel shards (by id: FSDP2 replaces the parameters)."""
-        plugin = self.precision_plugin
-        plugin.tensor_parallel_group = self.tensor_parallel_group
-        if self._pipeline is not None:  # the norm over every stage, each tied parameter once
-            plugin.pipeline_parallel_group = self.pipeline_parallel_group
-            plugin.pipeline_duplicates = self._pipeline.duplicate_parameters()
-        plugin.sharded_parameters = {id(param): spec for _, param, spec in named_sharded_parameters(root)}
-        plugin.experts = self._experts.clipping()
+    def _replicate(self, module: torch.nn.Module, group: ProcessGroup) -> torch.nn.Module:
+        """Lightning's DDP around `module`, with this strategy's DDP arguments (its process group: `group`, the data x
+        context parallel ranks) and communication hooks."""
+        self._ddp_kwargs["process_group"] = group
+        self.model = self._setup_model(module)
+        self._register_ddp_hooks()
+        return self.model
 
     @contextmanager
     @override
     def block_backward_sync(self):
-        """No data-parallel gradient reduction while Lightning accumulates micro-batches (DDP's `no_sync`, FSDP2's
-        `set_requires_gradient_sync(False)`); the last micro-batch's backward reduces the sum."""
-        root = self.lightning_module
-        if self._pipeline is not None:  # its backward averages over the replicas only outside this block
-            self._pipeline.synchronize = False
-            try:
-                with self._experts.blocking():
-                    yield
-            finally:
-                self._pipeline.synchronize = True
-            return
-        if not isinstance(root, FSDPModule):
-            with super().block_backward_sync(), self._experts.blocking():
-                yield
-            return
-        root.set_requires_gradient_sync(False)
-        try:
-            with self._experts.blocking():
-                yield
-        finally:
-            root.set_requires_gradient_sync(True)
+        """No data-parallel gradient reduction while Lightning accumulates micro-batches (`ParallelTraining.no_sync`);
+        the last micro-batch's backward reduces the sum."""
+        with self.parallel_training.no_sync():
+            yield
 
     @classmethod
     @override
@@ -507,3 +423,6 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 strategy_registry.register(
                     name, cls, description=f"{cls.__name__} ({start_method})", start_method=start_method
                 )
+
+
+TensorParallelStrategy.register_strategies(StrategyRegistry)  # strategy="tensor_parallel"

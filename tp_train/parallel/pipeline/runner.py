@@ -127,10 +127,13 @@ class Pipeline:
         self.loss_fn = loss_fn if loss_fn is not None else TokenWeightedCrossEntropy()
         stages = self.stages if self.schedule.virtual else self.stages[0]
         self._torch_schedule = self.schedule.torch_class(
-            stages, n_microbatches=microbatches, loss_fn=self.loss_fn, scale_grads=False
+            stages, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
         )
         # the group rank running the last stage
         self.last_rank = 0 if self.schedule.placement == "v" else (split.num_stages - 1) % size
+
+    def _loss(self, output, target) -> torch.Tensor:
+        return self.loss_fn(output, target)  # looked up per microbatch: a caller may set `loss_fn` after building
 
     @property
     def torch_schedule(self):
@@ -155,6 +158,25 @@ class Pipeline:
         for model in self.models:
             yield from model.parameters()
 
+    def duplicate_parameters(self) -> frozenset[int]:
+        """`id()` of this rank's copies of tied parameters that an earlier stage also holds: a norm over the stages
+        counts each tied parameter once, on the first stage holding it."""
+        duplicates = set()
+        for model, stage in zip(self.models, self.stage_indices, strict=True):
+            held = dict(model.named_parameters(remove_duplicate=False))
+            for tie in self.ties:
+                holders = [self._stage_holding(name) for name in tie.names]
+                for name, holder in zip(tie.names, holders, strict=True):
+                    if holder == stage and stage > min(holders) and name in held:
+                        duplicates.add(id(held[name]))
+        return frozenset(duplicates)
+
+    def _stage_holding(self, parameter: str) -> int:
+        for stage in range(self.split.num_stages):
+            if any(parameter.startswith(module + ".") for module in self.split.stage_modules(stage)):
+                return stage
+        raise ValueError(f"pipeline: no stage holds the tied parameter '{parameter}'")
+
     def train_step(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward over the batch (`ids`, `targets`: (B, T), B a multiple of the microbatches),
         gradients accumulated into this rank's parameters (tied copies summed). Returns the batch's mean loss over
@@ -172,7 +194,7 @@ class Pipeline:
         last; forward and backward with `train`, forward only without. Returns the last stage's per-microbatch
         losses (detached; empty elsewhere). Tied gradients are not summed yet (`sum_tied_gradients`)."""
         losses: list[torch.Tensor] = []
-        inputs = (ids,) if self.holds_first else ()
+        inputs = (ids.contiguous(),) if self.holds_first else ()  # sent on to the next stage as they are
         keywords = {"target": target, "losses": losses} if self.holds_last else {}
         if train:
             self._torch_schedule.step(*inputs, **keywords, return_outputs=False)

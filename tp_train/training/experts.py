@@ -1,7 +1,7 @@
-"""Expert parallelism under `TensorParallelStrategy`: the experts split over the data x context parallel ranks, the
-dense parameters left to DDP (or FSDP2), the experts' gradients averaged over exactly the ranks holding them.
-Under FSDP2 the experts stay out of it (`held`, its ignored parameters): whole on each rank of their
-expert-parallel run, replicated over their expert replicas, averaged over those as under DDP.
+"""Expert parallelism in training (`tp_train.training.parallelize_for_training`): the experts split over the data x
+context parallel ranks, the dense parameters left to DDP (or FSDP2), the experts' gradients averaged over exactly the
+ranks holding them. Under FSDP2 the experts stay out of it (`held`, its ignored parameters): whole on each rank of
+their expert-parallel run, replicated over their expert replicas, averaged over those as under DDP.
 
     replicas (dp x cp = 4), ep = 2:   rank  0  1 | 2  3      experts 0-3 on ranks 0, 2; experts 4-7 on ranks 1, 3
     expert-parallel groups (tokens travel within):   {0, 1} {2, 3}
@@ -10,13 +10,13 @@ expert-parallel run, replicated over their expert replicas, averaged over those 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from lightning.pytorch import LightningModule
 from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.dims import ParallelMesh
@@ -49,8 +49,8 @@ def check_expert_parallel_arguments(expert_parallel_size: int, capacity_factor: 
             )
 
 
-class StrategyExperts:
-    """What the strategy does for expert parallelism at `size` ranks per expert-parallel group (1: nothing);
+class TrainingExperts:
+    """What training does for expert parallelism at `size` ranks per expert-parallel group (1: nothing);
     `capacity_factor` (None: dropless) is checked with it (`check_expert_parallel_arguments`)."""
 
     def __init__(self, size: int, capacity_factor: float | None = None) -> None:
@@ -59,7 +59,7 @@ class StrategyExperts:
         self._replicas: Any = None  # the data x context parallel group: drops are summed over it
         self.mesh: ParallelMesh | None = None  # its expert views exist at size > 1
         self._parameters: list[nn.Parameter] = []
-        self._blocked = False  # inside the strategy's block_backward_sync (gradient accumulation)
+        self._blocked = False  # inside `blocking` (gradient accumulation)
 
     def setup_groups(self, mesh: ParallelMesh) -> None:
         """The expert-parallel and expert-replica views of the job's mesh (`ParallelDims.build_mesh`)."""
@@ -110,19 +110,19 @@ class StrategyExperts:
             average_expert_gradients(self._parameters, self.mesh.expert_replicas.get_group())
 
     @contextmanager
-    def counting_drops(self, module: LightningModule):
+    def counting_drops(self, root: nn.Module, log: Callable[[str, float], Any], device: torch.device):
         """Around a training step's forward (a recompute in its backward is not counted): with a capacity factor,
-        logs the (token, expert) assignments each MoE layer dropped over capacity in the whole batch,
-        `train/moe/dropped_<layer>` (summed over the data x context parallel ranks)."""
-        regions = [] if self.capacity_factor is None else self._regions(module)
+        passes to `log` the (token, expert) assignments each MoE layer of `root` dropped over capacity in the whole
+        batch, as `train/moe/dropped_<layer>` (summed over the data x context parallel ranks)."""
+        regions = [] if self.capacity_factor is None else self._regions(root)
         for region in regions:
             region.dropped = 0
         yield
         if regions:
-            counts = torch.tensor([float(region.dropped) for region in regions], device=module.device)
+            counts = torch.tensor([float(region.dropped) for region in regions], device=device)
             dist.all_reduce(counts, group=self._replicas)
             for layer, count in enumerate(counts.tolist()):
-                module.log(f"train/moe/dropped_{layer}", count)
+                log(f"train/moe/dropped_{layer}", count)
 
     @staticmethod
     def _regions(root: nn.Module) -> list[ExpertParallelRegion]:
