@@ -92,16 +92,17 @@ def end_progress_bars(trainer: L.Trainer) -> None:
 def summarize(trainer: L.Trainer) -> dict | None:
     """The run's outcome, on rank 0 (every rank must call: peak memory is gathered)."""
     device = trainer.strategy.root_device
-    peak = torch.tensor([peak_memory_mib(device)], device=device)
+    monitor = next((c for c in trainer.callbacks if isinstance(c, TrainingMetrics)), None)
+    setup_peak = monitor.setup_peak_mib if monitor and monitor.setup_peak_mib is not None else float("nan")
+    peak = torch.tensor([peak_memory_mib(device), setup_peak], device=device)
     peaks = [peak]
     if torch.distributed.is_initialized():  # a plain collective: Lightning's all_gather uses torch's deprecated one
         peaks = [torch.empty_like(peak) for _ in range(trainer.world_size)]
         torch.distributed.all_gather(peaks, peak)
-    peaks = torch.cat(peaks)
+    peaks, setup_peaks = torch.stack(peaks).reshape(-1, 2).unbind(1)
     if not trainer.is_global_zero:
         return None
     metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
-    monitor = next((c for c in trainer.callbacks if isinstance(c, TrainingMetrics)), None)
     wandb_dir = None
     if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger) and not getattr(trainer.logger, "failed", None):
         wandb_dir = str(Path(trainer.logger.experiment.dir).parent)  # None: W&B failed, which the run said once
@@ -116,7 +117,9 @@ def summarize(trainer: L.Trainer) -> dict | None:
         "val_loss": metrics.get("val/loss"),
         "val_ppl": metrics.get("val/ppl"),
         "tokens_per_sec": monitor.tokens_per_sec if monitor else None,
-        "peak_memory_mib_per_rank": [round(p, 1) for p in peaks.reshape(-1).tolist()],
+        "peak_memory_mib_per_rank": [round(p, 1) for p in peaks.tolist()],
+        # building, sharding and cutting the model, above what each rank held before (null where not measured)
+        "setup_peak_memory_mib_per_rank": [None if p != p else round(p, 1) for p in setup_peaks.tolist()],
         "checkpoint": trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else None,
         "wandb_run": wandb_dir,
     }

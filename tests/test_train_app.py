@@ -58,6 +58,7 @@ def test_smoke_training_tp2_fp16_logs_to_wandb_and_reuses_the_data_cache(tmp_pat
     assert summary["steps"] == 40
     assert summary["train_loss"] < summary["first_train_loss"] - 0.3, summary  # the loss fell
     assert len(summary["peak_memory_mib_per_rank"]) == 2
+    assert [peak >= 0 for peak in summary["setup_peak_memory_mib_per_rank"]] == [True, True], summary
     assert Path(summary["checkpoint"]).exists()
 
     wandb_summary, history = wandb_records(run_dir)

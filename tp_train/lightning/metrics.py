@@ -18,6 +18,7 @@ from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.experts import named_expert_parameters
 from tp_train.parallel.sharding import full_numel, local_part, named_sharded_parameters
 from tp_train.plan.parallelize import attached
+from tp_train.training.memory import current_memory, measurable, peak_memory, reset_peak_memory
 
 MIB = 2**20
 
@@ -78,8 +79,22 @@ class TrainingMetrics(L.Callback):
         # of the whole model (every pipeline stage, unsharded), counted as training starts
         self.parameters = self.trainable_parameters = None
         self.parameters_on_rank: int | None = None  # what this rank holds: its stages' shards
+        # the most memory set-up took above what the rank held before it (building, sharding, cutting the model)
+        self.setup_peak_mib: float | None = None
+        self._before_setup: int | None = None
         self._counted_step: int | None = None  # the optimizer step the communication counters count
         self._optional = BestEffort(type(self).__name__)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        if stage == "fit" and measurable(device):  # before configure_model builds the model
+            reset_peak_memory(device)
+            self._before_setup = current_memory(device)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._before_setup is not None:  # the strategy's setup is done: the model as it trains, no step taken
+            peak = peak_memory(trainer.strategy.root_device) - self._before_setup
+            self.setup_peak_mib = max(peak, 0) / MIB
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device

@@ -114,12 +114,18 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, world_size: int
     pieces = []
     replicas = spec.replicas(world_size)
     for section, copies in zip(full.split(list(spec.sections), dim=spec.dim), replicas, strict=True):
-        if spec.padded:
-            extra = ceil_div(section.size(spec.dim), world_size) * world_size - section.size(spec.dim)
+        extra = ceil_div(section.size(spec.dim), world_size) * world_size - section.size(spec.dim)
+        if spec.padded and extra:
             pad = [0, 0] * (section.dim() - 1 - spec.dim) + [0, extra]
             section = F.pad(section, pad)
         pieces.append(section.chunk(world_size // copies, dim=spec.dim)[rank // copies])
-    return torch.cat(pieces, dim=spec.dim).contiguous()
+    if len(pieces) > 1:
+        return torch.cat(pieces, dim=spec.dim)
+    # One piece: no copy where it is the whole tensor (tp=1), one where it is a part (a view would keep the whole)
+    piece = pieces[0]
+    if piece.numel() == full.numel():
+        return piece.contiguous()
+    return piece.clone() if piece.is_contiguous() else piece.contiguous()
 
 
 def shard_parameter(source: torch.Tensor, spec: ShardSpec, rank: int, world_size: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Collection
 from dataclasses import replace
 
 import torch
@@ -30,7 +31,7 @@ from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import SUM_OVER_RANKS, SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
-from tp_train.plan.meta_init import COMPUTED_VALUES, initializer, materialize
+from tp_train.plan.meta_init import SESSION_KEYS, initializer, materialize, materializing, skipped
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
     FEEDS_PARALLEL_REGION,
@@ -58,17 +59,22 @@ def apply_plan(
     device: torch.device,
     loss_parallel_heads: tuple[str, ...] = (),
     check=None,
+    skip: Collection[str] = (),
 ) -> None:
     """Swaps each planned module for its tensor-parallel counterpart holding this rank's slice of its weights, in
     `named_modules` order, materialising meta tensors on `device` one module at a time (the same initial weights at
     every tp); `check(name, module, layer)` runs right after each swap (`verify.SwapCheck`). The layers named in
-    `loss_parallel_heads` keep their output sharded along the vocabulary (no gather)."""
+    `loss_parallel_heads` keep their output sharded along the vocabulary (no gather). The modules named in `skip`
+    (another pipeline stage's, which this rank cuts away) are left as they are, on the meta device: never given
+    storage."""
     materialize_adapters(model, device)  # peft's own initialisation, not the model's
     by_name = {entry.name: entry for entry in planned}
     shared: dict[int, tuple] = {}  # tied parameters are sharded once: id(original) -> (original, spec, shard)
-    materialized: dict[torch.Tensor, torch.Tensor] = {}  # tied meta tensors of unplanned modules are materialised once
+    materialized = materializing(model, skip)  # tied meta tensors of unplanned modules are materialised once
     replicated_parents: set[str] = set()  # attentions whose kv heads are replicated, their groups made local
     for name, module in list(model.named_modules()):
+        if skipped(name, skip):
+            continue
         entry = by_name.get(name)
         style = entry.style if entry else None
         if style in LINEAR_STYLES or style == "embedding_rowwise":
@@ -82,7 +88,7 @@ def apply_plan(
                 # its weight the embedding's, its bias the prediction head's).
                 known = {param: materialized.get(param, param) for param in base.tp_origins.values()
                          if id(param) in shared or param in materialized}  # fmt: skip
-                known[COMPUTED_VALUES] = materialized.setdefault(COMPUTED_VALUES, {})  # one draw, whoever reads it
+                known.update({key: materialized[key] for key in SESSION_KEYS})  # one draw, whoever reads it
                 materialize(name, base, device, known, initializer(model, name))
             if style == "embedding_rowwise":
                 layer = _parallel_embedding(base, group, shared)

@@ -4,7 +4,8 @@ probe batch through)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import zlib
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,6 +41,14 @@ _DEVICE_FACTORIES = frozenset(torch.utils._device._device_constructors())  # wha
 _DATA_GETTER = torch.Tensor.data.__get__  # `tensor.data`, an alias whose writes are the tensor's
 KEPT = "_tp_kept_values"  # a module's attribute: the names of its tensors whose constructed values were kept
 COMPUTED_VALUES = "computed values"  # in `materialize`'s `materialized`: the values records read, by meta tensor
+# In `materialized` (`materializing`'s): the draws' base seed, and each meta tensor's name in the whole model.
+BASE_SEED, TENSOR_NAMES = "base seed", "tensor names"
+SESSION_KEYS = (BASE_SEED, TENSOR_NAMES, COMPUTED_VALUES)  # what every `materialized` of one model shares
+
+
+def skipped(name: str, skip: Collection[str]) -> bool:
+    """Whether module `name` is one of `skip` or inside one."""
+    return any(name == other or name.startswith(other + ".") for other in skip)
 
 
 class _KeptValuesMode(TorchFunctionMode):
@@ -143,6 +152,31 @@ def initializer(root: nn.Module, name: str) -> ModuleInitializer:
     return ModuleInitializer(holders[0]._init_weights, tuple(enclosing))
 
 
+def materializing(model: nn.Module, skip: Collection[str] = ()) -> dict:
+    """A new `materialized` for `materialize` over `model`'s modules. Each tensor's draws are keyed by its name in
+    `model` (a tied one's first) and one base seed taken here from the default generator: a rank that materialises
+    only some of the modules (its pipeline stages) draws each of them as one process materialising all of them does,
+    whichever others it skips (`skip`: they count for names, not for whether a seed is drawn)."""
+    names: dict[torch.Tensor, str] = {}
+    drawing = False
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if tensor is not None and tensor.is_meta:
+            names.setdefault(tensor, name)
+            drawing = drawing or not skipped(name.rpartition(".")[0], skip)
+    base = int(torch.randint(2**62, (1,))) if drawing else 0
+    return {BASE_SEED: base, TENSOR_NAMES: names, COMPUTED_VALUES: {}}
+
+
+@contextmanager
+def _keyed_draws(materialized: dict, name: str, device: torch.device) -> Iterator[None]:
+    """The default generators (the CPU's and `device`'s) seeded from the base seed and `name` for the duration, then
+    set back: the draws under it depend on nothing drawn before."""
+    seed = (materialized.get(BASE_SEED, 0) + zlib.crc32(name.encode())) % 2**63
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(seed)
+        yield
+
+
 def materialize(
     name: str, module: nn.Module, device: torch.device, materialized: dict, init: ModuleInitializer | None = None
 ) -> None:
@@ -160,6 +194,7 @@ def materialize(
     records = module.__dict__.pop(INIT_RECORDS, {})
     fresh = bool(kept)
     drawn: dict[str, torch.Tensor] = {}  # meta tensors given storage here, which only an initialiser can fill
+    origins: dict[str, torch.Tensor] = {}  # the meta tensor each of `drawn` replaces
     for tensors in (module._parameters, module._buffers):
         for key, tensor in tensors.items():
             if tensor is None or not (tensor.is_meta or key in kept and tensor.device != device):
@@ -171,27 +206,32 @@ def materialize(
                 materialized[tensor] = real
                 fresh = True
                 if tensor.is_meta:
-                    drawn[key] = real
+                    drawn[key], origins[key] = real, tensor
             tensors[key] = materialized[tensor]
     if not fresh:
         return
     unrecorded = {key: tensor for key, tensor in drawn.items() if not replayable(records.get(key))}
     if kept or unrecorded:
-        _initialise(name, module, init, unrecorded)
+        with _keyed_draws(materialized, name, device):
+            _initialise(name, module, init, unrecorded)
     computed = materialized.setdefault(COMPUTED_VALUES, {})  # the draws records read, shared by this materialisation
+    names = materialized.get(TENSOR_NAMES, {})
     for key, tensor in drawn.items():
         if key not in unrecorded:
-            replay(records[key], tensor, computed)
+            with _keyed_draws(materialized, names.get(origins[key], f"{name}.{key}"), device):
+                replay(records[key], tensor, computed)
 
 
-def materialize_remaining(root: nn.Module, device: torch.device) -> None:
+def materialize_remaining(root: nn.Module, device: torch.device, skip: Collection[str] = ()) -> None:
     """Gives storage to what of `root` is still on the meta device (the modules outside its planned models: a
     LightningModule's own layers), each module initialised as an eager build would (`materialize`), and leaves every
     tensor that has storage as it is. Lightning's `to_empty` on the root then `reset_parameters` everywhere drew the
-    planned models' weights again (their replayed initialisation lost, each rank's shards drawn apart)."""
-    materialized: dict = {}
+    planned models' weights again (their replayed initialisation lost, each rank's shards drawn apart). The modules
+    named in `skip` (another pipeline stage's) stay on the meta device."""
+    materialized = materializing(root, skip)
     for name, module in root.named_modules():
-        materialize(name, module, device, materialized, initializer(root, name))
+        if not skipped(name, skip):
+            materialize(name, module, device, materialized, initializer(root, name))
 
 
 def _initialise(name: str, module: nn.Module, init: ModuleInitializer, tensors: dict[str, torch.Tensor]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ def parallelize(
     cp_group: ProcessGroup | None = None,
     cp_options: dict | None = None,
     experts_whole: bool = False,
+    skip: Collection[str] = (),
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -68,7 +70,7 @@ def parallelize(
         settings = dict(plan=plan, loss_parallel=loss_parallel, device=device, verify=verify, weights=weights,
                         sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
                         compile=compile, overlap=overlap, example_input=example_input, cp_group=cp_group,
-                        cp_options=cp_options, experts_whole=experts_whole)  # fmt: skip
+                        cp_options=cp_options, experts_whole=experts_whole, skip=skip)  # fmt: skip
         parallelize(wrapped[1], tp_group, **settings)
         return model
     group = as_process_group(tp_group)
@@ -99,7 +101,12 @@ def parallelize(
         rng = TensorParallelRNG(group, device, dropout=may_draw_dropout(model))
         if regions is not None:  # the unsharded region modules' arguments and results, before any weight changes
             regions.record(model, example_input)
-        apply_plan(model, planned, group, rng, device, loss_parallel_heads=heads, check=check)
+        if skip and (check is not None or skeleton is not None):
+            raise ValueError(
+                f"parallelize: skip={sorted(skip)[:3]}... leaves modules on the meta device, which verification runs; "
+                f"pass verify=False with skip"
+            )
+        apply_plan(model, planned, group, rng, device, loss_parallel_heads=heads, check=check, skip=skip)
         if regions is not None:
             regions.check(model)  # before pretrained weights replace those its references were computed with
         load_pretrained_modules(model, group, weights)

@@ -25,10 +25,12 @@ from torch.distributed.utils import _sync_module_states
 from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
-from tp_train.parallel.pipeline import Pipeline
+from tp_train.parallel.pipeline import Pipeline, schedule_named
+from tp_train.parallel.pipeline.runner import stage_indices
+from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.parallel.random import sync_default_generator
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
-from tp_train.plan.meta_init import materialize_remaining
+from tp_train.plan.meta_init import materialize_remaining, skipped
 from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.pipeline import plan_pipeline_split
 from tp_train.plan.probe_input import ProbeInput
@@ -108,7 +110,8 @@ def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy
         split = plan_pipeline_split(pipelined_model(root)[1], dims.stages, explicit=options.pipeline_split)
     experts = TrainingExperts(dims.ep, options.expert_capacity_factor)
     experts.setup_groups(mesh)
-    loss_parallel = _shard(root, mesh, device, options, example_inputs, experts)
+    skip = _other_stages(root, split, mesh, options) if split is not None and options.verify_plan is False else ()
+    loss_parallel = _shard(root, mesh, device, options, example_inputs, experts, skip)
     fsdp = options.data_parallel == "fsdp"
     pipeline = None
     if split is not None:  # this rank's stages only, FSDP2 on each of them
@@ -156,9 +159,22 @@ def pipelined_model(root: nn.Module) -> tuple[str, nn.Module]:
     return found[0]
 
 
-def _shard(root, mesh, device, options, example_inputs, experts) -> bool:
+def _other_stages(root: nn.Module, split: PipelineSplit, mesh: ParallelMesh, options: TrainingOptions) -> list[str]:
+    """The modules of `root` (by name) that only other pipeline ranks' stages hold, which this rank cuts away: left
+    on the meta device, never given storage (without verification, which runs the whole model)."""
+    name, _ = pipelined_model(root)
+    group = mesh.pipeline_parallel
+    placement = schedule_named(options.pipeline_schedule, split.num_stages // group.size()).placement
+    mine = stage_indices(split.num_stages, placement, group.get_local_rank(), group.size())
+    held = {module for stage in mine for module in split.stage_modules(stage)}
+    others = {module for stage in range(split.num_stages) for module in split.stage_modules(stage)} - held
+    return sorted(f"{name}.{module}" if name else module for module in others)
+
+
+def _shard(root, mesh, device, options, example_inputs, experts, skip) -> bool:
     """Tensor, sequence and context parallelism, checkpointing and compile on each planned model of `root`, then the
-    experts; returns whether a vocab-parallel LM head was planned (the loss may take its split logits)."""
+    experts, leaving the modules in `skip` on the meta device; returns whether a vocab-parallel LM head was planned
+    (the loss may take its split logits)."""
     targets = [("", root)] if options.plan is not None else modules_with_plans(root)
     # No plan anywhere: the auto-planner plans the root through its forward.
     targets = targets or [("", root)]
@@ -182,13 +198,30 @@ def _shard(root, mesh, device, options, example_inputs, experts) -> bool:
             activation_checkpointing=options.activation_checkpointing, example_input=examples.get(name),
             cp_group=cp_group,
             cp_options={"rotation": options.context_parallel_rotation, "document_separator": separator},
-            experts_whole=experts.size > 1,
+            experts_whole=experts.size > 1, skip=_within(name, skip),
         )  # fmt: skip
     # Whatever else was built on the meta device (outside the planned models) is replicated.
-    if any(t.is_meta for t in root.parameters()) or any(t.is_meta for t in root.buffers()):
-        materialize_remaining(root, device)
+    if _any_meta(root, skip):
+        materialize_remaining(root, device, skip)
     data_parallel_rank = mesh.data_parallel.get_local_rank()
     for rng in attached(root, "tp_rng"):
         rng.separate_data_parallel_replicas(data_parallel_rank)
-    experts.shard(root, mesh.tensor_parallel.size())  # whole experts per rank, split over the ep group
+    experts.shard(root, mesh.tensor_parallel.size(), skip)  # whole experts per rank, split over the ep group
     return bool(attached(root, "tp_vocab_size"))
+
+
+def _within(prefix: str, names: list[str]) -> list[str]:
+    """`names` (of modules of the root) relative to its submodule `prefix`, those inside it."""
+    if not prefix:
+        return list(names)
+    return [name.removeprefix(prefix + ".") for name in names if name.startswith(prefix + ".")]
+
+
+def _any_meta(root: nn.Module, skip) -> bool:
+    """Whether a tensor of `root` outside the modules in `skip` is still on the meta device."""
+    for name, module in root.named_modules():
+        if not skipped(name, skip):
+            tensors = [*module._parameters.values(), *module._buffers.values()]
+            if any(tensor is not None and tensor.is_meta for tensor in tensors):
+                return True
+    return False

@@ -10,7 +10,7 @@ their expert-parallel run, replicated over their expert replicas, averaged over 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +29,7 @@ from tp_train.parallel.experts import (
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.experts import check_expert_parallel
 from tp_train.plan.gradient_hooks import keep_gradient_hooks
+from tp_train.plan.meta_init import skipped
 
 
 def check_expert_parallel_arguments(expert_parallel_size: int, capacity_factor: float | None = None) -> None:
@@ -67,14 +68,15 @@ class TrainingExperts:
             self.mesh = mesh
             self._replicas = mesh.replicas.get_group()
 
-    def shard(self, root: nn.Module, tensor_parallel_size: int) -> None:
+    def shard(self, root: nn.Module, tensor_parallel_size: int, skip: Collection[str] = ()) -> None:
         """Splits `root`'s experts over the expert-parallel group and keeps them out of DDP's all-reduce (before
-        DDP wraps `root`; its broadcast from rank 0 would otherwise overwrite each rank's own experts)."""
+        DDP wraps `root`; its broadcast from rank 0 would otherwise overwrite each rank's own experts). The modules
+        in `skip` (another pipeline stage's, still on the meta device) are left alone."""
         if self.mesh is None:
             return
         # At tp=1 a plan's split of the experts (moe_tp_experts) is whole: only a real split is refused.
         split = {id(param) for _, param, _ in named_sharded_parameters(root)} if tensor_parallel_size > 1 else set()
-        names = list(check_expert_parallel(root, self.size))
+        names = [name for name in check_expert_parallel(root, self.size) if not skipped(name, skip)]
         for name in names:
             if any(id(param) in split for param in root.get_submodule(name).parameters()):
                 raise ValueError(

@@ -64,6 +64,14 @@ def average_gradients(parameters: list[nn.Parameter], group: ProcessGroup) -> No
             grad.copy_(average.view_as(grad))
 
 
+def stage_indices(num_stages: int, placement: str, rank: int, size: int) -> list[int]:
+    """The stages pipeline rank `rank` of `size` runs: looped (rank r: r, r + pp, ...), or V-placed (`placement` "v":
+    stages r and 2pp - 1 - r, the first and the last on rank 0)."""
+    if placement == "v":
+        return [rank, num_stages - 1 - rank]
+    return list(range(rank, num_stages, size))
+
+
 class Pipeline:
     """`model`'s stages on this rank of `group` (the pipeline-parallel group), run by schedule `schedule_name`.
 
@@ -110,10 +118,7 @@ class Pipeline:
         self.ties = tied_parameters(model)
         if wrap is not None:
             refuse_sharded_ties(self.ties, size)
-        if self.schedule.placement == "v":  # rank r: stages r and 2pp - 1 - r, the first and last on rank 0
-            self.stage_indices = [rank, split.num_stages - 1 - rank]
-        else:
-            self.stage_indices = list(range(rank, split.num_stages, size))
+        self.stage_indices = stage_indices(split.num_stages, self.schedule.placement, rank, size)
         if in_place:  # the model keeps this rank's stages; each stage runs a view of it
             self.models = cut_stages(model, split, self.stage_indices)
         else:

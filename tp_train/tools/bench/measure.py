@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -16,6 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tp_train.parallel.collectives import COLLECTIVE_RANGE
 from tp_train.tools.bench.contenders import TrainingStep
+from tp_train.training.memory import (  # noqa: F401 - the benchmarks' measures, from where training keeps them
+    current_memory,
+    peak_memory,
+    reset_peak_memory,
+    return_freed_memory_at_once,
+)
 
 # Where a step's thread spends time on tensor-parallel collectives, as the profiler names it: ours eager (issuing
 # and waiting, in one range) and the functional collectives that DTensor and compiled code issue and wait on.
@@ -69,41 +74,6 @@ def peak_bytes(step: TrainingStep, device: torch.device) -> int:
         running += event.nbytes()  # negative for a free
         peak = max(peak, running)
     return resident + peak
-
-
-def return_freed_memory_at_once(device: torch.device, threshold: int = 1 << 20) -> None:
-    """On CPU, makes glibc hand every freed block of `threshold` bytes or more back to the system at once (a fixed
-    M_MMAP_THRESHOLD), so the resident set follows the live tensors and a step's peak is its own."""
-    if device.type == "cpu":
-        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Starts a new peak: CUDA's allocator peak, or on CPU the process's peak resident set (VmHWM)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # the peak resident set becomes the current one
-
-
-def peak_memory(device: torch.device) -> int:
-    """Bytes at the peak since `reset_peak_memory`: CUDA's allocated peak, or on CPU the peak resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return _status_bytes("VmHWM:")
-
-
-def current_memory(device: torch.device) -> int:
-    """Bytes now: CUDA's allocated bytes, or on CPU the resident set (VmRSS)."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    return _status_bytes("VmRSS:")
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return int(next(line for line in status if line.startswith(field)).split()[1]) * 1024
 
 
 class _CollectiveCounter(TorchDispatchMode):
