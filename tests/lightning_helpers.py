@@ -16,6 +16,7 @@ from tests.parity import next_token_loss
 from tests.test_parallelize import VOCAB, SwiGLUModel
 from tp_train import TensorParallelStrategy
 from tp_train.parallel.sharding import local_part
+from tp_train.plan.meta_init import deferred_init, materialize_remaining
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 4
@@ -158,6 +159,20 @@ def validate(tensor_parallel_size: int, ckpt_path: str, data_parallel: str = "dd
     trainer = make_trainer(tensor_parallel_size, data_parallel=data_parallel)
     (metrics,) = trainer.validate(LitLM(), loader(tensor_parallel_size, 3, seed=99), ckpt_path=ckpt_path, verbose=False)
     return metrics["val_loss"]
+
+
+def meta_built(build: Callable[[], Any]) -> Callable[[], Any]:
+    """`build` as tp_train builds a model on the meta device and gives it storage in one process: the initial
+    weights a meta-built model starts from at every layout (each parameter drawn under its name's seed), for plain
+    Lightning to train from."""
+
+    def built():
+        with deferred_init():
+            model = build()
+        materialize_remaining(model, torch.device("cpu"))
+        return model
+
+    return built
 
 
 def fit_plain(steps: int, **trainer_kwargs: Any) -> StepRecorder:

@@ -303,3 +303,43 @@ def test_the_degree_checker_flags_a_product_of_degrees(tmp_path):
         "tools/bench/checks.py:2: world_size x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
         "tools/bench/sizes.py:2: dp x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
     ]
+
+
+# What a branch on the data-parallel mode reads: the mode's name or values, or the wrappers that apply them.
+DATA_PARALLEL_MARKS = ("data_parallel", "fsdp", "ddp", "FSDPModule", "DistributedDataParallel")
+
+
+def data_parallel_branch_problems(lightning: Path) -> list[str]:
+    """An `if` (or conditional expression) in lightning/ whose test reads the data-parallel mode, other than an
+    argument's refusal (an `if` whose body only raises): `tp_train.training`'s apply order owns that choice."""
+    problems = []
+    for path in sorted(lightning.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.If, ast.IfExp)):
+                continue
+            if isinstance(node, ast.If) and all(isinstance(statement, ast.Raise) for statement in node.body):
+                continue
+            read = {getattr(leaf, "id", None) or getattr(leaf, "attr", None) or getattr(leaf, "value", None)
+                    for leaf in ast.walk(node.test)}  # fmt: skip
+            if any(isinstance(word, str) and word in DATA_PARALLEL_MARKS for word in read):
+                problems.append(f"lightning/{path.relative_to(lightning)}:{node.lineno}: a branch on the data-parallel "
+                                f"mode; tp_train.training's apply order decides it")  # fmt: skip
+    return problems
+
+
+def test_lightning_does_not_branch_on_the_data_parallel_mode():
+    problems = data_parallel_branch_problems(ROOT / "tp_train" / "lightning")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_branch_checker_flags_a_branch_on_the_data_parallel_mode(tmp_path):
+    (tmp_path / "strategy.py").write_text(
+        "def setup(self):\n"
+        "    if self.data_parallel == 'fsdp':\n        self.wrap()\n"  # flagged
+        "    model = wrap(self.model) if isinstance(self.model, FSDPModule) else self.model\n"  # flagged
+        "    if self.data_parallel not in MODES:\n        raise ValueError(self.data_parallel)\n"  # a refusal
+    )
+    assert data_parallel_branch_problems(tmp_path) == [
+        "lightning/strategy.py:2: a branch on the data-parallel mode; tp_train.training's apply order decides it",
+        "lightning/strategy.py:4: a branch on the data-parallel mode; tp_train.training's apply order decides it",
+    ]

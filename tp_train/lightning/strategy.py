@@ -177,7 +177,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self._mesh: ParallelMesh | None = None  # the mesh and its views (setup_environment)
         self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         check_fused_loss(fused_loss, data_parallel)
-        self._loss = StrategyLoss(self.loss_parallel, fused_loss if data_parallel != "fsdp" else False, compile)
+        self._loss = StrategyLoss(self.loss_parallel, fused_loss, compile)  # FSDP2: the apply order leaves no fusion
 
     @property
     def parallel_dims(self) -> ParallelDims:

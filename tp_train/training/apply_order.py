@@ -139,6 +139,10 @@ def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy
             root, models or [root], mesh.fully_sharded, mp_policy=mp_policy, extra_methods=options.fsdp_methods,
             ignored_params=experts.held,
         )  # fmt: skip
+    if fsdp:  # FSDP2 frees the head's gathered weight as each forward ends, before a fused loss would read it
+        for module in root.modules():
+            if getattr(module, "tp_loss_fusion", None) is not None:
+                module.tp_loss_fusion = None
     replicas = mesh.replicas.get_group() if pipeline is not None and not fsdp and dims.dp_cp > 1 else None
     return ParallelTraining(
         root=root, module=root, dims=dims, mesh=mesh, experts=experts, pipeline=pipeline,
