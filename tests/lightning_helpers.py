@@ -5,6 +5,7 @@ LOCAL_RANK / RANK / WORLD_SIZE as torchrun would, so Lightning joins the existin
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -164,15 +165,15 @@ def validate(tensor_parallel_size: int, ckpt_path: str, data_parallel: str = "dd
 def meta_built(build: Callable[[], Any]) -> Callable[[], Any]:
     """`build` as tp_train builds a model on the meta device and gives it storage in one process: the initial
     weights a meta-built model starts from at every layout (each parameter drawn under its name's seed), for plain
-    Lightning to train from."""
+    Lightning to train from. Picklable, to pass to ranks."""
+    return partial(_built_on_meta, build)
 
-    def built():
-        with deferred_init():
-            model = build()
-        materialize_remaining(model, torch.device("cpu"))
-        return model
 
-    return built
+def _built_on_meta(build: Callable[[], Any]) -> Any:
+    with deferred_init():
+        model = build()
+    materialize_remaining(model, torch.device("cpu"))
+    return model
 
 
 def fit_plain(steps: int, **trainer_kwargs: Any) -> StepRecorder:

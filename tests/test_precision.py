@@ -12,7 +12,8 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from tests.distributed import run_on_ranks
-from tests.lightning_helpers import fit
+from tests.lightning_helpers import fit, meta_built
+from tests.test_parallelize import SwiGLUModel
 from tp_train import TensorParallelMixedPrecision
 
 STEPS = 10
@@ -39,8 +40,12 @@ def _losses(rank, world_size, tp, precision):
         scaler = None if tp else torch.amp.GradScaler("cpu")
         kwargs = dict(plugins=[plugin("16-mixed", "cpu", scaler)])
     # bf16-true at tp=2: the model built in configure_model on the meta device, materialised in bf16 by the
-    # strategy (plain Lightning's empty_init would leave the weights uninitialised: it builds in __init__).
-    module_kwargs = dict(lr=3e-3, build_in_configure_model=precision == "bf16-true" and tp is not None)
+    # strategy (plain Lightning's empty_init would leave the weights uninitialised: it builds in __init__, from the
+    # fp32 weights a meta build starts from, then cast).
+    meta = precision == "bf16-true"
+    module_kwargs = dict(lr=3e-3, build_in_configure_model=meta and tp is not None)
+    if meta and tp is None:
+        module_kwargs["build"] = meta_built(SwiGLUModel)
     trainer, recorder = fit(tp, STEPS, module_kwargs=module_kwargs, gradient_clip_val=0.5, **kwargs)
     dtypes = {str(p.dtype) for p in trainer.lightning_module.parameters()}
     return recorder.losses, recorder.skipped, dtypes

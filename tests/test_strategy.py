@@ -8,18 +8,19 @@ import pytest
 import torch
 
 from tests.distributed import run_on_ranks
-from tests.lightning_helpers import fit
+from tests.lightning_helpers import fit, meta_built
+from tests.test_parallelize import SwiGLUModel
 from tp_train import TensorParallelMixedPrecision
 
 STEPS = 10
 CLIP = 0.5  # below the gradient norm of this model at init, so clipping is active
 
 
-def _train(rank, world_size, tp, build_in_configure_model=False):
+def _train(rank, world_size, tp, build_in_configure_model=False, build=SwiGLUModel):
     _, recorder = fit(
         tp,
         STEPS,
-        module_kwargs=dict(build_in_configure_model=build_in_configure_model),
+        module_kwargs=dict(build_in_configure_model=build_in_configure_model, build=build),
         gradient_clip_val=CLIP,
         gradient_clip_algorithm="norm",
     )
@@ -42,8 +43,10 @@ def test_same_losses_and_clip_norm_at_any_dp_x_tp(world_size, tp, unsharded_run)
         assert clip_norms == pytest.approx(ref_norms, rel=1e-5)  # the strategy clipped by the true global norm
 
 
-def test_model_built_in_configure_model_on_meta_trains_the_same_at_tp2(unsharded_run):
-    ref = unsharded_run  # plain Lightning, the model built in __init__ from the same seed
+def test_model_built_in_configure_model_on_meta_trains_the_same_at_tp2():
+    # plain Lightning, the model built in __init__ with the weights a meta build starts from (drawn per parameter
+    # name, not in an eager build's order: tests/test_initial_weights.py checks them)
+    ref = run_on_ranks(_train, 1, None, False, meta_built(SwiGLUModel))[0]
     for losses, _, _ in run_on_ranks(_train, 2, 2, True):
         assert losses == pytest.approx(ref[0], abs=1e-5)
 
