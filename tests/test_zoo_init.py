@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
+from tests.distributed import run_on_ranks
 from tp_train.tools.zoo import run_zoo
 from tp_train.tools.zoo.init_check import check_init, init_mismatches, init_summary
 
@@ -28,30 +30,43 @@ def test_the_size_scaled_tolerance_passes_another_draw_and_catches_a_lost_rule_o
     assert found["c"] == "missing from the sharded model" and found["zeros"] == "a constant tensor, not equal"
 
 
-def test_the_zoos_init_check_matches_eager_builds_at_tp_2():
-    results = run_zoo(["gpt2", "mamba"], tp=2, jobs=1, timeout=300, echo=lambda line: None, check=check_init)
-    for family, result in results.items():
-        assert result["class"] == "match", (family, result)
-    assert init_summary(results, tp=2).startswith("2 of 2 buildable families match their eager initialisation at tp=2")
-
-
-def _rank_replaying_first_writes(*args):
-    """A zoo rank whose meta build makes only the first recorded write to each tensor again: a lost rule, as a
-    Hugging Face `post_init` rescaling GPT-2's residual projections after the constructor drew them."""
+def _checked(rank, world_size, families, lose_rules=False):
+    """Each family's init check on this rank. With `lose_rules`, the meta build makes only the first write recorded
+    on each tensor again: a lost rule, as Hugging Face's `post_init` rescaling GPT-2's residual projections after
+    the constructor drew them."""
     from tp_train.plan import meta_init
-    from tp_train.tools.zoo import runner
 
     replay = meta_init.replay
-    meta_init.replay = lambda writes, tensor, computed: replay(writes[:1], tensor, computed)
-    runner._rank_main(*args)
+    if lose_rules:
+        meta_init.replay = lambda writes, tensor, computed: replay(writes[:1], tensor, computed)
+    try:
+        return {family: check_init(family) for family in families}
+    finally:
+        meta_init.replay = replay
+
+
+def test_the_zoos_init_check_matches_eager_builds_at_tp_2():
+    results = run_on_ranks(_checked, 2, ["gpt2", "mamba"])[0]
+    for family, result in results.items():
+        assert result["class"] == "match", (family, result)
 
 
 def test_a_family_whose_init_rule_is_lost_differs_naming_the_tensor():
-    result = run_zoo(["gpt2"], tp=2, jobs=1, timeout=300, echo=lambda line: None, check=check_init,
-                     target=_rank_replaying_first_writes)["gpt2"]  # fmt: skip
+    result = run_on_ranks(_checked, 2, ["gpt2"], True)[0]["gpt2"]
     assert result["class"] == "differs", result
     lost = [line for line in result["tensors"] if ".c_proj.weight: std" in line]
     assert len(lost) == 4, result["tensors"]  # attention and MLP projections of both layers
     for line in lost:  # GPT-2's 1 / sqrt(2 n_layer) lost: 0.01 -> 0.02, at every seed
         before, after = map(float, re.search(r"pooled, std (\S+) -> (\S+),", line).groups())
         assert 1.8 < after / before < 2.2, line
+
+
+@pytest.mark.slow
+def test_the_zoo_runs_the_init_check_per_family_and_counts_it():
+    results = run_zoo(["gpt2"], tp=2, jobs=1, timeout=300, echo=lambda line: None, check=check_init)
+    assert results["gpt2"]["class"] == "match", results
+    text = init_summary(results, tp=2)
+    assert (
+        text == "1 of 1 buildable families match their eager initialisation at tp=2; differs 0, refused 0, "
+        "error 0, killed 0; 0 not buildable from a tiny config"
+    ), text
