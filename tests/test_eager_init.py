@@ -25,6 +25,7 @@ from torch.nn.init import trunc_normal_
 
 import tp_train
 from tests.distributed import run_on_ranks
+from tp_train.tools.zoo.init_check import init_mismatches
 
 FAMILIES = ("gpt2", "mamba", "mamba2", "nanochat", "openai-gpt")
 
@@ -128,29 +129,6 @@ def _build(name: str) -> nn.Module:
     return hugging_face_causal_lm(name, config=tiny_config(name))
 
 
-def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
-def mismatches(eager: dict[str, torch.Tensor], built: dict[str, torch.Tensor]) -> list[str]:
-    """The tensors of `built` whose values are not drawn as `eager`'s are, one line each."""
-    found = []
-    for name, expected in eager.items():
-        actual = built[name]
-        if not expected.is_floating_point() or expected.numel() < 2 or expected.double().std() == 0:
-            if not torch.equal(actual, expected):
-                found.append(f"{name}: a constant tensor, not equal")
-            continue
-        expected, actual = expected.double(), actual.double()
-        n, std = expected.numel(), expected.std()
-        ratio = actual.std() / std
-        if abs(ratio - 1) > 4 / math.sqrt(2 * n) or abs(actual.mean() - expected.mean()) > 4 * std * math.sqrt(2 / n):
-            found.append(
-                f"{name}: std {std:.4g} -> {actual.std():.4g}, mean {expected.mean():.4g} -> {actual.mean():.4g}"
-            )
-    return found
-
-
 def _sharded_weights(rank, world_size, names):
     """Each model built under deferred_init and sharded over the world (its plan, or NANO_PLAN), gathered whole; or
     the error its build or sharding raised."""
@@ -190,7 +168,7 @@ def test_a_model_built_on_meta_and_sharded_starts_from_its_eager_initialisation(
     gathered, eager = _SHARDED[tp][name], eager_weights[name]
     assert not isinstance(gathered, str), gathered
     assert eager.keys() <= gathered.keys(), sorted(eager.keys() - gathered.keys())
-    found = mismatches(eager, gathered)
+    found = init_mismatches(eager, gathered)
     assert not found, found
     # Same seed, same weights at every tp: each rank replays the whole tensor, then takes its shard.
     unsharded = _SHARDED[1][name]
@@ -242,7 +220,7 @@ def test_constructor_writes_are_made_again_or_left_to_the_initialiser():
     assert torch.equal(model.first, model.second) and 2.0 < model.first.std() < 4.0
     torch.manual_seed(0)
     eager = _Corners()
-    assert not mismatches({"truncated": eager.truncated, "noise": eager.noise},
+    assert not init_mismatches({"truncated": eager.truncated, "noise": eager.noise},
                           {"truncated": model.truncated, "noise": model.noise})  # fmt: skip
 
 

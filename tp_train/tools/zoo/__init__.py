@@ -2,7 +2,8 @@
 speech seq2seq, image classification, CLIP-style dual encoders and their towers: `tp_train.tools.zoo_tasks`), built
 from a tiny config with random weights, sharded with no plan given (`tp_train.parallelize`, verification on, as by
 default) on gloo CPU ranks, and compared with the unsharded model: outputs, every gradient and three SGD steps of
-losses, within 1e-5.
+losses, within 1e-5. `--init`: the init column instead (`tp_train.tools.zoo.init_check`), each family built under
+`deferred_init` and sharded, against its eager build's initialisation.
 """
 
 from tp_train.tools.zoo.check import CLASSES, check_family, has_block_linears

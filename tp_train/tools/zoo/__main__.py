@@ -7,7 +7,9 @@ import json
 import time
 
 import tp_train.tools.zoo as zoo
+from tp_train.tools.zoo.check import check_family
 from tp_train.tools.zoo.configs import SIZES
+from tp_train.tools.zoo.init_check import check_init, init_summary
 from tp_train.tools.zoo.runner import run_zoo, summary
 from tp_train.tools.zoo.train_path import TRAIN_PASSES, parity_passing, run_train_zoo, run_typed_zoo, train_table
 from tp_train.tools.zoo_tasks import TASKS, task_families
@@ -24,6 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kv-heads", type=int, help=f"kv heads of every family that has them (default: as many as the "
         f"{SIZES['num_attention_heads']} query heads; 2 is grouped-query attention)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--init", action="store_true", help="check the init column instead: each family built under deferred_init "
+        "and sharded against its eager build, every parameter's and buffer's mean and std (tp_train.tools.zoo."
+        "init_check)",
     )  # fmt: skip
     parser.add_argument(
         "--train", action="store_true", help="run the user's path instead: a few steps of `train.py model=hf "
@@ -63,8 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     for task in tasks:
         chosen = args.families.split(",") if args.families else task_families(task)
         started = time.monotonic()
-        everything[task] = run_zoo(chosen, args.tp, args.jobs, args.timeout, task=task, fields=fields)
-        print(f"\n{task}: {summary(everything[task], args.tp)}\n({time.monotonic() - started:.0f} s)", flush=True)
+        check, summarise = (check_init, init_summary) if args.init else (check_family, summary)
+        everything[task] = run_zoo(chosen, args.tp, args.jobs, args.timeout, task=task, fields=fields, check=check)
+        print(f"\n{task}: {summarise(everything[task], args.tp)}\n({time.monotonic() - started:.0f} s)", flush=True)
     if args.output:
         with open(args.output, "w") as file:
             json.dump(everything if args.task == "all" else everything[args.task], file, indent=1, sort_keys=True)

@@ -25,7 +25,8 @@ def _rank_main(model_type: str, case: dict, rank: int, world_size: int, port: in
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            result = check_family(model_type, **case)
+            check = case.get("check", check_family)
+            result = check(model_type, task=case["task"], fields=case["fields"])
     except BaseException as error:  # noqa: BLE001 - reported as the family's error
         result = {"class": "error", "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
     finally:
@@ -151,16 +152,19 @@ def run_zoo(
     task: str = "causal-lm",
     fields: dict | None = None,
     target=None,
+    check=check_family,
 ) -> dict[str, dict]:
     """{family: result} for each family of `task`, `jobs` families at a time, then each one `killed` again alone;
-    `fields` set in every family's tiny config (a setting of the run: its kv heads). `target` runs a rank (tests)."""
+    `fields` set in every family's tiny config (a setting of the run: its kv heads). `check(model_type, task=,
+    fields=)` is what each rank runs (parity, `check_family`; the init column, `init_check.check_init`; a module-level
+    function: the ranks import it by name); `target` runs a rank (tests)."""
     import multiprocessing
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks' warnings would bury the table
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "transformers", "tp_train", "models.hf", "tp_train.tools.zoo_tasks"])
     echo = echo or (lambda line: print(line, flush=True))
-    case = dict(task=task, fields=fields)
+    case = dict(task=task, fields=fields, check=check)
     results = _run_families(model_types, jobs, lambda name: _Family(context, name, case, tp, timeout, target), echo)
     killed = [name for name in model_types if results[name]["class"] == "killed"]
     if killed and jobs > 1:
