@@ -64,6 +64,12 @@ class TrainingOptions:
     fsdp_methods: tuple[str, ...] = ()  # the root's methods that gather its parameters like `forward` (FSDP2)
 
 
+def replicate(module: nn.Module, group: torch.distributed.ProcessGroup) -> DistributedDataParallel:
+    """torch's DDP over `group`, on the module's device: the default `wrap_replicas`."""
+    device = next(module.parameters()).device
+    return DistributedDataParallel(module, device_ids=None if device.type == "cpu" else [device], process_group=group)
+
+
 def parallelize_for_training(
     root: nn.Module,
     dims: ParallelDims,
@@ -73,7 +79,7 @@ def parallelize_for_training(
     example_inputs: Callable[[list[tuple[str, nn.Module]]], dict[str, ProbeInput]] | None = None,
     convert: Callable[[nn.Module], nn.Module] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-    wrap_replicas: Callable[[nn.Module, torch.distributed.ProcessGroup], nn.Module] | None = None,
+    wrap_replicas: Callable[[nn.Module, torch.distributed.ProcessGroup], nn.Module] | None = replicate,
 ) -> ParallelTraining:
     """Parallelizes `root` in place over `mesh` (`dims.build_mesh`) in the module docstring's order, and returns what
     training it needs (`ParallelTraining`). Called again on the same root, it applies nothing twice: only the
@@ -96,12 +102,6 @@ def parallelize_for_training(
     replicated = dims.dp_cp > 1 and options.data_parallel == "ddp" and training.pipeline is None
     training.module = wrap_replicas(root, mesh.replicas.get_group()) if replicated and wrap_replicas else root
     return training
-
-
-def replicate(module: nn.Module, group: torch.distributed.ProcessGroup) -> DistributedDataParallel:
-    """torch's DDP over `group`, on the module's device: the default `wrap_replicas`."""
-    device = next(module.parameters()).device
-    return DistributedDataParallel(module, device_ids=None if device.type == "cpu" else [device], process_group=group)
 
 
 def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy) -> ParallelTraining:
