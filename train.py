@@ -166,7 +166,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def run(cfg: DictConfig) -> float | None:
     try:
-        preflight.check(cfg, lambda: instantiate(cfg.model))
+        preflight.check_in_launching_process(cfg, lambda: instantiate(cfg.model), rank_zero_only.rank)
         if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
             try:
                 estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))

@@ -16,6 +16,7 @@ compiles (a warm dynamo cache can hide a recompile). `TP_TRAIN_TEST_FRESH_RANKS=
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import pickle
 import queue
@@ -73,6 +74,7 @@ def _rank_main(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
+    gc.freeze()  # the fork server's imports: out of this rank's collections, which would walk (and copy) them
     torch.set_num_threads(1)
     timing.time_phases()
     try:

@@ -17,6 +17,7 @@ one that does not finish within its timeout, or whose worker dies, kills the poo
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import random
@@ -158,6 +159,7 @@ def _worker_main(rank: int, world_size: int, init: Callable, pipe) -> None:
     `fn`, destroys every group and sends back `(task_id, status, payload, leaks)`; until it receives None or the
     pool's owner is gone."""
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    gc.freeze()  # the fork server's imports: out of every task's collections, which would walk (and copy) them
     torch.set_num_threads(1)
     timing.time_phases()  # before the state is taken: the wrappers stay for every task
     fresh = _FreshState()

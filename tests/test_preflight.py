@@ -4,6 +4,7 @@ work; exit status 2; no traceback. No case starts a rank, so all of them run at 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,32 @@ def test_bad_config_is_one_line_exit_2_no_traceback(outcomes, case):
     errors = [line for line in result["stderr"].splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and expected in errors[0], result["stderr"][-2000:]
     assert not (directory / "cache").exists()  # refused before any data was prepared
+
+
+def test_the_launching_process_checks_once_and_its_child_ranks_skip_the_check(tmp_path, monkeypatch):
+    """Rank 0 checks and marks the environment Lightning's launcher copies to its child ranks; a child rank with the
+    mark builds nothing; a process without it (a rank torchrun started) checks, and a bad config is refused there."""
+    from hydra.utils import instantiate
+
+    from tests.test_configs import _compose
+    from tp_train.app import preflight
+
+    monkeypatch.setenv(preflight.PASSED_ENVIRONMENT_VARIABLE, "")  # unmarked; the mark is undone after the test
+    cfg = _compose(tmp_path, ["model.config.n_layer=1", "tp=1"])
+    builds = []
+
+    def build():
+        builds.append(1)
+        return instantiate(cfg.model)
+
+    preflight.check_in_launching_process(cfg, build, rank=1)  # a cluster's rank: checks, marks nothing
+    assert builds and os.environ[preflight.PASSED_ENVIRONMENT_VARIABLE] == ""
+    preflight.check_in_launching_process(cfg, build, rank=0)
+    assert os.environ[preflight.PASSED_ENVIRONMENT_VARIABLE] == "1"
+    builds.clear()
+    preflight.check_in_launching_process(cfg, build, rank=1)  # the child rank
+    assert not builds
+    monkeypatch.setenv(preflight.PASSED_ENVIRONMENT_VARIABLE, "")
+    bad = _compose(tmp_path, ["model.config.n_layer=1", "tp=0"])
+    with pytest.raises(preflight.ConfigError, match="tp=0 must be a positive integer"):
+        preflight.check_in_launching_process(bad, build, rank=1)

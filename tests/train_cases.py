@@ -22,6 +22,7 @@ Two ways in:
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -270,15 +271,31 @@ def run(command: list[str], *, cwd: Path, env: dict | None = None, timeout: floa
         timing.record("train.py forked", s=time.monotonic() - called)
 
 
+# What a run imports after train.py's own imports (a module list, not a run: nothing here may change a result).
+LATE_IMPORTS = (
+    "transformers.models.llama.modeling_llama",
+    "tp_train.app.data",
+    "tp_train.app.schedulers",
+    "tp_train.tools.optimizer",
+    "tp_train.lightning.hang",
+    "tp_train.lightning.rng_state",
+    "torch.distributed.checkpoint._fsspec_filesystem",
+)
+
+
 def _warm_first_uses() -> None:
     """Pays once, before any fork, what every run would pay at its first use of a library and that changes none of
     its results (about half a CPU-second of each case and of each of its ranks, measured 2026-12-06): Hydra's first
     composition (its override grammar's parser tables, its plugins found, conf/ read), and transformers' index of
     its model packages and the modelling code every family's module imports (one family's module, Llama's, brings
-    it), at the first model built. The composition's Hydra is cleared after it, as a fresh process has none."""
+    it), at the first model built. The composition's Hydra is cleared after it, as a fresh process has none.
+    Also the modules train.py imports only when the config is built: the data module's (`datasets`, which brings
+    pandas and pyarrow, ~1 CPU-second in every rank, since the config's token-id resolver imports it) and the
+    optimizer's, scheduler's and strategy's helpers."""
     from hydra import compose, initialize_config_dir
 
-    importlib.import_module("transformers.models.llama.modeling_llama")
+    for module in LATE_IMPORTS:
+        importlib.import_module(module)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         compose("train", return_hydra_config=True)
 
@@ -289,6 +306,7 @@ def main() -> None:
     import train  # noqa: F401 - its imports (torch, Lightning, Hydra) happen once, before forking
 
     _warm_first_uses()
+    gc.freeze()  # what is imported stays out of every forked case's collections, which would walk (and copy) it
     if sys.argv[1:] == ["--serve"]:
         serve()
         return

@@ -32,6 +32,21 @@ from tp_train.plan.resolve import resolve_plan
 from tp_train.tools.family_configs import departures, unset_fields
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
 
+# Set by a launching process whose config passed `check`: the child ranks Lightning's launcher starts from it (with a
+# copy of its environment and its composed config) skip the check, which builds the model, resolves its plan and
+# runs a batch on the meta device. Ranks a cluster starts (torchrun, SLURM) each check for themselves.
+PASSED_ENVIRONMENT_VARIABLE = "TP_TRAIN_PREFLIGHT_PASSED"
+
+
+def check_in_launching_process(cfg: DictConfig, build_model: Callable[[], torch.nn.Module], rank: int) -> None:
+    """`check`, unless this process is a child rank of a launching process that passed it; on rank 0 it then marks
+    the environment its child ranks inherit."""
+    if os.environ.get(PASSED_ENVIRONMENT_VARIABLE) == "1":
+        return
+    check(cfg, build_model)
+    if rank == 0:
+        os.environ[PASSED_ENVIRONMENT_VARIABLE] = "1"
+
 
 def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     """Raises `ConfigError` for the first problem found in `cfg`; `build_model()` builds the model's factory."""
