@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel.pipeline.split import skipped, within
 from tp_train.parallel.sharding import ShardSpec, named_sharded_parameters
 
 SINGLE_FILE = "model.safetensors"
@@ -43,7 +45,9 @@ def weight_files(path: str | Path) -> dict[str, Path]:
     )
 
 
-def load_pretrained(model: nn.Module, path: str | Path, group: ProcessGroup | None = None) -> int:
+def load_pretrained(
+    model: nn.Module, path: str | Path, group: ProcessGroup | None = None, skip: Collection[str] = ()
+) -> int:
     """Fills `model`'s parameters and persistent buffers from the safetensors weights at `path`, in place, each
     rank reading only its shard of every sharded parameter. Works on an unsharded model too (tp = 1).
 
@@ -51,6 +55,8 @@ def load_pretrained(model: nn.Module, path: str | Path, group: ProcessGroup | No
         model: a model sharded by `tp_train.plan.parallelize` (or not sharded), its tensors materialised.
         path: a `.safetensors` file or a directory (see `weight_files`).
         group: the tensor-parallel group the model was sharded over (default: the whole world).
+        skip: modules of `model` (by name) that other pipeline stages hold, left on the meta device: neither read
+            nor required.
 
     Returns:
         The number of elements this rank read from the files.
@@ -64,10 +70,14 @@ def load_pretrained(model: nn.Module, path: str | Path, group: ProcessGroup | No
     file_keys = _file_keys(model, state, files)
     specs = {id(param): spec for _, param, spec in named_sharded_parameters(model)}
     handles: dict[Path, object] = {}
+    names: dict[int, list[str]] = {}  # a tied tensor's names: this rank holds it if it holds one of them
+    for name, tensor in state.items():
+        names.setdefault(id(tensor), []).append(name)
+    held = {key for key, each in names.items() if not all(_skipped(name, skip) for name in each)}
     loaded, read = set(), 0
     for name, tensor in state.items():
         key = file_keys.get(name)
-        if key is None or not isinstance(tensor, torch.Tensor) or id(tensor) in loaded:
+        if key is None or not isinstance(tensor, torch.Tensor) or id(tensor) in loaded or id(tensor) not in held:
             continue
         if files[key] not in handles:
             handles[files[key]] = safe_open(files[key], framework="pt")
@@ -87,7 +97,10 @@ def load_pretrained(model: nn.Module, path: str | Path, group: ProcessGroup | No
     missing = [
         name
         for name, tensor in state.items()
-        if isinstance(tensor, nn.Parameter) and id(tensor) not in loaded and ADAPTER_MARK not in name
+        if isinstance(tensor, nn.Parameter)
+        and id(tensor) not in loaded
+        and ADAPTER_MARK not in name
+        and id(tensor) in held
     ]
     if missing:
         raise ValueError(
@@ -97,15 +110,23 @@ def load_pretrained(model: nn.Module, path: str | Path, group: ProcessGroup | No
     return read
 
 
-def load_pretrained_modules(model: nn.Module, group: ProcessGroup, weights: str | Path | None = None) -> None:
+def load_pretrained_modules(
+    model: nn.Module, group: ProcessGroup, weights: str | Path | None = None, skip: Collection[str] = ()
+) -> None:
     """`weights` into `model`; without it, each submodule's own `pretrained_weights` (a path its factory recorded
-    when it built the module empty, e.g. `models.hugging_face_causal_lm(path=...)` on the meta device) into it."""
+    when it built the module empty, e.g. `models.hugging_face_causal_lm(path=...)` on the meta device) into it.
+    The modules named in `skip` (other pipeline stages') are not read."""
     if weights is not None:
-        load_pretrained(model, weights, group)
+        load_pretrained(model, weights, group, skip)
         return
-    for module in model.modules():
+    for name, module in model.named_modules():
         if getattr(module, "pretrained_weights", None):
-            load_pretrained(module, module.pretrained_weights, group)
+            load_pretrained(module, module.pretrained_weights, group, within(name, skip))
+
+
+def _skipped(tensor_name: str, skip: Collection[str]) -> bool:
+    """Whether the tensor `tensor_name` (a state-dict name) belongs to a module in `skip`."""
+    return skipped(tensor_name.rpartition(".")[0], skip)
 
 
 def _stored_shape(tensor: torch.Tensor, spec: ShardSpec | None) -> tuple[int, ...]:

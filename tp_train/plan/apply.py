@@ -22,6 +22,7 @@ from tp_train.parallel.layers import (
     VocabParallelEmbedding,
 )
 from tp_train.parallel.norm import ParallelLayerNormRegion, ParallelRMSNormRegion, norm_epsilon, norm_groups
+from tp_train.parallel.pipeline.split import skipped
 from tp_train.parallel.pointwise_conv import ColumnParallelPointwiseConv, RowParallelPointwiseConv
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.reductions import FeatureReductionRegion
@@ -31,7 +32,7 @@ from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import SUM_OVER_RANKS, SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
-from tp_train.plan.meta_init import SESSION_KEYS, initializer, materialize, materializing, skipped
+from tp_train.plan.meta_init import SESSION_KEYS, initializer, materialize, materializing
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
     FEEDS_PARALLEL_REGION,

@@ -15,6 +15,7 @@ from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from tp_train.parallel.pipeline.split import skipped
 from tp_train.plan.init_record import (
     INIT_RECORDS,
     RECIPE,
@@ -44,11 +45,6 @@ COMPUTED_VALUES = "computed values"  # in `materialize`'s `materialized`: the va
 # In `materialized` (`materializing`'s): the draws' base seed, and each meta tensor's name in the whole model.
 BASE_SEED, TENSOR_NAMES = "base seed", "tensor names"
 SESSION_KEYS = (BASE_SEED, TENSOR_NAMES, COMPUTED_VALUES)  # what every `materialized` of one model shares
-
-
-def skipped(name: str, skip: Collection[str]) -> bool:
-    """Whether module `name` is one of `skip` or inside one."""
-    return any(name == other or name.startswith(other + ".") for other in skip)
 
 
 class _KeptValuesMode(TorchFunctionMode):

@@ -109,7 +109,7 @@ def parallelize(
         apply_plan(model, planned, group, rng, device, loss_parallel_heads=heads, check=check, skip=skip)
         if regions is not None:
             regions.check(model)  # before pretrained weights replace those its references were computed with
-        load_pretrained_modules(model, group, weights)
+        load_pretrained_modules(model, group, weights, skip)
         counter = CommunicationCounter()
         if sequence_parallel:
             apply_sequence_parallel(model, layout, group, rng, counter)

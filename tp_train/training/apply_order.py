@@ -27,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.pipeline import Pipeline, schedule_named
 from tp_train.parallel.pipeline.runner import stage_indices
-from tp_train.parallel.pipeline.split import PipelineSplit
+from tp_train.parallel.pipeline.split import PipelineSplit, skipped, within
 from tp_train.parallel.random import sync_default_generator
 from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
-from tp_train.plan.meta_init import materialize_remaining, skipped
+from tp_train.plan.meta_init import materialize_remaining
 from tp_train.plan.parallelize import attached, parallelize
 from tp_train.plan.pipeline import plan_pipeline_split
 from tp_train.plan.probe_input import ProbeInput
@@ -202,7 +202,7 @@ def _shard(root, mesh, device, options, example_inputs, experts, skip) -> bool:
             activation_checkpointing=options.activation_checkpointing, example_input=examples.get(name),
             cp_group=cp_group,
             cp_options={"rotation": options.context_parallel_rotation, "document_separator": separator},
-            experts_whole=experts.size > 1, skip=_within(name, skip),
+            experts_whole=experts.size > 1, skip=within(name, skip),
         )  # fmt: skip
     # Whatever else was built on the meta device (outside the planned models) is replicated.
     if _any_meta(root, skip):
@@ -212,13 +212,6 @@ def _shard(root, mesh, device, options, example_inputs, experts, skip) -> bool:
         rng.separate_data_parallel_replicas(data_parallel_rank)
     experts.shard(root, mesh.tensor_parallel.size(), skip)  # whole experts per rank, split over the ep group
     return bool(attached(root, "tp_vocab_size"))
-
-
-def _within(prefix: str, names: list[str]) -> list[str]:
-    """`names` (of modules of the root) relative to its submodule `prefix`, those inside it."""
-    if not prefix:
-        return list(names)
-    return [name.removeprefix(prefix + ".") for name in names if name.startswith(prefix + ".")]
 
 
 def _any_meta(root: nn.Module, skip) -> bool:

@@ -26,10 +26,10 @@ from tp_train.parallel.experts import (
     named_expert_parameters,
     shard_experts,
 )
+from tp_train.parallel.pipeline.split import skipped
 from tp_train.parallel.sharding import named_sharded_parameters
 from tp_train.plan.experts import check_expert_parallel
 from tp_train.plan.gradient_hooks import keep_gradient_hooks
-from tp_train.plan.meta_init import skipped
 
 
 def check_expert_parallel_arguments(expert_parallel_size: int, capacity_factor: float | None = None) -> None:

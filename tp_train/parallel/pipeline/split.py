@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -23,3 +24,15 @@ class PipelineSplit:
         before = list(self.before) if stage == 0 else []
         after = list(self.after) if stage == self.num_stages - 1 else []
         return before + names + after
+
+
+def skipped(name: str, skip: Collection[str]) -> bool:
+    """Whether module `name` is one of `skip` (modules other pipeline stages hold) or inside one."""
+    return any(name == other or name.startswith(other + ".") for other in skip)
+
+
+def within(prefix: str, names: Collection[str]) -> list[str]:
+    """`names` (of modules of a root) relative to its submodule `prefix`, those inside it."""
+    if not prefix:
+        return list(names)
+    return [name.removeprefix(prefix + ".") for name in names if name.startswith(prefix + ".")]
