@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -10,12 +9,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import ProcessGroup
@@ -25,24 +21,23 @@ from typing_extensions import override
 
 from tp_train.checkpoint import consolidated
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
-from tp_train.lightning import rendezvous
 from tp_train.lightning.arguments import check_arguments, check_fused_loss, check_pipeline_arguments, check_shard_size
 from tp_train.lightning.checkpoint_hooks import CheckpointHooks
 from tp_train.lightning.example_input import example_inputs
-from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
+from tp_train.lightning.launch import LaunchHooks
 from tp_train.lightning.loss import StrategyLoss
 from tp_train.lightning.pipeline import PipelineSteps, step_runner
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
 from tp_train.lightning.steps import ModelSteps
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
-from tp_train.parallel.mesh import backend_with_timeout, first_rank_decides
+from tp_train.parallel.mesh import backend_with_timeout
 from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.meta_init import deferred_init
 from tp_train.training import ParallelTraining, TrainingOptions, parallelize_for_training
 from tp_train.training.experts import check_expert_parallel_arguments
 
 
-class TensorParallelStrategy(CheckpointHooks, DDPStrategy):
+class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
     """Shards the LightningModule's model(s) column-then-row over `tensor_parallel_size` ranks; the remaining
     factor of the world size is data parallelism.
 
@@ -170,7 +165,6 @@ class TensorParallelStrategy(CheckpointHooks, DDPStrategy):
         self.data_parallel = data_parallel
         self.data_parallel_shard_size = data_parallel_shard_size
         self._mesh: ParallelMesh | None = None  # the mesh and its views (setup_environment)
-        self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         check_fused_loss(fused_loss, data_parallel)
         self._loss = StrategyLoss(self.loss_parallel, fused_loss, compile)  # FSDP2: the apply order leaves no fusion
 
@@ -301,43 +295,6 @@ class TensorParallelStrategy(CheckpointHooks, DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         self.parallel_training.after_backward()
-
-    @override
-    def setup_distributed(self) -> None:
-        # Lightning's, with the store made here: under torchrun, one scoped to this restart round (see
-        # tp_train.lightning.rendezvous), which the process group and device mesh then use.
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
-            store=self.launch.store,
-        )  # fmt: skip
-
-    def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
-        """`decide()` taken once for the whole job, on global rank 0, and returned on every rank (a JSON value),
-        e.g. which checkpoint to resume: through the launch's store before the process group exists
-        (`tp_train.lightning.rendezvous.Rendezvous.rank_zero_decides`), by broadcast once it does."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return first_rank_decides(decide)
-        return self.launch.rank_zero_decides(decide)
-
-    @property
-    def launch(self) -> rendezvous.Rendezvous:
-        """This launch's rendezvous: its store, shared by every rank (`tp_train.lightning.hang` beats through it)."""
-        if self._launch is None:
-            self._launch = rendezvous.Rendezvous(self.cluster_environment, self._timeout or default_pg_timeout)
-        return self._launch
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
-        else:
-            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                              timeout=self._timeout or default_pg_timeout)  # fmt: skip
 
     @contextmanager
     @override
