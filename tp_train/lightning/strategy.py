@@ -31,7 +31,6 @@ from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_par
 from tp_train.lightning.steps import ModelSteps
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.mesh import backend_with_timeout
-from tp_train.plan.context_parallel import context_parallel_cross_entropy
 from tp_train.plan.meta_init import deferred_init
 from tp_train.training import ParallelTraining, TrainingOptions, parallelize_for_training
 from tp_train.training.experts import check_expert_parallel_arguments
@@ -166,7 +165,8 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         self.data_parallel_shard_size = data_parallel_shard_size
         self._mesh: ParallelMesh | None = None  # the mesh and its views (setup_environment)
         check_fused_loss(fused_loss, data_parallel)
-        self._loss = StrategyLoss(self.loss_parallel, fused_loss, compile)  # FSDP2: the apply order leaves no fusion
+        # FSDP2: the apply order leaves no fusion
+        self._loss = StrategyLoss(self.loss_parallel, fused_loss, compile, context_parallel=context_parallel_size > 1)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -220,13 +220,9 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
         statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
         half precision are reduced in fp32."""
-        self._loss.count(target, ignore_index)  # what `batch_loss` weighs this rank's mean by
         self._steps.count_targets(target, ignore_index)  # under a pipeline, the microbatch's share of the batch's
-        if self.context_parallel_size > 1:  # logits of this rank's share of the tokens; the mean over all of them
-            return context_parallel_cross_entropy(
-                self._cross_entropy, logits, target, self.lightning_module, ignore_index, label_smoothing
-            )
-        return self._cross_entropy(logits, target, ignore_index, label_smoothing)
+        group = self.tensor_parallel_group if self.loss_parallel else None
+        return self._loss.cross_entropy(self.lightning_module, group, logits, target, ignore_index, label_smoothing)
 
     def batch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """For logging: the batch's loss from this rank's `loss` (its training or validation step's), as one process
@@ -242,10 +238,6 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         if self._parallel is None:
             raise RuntimeError("the model is parallelized in the strategy's setup(); it has not run yet")
         return self._parallel
-
-    def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
-        group = self.tensor_parallel_group if self.loss_parallel else None
-        return self._loss(self.lightning_module, group, logits, target, ignore_index, label_smoothing)
 
     # The step hooks: each through the step runner (`tp_train.lightning.steps`), with Lightning's own as its default.
     @override
