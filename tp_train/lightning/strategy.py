@@ -165,7 +165,7 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         self.data_parallel_shard_size = data_parallel_shard_size
         self._mesh: ParallelMesh | None = None  # the mesh and its views (setup_environment)
         check_fused_loss(fused_loss, data_parallel)
-        # FSDP2: the apply order leaves no fusion
+        # (no head-and-loss fusion to turn off under FSDP2 here: the apply order leaves none)
         self._loss = StrategyLoss(self.loss_parallel, fused_loss, compile, context_parallel=context_parallel_size > 1)
 
     @property
@@ -220,7 +220,7 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
         statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
         half precision are reduced in fp32."""
-        self._steps.count_targets(target, ignore_index)  # under a pipeline, the microbatch's share of the batch's
+        self._steps.count_targets(target, ignore_index)  # under a pipeline: each microbatch's share of the batch
         group = self.tensor_parallel_group if self.loss_parallel else None
         return self._loss.cross_entropy(self.lightning_module, group, logits, target, ignore_index, label_smoothing)
 
