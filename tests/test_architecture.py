@@ -9,7 +9,8 @@ and datasets are imported only in `lightning/` and `app/`; only `tools/` imports
 entries at its top level (its layers, errors.py and `__init__.py`). Inside plan/, deciding a plan, applying it and
 checking it (`PLAN_JOBS`) import only their own job's modules and the vocabulary all three share; `parallelize` runs
 the three. Only `parallel/dims.py` (`ParallelDims`) multiplies or divides parallel degrees (tp x cp, world_size //
-tp, ...) and builds the device mesh.
+tp, ...) and builds the device mesh. lightning/ never branches on the data-parallel mode (argument refusals aside), nor
+on the pipeline outside lightning/pipeline.py, where the strategy's step runner is chosen once at setup.
 The checker is also run on a small tree with one broken rule of each kind, so each rule is shown to fire.
 """
 
