@@ -9,13 +9,15 @@ and datasets are imported only in `lightning/` and `app/`; only `tools/` imports
 entries at its top level (its layers, errors.py and `__init__.py`). Inside plan/, deciding a plan, applying it and
 checking it (`PLAN_JOBS`) import only their own job's modules and the vocabulary all three share; `parallelize` runs
 the three. Only `parallel/dims.py` (`ParallelDims`) multiplies or divides parallel degrees (tp x cp, world_size //
-tp, ...) and builds the device mesh.
+tp, ...) and builds the device mesh. lightning/ never branches on the data-parallel mode (argument refusals aside), nor
+on the pipeline outside lightning/pipeline.py, where the strategy's step runner is chosen once at setup.
 The checker is also run on a small tree with one broken rule of each kind, so each rule is shown to fire.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -307,13 +309,28 @@ def test_the_degree_checker_flags_a_product_of_degrees(tmp_path):
 
 # What a branch on the data-parallel mode reads: the mode's name or values, or the wrappers that apply them.
 DATA_PARALLEL_MARKS = ("data_parallel", "fsdp", "ddp", "FSDPModule", "DistributedDataParallel")
+# The one module of lightning/ that looks at the pipeline: its step runner, chosen there once at setup.
+PIPELINE_OWNER = "pipeline.py"
 
 
-def data_parallel_branch_problems(lightning: Path) -> list[str]:
-    """An `if` (or conditional expression) in lightning/ whose test reads the data-parallel mode, other than an
-    argument's refusal (an `if` whose body only raises): `tp_train.training`'s apply order owns that choice."""
+def _reads_data_parallel(word: str) -> bool:
+    return word in DATA_PARALLEL_MARKS
+
+
+def _reads_pipeline(word: str) -> bool:
+    """The pipeline or its degree: `self._pipeline`, `training.pipeline`, `pipeline_parallel_size`, `dims.pp`, a stage
+    it holds."""
+    return "pipeline" in word.lower() or word in ("pp", "holds_first", "holds_last")
+
+
+def branch_problems(lightning: Path, reads: Callable[[str], bool], what: str, owner: str | None = None) -> list[str]:
+    """Each `if` (or conditional expression) in lightning/ outside `owner` whose test reads a name, attribute or
+    string that `reads` marks, other than an argument's refusal (an `if` whose body only raises)."""
     problems = []
     for path in sorted(lightning.rglob("*.py")):
+        relative = path.relative_to(lightning).as_posix()
+        if relative == owner:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, (ast.If, ast.IfExp)):
                 continue
@@ -321,14 +338,33 @@ def data_parallel_branch_problems(lightning: Path) -> list[str]:
                 continue
             read = {getattr(leaf, "id", None) or getattr(leaf, "attr", None) or getattr(leaf, "value", None)
                     for leaf in ast.walk(node.test)}  # fmt: skip
-            if any(isinstance(word, str) and word in DATA_PARALLEL_MARKS for word in read):
-                problems.append(f"lightning/{path.relative_to(lightning)}:{node.lineno}: a branch on the data-parallel "
-                                f"mode; tp_train.training's apply order decides it")  # fmt: skip
+            if any(isinstance(word, str) and reads(word) for word in read):
+                problems.append(f"lightning/{relative}:{node.lineno}: {what}")
     return problems
+
+
+def data_parallel_branch_problems(lightning: Path) -> list[str]:
+    """Branches on the data-parallel mode in lightning/: `tp_train.training`'s apply order owns that choice."""
+    what = "a branch on the data-parallel mode; tp_train.training's apply order decides it"
+    return branch_problems(lightning, _reads_data_parallel, what)
+
+
+def pipeline_branch_problems(lightning: Path) -> list[str]:
+    """Branches on the pipeline (whether there is one, its degree, its stages) in lightning/ outside `PIPELINE_OWNER`:
+    the strategy's hooks call the step runner chosen there once at setup, the same way with or without a pipeline."""
+    return branch_problems(
+        lightning, _reads_pipeline, f"a branch on the pipeline; the step runner (lightning/{PIPELINE_OWNER}) runs it",
+        owner=PIPELINE_OWNER,
+    )  # fmt: skip
 
 
 def test_lightning_does_not_branch_on_the_data_parallel_mode():
     problems = data_parallel_branch_problems(ROOT / "tp_train" / "lightning")
+    assert not problems, "\n".join(problems)
+
+
+def test_lightning_does_not_branch_on_the_pipeline_outside_its_step_runner():
+    problems = pipeline_branch_problems(ROOT / "tp_train" / "lightning")
     assert not problems, "\n".join(problems)
 
 
@@ -342,4 +378,28 @@ def test_the_branch_checker_flags_a_branch_on_the_data_parallel_mode(tmp_path):
     assert data_parallel_branch_problems(tmp_path) == [
         "lightning/strategy.py:2: a branch on the data-parallel mode; tp_train.training's apply order decides it",
         "lightning/strategy.py:4: a branch on the data-parallel mode; tp_train.training's apply order decides it",
+    ]
+
+
+def test_the_branch_checker_flags_a_branch_on_the_pipeline_outside_its_owner(tmp_path):
+    (tmp_path / "strategy.py").write_text(
+        "def backward(self, loss):\n"
+        "    if self._pipeline is None:\n        return super().backward(loss)\n"  # flagged
+        "    scale = None if self.parallel_training.pipeline is None else 0.5\n"  # flagged
+        "    if self.pipeline_parallel_size > 8:\n        raise ValueError('too many stages')\n"  # a refusal
+    )
+    (tmp_path / "metrics.py").write_text(
+        "def count(strategy, dims):\n"
+        "    if getattr(strategy, 'pipeline_parallel_size', 1) == 1:\n        return 0\n"  # flagged
+        "    if dims.pp > 1:\n        return 1\n"  # flagged
+    )
+    (tmp_path / PIPELINE_OWNER).write_text(  # the owner chooses the runner and runs the stages
+        "def step_runner(training):\n"
+        "    return ModelSteps() if training.pipeline is None else PipelineSteps(training.pipeline)\n"
+    )
+    assert pipeline_branch_problems(tmp_path) == [
+        "lightning/metrics.py:2: a branch on the pipeline; the step runner (lightning/pipeline.py) runs it",
+        "lightning/metrics.py:4: a branch on the pipeline; the step runner (lightning/pipeline.py) runs it",
+        "lightning/strategy.py:2: a branch on the pipeline; the step runner (lightning/pipeline.py) runs it",
+        "lightning/strategy.py:4: a branch on the pipeline; the step runner (lightning/pipeline.py) runs it",
     ]

@@ -8,7 +8,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from tp_train.errors import ConfigError
-from tp_train.lightning.pipeline import check_pipeline_arguments
+from tp_train.lightning.arguments import check_pipeline_arguments
 from tp_train.parallel.dims import ParallelDims
 from tp_train.plan.pipeline import plan_pipeline_split
 

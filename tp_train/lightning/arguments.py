@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tp_train.parallel.context_parallel import ROTATIONS
 from tp_train.parallel.dims import check_shard_mode
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
+from tp_train.parallel.pipeline import SCHEDULES, schedule_named
 
 
 def check_arguments(
@@ -62,3 +63,33 @@ def check_shard_size(data_parallel_shard_size: int | None, data_parallel: str) -
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"data_parallel_shard_size={size!r} must be a positive integer dividing dp, e.g. 2")
     check_shard_mode(size, data_parallel, "data_parallel_shard_size", unset="None")
+
+
+# What the strategy runs with several stages per rank: each stage a view of the LightningModule's model, one
+# forward and one full backward per chunk. The V-placed and zero-bubble schedules (a split backward) are untested here.
+STRATEGY_VIRTUAL_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
+
+
+def check_pipeline_arguments(
+    size: int, schedule: str, microbatches: int, virtual_stages: int = 1, data_parallel: str = "ddp"
+) -> None:
+    """One-line `ValueError` for pipeline arguments the strategy cannot run (yet), before any rank starts."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"pipeline_parallel_size={size!r} must be a positive integer")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline_microbatches={microbatches!r} must be a positive integer")
+    if size == 1:
+        return
+    key = schedule.lower().replace("-", "_")
+    if key in SCHEDULES and SCHEDULES[key].virtual and key not in STRATEGY_VIRTUAL_SCHEDULES:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} runs several stages per rank in a way the strategy does not offer yet; "
+            f"use {', '.join(repr(name) for name in STRATEGY_VIRTUAL_SCHEDULES)}, '1f1b' or 'gpipe' (tp_train.Pipeline "
+            f"runs it outside Lightning)"
+        )
+    schedule_named(schedule, virtual_stages)  # unknown or refused, or stages per rank it cannot use: its one line
+    if virtual_stages > 1 and data_parallel == "fsdp":
+        raise ValueError(
+            f"pipeline_virtual_stages={virtual_stages} with data_parallel='fsdp' is not offered yet (FSDP2 on views "
+            f"sharing one model is untested); use data_parallel='ddp' or pipeline_virtual_stages=1"
+        )

@@ -1,4 +1,5 @@
-"""Launching ranks from a Hydra app."""
+"""Launching ranks (from a Hydra app, or spawned) and where they meet: `TensorParallelStrategy`'s launch hooks
+(`LaunchHooks`) and its launchers."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ from typing import Any
 from unittest import mock
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+import torch
+from lightning.fabric.utilities.distributed import _init_dist_connection, _set_num_threads_if_needed
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch.distributed.distributed_c10d import default_pg_timeout
 from typing_extensions import override
 
 from tp_train.errors import CheckpointError, DiskFullError
 from tp_train.lightning import rendezvous, watchdog
+from tp_train.parallel.mesh import first_rank_decides
 
 
 def _hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -113,3 +118,47 @@ class ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
             return output
         self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
         return output._replace(weights_path=None)
+
+
+class LaunchHooks:
+    """The launch hooks `TensorParallelStrategy` overrides (a mixin before DDPStrategy): its launcher (one of the two
+    above), the store its ranks meet at (`launch`), and the process group made on that store."""
+
+    _launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
+
+    @override
+    def setup_distributed(self) -> None:
+        # Lightning's, with the store made here: under torchrun, one scoped to this restart round (see
+        # tp_train.lightning.rendezvous), which the process group and device mesh then use.
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
+            store=self.launch.store,
+        )  # fmt: skip
+
+    def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
+        """`decide()` taken once for the whole job, on global rank 0, and returned on every rank (a JSON value),
+        e.g. which checkpoint to resume: through the launch's store before the process group exists
+        (`tp_train.lightning.rendezvous.Rendezvous.rank_zero_decides`), by broadcast once it does."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return first_rank_decides(decide)
+        return self.launch.rank_zero_decides(decide)
+
+    @property
+    def launch(self) -> rendezvous.Rendezvous:
+        """This launch's rendezvous: its store, shared by every rank (`tp_train.lightning.hang` beats through it)."""
+        if self._launch is None:
+            self._launch = rendezvous.Rendezvous(self.cluster_environment, self._timeout or default_pg_timeout)
+        return self._launch
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
+        else:
+            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                              timeout=self._timeout or default_pg_timeout)  # fmt: skip

@@ -1,11 +1,12 @@
 """`TensorParallelStrategy`'s cross-entropy: over whole logits, over vocabulary-sharded ones, or fused with the
-vocabulary-parallel head, compiled with `torch.compile` when the model is; and the batch's loss for logging, from
-each data x context parallel rank's own."""
+vocabulary-parallel head, compiled with `torch.compile` when the model is, over every context-parallel rank's tokens;
+and the batch's loss for logging, from each data x context parallel rank's own."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from torch.distributed import ProcessGroup
 from tp_train.errors import HeadOutputChangedError
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
-from tp_train.plan.context_parallel import mean_over_group
+from tp_train.plan.context_parallel import context_parallel_cross_entropy, mean_over_group
 from tp_train.plan.parallelize import attached
 
 # What a LightningModule sets to say that its training and validation steps pass the model's output to
@@ -61,11 +62,16 @@ class StrategyLoss:
             exist: True, False, or None for "when the LightningModule says its head feeds only the loss"
             (`HEAD_FEEDS_ONLY_LOSS`). With `loss_parallel` and a head without bias only.
         compile: run the loss through `torch.compile`, as the model (True, or a backend's name).
+        context_parallel: the logits are of this rank's share of each sequence; `cross_entropy` is the mean over all
+            of its tokens.
     """
 
-    def __init__(self, loss_parallel: bool, fused: bool | None, compile: bool | str) -> None:
+    def __init__(
+        self, loss_parallel: bool, fused: bool | None, compile: bool | str, context_parallel: bool = False
+    ) -> None:
         self.loss_parallel = loss_parallel
         self.fused = fused
+        self.context_parallel = context_parallel
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
         self.targets: torch.Tensor | None = None  # counted by `count` in this training or validation step
         self._head_fusions: list | None = None
@@ -105,6 +111,15 @@ class StrategyLoss:
         """Adds `target`'s targets not ignored to the step's `targets` (on the device: no sync)."""
         counted = (target != ignore_index).sum()
         self.targets = counted if self.targets is None else self.targets + counted
+
+    def cross_entropy(self, root: nn.Module, group: ProcessGroup | None, logits, target, ignore_index, label_smoothing):
+        """The step's loss (the call below), its targets counted (`count`): with `context_parallel`, the mean over
+        the whole sequence's tokens (`context_parallel_cross_entropy`, which finds their group in `root`)."""
+        self.count(target, ignore_index)  # what the batch's loss weighs this rank's mean by
+        loss = partial(self, root, group)
+        if self.context_parallel:
+            return context_parallel_cross_entropy(loss, logits, target, root, ignore_index, label_smoothing)
+        return loss(logits, target, ignore_index, label_smoothing)
 
     def _fusions(self, root: nn.Module) -> list:
         """The `HeadLossFusion`s `parallelize` set on the heads inside `root`, looked up once (sharded once)."""

@@ -9,16 +9,15 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops, measure_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
 from tp_train.lightning.best_effort import BestEffort
 from tp_train.parallel.dims import ParallelDims
-from tp_train.parallel.experts import named_expert_parameters
-from tp_train.parallel.sharding import full_numel, local_part, named_sharded_parameters
+from tp_train.parallel.sharding import local_part
 from tp_train.plan.parallelize import attached
 from tp_train.training.memory import current_memory, measurable, peak_memory, reset_peak_memory
+from tp_train.training.parallel_training import count_parameters
 
 MIB = 2**20
 
@@ -36,16 +35,6 @@ def peak_memory_mib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / MIB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / MIB if sys.platform == "darwin" else peak / 1024
-
-
-def _summed_over_stages(strategy, counts: list[int]) -> list[int]:
-    """`counts` of this rank's pipeline stages summed over the pipeline's ranks (every rank calls); as they are
-    without a pipeline."""
-    if getattr(strategy, "pipeline_parallel_size", 1) == 1:
-        return counts
-    total = torch.tensor(counts, dtype=torch.int64, device=strategy.root_device)
-    dist.all_reduce(total, group=strategy.pipeline_parallel_group)
-    return total.tolist()
 
 
 def _compute_dtype(trainer: L.Trainer) -> torch.dtype:
@@ -110,15 +99,12 @@ class TrainingMetrics(L.Callback):
         # The largest rank's (ranks of a tensor-parallel group hold different shards): a reduction, so every rank
         # logs it; not through BestEffort, since a rank that skipped it would leave its peers in the collective.
         pl_module.log("memory/params_mib", params / MIB, reduce_fx="max", sync_dist=True)
-        specs = {id(param): spec for _, param, spec in named_sharded_parameters(pl_module)}
-        full = {id(p): full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in pl_module.parameters()}
-        for _, param, region in named_expert_parameters(pl_module):  # this rank's run of experts: all of them
-            full[id(param)] = param.numel() // region.local * region.num_experts
-        # each pipeline stage's, summed over the stages: a tied parameter counted once, on the first stage holding it
-        duplicates = getattr(trainer.strategy, "pipeline_duplicates", frozenset())
-        counted = [p for p in pl_module.parameters() if id(p) not in duplicates]
-        stage = [sum(full[id(p)] for p in counted), sum(full[id(p)] for p in counted if p.requires_grad)]
-        self.parameters, self.trainable_parameters = _summed_over_stages(trainer.strategy, stage)
+        # the whole model's, every pipeline stage's: the strategy's parallelized model (TensorParallelStrategy's), or
+        # this module as it is
+        training = getattr(trainer.strategy, "parallel_training", None)
+        device = trainer.strategy.root_device
+        counts = training.parameter_counts(device) if training is not None else count_parameters(pl_module)
+        self.parameters, self.trainable_parameters = counts
         self.parameters_on_rank = sum(local_part(p).numel() for p in pl_module.parameters())
         if trainer.logger:
             self._optional(

@@ -1,5 +1,7 @@
 """Pipeline parallelism inside `TensorParallelStrategy`: the user's `training_step` runs unchanged, once per
-microbatch, while torch's schedule (`tp_train.parallel.pipeline.Pipeline`) runs the model's stages.
+microbatch, while torch's schedule (`tp_train.parallel.pipeline.Pipeline`) runs the model's stages. This is the one
+module of lightning/ that looks at the pipeline: `step_runner` chooses, once at setup, the runner the strategy's step
+hooks call (`PipelineSteps` here, or `tp_train.lightning.steps.ModelSteps` without a pipeline).
 
 How one step goes, on every rank of the pipeline group:
 1. The batch is split along dim 0 into the microbatches. Where the first stage is, `training_step` runs on each of
@@ -11,8 +13,9 @@ How one step goes, on every rank of the pipeline group:
 3. Tied parameters' gradients are summed across stages; the loss, and what `training_step` logged, are broadcast
    from the last stage and logged on every rank, so `self.log`, callbacks and the progress bar see the batch's: the
    loss logged is the whole batch's, over the data x context parallel replicas too (weighted by their targets).
-The strategy owns backward: the schedule runs it in `training_step`, and Lightning's `backward` (after its
-`zero_grad`) only adds those gradients to the parameters.
+The runner owns backward: the schedule runs it in `training_step`, and Lightning's `backward` (after its
+`zero_grad`) only adds those gradients to the parameters. Validation and test run forward through the schedule;
+predict is refused.
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from lightning.pytorch.strategies import Strategy
 from torch.distributed import ProcessGroup
 
 from tp_train.lightning.loss import mean_over_replicas
-from tp_train.parallel.pipeline import SCHEDULES, Pipeline, schedule_named
+from tp_train.lightning.steps import ModelSteps
+from tp_train.parallel.pipeline import Pipeline
+from tp_train.training import ParallelTraining
 from tp_train.training.apply_order import pipelined_model
 
 
@@ -56,16 +61,19 @@ class _StageOutput(nn.Module):
         return self.output
 
 
-class LightningPipeline:
-    """The user's step methods run through `pipeline` (this rank's stages of `module`'s model, cut by
-    `tp_train.training.parallelize_for_training`), by `training_step` and `evaluation_step`.
+class PipelineSteps:
+    """The strategy's step runner under a pipeline (the interface of `tp_train.lightning.steps.ModelSteps`): the
+    user's step methods run through `pipeline` (this rank's stages of the LightningModule's model, cut by
+    `tp_train.training.parallelize_for_training`); Lightning's own hooks (`default`) are not called.
 
     `replicas` are the data x context parallel ranks of this stage (other tokens, the same parameters): the logged
-    loss is the batch's over them. The gradients' average over them is `ParallelTraining.after_backward`'s."""
+    loss is the batch's over them. The gradients' average over them is `ParallelTraining.after_backward`'s, which the
+    strategy's `post_backward` runs."""
 
-    def __init__(self, module: pl.LightningModule, pipeline: Pipeline, replicas: ProcessGroup | None = None) -> None:
-        self.module = module
-        self.name, _ = pipelined_model(module)
+    def __init__(self, strategy: Strategy, pipeline: Pipeline, replicas: ProcessGroup | None = None) -> None:
+        self.strategy = strategy
+        self.module = strategy.lightning_module
+        self.name, _ = pipelined_model(self.module)
         self.pipeline = pipeline
         pipeline.loss_fn = self._microbatch_loss  # the user's training_step on the last stage's output
         self.split = pipeline.split
@@ -85,22 +93,73 @@ class LightningPipeline:
         self._losses: list[torch.Tensor] = []
         self._pending: dict[nn.Parameter, torch.Tensor] = {}  # the last step's gradients, until backward
 
-    def training_step(self, step: Callable, batch: Any, batch_idx: int, device: torch.device) -> torch.Tensor:
-        """Runs `step` (the user's training_step) through the pipeline over the microbatches of `batch`; returns
-        the batch's loss (this replica's) on every rank; the gradients wait for `backward`."""
-        held = self.pipeline.set_aside_gradients()
-        loss, divisor = self._run(step, batch, batch_idx, device, train=True)
-        self.pipeline.finish_gradients({}, 1.0 / divisor)
-        # Lightning zeroes the gradients after training_step and before backward: this step's wait for `backward`
-        self._pending = self.pipeline.set_aside_gradients()
-        for param, grad in held.items():
-            param.grad = grad
+    def training_step(self, default: Callable, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The user's training_step through the pipeline over the microbatches of the batch, forward and backward;
+        returns the batch's loss (this replica's) on every rank; the gradients wait for `backward`."""
+        precision, device = self.strategy.precision_plugin, self.strategy.root_device
+        with precision.train_step_context():
+            scaler = getattr(precision, "scaler", None)  # 16-mixed: the loss scaled as Lightning would
+            one = torch.ones((), device=device)
+            self.loss_scale = scaler.scale(one) if scaler is not None and scaler.is_enabled() else None
+            held = self.pipeline.set_aside_gradients()
+            loss, divisor = self._run(self.module.training_step, *_batch_arguments(args, kwargs), device, train=True)
+            self.pipeline.finish_gradients({}, 1.0 / divisor)
+            # Lightning zeroes the gradients after training_step and before backward: this step's wait for `backward`
+            self._pending = self.pipeline.set_aside_gradients()
+            for param, grad in held.items():
+                param.grad = grad
+            return loss
+
+    def backward(self, default: Callable, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule ran backward in training_step; its gradients land now, divided as Lightning divides the loss
+        (by accumulate_grad_batches), between the precision plugin's hooks (on_before_backward, on_after_backward
+        for the callbacks)."""
+        precision, module = self.strategy.precision_plugin, self.module
+        closure_loss = precision.pre_backward(closure_loss, module)
+        scale = 1.0 / module.trainer.accumulate_grad_batches
+        for param, grad in self._pending.items():  # added to the parameters' (after Lightning's zero_grad)
+            grad = grad.mul_(scale) if scale != 1.0 else grad
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._pending = {}
+        # the strategy's own, where the gradients are averaged over the data-parallel replicas, before the module's
+        # on_after_backward sees them (as DDP's are, in its backward)
+        self.strategy.post_backward(closure_loss)
+        precision.post_backward(closure_loss, module)
+        return closure_loss
+
+    def validation_step(self, default: Callable, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._evaluate(self.module.validation_step, args, kwargs)
+
+    def test_step(self, default: Callable, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._evaluate(self.module.test_step, args, kwargs)
+
+    def predict_step(self, default: Callable, *args: Any, **kwargs: Any) -> Any:
+        size = self.strategy.pipeline_parallel_size
+        raise NotImplementedError(
+            f"predict does not run through the pipeline yet (pipeline_parallel_size={size}); predict with "
+            f"pipeline_parallel_size=1"
+        )
+
+    def count_targets(self, target: torch.Tensor, ignore_index: int) -> None:
+        """Called by strategy.cross_entropy inside the last stage's training_step: that microbatch's targets (not
+        ignored) out of its size. Kept as a fraction of the batch's size (the microbatches are of one size): weighted
+        by it, a microbatch's loss has the gradients it has in the whole batch's mean, of the same magnitude in fp16
+        (a count would multiply them by the microbatch's tokens, overflowing fp16)."""
+        if self.token_counts is not None:
+            count = int((target != ignore_index).sum())
+            self.token_counts.append(count / max(target.numel() * self.microbatches, 1))
+            self._targets.append(count)
+
+    def batch_loss(self, loss: torch.Tensor, weight: torch.Tensor | float) -> torch.Tensor:
+        """`loss` itself: the batch's (over the replicas too) is logged after the last microbatch (`_run`)."""
         return loss
 
-    def evaluation_step(self, step: Callable, batch: Any, batch_idx: int, device: torch.device) -> torch.Tensor:
+    def _evaluate(self, step: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         """`step` (the user's validation_step or test_step) through the pipeline, forward only; the batch's loss
         (this replica's) on every rank, and what `step` logged logged on every rank."""
-        return self._run(step, batch, batch_idx, device, train=False)[0]
+        with self.strategy.precision_plugin.val_step_context():  # the schedule's forward only
+            device = self.strategy.root_device
+            return self._run(step, *_batch_arguments(args, kwargs), device, train=False)[0]
 
     def _run(self, step: Callable, batch: Any, batch_idx: int, device: torch.device, train: bool):
         self._batch = split_batch(batch, self.microbatches)
@@ -126,23 +185,6 @@ class LightningPipeline:
         loss = loss_sum / divisor  # this replica's batch: what training_step returns
         self._log_on_every_rank(mean_over_replicas(loss, weight, self.replicas))
         return loss, divisor.item()
-
-    def backward(self, scale: float = 1.0) -> None:
-        """Adds the gradients of the last `training_step`, times `scale` (1 / accumulate_grad_batches, as Lightning
-        divides the loss), to the parameters' (Lightning's backward, after its zero_grad)."""
-        for param, grad in self._pending.items():
-            grad = grad.mul_(scale) if scale != 1.0 else grad
-            param.grad = grad if param.grad is None else param.grad + grad
-        self._pending = {}
-
-    def count_tokens(self, count: int, size: int) -> None:
-        """Called by strategy.cross_entropy inside the last stage's training_step: that microbatch's `count` of
-        targets (not ignored) out of its `size`. Kept as a fraction of the batch's size (the microbatches are of one
-        size): weighted by it, a microbatch's loss has the gradients it has in the whole batch's mean, of the same
-        magnitude in fp16 (a count would multiply them by the microbatch's tokens, overflowing fp16)."""
-        if self.token_counts is not None:
-            self.token_counts.append(count / max(size * self.microbatches, 1))
-            self._targets.append(count)
 
     def _model_input(self, step: Callable, part: Any, batch_idx: int) -> torch.Tensor:
         with self._model_as(_CaptureInput()), self._logs_dropped():
@@ -216,34 +258,20 @@ class LightningPipeline:
             del self.module.log
 
 
-# What the strategy runs with several stages per rank: each stage a view of the LightningModule's model, one
-# forward and one full backward per chunk. The V-placed and zero-bubble schedules (a split backward) are untested here.
-STRATEGY_VIRTUAL_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
+def step_runner(strategy: Strategy, training: ParallelTraining) -> ModelSteps | PipelineSteps:
+    """The runner of `strategy`'s step hooks for the model `training` holds, chosen once at setup: through its
+    pipeline where it has one, else Lightning's own steps. `strategy` is the `TensorParallelStrategy` (its
+    `replica_group`: the data x context parallel ranks the logged loss is averaged over)."""
+    replicas = strategy.replica_group
+    if training.pipeline is None:
+        return ModelSteps(replicas)
+    return PipelineSteps(strategy, training.pipeline, replicas)
 
 
-def check_pipeline_arguments(
-    size: int, schedule: str, microbatches: int, virtual_stages: int = 1, data_parallel: str = "ddp"
-) -> None:
-    """One-line `ValueError` for pipeline arguments the strategy cannot run (yet), before any rank starts."""
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"pipeline_parallel_size={size!r} must be a positive integer")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"pipeline_microbatches={microbatches!r} must be a positive integer")
-    if size == 1:
-        return
-    key = schedule.lower().replace("-", "_")
-    if key in SCHEDULES and SCHEDULES[key].virtual and key not in STRATEGY_VIRTUAL_SCHEDULES:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} runs several stages per rank in a way the strategy does not offer yet; "
-            f"use {', '.join(repr(name) for name in STRATEGY_VIRTUAL_SCHEDULES)}, '1f1b' or 'gpipe' (tp_train.Pipeline "
-            f"runs it outside Lightning)"
-        )
-    schedule_named(schedule, virtual_stages)  # unknown or refused, or stages per rank it cannot use: its one line
-    if virtual_stages > 1 and data_parallel == "fsdp":
-        raise ValueError(
-            f"pipeline_virtual_stages={virtual_stages} with data_parallel='fsdp' is not offered yet (FSDP2 on views "
-            f"sharing one model is untested); use data_parallel='ddp' or pipeline_virtual_stages=1"
-        )
+def _batch_arguments(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """(batch, batch_idx) from a step hook's arguments."""
+    batch = args[0] if args else kwargs["batch"]
+    return batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
 
 
 def split_batch(batch: Any, microbatches: int) -> list[Any]:

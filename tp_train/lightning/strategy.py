@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -10,12 +9,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import ProcessGroup
@@ -25,24 +21,22 @@ from typing_extensions import override
 
 from tp_train.checkpoint import consolidated
 from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
-from tp_train.lightning import rendezvous
-from tp_train.lightning.arguments import check_arguments, check_fused_loss, check_shard_size
+from tp_train.lightning.arguments import check_arguments, check_fused_loss, check_pipeline_arguments, check_shard_size
 from tp_train.lightning.checkpoint_hooks import CheckpointHooks
 from tp_train.lightning.example_input import example_inputs
-from tp_train.lightning.launch import HydraJobLauncher, ShardedMultiProcessingLauncher
-from tp_train.lightning.loss import StrategyLoss, mean_over_replicas
-from tp_train.lightning.pipeline import LightningPipeline, check_pipeline_arguments
-from tp_train.lightning.pipeline_hooks import PipelineStepHooks
+from tp_train.lightning.launch import LaunchHooks
+from tp_train.lightning.loss import StrategyLoss
+from tp_train.lightning.pipeline import PipelineSteps, step_runner
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
+from tp_train.lightning.steps import ModelSteps
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
-from tp_train.parallel.mesh import backend_with_timeout, first_rank_decides
-from tp_train.plan.context_parallel import context_parallel_cross_entropy
+from tp_train.parallel.mesh import backend_with_timeout
 from tp_train.plan.meta_init import deferred_init
 from tp_train.training import ParallelTraining, TrainingOptions, parallelize_for_training
 from tp_train.training.experts import check_expert_parallel_arguments
 
 
-class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
+class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
     """Shards the LightningModule's model(s) column-then-row over `tensor_parallel_size` ranks; the remaining
     factor of the world size is data parallelism.
 
@@ -144,14 +138,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
         self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
         self.pipeline_virtual_stages = pipeline_virtual_stages
-        check_pipeline_arguments(
-            pipeline_parallel_size,
-            pipeline_schedule,
-            self.pipeline_microbatches,
-            pipeline_virtual_stages,
-            data_parallel,
-        )
-        self._pipeline: LightningPipeline | None = None
+        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, self.pipeline_microbatches,
+                                 pipeline_virtual_stages, data_parallel)  # fmt: skip
+        self._steps: ModelSteps | PipelineSteps = ModelSteps()  # how the step hooks run the user's steps (setup)
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )
@@ -175,9 +164,9 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         self.data_parallel = data_parallel
         self.data_parallel_shard_size = data_parallel_shard_size
         self._mesh: ParallelMesh | None = None  # the mesh and its views (setup_environment)
-        self._launch: rendezvous.Rendezvous | None = None  # this launch's store (this round's, under torchrun)
         check_fused_loss(fused_loss, data_parallel)
-        self._loss = StrategyLoss(self.loss_parallel, fused_loss, compile)  # FSDP2: the apply order leaves no fusion
+        # (no head-and-loss fusion to turn off under FSDP2 here: the apply order leaves none)
+        self._loss = StrategyLoss(self.loss_parallel, fused_loss, compile, context_parallel=context_parallel_size > 1)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -231,30 +220,17 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
         was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
         statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
         half precision are reduced in fp32."""
-        self._loss.count(target, ignore_index)  # what `batch_loss` weighs this rank's mean by
-        if self._pipeline is not None:  # the microbatch's share of the batch's tokens (tp_train.lightning.pipeline)
-            self._pipeline.count_tokens(int((target != ignore_index).sum()), target.numel())
-        if self.context_parallel_size > 1:  # logits of this rank's share of the tokens; the mean over all of them
-            return context_parallel_cross_entropy(
-                self._cross_entropy, logits, target, self.lightning_module, ignore_index, label_smoothing
-            )
-        return self._cross_entropy(logits, target, ignore_index, label_smoothing)
+        self._steps.count_targets(target, ignore_index)  # under a pipeline: each microbatch's share of the batch
+        group = self.tensor_parallel_group if self.loss_parallel else None
+        return self._loss.cross_entropy(self.lightning_module, group, logits, target, ignore_index, label_smoothing)
 
     def batch_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """For logging: the batch's loss from this rank's `loss` (its training or validation step's), as one process
         would compute it on the whole batch: the mean over the data x context parallel ranks (`replica_group`), each
         weighted by the targets `cross_entropy` counted in its step (by 1 where none went through it). The gradients
         are untouched. Under a pipeline, `loss` itself: the pipeline logs the batch's after its last microbatch."""
-        if self._pipeline is not None:
-            return loss
         weight = self._loss.targets if self._loss.targets is not None else 1.0
-        return mean_over_replicas(loss, weight, self.replica_group)
-
-    @property
-    def pipeline_duplicates(self) -> frozenset[int]:
-        """`id()` of this rank's copies of tied parameters that an earlier pipeline stage holds too (none without a
-        pipeline): counted once over the stages, on the first."""
-        return self.parallel_training.clipping().pipeline_duplicates
+        return self._steps.batch_loss(loss, weight)
 
     @property
     def parallel_training(self) -> ParallelTraining:
@@ -263,20 +239,31 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
             raise RuntimeError("the model is parallelized in the strategy's setup(); it has not run yet")
         return self._parallel
 
-    def _cross_entropy(self, logits, target, ignore_index, label_smoothing) -> torch.Tensor:
-        group = self.tensor_parallel_group if self.loss_parallel else None
-        return self._loss(self.lightning_module, group, logits, target, ignore_index, label_smoothing)
-
+    # The step hooks: each through the step runner (`tp_train.lightning.steps`), with Lightning's own as its default.
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # the head and the loss fused, where they may be; the tokens dropped over the experts' capacity logged
         module = self.lightning_module
+        step = partial(self._steps.training_step, super().training_step, *args, **kwargs)
         with self.parallel_training.experts.counting_drops(module, module.log, self.root_device):
-            return self._loss.step(self.lightning_module, partial(super().training_step, *args, **kwargs))
+            return self._loss.step(module, step)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._steps.backward(super().backward, closure_loss, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._loss.step(self.lightning_module, partial(super().validation_step, *args, **kwargs))
+        step = partial(self._steps.validation_step, super().validation_step, *args, **kwargs)
+        return self._loss.step(self.lightning_module, step)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.test_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.predict_step(super().predict_step, *args, **kwargs)
 
     @property
     @override
@@ -300,43 +287,6 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         self.parallel_training.after_backward()
-
-    @override
-    def setup_distributed(self) -> None:
-        # Lightning's, with the store made here: under torchrun, one scoped to this restart round (see
-        # tp_train.lightning.rendezvous), which the process group and device mesh then use.
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
-            store=self.launch.store,
-        )  # fmt: skip
-
-    def rank_zero_decides(self, decide: Callable[[], Any]) -> Any:
-        """`decide()` taken once for the whole job, on global rank 0, and returned on every rank (a JSON value),
-        e.g. which checkpoint to resume: through the launch's store before the process group exists
-        (`tp_train.lightning.rendezvous.Rendezvous.rank_zero_decides`), by broadcast once it does."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return first_rank_decides(decide)
-        return self.launch.rank_zero_decides(decide)
-
-    @property
-    def launch(self) -> rendezvous.Rendezvous:
-        """This launch's rendezvous: its store, shared by every rank (`tp_train.lightning.hang` beats through it)."""
-        if self._launch is None:
-            self._launch = rendezvous.Rendezvous(self.cluster_environment, self._timeout or default_pg_timeout)
-        return self._launch
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
-        else:
-            self._launcher = HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                              timeout=self._timeout or default_pg_timeout)  # fmt: skip
 
     @contextmanager
     @override
@@ -368,8 +318,7 @@ class TensorParallelStrategy(PipelineStepHooks, CheckpointHooks, DDPStrategy):
                 "loss_parallel off: no LM head is planned 'colwise_gather_output' (the model's "
                 "get_output_embeddings() stays whole under its plan); the loss takes the whole logits"
             )
-        if self._parallel.pipeline is not None and self._pipeline is None:  # the user's steps through the schedule
-            self._pipeline = LightningPipeline(module, self._parallel.pipeline, self.replica_group)
+        self._steps = step_runner(self, self._parallel)  # through the pipeline's schedule where it has one
         self.precision_plugin.clipping = self._parallel.clipping()
         if fitting:
             self.setup_optimizers(trainer)

@@ -1,7 +1,7 @@
 """`ParallelTraining`: what a training step needs from a model that `parallelize_for_training` parallelized, whichever
 dimensions it applied: the module to call, the pipeline schedule (or none), `no_sync` for gradient accumulation, the
-work after backward, and the groups the clipping norm reduces over. A Lightning strategy and a plain PyTorch loop
-drive training through the same object."""
+work after backward, the groups the clipping norm reduces over, and the whole model's size. A Lightning strategy and a
+plain PyTorch loop drive training through the same object."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.clipping import clip_grad_norm_, clip_grads_with_norm_, global_grad_norm
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
+from tp_train.parallel.experts import named_expert_parameters
 from tp_train.parallel.pipeline import Pipeline
 from tp_train.parallel.pipeline.runner import average_gradients
-from tp_train.parallel.sharding import ShardSpec, named_sharded_parameters
+from tp_train.parallel.sharding import ShardSpec, full_numel, named_sharded_parameters
 from tp_train.training.experts import TrainingExperts
 
 
@@ -114,3 +115,27 @@ class ParallelTraining:
             pipeline_duplicates=frozenset() if pipeline is None else pipeline.duplicate_parameters(),
             experts=self.experts.clipping(),
         )
+
+    def parameter_counts(self, device: torch.device) -> tuple[int, int]:
+        """The whole model's parameters and its trainable ones, as one process holds them (`count_parameters`): every
+        pipeline stage's, summed over the pipeline's ranks (on `device`; every rank calls), a tied parameter counted
+        once, on the first stage holding it."""
+        if self.pipeline is None:
+            return count_parameters(self.root)
+        counts = count_parameters(self.root, self.pipeline.duplicate_parameters())
+        total = torch.tensor(counts, dtype=torch.int64, device=device)
+        dist.all_reduce(total, group=self.mesh.pipeline_parallel.get_group())
+        parameters, trainable = total.tolist()
+        return parameters, trainable
+
+
+def count_parameters(root: nn.Module, duplicates: frozenset[int] = frozenset()) -> tuple[int, int]:
+    """The parameters of `root` on this rank and its trainable ones, each counted whole: a tensor-parallel shard as
+    its full tensor, this rank's run of experts as all of them (FSDP2's parameters are whole over the data-parallel
+    ranks already); those in `duplicates` (by `id()`) not counted."""
+    specs = {id(param): spec for _, param, spec in named_sharded_parameters(root)}
+    full = {id(p): full_numel(p, specs[id(p)]) if id(p) in specs else p.numel() for p in root.parameters()}
+    for _, param, region in named_expert_parameters(root):
+        full[id(param)] = param.numel() // region.local * region.num_experts
+    counted = [param for param in root.parameters() if id(param) not in duplicates]
+    return sum(full[id(p)] for p in counted), sum(full[id(p)] for p in counted if p.requires_grad)

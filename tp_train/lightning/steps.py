@@ -1,0 +1,40 @@
+"""How `TensorParallelStrategy` runs the user's step methods: through one step runner, chosen once at setup
+(`tp_train.lightning.pipeline.step_runner`), that every step hook calls the same way, with Lightning's own hook as
+`default`; so no hook asks whether there is a pipeline. Two runners have this interface: `ModelSteps` here (no
+pipeline: Lightning's own steps) and `tp_train.lightning.pipeline.PipelineSteps` (the user's steps through the
+pipeline's schedule)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from tp_train.lightning.loss import mean_over_replicas
+
+
+class ModelSteps:
+    """Lightning's own steps: the user's step methods call the model (DDP or FSDP2 around it reduces the gradients
+    in backward), and the loss logged is the mean over `replicas` (the data x context parallel ranks: other tokens,
+    the same parameters), each rank's weighted by its targets. Before setup, `replicas` is None: each rank's own."""
+
+    def __init__(self, replicas: ProcessGroup | None = None) -> None:
+        self.replicas = replicas
+
+    def training_step(self, default: Callable, *args: Any, **kwargs: Any) -> Any:
+        """The step as Lightning runs it: `default(*args, **kwargs)` (the same for every step method)."""
+        return default(*args, **kwargs)
+
+    validation_step = test_step = predict_step = training_step
+
+    def backward(self, default: Callable, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return default(closure_loss, *args, **kwargs)
+
+    def count_targets(self, target: torch.Tensor, ignore_index: int) -> None:
+        """Nothing to count: the strategy's loss counts the step's targets (`StrategyLoss.count`)."""
+
+    def batch_loss(self, loss: torch.Tensor, weight: torch.Tensor | float) -> torch.Tensor:
+        """The batch's loss from this rank's `loss`, weighted by `weight` (its targets) among the replicas'."""
+        return mean_over_replicas(loss, weight, self.replicas)
