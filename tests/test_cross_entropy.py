@@ -175,6 +175,7 @@ def _fused_memory(rank, world_size):
     return [fused_memory(tokens, 256, 2048, 64, True, torch.device("cpu")) for tokens in (1024, 4096)]
 
 
+@pytest.mark.slow
 def test_fused_head_and_loss_working_memory_follows_the_chunk_not_the_tokens():
     [(short, long)] = run_on_ranks(_fused_memory, 1)
     # Working memory (4.8 and 4.9 MiB): the same at 4x the tokens, where a bf16 copy of the whole input (0.5 MiB at

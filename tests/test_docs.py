@@ -75,6 +75,7 @@ def _documented_train_overrides() -> list[tuple[str, list[str]]]:
     return runs
 
 
+@pytest.mark.slow
 def test_documented_train_commands_compose(tmp_path):
     """Every documented `python train.py ...` line names config groups, options and keys that exist: Hydra
     composes it (an unknown key or option is an error there)."""

@@ -5,6 +5,7 @@ stays whole with a note rather than being split with its counts left whole."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import tp_train
@@ -13,6 +14,7 @@ from tp_train.plan.resolve import resolve_plan
 from tp_train.tools.zoo import build_family
 
 
+@pytest.mark.slow
 def test_switch_experts_the_probe_never_reaches_are_split_like_their_siblings():
     """`_uncalled_siblings`: routing sends the probe's few tokens to some of the 8 experts only; the others are split
     as `expert_0` is, and the router stays whole."""

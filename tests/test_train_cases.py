@@ -29,6 +29,7 @@ class RecordCommandLine(L.Callback):
         Path(f"{self.path}.rank{trainer.global_rank}").write_text(" ".join(sys.orig_argv))
 
 
+@pytest.mark.slow
 def test_a_forked_run_answers_as_python_train_py_does(tmp_path):
     command = [sys.executable, "train.py", "experiment=smoke", "logger=none", "tp=3", f"hydra.run.dir={tmp_path}"]
     env = {**os.environ, "TP_TRAIN_CACHE": str(tmp_path / "cache")}
