@@ -173,10 +173,7 @@ def run(cfg: DictConfig) -> float | None:
             except ValueError as error:  # a model of your own whose config gives no layer count or width: advisory
                 print(f"note: no memory estimate: {error}", flush=True)
             else:
-                cp = f", cp={cfg.cp}" if cfg.get("cp", 1) > 1 else ""
-                pp = f", pp={cfg.pp} (the pipeline rank holding the most)" if cfg.get("pp", 1) > 1 else ""
-                sizes = f"tp={cfg.tp}{cp}{pp}, {cfg.data_parallel}, precision={cfg.precision}"
-                print(estimate.table(f"predicted memory per rank ({sizes})"), flush=True)
+                print(estimate.table(f"predicted memory per rank ({preflight.layout_label(cfg)})"), flush=True)
         if cfg.get("dry_run"):
             return None
         datamodule = instantiate(cfg.data)

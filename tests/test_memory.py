@@ -245,3 +245,19 @@ def test_the_estimate_reads_a_field_kept_per_layer():
     model.config = AutoConfig.for_model("gemma4_text", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                         head_dim=8, num_hidden_layers=2, intermediate_size=64)  # fmt: skip
     assert attention_shape(model) == (4, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "label"),
+    [
+        (["tp=2"], "tp=2, ddp, precision=32"),
+        (["tp=2", "dp=2", "data_parallel=fsdp"], "tp=2, fsdp, precision=32"),
+        (["tp=1", "dp=4", "dp_shard=2", "data_parallel=fsdp", "pp=2"],
+         "tp=1, pp=2 (the pipeline rank holding the most), hsdp: shard groups of 2 x 2 replicas, precision=32"),
+    ],
+)  # fmt: skip
+def test_the_estimates_header_names_the_layout_hsdp_included(tmp_path, overrides, label):
+    from tests.test_configs import _compose
+    from tp_train.app.preflight import layout_label
+
+    assert layout_label(_compose(tmp_path, overrides)) == label

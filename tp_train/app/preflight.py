@@ -257,6 +257,18 @@ def config_dims(cfg: DictConfig) -> ParallelDims | None:
     )  # fmt: skip
 
 
+def layout_label(cfg: DictConfig) -> str:
+    """The degrees and modes a memory estimate is for, e.g. "tp=2, pp=2 (the pipeline rank holding the most),
+    hsdp: shard groups of 2 x 2 replicas, precision=32"."""
+    cp = f", cp={cfg.cp}" if cfg.get("cp", 1) > 1 else ""
+    pp = f", pp={cfg.pp} (the pipeline rank holding the most)" if cfg.get("pp", 1) > 1 else ""
+    dims = config_dims(cfg)
+    mode = str(_setting(cfg, "data_parallel", "ddp"))
+    if dims is not None and dims.data_parallel == "hsdp":
+        mode = f"hsdp: shard groups of {dims.dp_shard} x {dims.dp_replicate} replicas"
+    return f"tp={cfg.tp}{cp}{pp}, {mode}, precision={cfg.precision}"
+
+
 def _setting(cfg: DictConfig, name: str, default=None, key: str | None = None):
     """`name` as the strategy gets it: set on the strategy (`trainer.strategy.<name>`), else the top-level key
     (`key`, where its name differs: `dp_shard` for `data_parallel_shard_size`)."""
