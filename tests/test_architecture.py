@@ -33,8 +33,7 @@ FRAMEWORK_LAYERS = ("lightning", "app")
 PLAN_JOBS = {
     "decide": ("autoplan", "coverage", "experts", "families", "head_shapes", "isolation", "local_search", "locality",
                "match", "pairs", "pipeline", "presets", "resolve", "running_statistics", "structure_rules", "views"),
-    "apply": ("activation_checkpointing", "adapters", "apply", "context_parallel", "data_parallel",
-              "sequence_parallel"),
+    "apply": ("adapters", "apply", "sequence_parallel"),
     "check": ("region_check", "verify"),
     "shared": ("caches", "channels", "compare", "gradient_hooks", "layout", "local_view", "meta_init", "probe",
                "probe_input", "styles", "ties", "init_record"),

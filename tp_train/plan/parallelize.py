@@ -12,17 +12,17 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.checkpoint.pretrained import load_pretrained_modules
+from tp_train.parallel.activation_checkpointing import checkpoint_blocks
 from tp_train.parallel.agreement import failures_agreed
 from tp_train.parallel.collectives import CommunicationCounter
+from tp_train.parallel.context_parallel.models import enable_context_parallel
 from tp_train.parallel.fused_cross_entropy import HeadLossFusion
 from tp_train.parallel.layers import ColumnParallelLinear, Configurable
 from tp_train.parallel.mesh import as_process_group, first_rank_decides
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
-from tp_train.plan.activation_checkpointing import checkpoint_blocks
 from tp_train.plan.apply import apply_plan
 from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
 from tp_train.plan.caches import caches_kept
-from tp_train.plan.context_parallel import enable_context_parallel
 from tp_train.plan.isolation import planning_isolated
 from tp_train.plan.layout import block_layout, blocks_if_any
 from tp_train.plan.match import match_plan
@@ -114,7 +114,7 @@ def parallelize(
         if sequence_parallel:
             apply_sequence_parallel(model, layout, group, rng, counter)
         if activation_checkpointing:
-            checkpoint_blocks(model, layout, rng)
+            checkpoint_blocks(model, layout.blocks, rng)
         model.tp_rng = rng
         model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
         if vocab_size is not None:

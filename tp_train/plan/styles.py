@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from tp_train.parallel.context_parallel.models import HEAD_ATTRIBUTES
 from tp_train.parallel.sharding import ShardSpec
 
 ROW_STYLES = {"rowwise", "rowwise_split_input", "rowwise_scatter_output"}
@@ -28,8 +29,8 @@ PARAMETER_STYLES = {"channelwise", "colwise", "rowwise", "packed_colwise", "pack
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 
-# Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim).
-HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+# Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim); the
+# query heads' (`HEAD_ATTRIBUTES`) are context parallelism's too, which cannot import the plan.
 KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
 KV_GROUP_ATTRIBUTES = ("num_key_value_groups", "num_kv_groups")  # query heads per kv head
 WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim")
