@@ -19,7 +19,7 @@ from tp_train.parallel.pipeline import Pipeline
 from tp_train.parallel.pipeline.runner import refuse_sharded_ties
 from tp_train.parallel.pipeline.ties import tied_parameters
 from tp_train.parallel.sharding import local_part
-from tp_train.plan.pipeline import plan_pipeline_split
+from tp_train.plan.deciding.pipeline import plan_pipeline_split
 from tp_train.training.data_parallel import fully_shard_data_parallel
 
 N_LAYER = 3

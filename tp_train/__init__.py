@@ -33,11 +33,11 @@ from tp_train.parallel.pipeline import Pipeline
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.parallel.random import TensorParallelRNG
 from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
-from tp_train.plan.autoplan import infer_plan
+from tp_train.plan.checking.verify import PlanVerificationError, verify_parallelized
+from tp_train.plan.deciding.autoplan import infer_plan
+from tp_train.plan.deciding.pipeline import plan_pipeline_split
 from tp_train.plan.meta_init import deferred_init
 from tp_train.plan.parallelize import parallelize
-from tp_train.plan.pipeline import plan_pipeline_split
-from tp_train.plan.verify import PlanVerificationError, verify_parallelized
 from tp_train.tools.export import export_hugging_face
 from tp_train.tools.generation import Sampling, generate
 from tp_train.tools.memory import estimate_memory

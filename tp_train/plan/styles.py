@@ -17,7 +17,7 @@ LINEAR_STYLES = ROW_STYLES | {"colwise", "colwise_gather_output", "packed_colwis
 # A module reducing over split features: its parameters split as the parameter style `rowwise` splits them (their
 # last dim), its reductions over the features completed (`tp_train.parallel.reductions`).
 FEATURE_REDUCTION_STYLE = "feature_reduction_parallel"
-# Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
+# Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.applying.apply`).
 REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj"}
 # Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
 NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel", "layernorm_parallel")
@@ -76,7 +76,8 @@ def adapted_model(module: nn.Module) -> tuple[str, nn.Module] | None:
 
 def adapted_base(module: nn.Module) -> nn.Module | None:
     """The layer a peft adapter layer wraps (LoRA's `base_layer`, beside its `lora_A` and `lora_B`), else None: a
-    plan entry naming the adapter layer shards it as its base layer, adapters included (`tp_train.plan.adapters`)."""
+    plan entry naming the adapter layer shards it as its base layer, adapters included
+    (`tp_train.plan.applying.adapters`)."""
     return module._modules.get("base_layer") if isinstance(module._modules.get("lora_A"), nn.ModuleDict) else None
 
 

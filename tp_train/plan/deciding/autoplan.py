@@ -7,9 +7,15 @@ import torch
 import torch.nn as nn
 
 from tp_train.errors import first_line
-from tp_train.plan.coverage import as_patterns, covered_linears, in_repeated_block, kept_whole_notes, whole_beyond_small
-from tp_train.plan.locality import LocalityProbes
-from tp_train.plan.pairs import (
+from tp_train.plan.deciding.coverage import (
+    as_patterns,
+    covered_linears,
+    in_repeated_block,
+    kept_whole_notes,
+    whole_beyond_small,
+)
+from tp_train.plan.deciding.locality import LocalityProbes
+from tp_train.plan.deciding.pairs import (
     SPLIT_NORMS,
     SPLITS,
     TABLE_STYLE,
@@ -20,12 +26,12 @@ from tp_train.plan.pairs import (
     over_last_dim,
     per_feature,
 )
+from tp_train.plan.deciding.running_statistics import probe_statistics
+from tp_train.plan.deciding.structure_rules import StructureRules
+from tp_train.plan.deciding.views import AttentionViews
 from tp_train.plan.probe import probe_copy, producers_of, producers_of_calls, trace_calls
 from tp_train.plan.probe_input import ProbeInput, probe_input
-from tp_train.plan.running_statistics import probe_statistics
-from tp_train.plan.structure_rules import StructureRules
 from tp_train.plan.styles import linear_shape, matrix_shape
-from tp_train.plan.views import AttentionViews
 
 INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in

@@ -27,7 +27,7 @@ from tp_train.parallel.pointwise_conv import ColumnParallelPointwiseConv, RowPar
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.reductions import FeatureReductionRegion
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_parameter, sum_replicated_gradient
-from tp_train.plan.adapters import materialize_adapters, shard_adapters
+from tp_train.plan.applying.adapters import materialize_adapters, shard_adapters
 from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import SUM_OVER_RANKS, SUM_REPLICAS, register_gradient_hook
@@ -98,7 +98,7 @@ def apply_plan(
                 layer = _parallel_linear(base, style, group, shared, sharded_output, entry.counts, entry.arguments)
                 _sum_replicas(model, name, layer, group, replicated_parents)
             layer = _keep_subclass_forward(base, layer, SWAPPED_BASES[style])
-            if wrapper is not None:  # its adapters split to go with the base (tp_train.plan.adapters)
+            if wrapper is not None:  # its adapters split to go with the base (tp_train.plan.applying.adapters)
                 wrapper.base_layer = layer
                 shard_adapters(name, wrapper, layer, style, group, rng)
                 checked = (reference, wrapper)  # the LoRA layer as a whole

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tp_train.parallel.sharding import divisors
-from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
-from tp_train.plan.coverage import covered_linears, in_repeated_block, sharded_parameters, whole_beyond_small
-from tp_train.plan.experts import keep_experts_whole
-from tp_train.plan.match import names_anything
-from tp_train.plan.presets import check_shardable, override_plan, plan_additions, preset_plan
+from tp_train.plan.deciding.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
+from tp_train.plan.deciding.coverage import covered_linears, in_repeated_block, sharded_parameters, whole_beyond_small
+from tp_train.plan.deciding.experts import keep_experts_whole
+from tp_train.plan.deciding.match import names_anything
+from tp_train.plan.deciding.presets import check_shardable, override_plan, plan_additions, preset_plan
 from tp_train.plan.styles import (
     ALIASES,
     CONFIG_HEAD_FIELDS,
@@ -59,10 +59,10 @@ def resolve_plan(
     experts_whole: bool = False,
 ) -> tuple[dict[str, str], str]:
     """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`), else the
-    auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.autoplan`). The config's head
-    counts are checked against `tensor_parallel_size` here, whichever plan it is. With `experts_whole` (expert
-    parallelism) the model's own plan leaves its experts modules whole (`keep_experts_whole`); a `plan` argument is
-    taken as written."""
+    auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.deciding.autoplan`). The
+    config's head counts are checked against `tensor_parallel_size` here, whichever plan it is. With `experts_whole`
+    (expert parallelism) the model's own plan leaves its experts modules whole (`keep_experts_whole`); a `plan`
+    argument is taken as written."""
     if tensor_parallel_size:
         check_config_heads(model, tensor_parallel_size)
     if plan:

@@ -7,7 +7,8 @@ import torch.nn as nn
 
 from tp_train.parallel.norm import EPSILON_ATTRIBUTES, is_layer_norm, norm_epsilon, norm_groups
 from tp_train.parallel.sharding import check_divisible, check_sections, divisors
-from tp_train.plan.head_shapes import attention_of, grouped_without_counts, observed_counts
+from tp_train.plan.deciding.head_shapes import attention_of, grouped_without_counts, observed_counts
+from tp_train.plan.deciding.ties import tie_completions
 from tp_train.plan.local_view import field_and_sections, field_value, parse_attention_style, usual_fields
 from tp_train.plan.styles import (
     ALIASES,
@@ -32,14 +33,14 @@ from tp_train.plan.styles import (
     section_sizes,
     section_units,
 )
-from tp_train.plan.ties import tie_completions
 
 
 def match_plan(model: nn.Module, plan: dict[str, str], tp: int, example_input=None) -> list[PlannedModule]:
     """Every module the plan names, with its style (and the styles of entries naming its parameters), after checking
     that the plan applies at this tp (the config's head counts are checked once, by `resolve_plan`). A column layer's
     head counts come from its attention module or the model's config, or, for grouped-query attention they do not
-    explain, from the attention's own reshape in a probe forward on `example_input` (`tp_train.plan.head_shapes`)."""
+    explain, from the attention's own reshape in a probe forward on `example_input`
+    (`tp_train.plan.deciding.head_shapes`)."""
     config = getattr(model, "config", None)
     observed = _observed_counts(model, plan, example_input) if tp > 1 else {}
     planned: dict[str, PlannedModule] = {}

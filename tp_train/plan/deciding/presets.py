@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.plan.families import FamilySpec, family_of
+from tp_train.plan.deciding.families import FamilySpec, family_of
 
 HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered
 
