@@ -11,8 +11,7 @@ import torch.nn as nn
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from tp_train.plan.deciding.families import FamilySpec, family, register, registered, unregister
-from tp_train.plan.deciding.presets import preset_plan
-from tp_train.plan.deciding.resolve import resolve_plan
+from tp_train.plan.deciding.resolve import preset_plan, resolve_plan
 from tp_train.plan.styles import check_style
 from tp_train.tools.zoo import tiny_config
 

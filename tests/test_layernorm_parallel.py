@@ -147,7 +147,7 @@ def test_a_module_that_is_no_layernorm_is_refused_in_one_line():
 def test_the_auto_planner_puts_a_layernorm_between_column_and_row_in_the_new_style():
     """Its mean and variance held in the planner's perturbed probes, the norm spreads no share to the others; ESM C,
     given no plan, is planned as Hugging Face's plan with its additions plans it."""
-    from tp_train.plan.deciding.presets import plan_additions
+    from tp_train.plan.deciding.resolve import plan_additions
     from tp_train.tools.zoo import build_family
 
     model = LayerNormedLM()

@@ -339,7 +339,7 @@ CASES = {
         0.31,  # the adapters' down Linears (64 x 8, 4 of them) whole, and the group's B and C: 0.325 at tp 4
     ),
     # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
-    # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.deciding.presets`).
+    # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.deciding.resolve`).
     "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),
     # RWKV's time-mix split by channels with its per-channel decay and bonus; the channel-mix's receptance (hidden x
     # hidden) whole, so a rank holds 0.563 of the tiny blocks' matrices (time_mix_* included) at tp 2, 0.345 at tp 4.

@@ -22,7 +22,6 @@ from tp_train.parallel.mesh import as_process_group, first_rank_decides
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.applying.apply import apply_plan
 from tp_train.plan.applying.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
-from tp_train.plan.caches import caches_kept
 from tp_train.plan.checking.region_check import RegionCheck
 from tp_train.plan.checking.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
 from tp_train.plan.deciding.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
@@ -30,6 +29,7 @@ from tp_train.plan.deciding.isolation import planning_isolated
 from tp_train.plan.deciding.match import match_plan
 from tp_train.plan.deciding.resolve import EXPERTS_KEPT_WHOLE, SKIPPED, resolve_plan
 from tp_train.plan.layout import block_layout, blocks_if_any
+from tp_train.plan.probe import caches_kept
 from tp_train.plan.styles import PlannedModule, adapted_model, linear_shape
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
