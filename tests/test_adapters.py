@@ -1,7 +1,7 @@
-"""Adapters under tensor parallelism (`tp_train.plan.adapters`): a Llama wrapped by `peft.get_peft_model` (LoRA on
-q_proj, v_proj and down_proj) shards with no plan given, through the wrapper, and computes the unsharded model's
-function with only the adapters training: lora_B split with a column base's output, lora_A with a row base's input,
-and the row layer's adapter summed by its one all-reduce."""
+"""Adapters under tensor parallelism (`tp_train.plan.applying.adapters`): a Llama wrapped by `peft.get_peft_model`
+(LoRA on q_proj, v_proj and down_proj) shards with no plan given, through the wrapper, and computes the unsharded
+model's function with only the adapters training: lora_B split with a column base's output, lora_A with a row base's
+input, and the row layer's adapter summed by its one all-reduce."""
 
 from __future__ import annotations
 

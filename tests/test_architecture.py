@@ -7,9 +7,10 @@ and `tools` never import each other; no module imports another module's `_privat
 and datasets are imported only in `lightning/` and `app/`; only `tools/` imports the project's reference models
 (`models`), and `models/` imports nothing from tp_train; there are no import cycles; and tp_train keeps at most 9
 entries at its top level (its layers, errors.py and `__init__.py`). Inside plan/, deciding a plan, applying it and
-checking it (`PLAN_JOBS`) import only their own job's modules and the vocabulary all three share; `parallelize` runs
-the three. Only `parallel/dims.py` (`ParallelDims`) multiplies or divides parallel degrees (tp x cp, world_size //
-tp, ...) and builds the device mesh. lightning/ never branches on the data-parallel mode (argument refusals aside), nor
+checking it (`PLAN_JOBS`: plan/deciding/, plan/applying/, plan/checking/) import only their own job's modules and the
+vocabulary all three share (plan/'s own modules, which import no job); `parallelize` runs the three. Only
+`parallel/dims.py` (`ParallelDims`) multiplies or divides parallel degrees (tp x cp, world_size // tp, ...) and builds
+the device mesh. lightning/ never branches on the data-parallel mode (argument refusals aside), nor
 on the pipeline outside lightning/pipeline.py, where the strategy's step runner is chosen once at setup.
 The checker is also run on a small tree with one broken rule of each kind, so each rule is shown to fire.
 """
@@ -28,38 +29,40 @@ APP_FRAMEWORKS = ("lightning", "hydra", "omegaconf", "datasets")  # only in ligh
 FRAMEWORK_LAYERS = ("lightning", "app")
 
 
-# plan/'s modules by job. Deciding never reaches into applying or checking (the rank simulation splits with the
-# shared `ShardSpec`s and local views that `apply_plan` uses); `shared` imports only `shared`.
-PLAN_JOBS = {
-    "decide": ("autoplan", "coverage", "experts", "families", "head_shapes", "isolation", "local_search", "locality",
-               "match", "pairs", "pipeline", "presets", "resolve", "running_statistics", "structure_rules", "views"),
-    "apply": ("activation_checkpointing", "adapters", "apply", "context_parallel", "data_parallel",
-              "sequence_parallel"),
-    "check": ("region_check", "verify"),
-    "shared": ("caches", "channels", "compare", "gradient_hooks", "layout", "local_view", "meta_init", "probe",
-               "probe_input", "styles", "ties", "init_record"),
-}  # fmt: skip
+# plan/'s jobs, one sub-package each (plan/deciding/, plan/applying/, plan/checking/). Deciding never reaches into
+# applying or checking (the rank simulation splits with the shared `ShardSpec`s and local views that `apply_plan`
+# uses); the vocabulary all three share sits in plan/ itself and imports none of them; `parallelize` runs the three.
+PLAN_JOBS = ("deciding", "applying", "checking")
 PLAN_ENTRY = ("__init__", "parallelize")
 
 
 def plan_job_problems(plan_root: Path) -> list[str]:
-    """Every import inside `plan_root` from one job's module into another job's (`PLAN_JOBS`), and every module
-    that belongs to no job, one line each."""
-    job = {module: name for name, modules in PLAN_JOBS.items() for module in modules}
+    """Every import inside `plan_root` from one job's sub-package (`PLAN_JOBS`) into another's, every import of a job
+    from the shared vocabulary (plan/'s own modules, `PLAN_ENTRY` aside), and every sub-package that is no job, one
+    line each."""
     package = f"{plan_root.parent.name}.{plan_root.name}"
-    problems = []
-    for path in sorted(plan_root.glob("*.py")):
-        mine = job.get(path.stem)
-        if mine is None:
-            if path.stem not in PLAN_ENTRY:
-                problems.append(f"plan/{path.name} belongs to no job: add it to PLAN_JOBS")
+    problems = [
+        f"plan/{path.name}/ is no job: its modules go in one of {', '.join(PLAN_JOBS)}, or in plan/ if all three "
+        "use them"
+        for path in sorted(plan_root.iterdir())
+        if path.is_dir() and path.name not in (*PLAN_JOBS, "__pycache__")
+    ]
+
+    def job_of(parts: tuple[str, ...]) -> str:
+        return parts[0] if parts[0] in PLAN_JOBS else "shared"
+
+    for path in sorted(plan_root.rglob("*.py")):
+        parts = path.relative_to(plan_root).with_suffix("").parts
+        if parts[0] not in PLAN_JOBS and len(parts) > 1 or parts in [(entry,) for entry in PLAN_ENTRY]:
             continue
+        mine = job_of(parts)
         for imported, _, line in _imports(path, set()):
             if not imported.startswith(package + "."):
                 continue
-            other = job.get(imported[len(package) + 1 :].split(".")[0])
-            if other is not None and other != mine and other != "shared":
-                problems.append(f"plan/{path.name}:{line}: {mine} imports {imported} ({other})")
+            other = job_of(tuple(imported[len(package) + 1 :].split(".")))
+            if other != mine and other != "shared":
+                where = "/".join(parts)
+                problems.append(f"plan/{where}.py:{line}: {mine} imports {imported} ({other})")
     return problems
 
 
@@ -170,14 +173,21 @@ def test_plan_decides_applies_and_checks_apart():
 
 def test_the_job_checker_flags_deciding_that_reaches_into_applying(tmp_path):
     plan = tmp_path / "pkg" / "plan"
-    plan.mkdir(parents=True)
-    (plan / "probe.py").write_text("from pkg.plan.apply import materialize\n")  # shared -> apply
-    (plan / "autoplan.py").write_text("from pkg.plan.verify import first_tensor\n")  # decide -> check
-    (plan / "stray.py").write_text("")
+    sources = {
+        "probe.py": "from pkg.plan.applying.apply import materialize\n",  # shared -> applying
+        "deciding/autoplan.py": "from pkg.plan.checking.verify import first_tensor\nfrom pkg.plan.probe import x\n",
+        "checking/verify.py": "from pkg.plan.checking.compare import first_tensor\n",  # its own job: fine
+        "parallelize.py": "from pkg.plan.applying.apply import apply_plan\n",  # the entry runs the three
+        "stray/helpers.py": "",
+    }
+    for relative, source in sources.items():
+        (plan / relative).parent.mkdir(parents=True, exist_ok=True)
+        (plan / relative).write_text(source)
     assert plan_job_problems(plan) == [
-        "plan/autoplan.py:1: decide imports pkg.plan.verify (check)",
-        "plan/probe.py:1: shared imports pkg.plan.apply (apply)",
-        "plan/stray.py belongs to no job: add it to PLAN_JOBS",
+        "plan/stray/ is no job: its modules go in one of deciding, applying, checking, or in plan/ if all three "
+        "use them",
+        "plan/deciding/autoplan.py:1: deciding imports pkg.plan.checking.verify (checking)",
+        "plan/probe.py:1: shared imports pkg.plan.applying.apply (applying)",
     ]
 
 

@@ -37,7 +37,7 @@ from tests.distributed import run_on_ranks
 from tests.parity import assert_parity
 from tests.test_any_transformer import models_parity
 from tests.test_parallelize import ATOL
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.tools.zoo import build_family as build
 
 MODELS = {  # name: (zoo task, family, config fields)

@@ -24,7 +24,7 @@ from tests.parity import assert_parity, parity_errors
 from tests.test_hf_families import FAMILIES
 from tests.test_parallelize import ATOL, VOCAB, QKNormModel, SwiGLUModel, _gpt, _hf_gpt2, _hf_llama, _logits
 from tests.test_plan import _hf_llama_kv
-from tp_train.plan.resolve import find_plan, resolve_plan
+from tp_train.plan.deciding.resolve import find_plan, resolve_plan
 from tp_train.plan.styles import ALIASES, pattern_matches
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@ in training and in eval mode: with no plan given, the auto-planner splits it wit
 bias, running_mean and running_var, by the column's sections), splits a (heads, positions) attention bias by its
 first dim, and the model matches the unsharded one in training at tp 2 and 4. The probe sees such a bias through an
 eval-mode cache of it (a dict of tensors, LeViT's `attention_bias_cache`), and running statistics that fit the probe
-batch (`tp_train.plan.running_statistics`), left as they were after."""
+batch (`tp_train.plan.deciding.autoplan`), left as they were after."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tests.distributed import run_on_ranks
 from tests.parity import VOCAB_OF_TESTS as VOCAB
 from tests.parity import assert_parity, parity_of_each
 from tests.test_parallelize import ATOL
+from tp_train.plan.deciding.autoplan import probe_statistics
 from tp_train.plan.probe_input import ProbeInput
-from tp_train.plan.running_statistics import probe_statistics
 
 WIDTH, HEADS, KEY, TOKENS = 32, 4, 8, 16
 

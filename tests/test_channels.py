@@ -45,7 +45,7 @@ def test_sectioned_channelwise_keeps_each_ranks_share_of_every_section():
     """`channelwise(4,4,8)` on a depthwise conv1d over [q; k; v] of separate column layers: rank r keeps chunk r of
     q's, k's and v's channels, as the column layers hand it; the sections must add up and each split evenly."""
     from tp_train.parallel.sharding import shard_tensor
-    from tp_train.plan.match import match_plan
+    from tp_train.plan.deciding.match import match_plan
     from tp_train.plan.styles import split_style, style_shard_spec
 
     conv = torch.nn.Conv1d(16, 16, kernel_size=3, groups=16, bias=False)

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models.gpt import GPT, GPTConfig
 from tests.distributed import run_on_ranks
-from tp_train.plan.context_parallel import mean_over_group, shard_targets
+from tp_train.parallel.context_parallel.models import mean_over_group, shard_targets
 from tp_train.plan.parallelize import parallelize
 
 CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models import GPT, GPTConfig, hugging_face_causal_lm
-from tp_train.plan.context_parallel import check_context_parallel
+from tp_train.parallel.context_parallel.models import check_context_parallel
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import tp_train.plan.sequence_parallel as sequence_parallel
+import tp_train.plan.applying.sequence_parallel as sequence_parallel
 from tests.distributed import init_gloo, run_on_ranks
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from models.gpt import GPT, GPTConfig
 from tests.distributed import run_on_ranks
-from tp_train.plan.context_parallel import enable_context_parallel, mean_over_group, shard_targets
+from tp_train.parallel.context_parallel.models import enable_context_parallel, mean_over_group, shard_targets
 
 CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 SEPARATOR = 0

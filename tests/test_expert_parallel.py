@@ -202,7 +202,7 @@ def test_under_expert_parallelism_a_family_plan_splits_the_attention_and_keeps_t
     """One rule in the plan reader for every family: with `experts_whole` (ep > 1) Hugging Face's and the family
     record's entries on the experts modules are dropped, the attention's kept; without it they split the experts."""
     from models.hf import hugging_face_causal_lm
-    from tp_train.plan.resolve import EXPERTS_KEPT_WHOLE, resolve_plan
+    from tp_train.plan.deciding.resolve import EXPERTS_KEPT_WHOLE, resolve_plan
 
     config = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, num_experts_per_tok=2, **fields)  # fmt: skip

@@ -1,6 +1,6 @@
-"""Family records (`tp_train.plan.families`): a family added through one `FamilySpec` reaches the presets, the planner
-and the zoo; a record missing what it needs is refused in one line; every record builds valid entries for its own
-tiny config."""
+"""Family records (`tp_train.plan.deciding.families`): a family added through one `FamilySpec` reaches the presets, the
+planner and the zoo; a record missing what it needs is refused in one line; every record builds valid entries for its
+own tiny config."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import pytest
 import torch.nn as nn
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
-from tp_train.plan.families import FamilySpec, family, register, registered, unregister
-from tp_train.plan.presets import preset_plan
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.families import FamilySpec, family, register, registered, unregister
+from tp_train.plan.deciding.resolve import preset_plan, resolve_plan
 from tp_train.plan.styles import check_style
 from tp_train.tools.zoo import tiny_config
 

@@ -20,9 +20,9 @@ from tests.test_parallelize import SwiGLUModel
 from tp_train import NonFiniteGuard, TensorParallelMixedPrecision
 from tp_train.parallel.mesh import DATA_PARALLEL, TENSOR_PARALLEL
 from tp_train.parallel.sharding import local_part, named_sharded_parameters, unshard_tensor
-from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.memory import ADAMW_STATES, parameters_per_rank
+from tp_train.training.data_parallel import fully_shard_data_parallel
 
 STEPS = 10
 CLIP = 0.5  # below the gradient norm at init, so clipping is active

@@ -20,9 +20,9 @@ from tests.test_parallelize import ATOL, VOCAB, _hf_gpt2, _hf_llama
 from tp_train.checkpoint import dcp as checkpoint_io
 from tp_train.parallel.mesh import DATA_PARALLEL, TENSOR_PARALLEL
 from tp_train.parallel.sharding import local_part
-from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.export import export_hugging_face
+from tp_train.training.data_parallel import fully_shard_data_parallel
 
 EPOCH = 4  # batches per epoch: the checkpoint after step 4 ends an epoch
 EXPORTED = {"gpt2": _hf_gpt2, "llama": _hf_llama}

@@ -83,7 +83,7 @@ FAMILIES = {
 
 
 def _all_families_parity(rank, world_size):
-    from tp_train.plan.resolve import find_plan
+    from tp_train.plan.deciding.resolve import find_plan
 
     results = {}
     for name, build in FAMILIES.items():
@@ -110,7 +110,7 @@ def test_preset_sharded_model_matches_unsharded(parity_results, family):
 
 def _wrong_falcon_split(rank, world_size):
     """The negative control: Falcon's per-head [q_h; k_h; v_h] projection split as if it were [q; k; v]."""
-    from tp_train.plan.families import family, register
+    from tp_train.plan.deciding.families import family, register
 
     wrong = {**family("falcon").preset, "h.*.self_attention.query_key_value": "fused_qkv_colwise"}
     register(replace(family("falcon"), preset=wrong), replace=True)  # in this rank's process only
@@ -128,7 +128,7 @@ def test_a_wrong_split_of_falcons_fused_projection_is_caught():
 
 
 def test_falcon_configs_the_preset_cannot_split_are_refused():
-    from tp_train.plan.resolve import find_plan
+    from tp_train.plan.deciding.resolve import find_plan
 
     with pytest.raises(ValueError, match="ALiBi"):
         find_plan(_hf_falcon(alibi=True))
@@ -139,6 +139,6 @@ def test_families_with_unsplittable_layouts_have_no_preset(model_type):
     """Bloom's ALiBi tensor covers all heads (built outside the attention module); CodeGen's qkv_proj is split
     with a hard-coded mp_num=4, which the auto-planner finds (each rank its share of every group's heads, the row
     layer split by the groups): neither gets a preset."""
-    from tp_train.plan.families import family
+    from tp_train.plan.deciding.families import family
 
     assert family(model_type) is None or family(model_type).preset is None

@@ -10,8 +10,8 @@ from models import hugging_face_causal_lm
 from tests.distributed import run_on_ranks
 from tests.parity import parity_errors
 from tests.test_parallelize import VOCAB, _hf_gpt_neox, _hf_logits
-from tp_train.plan.match import match_plan
-from tp_train.plan.resolve import find_plan
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.resolve import find_plan
 
 TINY = dict(
     vocab_size=VOCAB, max_position_embeddings=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -29,8 +29,8 @@ import tp_train
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors, parity_of_each
 from tests.test_parallelize import ATOL, VOCAB
-from tp_train.plan.match import match_plan
-from tp_train.plan.resolve import SKIPPED, resolve_plan
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.resolve import SKIPPED, resolve_plan
 
 SIZES = dict(pad_token_id=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip

@@ -1,5 +1,6 @@
 """Fewer kv heads than ranks where no config states the counts: the attention's own reshape shows them
-(`tp_train.plan.head_shapes`), and the kv heads are replicated as a config's `num_key_value_heads` would have them.
+(`tp_train.plan.deciding.head_shapes`), and the kv heads are replicated as a config's `num_key_value_heads` would have
+them.
 
 - A user's own grouped-query model (4 query heads, 2 kv heads of 16, `k.view(B, T, -1, head_dim)`, no head-count
   attribute) matches the unsharded model at tp=4, with a plain column/row plan and with no plan at all.
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors
 from tests.test_parallelize import ATOL
-from tp_train.plan.head_shapes import observed_counts
-from tp_train.plan.match import match_plan
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.head_shapes import observed_counts
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.plan.styles import HeadCounts
 
 VOCAB = 101

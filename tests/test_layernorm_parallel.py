@@ -22,7 +22,7 @@ from tests.test_parallelize import ATOL
 from tests.test_planner_families import _logits
 from tests.test_rmsnorm_parallel import NormedMLPLM
 from tp_train.errors import PlanVerificationError
-from tp_train.plan.match import match_plan
+from tp_train.plan.deciding.match import match_plan
 
 PLAN = {
     "layers.*.attn.q": "colwise",
@@ -147,7 +147,7 @@ def test_a_module_that_is_no_layernorm_is_refused_in_one_line():
 def test_the_auto_planner_puts_a_layernorm_between_column_and_row_in_the_new_style():
     """Its mean and variance held in the planner's perturbed probes, the norm spreads no share to the others; ESM C,
     given no plan, is planned as Hugging Face's plan with its additions plans it."""
-    from tp_train.plan.presets import plan_additions
+    from tp_train.plan.deciding.resolve import plan_additions
     from tp_train.tools.zoo import build_family
 
     model = LayerNormedLM()

@@ -27,8 +27,8 @@ import tp_train
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, next_token_loss, parity_of_each
 from tests.test_parallelize import ATOL, VOCAB, SwiGLUModel, _hf_gpt2
-from tp_train.plan.match import match_plan
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 
 
 class ScaledEmbedding(nn.Embedding):

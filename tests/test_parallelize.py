@@ -207,7 +207,7 @@ def _planned_once(rank, world_size):
     """How often this rank ran the auto-planner for a model with no plan, the shapes it sharded to, and the refusal
     it raised for a model whose heads do not split over the ranks."""
     import tp_train
-    import tp_train.plan.resolve as resolve
+    import tp_train.plan.deciding.resolve as resolve
     from tests.attention_styles import literal_heads
 
     calls = []

@@ -15,8 +15,8 @@ from models import GPT, GPTConfig
 from tests.distributed import run_on_ranks
 from tests.parity import parity_errors
 from tests.test_parallelize import VOCAB, _hf_gpt2, _hf_llama, _hf_logits
-from tp_train.plan.families import family
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.families import family
+from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.plan.styles import pattern_matches
 
 
@@ -123,7 +123,7 @@ def test_bad_plans_raise_one_line_value_error_before_any_change():
 
 def _naive_fused_qkv_split(rank, world_size):
     torch.manual_seed(0)
-    plan = {**tp_train.plan.resolve.resolve_plan(_hf_gpt2())[0], "transformer.h.*.attn.c_attn": "colwise"}
+    plan = {**tp_train.plan.deciding.resolve.resolve_plan(_hf_gpt2())[0], "transformer.h.*.attn.c_attn": "colwise"}
 
     class Naive(nn.Module):  # the same GPT-2, with a plan that splits [q; k; v] as if it were one matrix
         def __init__(self):

@@ -15,8 +15,8 @@ import torch
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors
 from tests.test_parallelize import ATOL, VOCAB, SwiGLUModel, _logits
-from tp_train.plan.autoplan import COMPLETED_SOURCE
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.autoplan import COMPLETED_SOURCE
+from tp_train.plan.deciding.resolve import resolve_plan
 
 MLP_ONLY = {
     "embed": "embedding_rowwise",

@@ -10,7 +10,7 @@ import torch
 
 import tp_train
 from tests.test_planner_families import _family
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.tools.zoo import build_family
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors
 from tests.test_parallelize import ATOL, _hf_logits
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 
 VOCAB = 128  # the zoo's tiny vocabulary
 
@@ -87,9 +87,9 @@ def test_sequence_parallel_refuses_a_row_layer_whose_output_feeds_a_parallel_reg
     each rank's channels."""
     from tests.test_channels import MAMBA_PLAN
     from tests.test_never_silently_wrong import _hf_family
+    from tp_train.plan.applying.sequence_parallel import check_sequence_parallel
+    from tp_train.plan.deciding.match import match_plan
     from tp_train.plan.layout import block_layout
-    from tp_train.plan.match import match_plan
-    from tp_train.plan.sequence_parallel import check_sequence_parallel
 
     model = _hf_family("mamba")
     layout = block_layout(model, match_plan(model, MAMBA_PLAN, 2), "sequence_parallel")
@@ -186,7 +186,7 @@ def test_falcon_h1s_mup_vector_is_split_with_in_proj_and_its_gated_norm_refused(
 def test_zambas_mixers_split_by_heads_and_its_shared_block_feeds_linear_by_rows():
     """Zamba's per-head SSM weights split along their heads (dim 0, whatever their other dims hold), with a one-line
     refusal where tp does not divide the heads; Zamba2's mixers are Mamba2's, in Mamba and hybrid layers alike."""
-    from tp_train.plan.match import match_plan
+    from tp_train.plan.deciding.match import match_plan
 
     plan, source = resolve_plan(_family("zamba"), tensor_parallel_size=2)
     assert source == "the built-in preset for model_type 'zamba'"
@@ -214,7 +214,7 @@ MIXERS = {"mamba2": "backbone.layers.0.mixer' (Mamba2Mixer)", "bamba": "model.la
 @pytest.mark.parametrize("model_type", list(MIXERS))
 def test_mamba2_with_groups_tp_neither_divides_nor_multiplies_is_refused_in_one_line(model_type):
     """3 groups (of 6 heads of 16) at tp=2: a rank would hold a group and a half of B and C, and of the norm."""
-    from tp_train.plan.match import match_plan
+    from tp_train.plan.deciding.match import match_plan
 
     if model_type == "bamba":
         sizes = dict(mamba_n_groups=3, mamba_n_heads=6, mamba_d_head=16, mamba_expand=3)
@@ -232,7 +232,7 @@ def test_mamba2_with_groups_tp_neither_divides_nor_multiplies_is_refused_in_one_
 def test_dbrx_expert_weights_are_split_expert_by_expert_and_bad_sections_are_refused_in_one_line():
     """DBRX's 2-D expert weights hold every expert's ffn rows in turn: each is split by per-expert sections, the
     experts' view of ffn_hidden_size made local; sections that do not add up are refused naming the parameter."""
-    from tp_train.plan.match import match_plan
+    from tp_train.plan.deciding.match import match_plan
 
     model = _family("dbrx")
     plan, source = resolve_plan(model, tensor_parallel_size=2)
@@ -339,7 +339,7 @@ CASES = {
         0.31,  # the adapters' down Linears (64 x 8, 4 of them) whole, and the group's B and C: 0.325 at tp 4
     ),
     # BitNet's sub-norms over the attention output and act(gate) * up, between the column and the row layers, split
-    # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.presets`).
+    # with the features and normalised over the whole width (`rmsnorm_parallel`, `tp_train.plan.deciding.resolve`).
     "bitnet_sub_norms": (lambda: _family("bitnet"), _hf_logits, (2, 4), 0.0),
     # RWKV's time-mix split by channels with its per-channel decay and bonus; the channel-mix's receptance (hidden x
     # hidden) whole, so a rank holds 0.563 of the tiny blocks' matrices (time_mix_* included) at tp 2, 0.345 at tp 4.
@@ -434,7 +434,7 @@ def test_inkling2s_full_layer_views_its_convolutions_heads_locally():
 
 def test_rowwise_scatter_output_needs_whole_outputs_per_rank():
     """Doge with 2 kv heads at tp 4: its kv heads would be replicated, and dt_proj's 2 outputs cannot be split."""
-    from tp_train.plan.match import match_plan
+    from tp_train.plan.deciding.match import match_plan
 
     model = _family("doge", num_key_value_heads=2)
     plan, _ = resolve_plan(model, tensor_parallel_size=4)
@@ -517,7 +517,7 @@ def test_blts_cross_attention_is_planned_where_its_patches_are_longer_than_a_byt
 def test_a_head_width_a_config_keeps_per_layer_is_read_from_each_attention():
     """Gemma 4's text config keeps `head_dim` per layer (its full-attention layers are wider), and reading it as one
     value raises: the planner takes each attention's own head width and shards every block's attention and MLP."""
-    from tp_train.plan.match import match_plan
+    from tp_train.plan.deciding.match import match_plan
 
     model = _family("gemma4_text")  # a sliding-window layer, then a full-attention one
     plan, _ = resolve_plan(model, tensor_parallel_size=2)

@@ -11,8 +11,8 @@ import torch.nn as nn
 from tests.distributed import run_on_ranks
 from tests.parity import assert_parity, parity_errors
 from tests.test_parallelize import ATOL
+from tp_train.plan.checking.verify import unsharded_skeleton
 from tp_train.plan.probe import forward_without_cache
-from tp_train.plan.verify import unsharded_skeleton
 from tp_train.tools.zoo import VOCAB, tiny_config
 
 # Both fail unsharded when called with the default cache: BART's decoder, deeper than its encoder, indexes a cache

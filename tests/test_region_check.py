@@ -1,4 +1,4 @@
-"""Per-module verification of plan entries that swap no module (`tp_train.plan.region_check`): a wrong split of
+"""Per-module verification of plan entries that swap no module (`tp_train.plan.checking.region_check`): a wrong split of
 parameters sharded in place, or a missing collective around a region, is refused even where the whole-model check
 is skipped (a model above `WHOLE_MODEL_CHECK_BYTES`, here lowered to 0 in each rank)."""
 
@@ -18,7 +18,7 @@ from tests.parity import assert_parity, parity_errors
 from tests.test_hf_plan_vocabulary import _build, _logits
 from tests.test_parallelize import VOCAB
 from tp_train.errors import PlanVerificationError
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 
 MIXTRAL = ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2))
 GATE_UP = "model.layers.*.mlp.experts.gate_up_proj"

@@ -19,7 +19,7 @@ from tests.test_parallelize import ATOL
 from tests.test_planner_families import _logits
 from tp_train.errors import PlanVerificationError
 from tp_train.parallel.collectives import sum_across_tensor_parallel_region
-from tp_train.plan.match import match_plan
+from tp_train.plan.deciding.match import match_plan
 
 PLAN = {"layers.*.up": "colwise", "layers.*.norm": "rmsnorm_parallel", "layers.*.down": "rowwise"}
 
@@ -178,7 +178,7 @@ def test_the_auto_planner_puts_an_rms_norm_between_column_and_row_in_the_new_sty
     """Its statistic held in the planner's perturbed probes, the norm spreads no share to the others; BitNet, given no
     plan, is planned as its preset plans it."""
     from tests.test_planner_families import _family
-    from tp_train.plan.families import family
+    from tp_train.plan.deciding.families import family
 
     plan = tp_train.infer_plan(_auto_planned(), tensor_parallel_size=2)
     assert {key: plan[key] for key in PLAN} == PLAN

@@ -143,7 +143,7 @@ def test_sequence_parallel_trades_each_all_reduce_for_all_gather_and_reduce_scat
 
 
 def _norm_gradients(rank, world_size):
-    import tp_train.plan.sequence_parallel as sequence_parallel
+    import tp_train.plan.applying.sequence_parallel as sequence_parallel
 
     out = {}
     for reduce_norm_gradients in (True, False):

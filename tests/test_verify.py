@@ -56,7 +56,7 @@ def _with(plan: dict[str, str], **changes: str) -> dict[str, str]:
 
 
 def _gpt2_plan():
-    return tp_train.plan.resolve.resolve_plan(_hf_gpt2())[0]
+    return tp_train.plan.deciding.resolve.resolve_plan(_hf_gpt2())[0]
 
 
 # name -> (build, plan (None: the model's own), expected fragments of the error, or None when the plan is right)
@@ -72,7 +72,7 @@ CASES = {
     ),
     "falcon_per_head_layout_split_as_qkv": (
         _hf_falcon,
-        lambda: _with(tp_train.plan.resolve.resolve_plan(_hf_falcon())[0],
+        lambda: _with(tp_train.plan.deciding.resolve.resolve_plan(_hf_falcon())[0],
                       **{"transformer.h.*.self_attention.query_key_value": "fused_qkv_colwise"}),
         ["output differs", "'transformer.h.0.self_attention.query_key_value': 'fused_qkv_colwise'"],
     ),

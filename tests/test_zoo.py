@@ -30,7 +30,7 @@ def test_block_share_counts_blocks_not_model_level_lists_of_projections():
     import torch
 
     from models.hf import hugging_face_causal_lm
-    from tp_train.plan.coverage import in_block
+    from tp_train.plan.deciding.coverage import in_block
     from tp_train.tools.zoo import tiny_config
 
     with torch.device("meta"):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tp_train.checkpoint.dcp import ADAPTER_CONFIG_KEY, HUGGING_FACE_CONFIG_KEY, TOKENIZER_KEY
 from tp_train.lightning.strategy import TensorParallelStrategy
 from tp_train.parallel.experts.load_balance import load_balancing_loss
-from tp_train.plan.adapters import adapter_config_dict
+from tp_train.plan.applying.adapters import adapter_config_dict
 from tp_train.plan.probe_input import run_without_cache
 
 OptimizerFactory = Callable[[Iterable], torch.optim.Optimizer]
@@ -32,8 +32,8 @@ class CausalLMModule(L.LightningModule):
             norm weights are exempt.
         scheduler: an optional factory `(optimizer, total_steps=...)` returning a per-step LR scheduler.
         adapters: a peft config (e.g. `peft.LoraConfig`): the model is wrapped with `peft.get_peft_model` as it is
-            built, before sharding, and only the adapters train (`tp_train.plan.adapters` shards them with their
-            layers).
+            built, before sharding, and only the adapters train (`tp_train.plan.applying.adapters` shards them with
+            their layers).
     """
 
     # Its steps pass the model's output to the strategy's loss and nothing else: the head and loss may run fused.

@@ -22,13 +22,13 @@ from tp_train.checkpoint.checks import check_files
 from tp_train.checkpoint.pretrained import weight_files
 from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from tp_train.lightning.nonfinite import ACTIONS
+from tp_train.parallel.context_parallel.models import check_context_parallel
 from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
-from tp_train.plan.context_parallel import check_context_parallel
-from tp_train.plan.match import match_plan
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.plan.meta_init import deferred_init
 from tp_train.plan.probe_input import run_without_cache
-from tp_train.plan.resolve import resolve_plan
 from tp_train.tools.family_configs import departures, unset_fields
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
 

@@ -16,9 +16,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import ProcessGroup
 
 from tp_train.errors import HeadOutputChangedError
+from tp_train.parallel.context_parallel.models import context_parallel_cross_entropy, mean_over_group
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
-from tp_train.plan.context_parallel import context_parallel_cross_entropy, mean_over_group
 from tp_train.plan.parallelize import attached
 
 # What a LightningModule sets to say that its training and validation steps pass the model's output to

@@ -12,25 +12,25 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.checkpoint.pretrained import load_pretrained_modules
+from tp_train.parallel.activation_checkpointing import checkpoint_blocks
 from tp_train.parallel.agreement import failures_agreed
 from tp_train.parallel.collectives import CommunicationCounter
+from tp_train.parallel.context_parallel.models import enable_context_parallel
 from tp_train.parallel.fused_cross_entropy import HeadLossFusion
 from tp_train.parallel.layers import ColumnParallelLinear, Configurable
 from tp_train.parallel.mesh import as_process_group, first_rank_decides
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
-from tp_train.plan.activation_checkpointing import checkpoint_blocks
-from tp_train.plan.apply import apply_plan
-from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
-from tp_train.plan.caches import caches_kept
-from tp_train.plan.context_parallel import enable_context_parallel
-from tp_train.plan.isolation import planning_isolated
+from tp_train.plan.applying.apply import apply_plan
+from tp_train.plan.applying.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
+from tp_train.plan.checking.region_check import RegionCheck
+from tp_train.plan.checking.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
+from tp_train.plan.deciding.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, format_plan
+from tp_train.plan.deciding.isolation import planning_isolated
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.resolve import EXPERTS_KEPT_WHOLE, SKIPPED, resolve_plan
 from tp_train.plan.layout import block_layout, blocks_if_any
-from tp_train.plan.match import match_plan
-from tp_train.plan.region_check import RegionCheck
-from tp_train.plan.resolve import EXPERTS_KEPT_WHOLE, SKIPPED, resolve_plan
-from tp_train.plan.sequence_parallel import apply_sequence_parallel, check_sequence_parallel
+from tp_train.plan.probe import caches_kept
 from tp_train.plan.styles import PlannedModule, adapted_model, linear_shape
-from tp_train.plan.verify import SwapCheck, unsharded_reference, unsharded_skeleton, verify_parallelized
 
 # Up to this many bytes of parameters, default verification also checks the whole model: a full copy, its
 # gradients and a probe's activations per rank, a few times the model's size for a moment.
@@ -114,7 +114,7 @@ def parallelize(
         if sequence_parallel:
             apply_sequence_parallel(model, layout, group, rng, counter)
         if activation_checkpointing:
-            checkpoint_blocks(model, layout, rng)
+            checkpoint_blocks(model, layout.blocks, rng)
         model.tp_rng = rng
         model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
         if vocab_size is not None:

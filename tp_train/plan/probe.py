@@ -1,6 +1,6 @@
 """One probe forward of a model, for the auto-planner: which modules ran, in what order, on which input and with
 which output, and the autograd dataflow between them; run on the model itself, or on a materialised copy of a model
-on the meta device."""
+on the meta device; and the tensor caches a module keeps of what its parameters compute, emptied around a probe."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tp_train.errors import first_line
-from tp_train.plan.caches import caches_kept
 from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.meta_init import initializer, materialize
 from tp_train.plan.probe_input import EXAMPLE_INPUT_HINT, ProbeInput, forward_argument
@@ -213,7 +212,7 @@ def _through_elementwise(parents: list, target, steps: int = 3) -> bool:
 def probe_copy(model: nn.Module) -> Iterator[nn.Module]:
     """`model` itself (in eval mode, its parameters requiring gradients so the forward records its dataflow), or,
     for a model on the meta device, a copy materialised on the CPU; the global RNG and its tensor caches
-    (`tp_train.plan.caches`) are left as they were."""
+    (`tp_train.plan.probe`) are left as they were."""
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -238,3 +237,34 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
     finally:
         for sub, mode in training.items():
             sub.train(mode)
+
+
+# Caches a module keeps of what its parameters compute (LeViT's `attention_bias_cache`): a probe empties them and
+# restores them, and a module whose parameters a plan splits has them emptied, to compute them from its shards.
+
+
+def tensor_caches(module: nn.Module, recurse: bool = True) -> list[dict]:
+    """The dict attributes of `module` (and of its submodules) whose values are all tensors, empty ones included."""
+    return [
+        value
+        for sub in (module.modules() if recurse else (module,))
+        for key, value in vars(sub).items()
+        if not key.startswith("_")
+        and isinstance(value, dict)
+        and all(isinstance(item, torch.Tensor) for item in value.values())
+    ]
+
+
+@contextmanager
+def caches_kept(module: nn.Module) -> Iterator[None]:
+    """`module`'s tensor caches empty for the block (a probe forward computes them, its dataflow recorded), and as
+    they were before after it."""
+    saved = [(cache, dict(cache)) for cache in tensor_caches(module)]
+    for cache, _ in saved:
+        cache.clear()
+    try:
+        yield
+    finally:
+        for cache, contents in saved:
+            cache.clear()
+            cache.update(contents)

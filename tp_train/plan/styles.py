@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from tp_train.parallel.context_parallel.models import HEAD_ATTRIBUTES
 from tp_train.parallel.sharding import ShardSpec
 
 ROW_STYLES = {"rowwise", "rowwise_split_input", "rowwise_scatter_output"}
@@ -16,7 +17,7 @@ LINEAR_STYLES = ROW_STYLES | {"colwise", "colwise_gather_output", "packed_colwis
 # A module reducing over split features: its parameters split as the parameter style `rowwise` splits them (their
 # last dim), its reductions over the features completed (`tp_train.parallel.reductions`).
 FEATURE_REDUCTION_STYLE = "feature_reduction_parallel"
-# Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.apply`).
+# Styles that wrap a module's forward in collectives and swap nothing (see `tp_train.plan.applying.apply`).
 REGION_STYLES = {"moe_tp_experts", "moe_identity_expert", "all_reduce", "mla_kv_a_proj"}
 # Norms over features split across ranks, corrected to normalise as the unsharded norm does (`tp_train.parallel.norm`).
 NORM_STYLES = ("rmsnorm_parallel", "gated_rmsnorm_parallel", "layernorm_parallel")
@@ -28,8 +29,8 @@ PARAMETER_STYLES = {"channelwise", "colwise", "rowwise", "packed_colwise", "pack
 ALIASES = {"colwise_rep": "colwise_gather_output"}
 PACKED_SECTIONS = {"packed_colwise": 2, "fused_qkv_colwise": 3}
 
-# Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim).
-HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+# Attributes an attention module may keep that count its heads, or its width across heads (heads x head_dim); the
+# query heads' (`HEAD_ATTRIBUTES`) are context parallelism's too, which cannot import the plan.
 KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
 KV_GROUP_ATTRIBUTES = ("num_key_value_groups", "num_kv_groups")  # query heads per kv head
 WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim")
@@ -75,7 +76,8 @@ def adapted_model(module: nn.Module) -> tuple[str, nn.Module] | None:
 
 def adapted_base(module: nn.Module) -> nn.Module | None:
     """The layer a peft adapter layer wraps (LoRA's `base_layer`, beside its `lora_A` and `lora_B`), else None: a
-    plan entry naming the adapter layer shards it as its base layer, adapters included (`tp_train.plan.adapters`)."""
+    plan entry naming the adapter layer shards it as its base layer, adapters included
+    (`tp_train.plan.applying.adapters`)."""
     return module._modules.get("base_layer") if isinstance(module._modules.get("lora_A"), nn.ModuleDict) else None
 
 

@@ -20,8 +20,8 @@ from tp_train.checkpoint.dcp import (
     checkpoint_extra,
 )
 from tp_train.checkpoint.safe_load import SafeFileSystemReader
-from tp_train.plan.match import match_plan
-from tp_train.plan.resolve import resolve_plan
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.plan.styles import LINEAR_STYLES
 from tp_train.tools.tokenizer import load_tokenizer, run_tokenizer
 

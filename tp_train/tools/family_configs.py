@@ -1,15 +1,15 @@
 """A Hugging Face family's small config at given generic sizes: the fields of its config that must agree with them
 (head widths, expert counts and widths, latent-attention ranks, per-layer lists, sub-configs) and its record's
-`zoo_fields` (`tp_train.plan.families`). One derivation serves the zoo's tiny configs (`tp_train.tools.zoo.configs`,
-at its `SIZES`) and `python train.py model=hf model.type=X` (at `conf/model/hf.yaml`'s sizes, through the app's
-`family_fields` resolver)."""
+`zoo_fields` (`tp_train.plan.deciding.families`). One derivation serves the zoo's tiny configs
+(`tp_train.tools.zoo.configs`, at its `SIZES`) and `python train.py model=hf model.type=X` (at `conf/model/hf.yaml`'s
+sizes, through the app's `family_fields` resolver)."""
 
 from __future__ import annotations
 
 import copy
 
 from models.hf import GPT_NAMES, SIZE_ALIASES, SIZE_FIELDS
-from tp_train.plan.families import family
+from tp_train.plan.deciding.families import family
 
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 EXPERT_COUNTS = dict(num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1)  # where the default is None

@@ -12,11 +12,11 @@ from tp_train.parallel.context_parallel.ring_attention import workspace_bytes
 from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
-from tp_train.plan.adapters import adapter_specs
+from tp_train.plan.applying.adapters import adapter_specs
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.pipeline import plan_pipeline_split
+from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.plan.layout import blocks_if_any
-from tp_train.plan.match import match_plan
-from tp_train.plan.pipeline import plan_pipeline_split
-from tp_train.plan.resolve import resolve_plan
 from tp_train.plan.styles import PlannedModule, adapted_base, adapted_model, parameter_shard_spec, style_shard_spec
 from tp_train.tools.activation_model import (
     PRECISION_BYTES,

@@ -29,12 +29,12 @@ from tp_train.parallel.pipeline import Pipeline, schedule_named
 from tp_train.parallel.pipeline.runner import stage_indices
 from tp_train.parallel.pipeline.split import PipelineSplit, skipped, within
 from tp_train.parallel.random import sync_default_generator
-from tp_train.plan.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
+from tp_train.plan.deciding.pipeline import plan_pipeline_split
+from tp_train.plan.deciding.resolve import modules_with_plans
 from tp_train.plan.meta_init import materialize_remaining
 from tp_train.plan.parallelize import attached, parallelize
-from tp_train.plan.pipeline import plan_pipeline_split
 from tp_train.plan.probe_input import ProbeInput
-from tp_train.plan.resolve import modules_with_plans
+from tp_train.training.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
 from tp_train.training.experts import TrainingExperts
 from tp_train.training.parallel_training import ParallelTraining
 

@@ -28,7 +28,7 @@ from tp_train.parallel.experts import (
 )
 from tp_train.parallel.pipeline.split import skipped
 from tp_train.parallel.sharding import named_sharded_parameters
-from tp_train.plan.experts import check_expert_parallel
+from tp_train.plan.deciding.experts import check_expert_parallel
 from tp_train.plan.gradient_hooks import keep_gradient_hooks
 
 

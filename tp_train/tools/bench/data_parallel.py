@@ -15,12 +15,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from models import GPT
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
-from tp_train.plan.data_parallel import fully_shard_data_parallel
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.contenders import SIZES, Size, TrainingStep
 from tp_train.tools.bench.measure import group_max, seconds_per_step
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.memory import MIB, estimate_memory
+from tp_train.training.data_parallel import fully_shard_data_parallel
 
 DP, TP = 2, 2
 MODES = ("ddp", "fsdp")

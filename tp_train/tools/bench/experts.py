@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tp_train.parallel.experts import shard_experts
 from tp_train.parallel.experts.region import named_expert_parameters
-from tp_train.plan.experts import find_experts
+from tp_train.plan.deciding.experts import find_experts
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.bench.measure import (
     collective_bytes_per_step,

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from models import GPT, GPTConfig
 from tp_train.parallel.pipeline import SCHEDULES, Pipeline
-from tp_train.plan.pipeline import plan_pipeline_split
+from tp_train.plan.deciding.pipeline import plan_pipeline_split
 from tp_train.tools.bench.measure import (
     current_memory,
     group_max,

@@ -10,8 +10,8 @@ import io
 import torch
 
 from models import GPT, GPTConfig
+from tp_train.plan.checking.verify import SwapCheck
 from tp_train.plan.probe_input import PROBE_TOKENS
-from tp_train.plan.verify import SwapCheck
 from tp_train.tools.bench.measure import peak_memory, reset_peak_memory, return_freed_memory_at_once
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.memory import MIB

@@ -141,7 +141,7 @@ def too_much_held(whole: float, tp: int, kept_whole: bool) -> str:
 
 def has_block_linears(model) -> bool:
     """Whether a Linear (or Hugging Face Conv1D) lies inside one of `model`'s repeated blocks."""
-    from tp_train.plan.coverage import in_block
+    from tp_train.plan.deciding.coverage import in_block
     from tp_train.plan.styles import linear_shape
 
     return any(
@@ -156,7 +156,7 @@ def _block_share(model, reference) -> tuple[float, str]:
     1 x 1, which no column or row style splits: PVT's sequence reduction), and the first such one. The
     blocks are read on the unsharded `reference`: its Linears, not the sharded model's swapped layers (GPT-2's Conv1D
     layers become parallel ones no block test knows, which left nothing counted)."""
-    from tp_train.plan.coverage import in_block
+    from tp_train.plan.deciding.coverage import in_block
 
     reference_params = dict(reference.named_parameters())
     whole = full = 0

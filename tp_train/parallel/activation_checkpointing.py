@@ -3,6 +3,7 @@ records `TensorParallelRNG`'s whole state and the recomputation replays it, so d
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -11,7 +12,6 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tp_train.parallel.random import TensorParallelRNG
-from tp_train.plan.layout import BlockLayout
 
 
 class _CheckpointedForward:
@@ -35,8 +35,9 @@ class _CheckpointedForward:
         )
 
 
-def checkpoint_blocks(model: nn.Module, layout: BlockLayout, rng: TensorParallelRNG) -> None:
-    """Makes every block of `layout` recompute its forward in backward."""
-    for name in layout.blocks:
+def checkpoint_blocks(model: nn.Module, blocks: Iterable[str], rng: TensorParallelRNG) -> None:
+    """Makes every block of `model` named in `blocks` (the plan's `BlockLayout.blocks`) recompute its forward in
+    backward."""
+    for name in blocks:
         block = model.get_submodule(name)
         block.forward = _CheckpointedForward(block, rng)

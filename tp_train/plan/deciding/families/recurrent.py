@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.plan.families.attention import LATENT_ATTENTION
-from tp_train.plan.families.spec import FamilySpec
+from tp_train.plan.deciding.families.attention import LATENT_ATTENTION
+from tp_train.plan.deciding.families.spec import FamilySpec
 
 # Gated delta-net linear attention (OLMo-Hybrid's `linear_attn`, Kimi-Linear's and Ling's linear `self_attn`), which
 # Hugging Face's plans leave whole, split by heads (docs/own-models.md, "The whole style vocabulary").

@@ -7,10 +7,10 @@ from functools import partial
 
 import torch.nn as nn
 
-from tp_train.plan.coverage import generic
-from tp_train.plan.local_search import capture_calls, find_local_view
+from tp_train.plan.deciding.coverage import generic
+from tp_train.plan.deciding.local_search import capture_calls, find_local_view
+from tp_train.plan.deciding.pairs import TABLE_STYLE, Pair, arguments_shape, enclosing_module, last_dim
 from tp_train.plan.local_view import kept_heads, parse_attention_style
-from tp_train.plan.pairs import TABLE_STYLE, Pair, arguments_shape, enclosing_module, last_dim
 from tp_train.plan.styles import head_counts, split_style
 
 
@@ -44,7 +44,7 @@ class AttentionViews:
 
     def _local_views(self, pairs: list[Pair]) -> dict[str, str]:
         """The attention style of each attention module: the view under which it runs right on local heads
-        (`tp_train.plan.local_search`), found once per block shape; modules with none go to `kept_whole`."""
+        (`tp_train.plan.deciding.local_search`), found once per block shape; modules with none go to `kept_whole`."""
         enclosing = {enclosing_module(pair): pair for pair in pairs if self._on_local_heads(pair)}
         enclosing = {name: pair for name, pair in enclosing.items() if name and name in self.calls}
         if not enclosing:

@@ -13,11 +13,11 @@ import torch
 import torch.nn as nn
 
 from tp_train.parallel.pipeline.split import PipelineSplit
+from tp_train.plan.deciding.match import match_plan
+from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.plan.layout import blocks_if_any
-from tp_train.plan.match import match_plan
 from tp_train.plan.probe import forward_without_cache, hooks_removed
 from tp_train.plan.probe_input import probe_input
-from tp_train.plan.resolve import resolve_plan
 
 
 def find_blocks(model: nn.Module) -> str:

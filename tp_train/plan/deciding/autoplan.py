@@ -1,15 +1,25 @@
 """The auto-planner: infers a column/row tensor-parallel plan from one probe forward of the model, as data for
-the plan readers (`match`, `apply`). Its phases are described in docs/planner.md ("The auto-planner's phases")."""
+the plan readers (`match`, `apply`). Its phases are described in docs/planner.md ("The auto-planner's phases"). Its
+probe runs with running-statistics norms holding the probe batch's statistics (`probe_statistics`)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
 from tp_train.errors import first_line
-from tp_train.plan.coverage import as_patterns, covered_linears, in_repeated_block, kept_whole_notes, whole_beyond_small
-from tp_train.plan.locality import LocalityProbes
-from tp_train.plan.pairs import (
+from tp_train.plan.deciding.coverage import (
+    as_patterns,
+    covered_linears,
+    in_repeated_block,
+    kept_whole_notes,
+    whole_beyond_small,
+)
+from tp_train.plan.deciding.locality import LocalityProbes
+from tp_train.plan.deciding.pairs import (
     SPLIT_NORMS,
     SPLITS,
     TABLE_STYLE,
@@ -20,12 +30,11 @@ from tp_train.plan.pairs import (
     over_last_dim,
     per_feature,
 )
-from tp_train.plan.probe import probe_copy, producers_of, producers_of_calls, trace_calls
+from tp_train.plan.deciding.structure_rules import StructureRules
+from tp_train.plan.deciding.views import AttentionViews
+from tp_train.plan.probe import hooks_removed, probe_copy, producers_of, producers_of_calls, tensor_caches, trace_calls
 from tp_train.plan.probe_input import ProbeInput, probe_input
-from tp_train.plan.running_statistics import probe_statistics
-from tp_train.plan.structure_rules import StructureRules
 from tp_train.plan.styles import linear_shape, matrix_shape
-from tp_train.plan.views import AttentionViews
 
 INFERRED_SOURCE = "inferred by the auto-planner"
 COMPLETED_SOURCE = "completed by the auto-planner"  # a model's own plan that shards no block, filled in
@@ -301,3 +310,55 @@ class _Planner(LocalityProbes, StructureRules, AttentionViews):
                 if module.max_norm is None and not module.sparse and not module.scale_grad_by_freq:
                     return None if self._weight_read_directly(module) else name
         return None
+
+
+# For the probe, norms that keep running statistics (LeViT's BatchNorms) hold the probe batch's own statistics, as a
+# training step would have them (their initial zeros and ones hide what a query does); restored after.
+
+
+def running_norms(model: nn.Module) -> list[nn.Module]:
+    """The norms of `model` that normalise by running statistics in eval mode (torch's BatchNorm and its kin)."""
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+    ]
+
+
+@contextmanager
+def probe_statistics(model: nn.Module, inputs: ProbeInput) -> Iterator[None]:
+    """`model`'s running norms holding `inputs`' statistics for the duration (left as they were where a norm sees one
+    value per channel, too few for statistics); each norm's buffers, momentum and mode restored after."""
+    norms = running_norms(model)
+    saved = [(norm, norm.momentum, norm.training, {k: v.clone() for k, v in norm.named_buffers(recurse=False)})
+             for norm in norms]  # fmt: skip
+    handles = [norm.register_forward_pre_hook(_takes_statistics) for norm in norms]
+    try:
+        for norm in norms:
+            norm.momentum = 1.0
+        try:
+            if norms:
+                with hooks_removed(handles), torch.no_grad():
+                    inputs(model)
+        except Exception:  # noqa: BLE001 - a model that cannot run its probe input is refused where the planner runs it
+            _restore(saved)
+        for cache in tensor_caches(model):  # filled by this forward, outside the probe's dataflow
+            cache.clear()
+        for norm in norms:
+            norm.eval()
+        yield
+    finally:
+        _restore(saved)
+
+
+def _restore(saved: list) -> None:
+    for norm, momentum, training, buffers in saved:
+        norm.momentum, norm.training = momentum, training
+        for name, value in buffers.items():
+            getattr(norm, name).copy_(value)
+
+
+def _takes_statistics(norm: nn.Module, args: tuple) -> None:
+    """A norm takes its input's statistics (training mode) where it has more than one value per channel."""
+    x = args[0]
+    norm.training = x.dim() > 1 and x.numel() // x.shape[1] > 1

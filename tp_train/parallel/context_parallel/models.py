@@ -20,9 +20,10 @@ from tp_train.parallel.context_parallel import (
     shard_sequence,
 )
 from tp_train.parallel.context_parallel.load_balance import check_sequence_length
-from tp_train.plan.styles import HEAD_ATTRIBUTES
 
 HF_ATTENTION = "tp_train_context_parallel"
+# Where a module or config keeps its number of query heads (the plan reads the same names: `plan.styles`).
+HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _POSITION_ARGUMENTS = ("position_ids", "positions")  # Hugging Face's name, then our GPT's
 _INPUT_ARGUMENTS = ("input_ids", "idx")
 

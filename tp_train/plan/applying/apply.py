@@ -27,12 +27,12 @@ from tp_train.parallel.pointwise_conv import ColumnParallelPointwiseConv, RowPar
 from tp_train.parallel.random import REPLICATED, SHARDED, TensorParallelRNG
 from tp_train.parallel.reductions import FeatureReductionRegion
 from tp_train.parallel.sharding import ShardSpec, replicated_rows, shard_parameter, sum_replicated_gradient
-from tp_train.plan.adapters import materialize_adapters, shard_adapters
-from tp_train.plan.caches import tensor_caches
+from tp_train.plan.applying.adapters import materialize_adapters, shard_adapters
 from tp_train.plan.channels import shard_channels
 from tp_train.plan.gradient_hooks import SUM_OVER_RANKS, SUM_REPLICAS, register_gradient_hook
 from tp_train.plan.local_view import apply_local_view, parse_attention_style, share_replicated_kv_heads
 from tp_train.plan.meta_init import SESSION_KEYS, initializer, materialize, materializing
+from tp_train.plan.probe import tensor_caches
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
     FEEDS_PARALLEL_REGION,
@@ -98,7 +98,7 @@ def apply_plan(
                 layer = _parallel_linear(base, style, group, shared, sharded_output, entry.counts, entry.arguments)
                 _sum_replicas(model, name, layer, group, replicated_parents)
             layer = _keep_subclass_forward(base, layer, SWAPPED_BASES[style])
-            if wrapper is not None:  # its adapters split to go with the base (tp_train.plan.adapters)
+            if wrapper is not None:  # its adapters split to go with the base (tp_train.plan.applying.adapters)
                 wrapper.base_layer = layer
                 shard_adapters(name, wrapper, layer, style, group, rng)
                 checked = (reference, wrapper)  # the LoRA layer as a whole
@@ -310,7 +310,7 @@ def _shard_parameters(module: nn.Module, styles: dict[str, str], group: ProcessG
     gradients of sections held whole by several ranks (fewer units than ranks) are summed over those replicas."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     specs = getattr(module, "shard_specs", {})
-    for cache in tensor_caches(module, recurse=False):  # of the whole parameters (`tp_train.plan.caches`)
+    for cache in tensor_caches(module, recurse=False):  # of the whole parameters (`tp_train.plan.probe`)
         cache.clear()
     for param_name, style in styles.items():
         if style == "replicate_once":

@@ -1,6 +1,6 @@
 """The auto-planner's records and the small pure functions its phases share: a column/row `Pair` (what the pairing
 phase found between a row layer and its column layers), the thresholds and styles the phases test against, and the
-masks the locality probes perturb with (`tp_train.plan.locality`)."""
+masks the locality probes perturb with (`tp_train.plan.deciding.locality`)."""
 
 from __future__ import annotations
 

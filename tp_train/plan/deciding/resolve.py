@@ -1,16 +1,17 @@
 """Which plan a model gets: an explicit one, the model's own (`tp_plan`, Hugging Face's `base_model_tp_plan`, a
-built-in preset), completed by the auto-planner when it shards no block, or the auto-planner's alone."""
+built-in preset read from its family's record), completed by the auto-planner when it shards no block, or the
+auto-planner's alone."""
 
 from __future__ import annotations
 
 import torch.nn as nn
 
 from tp_train.parallel.sharding import divisors
-from tp_train.plan.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
-from tp_train.plan.coverage import covered_linears, in_repeated_block, sharded_parameters, whole_beyond_small
-from tp_train.plan.experts import keep_experts_whole
-from tp_train.plan.match import names_anything
-from tp_train.plan.presets import check_shardable, override_plan, plan_additions, preset_plan
+from tp_train.plan.deciding.autoplan import COMPLETED_SOURCE, INFERRED_SOURCE, InferredPlan, infer_plan
+from tp_train.plan.deciding.coverage import covered_linears, in_repeated_block, sharded_parameters, whole_beyond_small
+from tp_train.plan.deciding.experts import keep_experts_whole
+from tp_train.plan.deciding.families import FamilySpec, family_of
+from tp_train.plan.deciding.match import names_anything
 from tp_train.plan.styles import (
     ALIASES,
     CONFIG_HEAD_FIELDS,
@@ -59,10 +60,10 @@ def resolve_plan(
     experts_whole: bool = False,
 ) -> tuple[dict[str, str], str]:
     """The plan to use and where it came from: the `plan` argument, else the model's own (`find_plan`), else the
-    auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.autoplan`). The config's head
-    counts are checked against `tensor_parallel_size` here, whichever plan it is. With `experts_whole` (expert
-    parallelism) the model's own plan leaves its experts modules whole (`keep_experts_whole`); a `plan` argument is
-    taken as written."""
+    auto-planner's, checked at `tensor_parallel_size` on `example_input` (`tp_train.plan.deciding.autoplan`). The
+    config's head counts are checked against `tensor_parallel_size` here, whichever plan it is. With `experts_whole`
+    (expert parallelism) the model's own plan leaves its experts modules whole (`keep_experts_whole`); a `plan`
+    argument is taken as written."""
     if tensor_parallel_size:
         check_config_heads(model, tensor_parallel_size)
     if plan:
@@ -192,3 +193,73 @@ def modules_with_plans(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
     visit("", root)
     return found
+
+
+# A family's built-in plan, read from its record (`families`): its preset, override or additions to Hugging Face's
+# plan, keyed as the model's modules (prefixed with the base model's name, the LM head added).
+
+
+HEAD_STYLE = "colwise_gather_output"  # the LM head: split over the vocabulary, its logits gathered
+
+
+def preset_plan(model: nn.Module) -> dict[str, str] | None:
+    """The preset for `model.config.model_type`, with keys as `model`'s module names; None when there is none."""
+    spec = family_of(model)
+    if spec is None or spec.preset is None:
+        return None
+    _check_supported(spec, model, "preset")
+    return _for_model(model, {**spec.preset, **(spec.variant(model.config) if spec.variant else {})}, head=True)
+
+
+def check_shardable(model: nn.Module) -> None:
+    """Raises a one-line `ValueError` for a model of a family tp_train cannot shard (a record's `unshardable`)."""
+    spec = family_of(model)
+    if spec is not None and spec.unshardable:
+        _check_supported(spec, model, "planner")
+
+
+def override_plan(model: nn.Module) -> dict[str, str] | None:
+    """The head-aware plan that replaces Hugging Face's for `model`'s family (a record's `override`), or None."""
+    spec = family_of(model)
+    return _for_model(model, spec.override, head=True) if spec and spec.override else None
+
+
+def plan_additions(model: nn.Module) -> dict[str, str]:
+    """Entries to add to Hugging Face's plan for `model`'s family (a record's `additions`, and its `variant` for a
+    family without a preset), keyed as `model`'s modules."""
+    spec = family_of(model)
+    if spec is None:
+        return {}
+    base = dict(spec.additions or {})
+    if spec.preset is None:
+        _check_supported(spec, model, "plan additions")
+        base |= spec.variant(model.config) if spec.variant else {}
+    return _for_model(model, base, head=False) if base else {}
+
+
+def _check_supported(spec: FamilySpec, model: nn.Module, what: str) -> None:
+    reason = spec.unshardable or (spec.unsupported(model) if spec.unsupported else None)
+    if reason:
+        raise ValueError(f"the built-in '{spec.model_type}' {what} cannot shard this model: {reason}")
+
+
+def _for_model(model: nn.Module, base: dict[str, str], head: bool) -> dict[str, str]:
+    """`base` (keys relative to the base model) keyed as `model`'s module names, with the LM head when `head`."""
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    plan = {prefix + pattern: style for pattern, style in base.items()}
+    if head and (name := _head_name(model)):
+        plan[name] = HEAD_STYLE
+    return plan
+
+
+def _head_name(model: nn.Module) -> str | None:
+    """The name of `model`'s LM head when it is a Linear: `lm_head`, or whatever module the model says its output
+    embeddings are (RWKV's `head`)."""
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return "lm_head"
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear):
+        return None
+    return next((name for name, module in model.named_modules() if module is head), None)

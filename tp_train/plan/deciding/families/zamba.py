@@ -3,8 +3,8 @@ output (`rowwise_scatter_output`) into its hybrid layer's `linear`, split by row
 
 from __future__ import annotations
 
-from tp_train.plan.families.recurrent import mamba2_mixer, under
-from tp_train.plan.families.spec import FamilySpec
+from tp_train.plan.deciding.families.recurrent import mamba2_mixer, under
+from tp_train.plan.deciding.families.spec import FamilySpec
 
 # Zamba's Mamba mixer: `n_mamba_heads` independent heads with their own (heads, ...) parameters, split by those heads
 # (in_proj's interleaved [x; z] channels by a plain column split; docs/own-models.md).

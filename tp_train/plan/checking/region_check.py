@@ -16,12 +16,12 @@ from torch.distributed import ProcessGroup
 from tp_train.errors import first_line
 from tp_train.parallel.agreement import before_collective
 from tp_train.parallel.sharding import shard_tensor
+from tp_train.plan.checking.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, verification_error
 from tp_train.plan.compare import detached, first_tensor, relative_difference
 from tp_train.plan.gradient_hooks import requiring_grad
 from tp_train.plan.probe import eval_mode, forward_without_cache, hooks_removed
 from tp_train.plan.probe_input import PROBE_TOKENS, probe_input
 from tp_train.plan.styles import FEATURE_REDUCTION_STYLE, NORM_STYLES, WHOLE_PARAMETER_STYLES, PlannedModule
-from tp_train.plan.verify import HALF_PRECISION_TOLERANCE, TOLERANCE, verification_error
 
 # Region styles whose module takes whole inputs and returns a whole output once sharded, so that it alone can be
 # compared with the module it was (`moe_identity_expert` and `mla_kv_a_proj` hand partial values on by design), and

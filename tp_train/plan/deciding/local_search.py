@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from tp_train.errors import first_line
 from tp_train.parallel.sharding import ShardSpec, join_shards, shard_parameter
-from tp_train.plan.caches import tensor_caches
 from tp_train.plan.channels import local_channels
 from tp_train.plan.compare import detached, first_tensor, relative_difference
 from tp_train.plan.local_view import (
@@ -26,7 +25,7 @@ from tp_train.plan.local_view import (
     share_replicated_kv_heads,
     usual_fields,
 )
-from tp_train.plan.probe import forward_without_cache, hooks_removed
+from tp_train.plan.probe import forward_without_cache, hooks_removed, tensor_caches
 from tp_train.plan.probe_input import ProbeInput
 from tp_train.plan.styles import head_counts, linear_shape, parameter_shard_spec, split_style, style_shard_spec
 

@@ -12,11 +12,18 @@ import torch
 from tp_train.parallel.norm import hold_statistic
 from tp_train.parallel.reductions import held_reductions
 from tp_train.parallel.sharding import ShardSpec
-from tp_train.plan.caches import caches_kept, tensor_caches
-from tp_train.plan.coverage import generic
-from tp_train.plan.head_shapes import observed_counts
-from tp_train.plan.pairs import LEAK_TOLERANCE, SPLITS, Pair, first_mask, last_dim, rank_mask, share_mask
-from tp_train.plan.probe import channels_first, channels_last, forward_without_cache, hooks_removed, split_sizes
+from tp_train.plan.deciding.coverage import generic
+from tp_train.plan.deciding.head_shapes import observed_counts
+from tp_train.plan.deciding.pairs import LEAK_TOLERANCE, SPLITS, Pair, first_mask, last_dim, rank_mask, share_mask
+from tp_train.plan.probe import (
+    caches_kept,
+    channels_first,
+    channels_last,
+    forward_without_cache,
+    hooks_removed,
+    split_sizes,
+    tensor_caches,
+)
 from tp_train.plan.styles import column_layout, head_counts
 
 
@@ -63,8 +70,9 @@ class LocalityProbes:
 
     def _replicated_kv_heads(self, column: str, row: str, frozen: frozenset, background: frozenset) -> str | None:
         """`colwise(KxD)` for a kv projection of K heads of width D, fewer than the ranks, as its attention's own
-        reshape shows them (`tp_train.plan.head_shapes`): each head held whole by tp / K ranks, the ranks holding it
-        those whose query heads read it; when perturbing each head moves only those ranks' shares of `row`'s input."""
+        reshape shows them (`tp_train.plan.deciding.head_shapes`): each head held whole by tp / K ranks, the ranks
+        holding it those whose query heads read it; when perturbing each head moves only those ranks' shares of `row`'s
+        input."""
         if self._observed is None:
             self._observed = observed_counts(self.model, self.linears, self.inputs)
         counts = self._observed.get(column)
@@ -114,7 +122,7 @@ class LocalityProbes:
     def _parameter_local(self, row: str, owner: str, param: torch.Tensor, dim: int) -> bool:
         """Whether perturbing rank r's share of `param` (of module `owner`) along `dim` moves only rank r's share of
         `row`'s input, for every r: its heads along that dim (a per-head table). The owner's tensor caches
-        (`tp_train.plan.caches`) are emptied around each probe, so it computes from the perturbed values."""
+        (`tp_train.plan.probe`) are emptied around each probe, so it computes from the perturbed values."""
         base = self._row_inputs(row, {})
         generator = torch.Generator(device=param.device).manual_seed(0)
         caches = tensor_caches(self.modules[owner])

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tp_train.plan.coverage import block_of, in_repeated_block
-from tp_train.plan.local_view import kept_heads, usual_fields
-from tp_train.plan.pairs import (
+from tp_train.plan.deciding.coverage import block_of, in_repeated_block
+from tp_train.plan.deciding.pairs import (
     TABLE_STYLE,
     WHOLE_SUMMED,
     Pair,
@@ -18,6 +17,7 @@ from tp_train.plan.pairs import (
     numbered_away,
     per_head,
 )
+from tp_train.plan.local_view import kept_heads, usual_fields
 from tp_train.plan.probe import foreign_readers
 from tp_train.plan.styles import (
     FEATURE_REDUCTION_STYLE,
@@ -144,8 +144,8 @@ class StructureRules:
 
     def _counts_heads_beside_a_norm(self, pair: Pair) -> bool:
         """Whether `pair` is attention with a norm over split features between its layers whose enclosing module keeps
-        head counts or widths: the local-view search (`tp_train.plan.local_search`), which simulates ranks without
-        the norm's all-reduce, skips pairs with channels, so those counts would stay whole (MiniMax's lightning
+        head counts or widths: the local-view search (`tp_train.plan.deciding.local_search`), which simulates ranks
+        without the norm's all-reduce, skips pairs with channels, so those counts would stay whole (MiniMax's lightning
         attention). An attention that views heads with -1 (BitNet's) needs no view."""
         if not pair.attention or not set(NORM_STYLES) & set(pair.channels.values()):
             return False

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tp_train.plan.families.spec import FamilySpec
+from tp_train.plan.deciding.families.spec import FamilySpec
 
 # GPT-2: c_attn is a fused [q; k; v] Conv1D, split head-aware; resid_dropout acts on the replicated stream
 # (docs/hugging-face.md, "What the built-in records split").

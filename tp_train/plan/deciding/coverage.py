@@ -1,5 +1,5 @@
 """How much of a model an inferred plan covers, and how its names read: the parameters a plan splits, the note
-printed for each attention kept whole, and module names folded into `*` patterns (`tp_train.plan.autoplan`)."""
+printed for each attention kept whole, and module names folded into `*` patterns (`tp_train.plan.deciding.autoplan`)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ a layout that ties two generic sizes, or a default config that builds no model t
 
 from __future__ import annotations
 
-from tp_train.plan.families.spec import FamilySpec
+from tp_train.plan.deciding.families.spec import FamilySpec
 
 # VibeVoice's audio tokenizers (the sub-configs of vibevoice and vibevoice_asr): by default 6 downsampling stages
 # that double 32 filters up to 2048 channels (1.0 and 0.7 billion parameters, 8.4 GB a rank at tp 2 with the

@@ -16,8 +16,8 @@ PLAN_FIELDS = ("preset", "override", "additions")  # the fields holding plan ent
 @dataclass(frozen=True, kw_only=True)
 class FamilySpec:
     """What tp_train knows about one Hugging Face family. Plan keys are relative to the base model, as in Hugging
-    Face's own plans (`tp_train.plan.presets` prefixes them and adds the LM head). Give `model_type` and at least one
-    of the others; a style tp_train does not know is refused when the record is built."""
+    Face's own plans (`tp_train.plan.deciding.resolve` prefixes them and adds the LM head). Give `model_type` and at
+    least one of the others; a style tp_train does not know is refused when the record is built."""
 
     model_type: str  # the config's `model_type`
     preset: Mapping[str, str] | None = None  # the whole plan, for a family whose config ships no base_model_tp_plan

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from tp_train.plan.families import attention, recurrent, zamba, zoo_layouts
-from tp_train.plan.families.spec import FamilySpec, family, family_of, register, registered, unregister
+from tp_train.plan.deciding.families import attention, recurrent, zamba, zoo_layouts
+from tp_train.plan.deciding.families.spec import FamilySpec, family, family_of, register, registered, unregister
 
 for _module in (attention, recurrent, zamba, zoo_layouts):
     for _record in _module.RECORDS:
