@@ -27,9 +27,12 @@ test: setup
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The edit-test loop: every test not marked slow (under 3 minutes on 2 cores; docs/install.md). `make test` stays the
-# whole suite and CI's command.
+# whole suite and CI's command. Two workers here: each worker's start-ups (collection, its rank fork server, its
+# train.py server) cost more than a third worker wins back on this tier, which has few waits (2026-12-06: 114 s and
+# 157 CPU-s at two, 122 s and 183 CPU-s at three).
+TEST_FAST_WORKERS ?= 2
 test-fast: setup
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	$(PYTHON) -m pytest -q -n $(TEST_FAST_WORKERS) --dist loadfile -m "not slow"
 
 # The docs site from docs/ (mkdocs.yml) into site/; tests/test_docs.py runs the same build.
 docs: setup
