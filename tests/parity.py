@@ -156,12 +156,10 @@ def parity_of_each(models: dict) -> dict[str, dict[str, float]]:
 def full_tensors(model, group, grads: bool) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) of the sharded model, gathered to full size where sharded."""
     specs = {name: spec for name, _, spec in tp_train.named_sharded_parameters(model)}
-    out = {}
-    for name, param in model.named_parameters():
-        tensor = param.grad if grads else param.detach()
-        sharded = name in specs and tensor is not None
-        out[name] = tp_train.unshard_tensor(tensor, specs[name], group) if sharded else tensor
-    return out
+    out = {name: param.grad if grads else param.detach() for name, param in model.named_parameters()}
+    sharded = [name for name, tensor in out.items() if name in specs and tensor is not None]
+    gathered = tp_train.unshard_tensors([(out[name], specs[name]) for name in sharded], group)
+    return {**out, **dict(zip(sharded, gathered, strict=True))}
 
 
 def _shard_fraction(model, tp: int) -> float:

@@ -235,3 +235,44 @@ def _direct_construction(rank, world_size):
 def test_directly_built_layers_start_as_slices_of_the_unsharded_init(tp):
     for errors in run_on_ranks(_direct_construction, tp):
         assert len(errors) == 8 and max(errors.values()) == 0.0, errors
+
+
+# (full shape, spec, dtype): sections, padding, a transposed weight, a replicated unit, and a second dtype.
+UNSHARD_CASES = [
+    ((12, 6), ShardSpec(0, (4, 8)), torch.float32),
+    ((VOCAB, 6), ShardSpec(0, (VOCAB,), padded=True), torch.float32),
+    ((6, 8), ShardSpec(0, (8,), transposed=True), torch.float32),  # stored (in, out), split along out
+    ((16, 3), ShardSpec(0, (8, 8), units=(1, 4)), torch.float32),  # one kv head held whole by every rank
+    ((8, 4), ShardSpec(1, (4,)), torch.bfloat16),
+    ((8,), ShardSpec(0, (8,)), torch.float32),
+]
+
+
+def _unshard_many(rank, world_size, bucket_bytes):
+    """Each case's full tensor from its shards, gathered by `unshard_tensors` in one call, against the full tensor
+    itself; and how many all-gathers that call issued."""
+    from tp_train.parallel import sharding
+
+    fulls, shards = [], []
+    for seed, (shape, spec, dtype) in enumerate(UNSHARD_CASES):
+        full = _randn(seed, *shape).to(dtype)
+        fulls.append(full)
+        shards.append((shard_tensor(full.t() if spec.transposed else full, spec, rank, world_size), spec))
+    gathers, all_gather = [], dist.all_gather
+    sharding.dist.all_gather = lambda *args, **kwargs: (gathers.append(1), all_gather(*args, **kwargs))[1]
+    try:
+        gathered = sharding.unshard_tensors(shards, dist.group.WORLD, bucket_bytes=bucket_bytes)
+    finally:
+        sharding.dist.all_gather = all_gather
+    same = [bool(torch.equal(actual, full)) for actual, full in zip(gathered, fulls, strict=True)]
+    return same, len(gathers)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_unshard_tensors_gives_each_full_tensor_in_one_all_gather_per_bucket(tp):
+    """One all-gather per dtype (fp32, bf16) where the buckets hold everything; one per tensor where a bucket holds
+    one; the full tensors bit for bit either way."""
+    for bucket_bytes, gathers in ((2**20, 2), (1, len(UNSHARD_CASES))):
+        for rank, (same, issued) in enumerate(run_on_ranks(_unshard_many, tp, bucket_bytes)):
+            assert all(same), (rank, bucket_bytes, same)
+            assert issued == gathers, (rank, bucket_bytes, issued)

@@ -32,7 +32,13 @@ from tp_train.parallel.layers import ColumnParallelLinear, RowParallelLinear, Vo
 from tp_train.parallel.pipeline import Pipeline
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.parallel.random import TensorParallelRNG
-from tp_train.parallel.sharding import ShardSpec, full_state_dict, named_sharded_parameters, unshard_tensor
+from tp_train.parallel.sharding import (
+    ShardSpec,
+    full_state_dict,
+    named_sharded_parameters,
+    unshard_tensor,
+    unshard_tensors,
+)
 from tp_train.plan.checking.verify import PlanVerificationError, verify_parallelized
 from tp_train.plan.deciding.autoplan import infer_plan
 from tp_train.plan.deciding.pipeline import plan_pipeline_split
@@ -129,6 +135,7 @@ __all__ = [
     "scatter_to_tensor_parallel_region",
     "shard_experts",
     "unshard_tensor",
+    "unshard_tensors",
     "verify_parallelized",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_linear_cross_entropy",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +144,53 @@ def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: ProcessGroup) ->
     return full.t() if spec.transposed else full
 
 
+# The most bytes of this rank's shards that `unshard_tensors` gathers in one collective (the gathered buffer is
+# tp times that): few collectives for a whole model's state, a bounded working copy for a large one.
+UNSHARD_BUCKET_BYTES = 64 * 2**20
+
+
+def unshard_tensors(
+    shards: Sequence[tuple[torch.Tensor, ShardSpec]], group: ProcessGroup, bucket_bytes: int = UNSHARD_BUCKET_BYTES
+) -> list[torch.Tensor]:
+    """`unshard_tensor` of each (local shard, spec), in order, for one all-gather per bucket of shards instead of one
+    per tensor: the shards of a dtype and device are flattened into one buffer of at most `bucket_bytes` (or one
+    shard alone, if larger). Every rank passes the same tensors in the same order (a collective)."""
+    world_size = dist.get_world_size(group)
+    result: list[torch.Tensor | None] = [None] * len(shards)
+    for bucket in _buckets(shards, bucket_bytes):
+        if len(bucket) == 1 or any(isinstance(shards[index][0], DTensor) for index in bucket):
+            for index in bucket:
+                result[index] = unshard_tensor(*shards[index], group)
+            continue
+        flat = torch.cat([shards[index][0].detach().reshape(-1) for index in bucket])
+        gathered = [torch.empty_like(flat) for _ in range(world_size)]
+        before_collective()
+        dist.all_gather(gathered, flat, group=group)
+        offset = 0
+        for index in bucket:
+            local, spec = shards[index]
+            pieces = [every[offset : offset + local.numel()].view(local.shape) for every in gathered]
+            offset += local.numel()
+            full = join_shards(pieces, spec)
+            result[index] = full.t() if spec.transposed else full
+    return result
+
+
+def _buckets(shards: Sequence[tuple[torch.Tensor, ShardSpec]], bucket_bytes: int) -> list[list[int]]:
+    """The indices of `shards`, in buckets of one dtype and device and at most `bucket_bytes` each."""
+    open_buckets: dict[tuple, tuple[list[int], int]] = {}
+    done = []
+    for index, (local, _) in enumerate(shards):
+        key, size = (local.dtype, local.device), local.numel() * local.element_size()
+        bucket, held = open_buckets.get(key, ([], 0))
+        if bucket and held + size > bucket_bytes:
+            done.append(bucket)
+            bucket, held = [], 0
+        bucket.append(index)
+        open_buckets[key] = (bucket, held + size)
+    return done + [bucket for bucket, _ in open_buckets.values()]
+
+
 def join_shards(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """The full tensor (in the parameter's local layout) from every rank's shard, in rank order: the inverse of
     `shard_tensor`, section by section, one replica of each, padding dropped."""
@@ -267,6 +314,6 @@ def full_state_dict(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Te
         for param_name, spec in getattr(module, "shard_specs", {}).items():
             specs[f"{module_name}.{param_name}" if module_name else param_name] = spec
     state = model.state_dict()
-    return {
-        name: unshard_tensor(tensor, specs[name], group) if name in specs else tensor for name, tensor in state.items()
-    }
+    sharded = [name for name in state if name in specs]
+    gathered = unshard_tensors([(state[name], specs[name]) for name in sharded], group)
+    return {**state, **dict(zip(sharded, gathered, strict=True))}

@@ -25,6 +25,7 @@ from tp_train.parallel.sharding import (
     shard_tensor,
     split_among_replicas,
     unshard_tensor,
+    unshard_tensors,
 )
 from tp_train.plan.compare import first_tensor, relative_difference
 from tp_train.plan.gradient_hooks import requiring_grad
@@ -316,7 +317,9 @@ def _gradients(model: nn.Module, group: ProcessGroup) -> dict[str, torch.Tensor]
     """Every parameter's gradient at full size (sharded ones gathered: a collective); zeros where none."""
     specs = {name: spec for name, _, spec in named_sharded_parameters(model)}
     grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
-    return {name: unshard_tensor(grad, specs[name], group) if name in specs else grad for name, grad in grads.items()}
+    sharded = [name for name in grads if name in specs]
+    gathered = unshard_tensors([(grads[name], specs[name]) for name in sharded], group)
+    return {**grads, **dict(zip(sharded, gathered, strict=True))}
 
 
 def _gradient_errors(gradients: dict[str, torch.Tensor], reference: dict[str, nn.Parameter]) -> dict[str, float]:

@@ -98,10 +98,11 @@ def _check_family(model_type: str, steps: int, tolerance: float, task: str, fiel
                 differences["logits"] = (logits[0] - logits[1]).abs().max().item()
                 reference_params = dict(reference.named_parameters())
                 whole, first_whole = _block_share(model, reference)
-                for name, param in model.named_parameters():
-                    grad = param.grad
-                    if grad is not None and name in specs:
-                        grad = tp_train.unshard_tensor(grad, specs[name], dist.group.WORLD)
+                grads = {name: param.grad for name, param in model.named_parameters()}
+                sharded = [name for name, grad in grads.items() if grad is not None and name in specs]
+                gathered = tp_train.unshard_tensors([(grads[name], specs[name]) for name in sharded], dist.group.WORLD)
+                grads.update(zip(sharded, gathered, strict=True))
+                for name, grad in grads.items():
                     expected = reference_params[name].grad
                     if grad is not None and expected is not None and grad.shape == expected.shape:
                         differences[f"gradient of {name}"] = (grad - expected).abs().max().item()

@@ -118,8 +118,9 @@ def _meta_built(task: str, model_type: str, fields: dict | None, seed: int) -> d
     with contextlib.redirect_stdout(io.StringIO()):
         tp_train.parallelize(model, device="cpu", verify=False)
     tensors = {name: tensor.detach() for name, tensor in _tensors(model).items()}
-    for name, tensor, spec in tp_train.named_sharded_parameters(model, buffers=True):  # Falcon-H1's mup_vector too
-        tensors[name] = tp_train.unshard_tensor(tensor.detach(), spec, dist.group.WORLD)
+    sharded = list(tp_train.named_sharded_parameters(model, buffers=True))  # Falcon-H1's mup_vector too
+    gathered = tp_train.unshard_tensors([(tensor.detach(), spec) for _, tensor, spec in sharded], dist.group.WORLD)
+    tensors.update({name: full for (name, _, _), full in zip(sharded, gathered, strict=True)})
     return tensors
 
 
