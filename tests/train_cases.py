@@ -69,7 +69,7 @@ def _case_main(case: dict) -> None:
     if case.get("whole_env"):  # as subprocess.run(env=...): the case's environment and nothing else
         os.environ.clear()
     os.environ.update(case.get("env", {}))
-    _child_ranks_by_fork()
+    _child_ranks_by_fork(case.get("child_ranks", _FORKED_RANKS))
     if case.get("module"):
         sys.argv = [case["module"], *case["overrides"]]
         runpy.run_module(case["module"], run_name="__main__", alter_sys=True)
@@ -98,16 +98,16 @@ def _run_as_main(main) -> None:
 _FORKED_RANKS = 3
 
 
-def _child_ranks_by_fork() -> None:
+def _child_ranks_by_fork(ranks: int) -> None:
     """Has Lightning's launcher start this case's child ranks (`python train.py ...` with the rank's environment and
     directory) as forks of this process taken now, before train.py runs, so that a rank skips the imports (~4
     CPU-seconds) and starts as the command would. Each is this process's own child, as a launched rank is (the
     product's watchdog checks its parent); an idle one ends with this process. Any other command, or a rank past
-    the third, is started as usual."""
+    the `ranks` forked, is started as usual."""
     from lightning.pytorch.strategies.launchers import subprocess_script
 
     idle = []
-    for _ in range(_FORKED_RANKS):
+    for _ in range(ranks):
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -242,10 +242,13 @@ def _answer(server: subprocess.Popen, deadline: float) -> dict | None:
 SCRIPTS = ("train.py", "tests/signal_at_step.py")
 
 
-def run(command: list[str], *, cwd: Path, env: dict | None = None, timeout: float) -> subprocess.CompletedProcess:
+def run(
+    command: list[str], *, cwd: Path, env: dict | None = None, timeout: float, child_ranks: int = _FORKED_RANKS
+) -> subprocess.CompletedProcess:
     """`subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)` for `command` =
     `[sys.executable, script, *overrides]` (a script of SCRIPTS) run from the project's root, forked from this
-    process's server."""
+    process's server; `child_ranks`: the ranks beside rank 0 that the run's launcher starts as forks (more start
+    as fresh interpreters)."""
     if command[0] != sys.executable or command[1] not in SCRIPTS or Path(cwd).resolve() != ROOT:
         raise ValueError(f"tests.train_cases.run: {command[:2]} in {cwd}; it runs `python` {SCRIPTS} from {ROOT}")
     directory = Path(tempfile.mkdtemp(prefix="train-case-"))
@@ -254,7 +257,7 @@ def run(command: list[str], *, cwd: Path, env: dict | None = None, timeout: floa
         server = _server()
         environment = dict(os.environ) if env is None else env
         case = {"script": command[1], "overrides": command[2:], "env": environment, "whole_env": True, "cwd": str(cwd),
-                "directory": str(directory)}  # fmt: skip
+                "directory": str(directory), "child_ranks": child_ranks}  # fmt: skip
         server.stdin.write((json.dumps(case) + "\n").encode())
         # The case's time starts at its fork: a server's first answer waits for the server's own imports.
         pid = _answer(server, time.monotonic() + timeout + 60)["pid"]
