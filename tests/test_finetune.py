@@ -186,10 +186,7 @@ def generated(runs) -> dict:
         }
         for run, tp, options in cases
     ]
-    command = [sys.executable, "-m", "tests.train_cases"]
-    done = subprocess.run(command, cwd=ROOT, input=json.dumps(jobs), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    outcomes = zip(cases, json.loads(done.stdout), strict=True)
+    outcomes = zip(cases, train_cases.run_batch(jobs, timeout=900), strict=True)
     results = {case: (result["status"], result["stdout"], result["stderr"]) for case, result in outcomes}
     console_script = Path(sys.executable).parent / "tp-train-generate"  # beside the interpreter, on PATH or not
     script = subprocess.run(

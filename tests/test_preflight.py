@@ -3,14 +3,12 @@ work; exit status 2; no traceback. No case starts a rank, so all of them run at 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests import train_cases
 from tests.test_expert_parallel_train import EXPERT_CASES
 from tests.test_pipeline_train import PIPELINE_CASES
 
@@ -106,10 +104,8 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
         }
         for case, (overrides, _) in CASES.items()
     ]
-    command = [sys.executable, "-m", "tests.train_cases"]
-    done = subprocess.run(command, cwd=ROOT, input=json.dumps(cases), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {case: (result, directories[case]) for case, result in zip(CASES, json.loads(done.stdout), strict=True)}
+    results = train_cases.run_batch(cases, timeout=600)
+    return {case: (result, directories[case]) for case, result in zip(CASES, results, strict=True)}
 
 
 @pytest.mark.slow

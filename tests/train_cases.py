@@ -8,12 +8,14 @@ A case naming a `module` runs that module as `__main__` instead, with `overrides
 script would (`tp_train.app.generate` is `tp-train-generate`); the module is imported once, before any fork. Its own
 ranks are forked from the child, as from the console script.
 
-Two ways in:
+Three ways in:
 - `run(command, cwd=..., env=..., timeout=...)`, for tests: `subprocess.run(command, capture_output=True,
   text=True, ...)` for a `python train.py ...` command (or tests/signal_at_step.py's, which runs train.py), served
   by this pytest worker's own server (started at its first call, `python -m tests.train_cases --serve`: a case per
   line on stdin; it answers with the child's pid, then its exit status). Tests that signal the job from outside or
   time it by its pipes (every rank's end) start it themselves.
+- `run_batch(cases, timeout)`, for tests: a batch's cases (below) served by this pytest worker's server, results
+  returned.
 - A batch: `python -m tests.train_cases < cases.json > results.json`,
   cases: [{"overrides": [...], "env": {...}, "directory": "...", "module": "..." (optional)}];
   results: [{"status", "stdout", "stderr"}]
@@ -207,7 +209,10 @@ def _exit_as_the_interpreter_would(status: int) -> None:
 def serve() -> None:
     """One case per line on stdin, one at a time: answers {"pid"} once the child runs, then {"status"} when it ended."""
     for line in sys.stdin:
-        pid = _start_case(json.loads(line))
+        case = json.loads(line)
+        if case.get("module"):
+            importlib.import_module(case["module"])  # once, before the fork, for this case and the next ones
+        pid = _start_case(case)
         print(json.dumps({"pid": pid}), flush=True)
         print(json.dumps({"status": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
 
@@ -236,6 +241,24 @@ def _answer(server: subprocess.Popen, deadline: float) -> dict | None:
     if not line:
         raise RuntimeError(f"tests.train_cases server ended (status {server.wait()})")
     return json.loads(line)
+
+
+def run_batch(cases: list[dict], timeout: float) -> list[dict]:
+    """The batch's results (see the module's docstring) for `cases`, run one after the other by this pytest worker's
+    server, whose start-up they share with its other runs; each case's `directory` receives its stdout and stderr."""
+    server, deadline = _server(), time.monotonic() + timeout
+    results = []
+    for case in cases:
+        server.stdin.write((json.dumps(case) + "\n").encode())
+        pid = _answer(server, deadline + 60)["pid"]
+        answer = _answer(server, deadline)
+        if answer is None:
+            os.kill(pid, signal.SIGKILL)
+            _answer(server, time.monotonic() + 60)
+            raise subprocess.TimeoutExpired(f"tests.train_cases.run_batch: {case.get('overrides')}", timeout)
+        output = {name: (Path(case["directory"]) / name).read_text(errors="replace") for name in ("stdout", "stderr")}
+        results.append({"status": answer["status"], **output})
+    return results
 
 
 # What run() runs: train.py, or the script that runs it and signals itself at a step.
