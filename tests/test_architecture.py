@@ -232,7 +232,9 @@ def test_the_checker_flags_each_broken_rule(tmp_path, expected):
 # (tp_train/parallel/dims.py) multiplies or divides two of them (issue 53).
 DEGREE_NAMES = {
     "tp", "cp", "pp", "dp", "ep", "world_size", "tensor_parallel_size", "context_parallel_size",
-    "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
+    "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size", "dp_shard", "dp_replicate",
+    "data_parallel_shard_size", "virtual_stages", "pipeline_virtual_stages", "num_stages", "devices", "num_nodes",
+    "nodes",
 }  # fmt: skip
 DEGREE_OWNER = "parallel/dims.py"
 PRODUCT_OPS = (ast.Mult, ast.FloorDiv, ast.Div, ast.Mod)  # a product, a quotient, or a divisibility check
@@ -303,17 +305,20 @@ def test_the_degree_checker_flags_a_product_of_degrees(tmp_path):
         "app/checks.py": "def fits(cfg, devices):\n    return devices % (cfg.tp * cfg.get('cp', 1) * 2)\n",
         "tools/bench/sizes.py": "DP, TP = 2, 2\nWORLD = DP * TP\n",  # a module's constants
         "tools/bench/checks.py": "def fits(world_size, tp):\n    return world_size % tp == 0\n",
+        "tools/memory.py": "def holding(dims, split):\n    return dims.dp_shard * dims.cp, split.num_stages // dims.pp\n",
         "app/generate.py": "import torch.distributed.device_mesh as dm\nmesh = dm.init_device_mesh('cpu', (2,))\n",
     }
     for relative, source in sources.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(source)
     assert degree_product_problems(tmp_path) == [
-        "app/checks.py:2: tp x cp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
+        "app/checks.py:2: devices x tp x cp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
         "app/generate.py:2: a mesh built here; use ParallelDims.build_mesh",
         "lightning/metrics.py:2: world_size x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
         "tools/bench/checks.py:2: world_size x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
         "tools/bench/sizes.py:2: dp x tp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
+        "tools/memory.py:2: dp_shard x cp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
+        "tools/memory.py:2: num_stages x pp multiplied here; ask ParallelDims (parallel/dims.py) for the size",
     ]
 
 
@@ -335,19 +340,35 @@ def _reads_pipeline(word: str) -> bool:
 
 def branch_problems(lightning: Path, reads: Callable[[str], bool], what: str, owner: str | None = None) -> list[str]:
     """Each `if` (or conditional expression) in lightning/ outside `owner` whose test reads a name, attribute or
-    string that `reads` marks, other than an argument's refusal (an `if` whose body only raises)."""
+    string that `reads` marks, other than an argument's refusal (an `if` whose body only raises); and each `and` /
+    `or` outside such a test that reads one (`x = wanted and pipeline_parallel_size == 1` decides as an `if` does)."""
     problems = []
     for path in sorted(lightning.rglob("*.py")):
         relative = path.relative_to(lightning).as_posix()
         if relative == owner:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, (ast.If, ast.IfExp)):
+        tree = ast.parse(path.read_text())
+        tested = {
+            id(leaf) for node in ast.walk(tree) if isinstance(node, (ast.If, ast.IfExp)) for leaf in ast.walk(node.test)
+        }
+        nested = {
+            id(child)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.BoolOp)
+            for child in ast.walk(node)
+            if child is not node
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BoolOp):
+                if id(node) in tested or id(node) in nested:
+                    continue
+            elif not isinstance(node, (ast.If, ast.IfExp)):
                 continue
-            if isinstance(node, ast.If) and all(isinstance(statement, ast.Raise) for statement in node.body):
+            elif isinstance(node, ast.If) and all(isinstance(statement, ast.Raise) for statement in node.body):
                 continue
+            test = node if isinstance(node, ast.BoolOp) else node.test
             read = {getattr(leaf, "id", None) or getattr(leaf, "attr", None) or getattr(leaf, "value", None)
-                    for leaf in ast.walk(node.test)}  # fmt: skip
+                    for leaf in ast.walk(test)}  # fmt: skip
             if any(isinstance(word, str) and reads(word) for word in read):
                 problems.append(f"lightning/{relative}:{node.lineno}: {what}")
     return problems
@@ -397,6 +418,7 @@ def test_the_branch_checker_flags_a_branch_on_the_pipeline_outside_its_owner(tmp
         "    if self._pipeline is None:\n        return super().backward(loss)\n"  # flagged
         "    scale = None if self.parallel_training.pipeline is None else 0.5\n"  # flagged
         "    if self.pipeline_parallel_size > 8:\n        raise ValueError('too many stages')\n"  # a refusal
+        "    self.loss_parallel = loss_parallel and self.pipeline_parallel_size == 1\n"  # flagged
     )
     (tmp_path / "metrics.py").write_text(
         "def count(strategy, dims):\n"
@@ -412,4 +434,5 @@ def test_the_branch_checker_flags_a_branch_on_the_pipeline_outside_its_owner(tmp
         "lightning/metrics.py:4: a branch on the pipeline; the step runner (lightning/pipeline.py) runs it",
         "lightning/strategy.py:2: a branch on the pipeline; the step runner (lightning/pipeline.py) runs it",
         "lightning/strategy.py:4: a branch on the pipeline; the step runner (lightning/pipeline.py) runs it",
+        "lightning/strategy.py:7: a branch on the pipeline; the step runner (lightning/pipeline.py) runs it",
     ]

@@ -250,7 +250,7 @@ def config_dims(cfg: DictConfig) -> ParallelDims | None:
     if not isinstance(devices, int) or not isinstance(nodes, int):
         return None
     return ParallelDims.from_world(
-        devices * nodes, tp=cfg.tp, cp=cfg.get("cp", 1), pp=cfg.get("pp", 1), ep=cfg.get("ep", 1),
+        ParallelDims.ranks_of(devices, nodes), tp=cfg.tp, cp=cfg.get("cp", 1), pp=cfg.get("pp", 1), ep=cfg.get("ep", 1),
         data_parallel=str(_setting(cfg, "data_parallel", "ddp")),
         virtual_stages=_setting(cfg, "pipeline_virtual_stages", 1),
         dp_shard=_setting(cfg, "data_parallel_shard_size", key="dp_shard"),

@@ -71,12 +71,12 @@ STRATEGY_VIRTUAL_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
 
 
 def check_pipeline_arguments(
-    size: int, schedule: str, microbatches: int, virtual_stages: int = 1, data_parallel: str = "ddp"
+    size: int, schedule: str, microbatches: int | None, virtual_stages: int = 1, data_parallel: str = "ddp"
 ) -> None:
     """One-line `ValueError` for pipeline arguments the strategy cannot run (yet), before any rank starts."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"pipeline_parallel_size={size!r} must be a positive integer")
-    if not isinstance(microbatches, int) or microbatches < 1:
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise ValueError(f"pipeline_microbatches={microbatches!r} must be a positive integer")
     if size == 1:
         return

@@ -136,7 +136,7 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         self._parallel: ParallelTraining | None = None  # the model as parallelized (setup)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
-        self.pipeline_microbatches = pipeline_microbatches or pipeline_parallel_size
+        self.pipeline_microbatches = pipeline_microbatches  # None: the apply order's default, one per pipeline rank
         self.pipeline_virtual_stages = pipeline_virtual_stages
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, self.pipeline_microbatches,
                                  pipeline_virtual_stages, data_parallel)  # fmt: skip
@@ -149,8 +149,7 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         self.context_parallel_rotation = context_parallel_rotation
         self._plan = plan
         self._verify_plan = verify_plan
-        # Under a pipeline the head's logits are gathered whole: its stage may not be this rank's (loss_parallel off).
-        self.loss_parallel = loss_parallel and pipeline_parallel_size == 1
+        self.loss_parallel = loss_parallel  # set back by `setup` where the apply order gathers the logits whole
         self.compile = compile
         self.overlap = overlap
         self.async_checkpoint = async_checkpoint
@@ -315,8 +314,8 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         if self.loss_parallel and not self._parallel.loss_parallel:
             self.loss_parallel = self._loss.loss_parallel = False
             rank_zero_info(
-                "loss_parallel off: no LM head is planned 'colwise_gather_output' (the model's "
-                "get_output_embeddings() stays whole under its plan); the loss takes the whole logits"
+                "loss_parallel off: the loss takes the whole logits (under a pipeline, or with no LM head planned "
+                "'colwise_gather_output': the model's get_output_embeddings() whole under its plan)"
             )
         self._steps = step_runner(self, self._parallel)  # through the pipeline's schedule where it has one
         self.precision_plugin.clipping = self._parallel.clipping()

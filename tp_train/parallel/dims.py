@@ -101,6 +101,11 @@ class ParallelDims:
         return cls(replicate, shard, cp, tp, pp, ep, virtual_stages, world_size)
 
     @staticmethod
+    def ranks_of(devices: int, num_nodes: int = 1) -> int:
+        """The ranks a job of `devices` per node on `num_nodes` nodes starts (its world size)."""
+        return devices * num_nodes
+
+    @staticmethod
     def devices_for(dp: int = 1, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> int:
         """The ranks a config's degrees take: tp x pp x (dp x cp raised to a multiple of ep, which regroups those
         ranks and adds none of its own). conf/trainer/default.yaml's `devices` default."""
@@ -117,6 +122,11 @@ class ParallelDims:
         """Ranks whose tokens differ, holding the same parameters: data x context parallel. Gradients and the
         logged loss are averaged over them."""
         return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP2 splits each parameter over: a shard group's data x context ranks (all of dp x cp for FSDP)."""
+        return self.dp_shard * self.cp
 
     @property
     def model_parallel(self) -> int:
@@ -209,7 +219,7 @@ class ParallelDims:
         if self.dp_replicate > 1 and self.dp_shard > 1:  # HSDP: FSDP2's (replicate, shard) mesh
             names = (DATA_REPLICATE, SHARD_GROUP)
             hybrid_override = None if backend is None else dict.fromkeys(names, backend)
-            hybrid = replicas._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp), names, hybrid_override)
+            hybrid = replicas._unflatten(0, (self.dp_replicate, self.shard_ranks), names, hybrid_override)
         experts = None
         if self.ep > 1:  # runs of ep consecutive replicas (context innermost), and the ranks at one place of each run
             names = (EXPERT_REPLICAS, EXPERT_PARALLEL)

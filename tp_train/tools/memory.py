@@ -232,7 +232,7 @@ def estimate_memory(
     if dp_shard is not None:
         dims.validate()  # a shard size that does not divide dp, in one line
     # the ranks FSDP2 splits the model state over (one shard group's, under HSDP), or DDP's copies of it
-    holding = dims.dp_shard * dims.cp if data_parallel == "fsdp" else dims.dp_cp
+    holding = dims.shard_ranks if data_parallel == "fsdp" else dims.dp_cp
     rank = _RankMemory(model, seq_len, tp, holding, precision, sequence_parallel, activation_checkpointing, plan,
                        data_parallel, loss_parallel, cp)  # fmt: skip
     if pp == 1:
@@ -246,7 +246,7 @@ def estimate_memory(
     split = plan_pipeline_split(model, dims.stages)
     estimates = []
     for pipeline_rank in range(pp):
-        stages = rank_stages(pipeline_schedule, split, pp, pipeline_rank)
+        stages = rank_stages(pipeline_schedule, split, pp, pipeline_rank, dims.virtual_stages)
         estimates.append(
             rank.estimate(
                 micro_batch_size // microbatches,

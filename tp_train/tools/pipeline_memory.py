@@ -30,9 +30,9 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual_stag
     return microbatches
 
 
-def rank_stages(schedule: str, split: PipelineSplit, pp: int, rank: int) -> list[int]:
+def rank_stages(schedule: str, split: PipelineSplit, pp: int, rank: int, virtual_stages: int) -> list[int]:
     """The stages pipeline rank `rank` runs: r, r + p, ... (looped), or r and 2p - 1 - r (a V)."""
-    if schedule_named(schedule, split.num_stages // pp).placement == "v":
+    if schedule_named(schedule, virtual_stages).placement == "v":
         return [rank, split.num_stages - 1 - rank]
     return list(range(rank, split.num_stages, pp))
 

@@ -15,7 +15,7 @@ The order, on every rank:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -108,9 +108,11 @@ def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy
     split = None
     if dims.pp > 1:  # decided on the model as written, before the planner swaps its layers
         split = plan_pipeline_split(pipelined_model(root)[1], dims.stages, explicit=options.pipeline_split)
+        # the head's logits gathered whole: the loss runs on the last stage's rank, which may hold no other shard
+        options = replace(options, loss_parallel=False)
     experts = TrainingExperts(dims.ep, options.expert_capacity_factor)
     experts.setup_groups(mesh)
-    skip = _other_stages(root, split, mesh, options) if split is not None and options.verify_plan is False else ()
+    skip = _other_stages(root, split, dims, mesh, options) if split is not None and options.verify_plan is False else ()
     loss_parallel = _shard(root, mesh, device, options, example_inputs, experts, skip)
     fsdp = options.data_parallel == "fsdp"
     pipeline = None
@@ -163,12 +165,14 @@ def pipelined_model(root: nn.Module) -> tuple[str, nn.Module]:
     return found[0]
 
 
-def _other_stages(root: nn.Module, split: PipelineSplit, mesh: ParallelMesh, options: TrainingOptions) -> list[str]:
+def _other_stages(
+    root: nn.Module, split: PipelineSplit, dims: ParallelDims, mesh: ParallelMesh, options: TrainingOptions
+) -> list[str]:
     """The modules of `root` (by name) that only other pipeline ranks' stages hold, which this rank cuts away: left
     on the meta device, never given storage (without verification, which runs the whole model)."""
     name, _ = pipelined_model(root)
     group = mesh.pipeline_parallel
-    placement = schedule_named(options.pipeline_schedule, split.num_stages // group.size()).placement
+    placement = schedule_named(options.pipeline_schedule, dims.virtual_stages).placement
     mine = stage_indices(split.num_stages, placement, group.get_local_rank(), group.size())
     held = {module for stage in mine for module in split.stage_modules(stage)}
     others = {module for stage in range(split.num_stages) for module in split.stage_modules(stage)} - held
