@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
 
-from tests.test_train_app import ROOT
+from tests import train_cases
 
 SVG = "{http://www.w3.org/2000/svg}"
 CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=2", "ours tp=2 no overlap",
               "ours tp=2 +SP", "ours tp=2 +AC", "plain tp=1 x2 threads"]  # fmt: skip
 
 
+def _bench(module: str, arguments: list[str], directory: Path) -> dict:
+    """`python -m <module> <arguments>`'s status, stdout and stderr, run by the pytest worker's train.py server
+    (tests.train_cases: the imports shared; the benchmark forks its ranks from the run as it does from the command)."""
+    case = {"module": module, "overrides": arguments, "directory": str(directory), "child_ranks": 0}
+    (result,) = train_cases.run_batch([case], timeout=300)
+    assert result["status"] == 0, result["stderr"][-3000:]
+    return result
+
+
 @pytest.mark.slow
 def test_bench_smoke_writes_every_contender(tmp_path):
     output = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "tp_train.tools.bench", "--sizes", "small", "--tp", "1,2", "--repeats", "1",
-               "--seconds", "0", "--no-compiled", "--output", str(output)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "targets:" in result.stdout and "native/ours" in result.stdout
+    arguments = ["--sizes", "small", "--tp", "1,2", "--repeats", "1", "--seconds", "0", "--no-compiled", "--output",
+                 str(output)]  # fmt: skip
+    stdout = _bench("tp_train.tools.bench", arguments, tmp_path)["stdout"]
+    assert "targets:" in stdout and "native/ours" in stdout
     report = json.loads(output.read_text())
     (size,) = report["results"]
     rows = size["contenders"]
@@ -85,11 +92,8 @@ def test_the_plot_draws_step_time_and_memory_against_tp_for_each_kind_and_size(t
 @pytest.mark.slow
 def test_data_parallel_bench_smoke_compares_ddp_and_fsdp(tmp_path):
     output = tmp_path / "bench_dp.json"
-    command = [sys.executable, "-m", "tp_train.tools.bench.data_parallel", "--sizes", "small", "--repeats", "1",
-               "--steps", "1", "--output", str(output)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ours dp2 x tp2 fsdp" in result.stdout
+    arguments = ["--sizes", "small", "--repeats", "1", "--steps", "1", "--output", str(output)]
+    assert "ours dp2 x tp2 fsdp" in _bench("tp_train.tools.bench.data_parallel", arguments, tmp_path)["stdout"]
     ((size),) = json.loads(output.read_text())
     ddp, fsdp = size["contenders"]["ddp"], size["contenders"]["fsdp"]
     for row in (ddp, fsdp):
@@ -101,12 +105,11 @@ def test_data_parallel_bench_smoke_compares_ddp_and_fsdp(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_bench_smoke_times_sync_and_async_saves(tmp_path):
     output = tmp_path / "bench_checkpoint.json"
-    command = [sys.executable, "-m", "tp_train.tools.bench.checkpoint", "--n-layer", "1", "--n-embd", "64",
-               "--n-head", "2", "--vocab", "256", "--seq", "16", "--repeats", "1", "--steps", "1",
-               "--directory", str(tmp_path / "checkpoints"), "--output", str(output)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "blocked by a save, async / sync" in result.stdout
+    arguments = ["--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--vocab", "256", "--seq", "16",
+                 "--repeats", "1", "--steps", "1", "--directory", str(tmp_path / "checkpoints"),
+                 "--output", str(output)]  # fmt: skip
+    stdout = _bench("tp_train.tools.bench.checkpoint", arguments, tmp_path)["stdout"]
+    assert "blocked by a save, async / sync" in stdout
     modes = json.loads(output.read_text())["modes"]
     for row in modes.values():
         assert 0 < row["blocked_s"] <= row["complete_s"] < 60 and row["step_s"] > 0, row
