@@ -305,7 +305,7 @@ def test_the_degree_checker_flags_a_product_of_degrees(tmp_path):
         "app/checks.py": "def fits(cfg, devices):\n    return devices % (cfg.tp * cfg.get('cp', 1) * 2)\n",
         "tools/bench/sizes.py": "DP, TP = 2, 2\nWORLD = DP * TP\n",  # a module's constants
         "tools/bench/checks.py": "def fits(world_size, tp):\n    return world_size % tp == 0\n",
-        "tools/memory.py": "def holding(dims, split):\n    return dims.dp_shard * dims.cp, split.num_stages // dims.pp\n",
+        "tools/memory.py": "def sizes(dims, split):\n    return dims.dp_shard * dims.cp, split.num_stages // dims.pp\n",
         "app/generate.py": "import torch.distributed.device_mesh as dm\nmesh = dm.init_device_mesh('cpu', (2,))\n",
     }
     for relative, source in sources.items():

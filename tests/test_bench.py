@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
@@ -15,13 +14,12 @@ CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=
               "ours tp=2 +SP", "ours tp=2 +AC", "plain tp=1 x2 threads"]  # fmt: skip
 
 
-def _bench(module: str, arguments: list[str], directory: Path) -> dict:
-    """`python -m <module> <arguments>`'s status, stdout and stderr, run by the pytest worker's train.py server
-    (tests.train_cases: the imports shared; the benchmark forks its ranks from the run as it does from the command)."""
-    case = {"module": module, "overrides": arguments, "directory": str(directory), "child_ranks": 0}
-    (result,) = train_cases.run_batch([case], timeout=300)
-    assert result["status"] == 0, result["stderr"][-3000:]
-    return result
+def _bench(module: str, arguments: list[str]) -> str:
+    """`python -m <module> <arguments>`'s stdout, run by the pytest worker's train.py server (tests.train_cases: the
+    imports shared; the benchmark forks its ranks from the run as it does from the command)."""
+    result = train_cases.run_module(module, arguments, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
 
 
 @pytest.mark.slow
@@ -29,7 +27,7 @@ def test_bench_smoke_writes_every_contender(tmp_path):
     output = tmp_path / "bench.json"
     arguments = ["--sizes", "small", "--tp", "1,2", "--repeats", "1", "--seconds", "0", "--no-compiled", "--output",
                  str(output)]  # fmt: skip
-    stdout = _bench("tp_train.tools.bench", arguments, tmp_path)["stdout"]
+    stdout = _bench("tp_train.tools.bench", arguments)
     assert "targets:" in stdout and "native/ours" in stdout
     report = json.loads(output.read_text())
     (size,) = report["results"]
@@ -93,7 +91,7 @@ def test_the_plot_draws_step_time_and_memory_against_tp_for_each_kind_and_size(t
 def test_data_parallel_bench_smoke_compares_ddp_and_fsdp(tmp_path):
     output = tmp_path / "bench_dp.json"
     arguments = ["--sizes", "small", "--repeats", "1", "--steps", "1", "--output", str(output)]
-    assert "ours dp2 x tp2 fsdp" in _bench("tp_train.tools.bench.data_parallel", arguments, tmp_path)["stdout"]
+    assert "ours dp2 x tp2 fsdp" in _bench("tp_train.tools.bench.data_parallel", arguments)
     ((size),) = json.loads(output.read_text())
     ddp, fsdp = size["contenders"]["ddp"], size["contenders"]["fsdp"]
     for row in (ddp, fsdp):
@@ -108,7 +106,7 @@ def test_checkpoint_bench_smoke_times_sync_and_async_saves(tmp_path):
     arguments = ["--n-layer", "1", "--n-embd", "64", "--n-head", "2", "--vocab", "256", "--seq", "16",
                  "--repeats", "1", "--steps", "1", "--directory", str(tmp_path / "checkpoints"),
                  "--output", str(output)]  # fmt: skip
-    stdout = _bench("tp_train.tools.bench.checkpoint", arguments, tmp_path)["stdout"]
+    stdout = _bench("tp_train.tools.bench.checkpoint", arguments)
     assert "blocked by a save, async / sync" in stdout
     modes = json.loads(output.read_text())["modes"]
     for row in modes.values():

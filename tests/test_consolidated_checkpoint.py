@@ -4,13 +4,11 @@ validation loss, and that `fit(ckpt_path="last")` resumes at tp=2 exactly (and a
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from tests import train_cases
 from tests.distributed import run_on_ranks
 from tests.lightning_helpers import GLOBAL_BATCH, LitLM, StepRecorder, fit, loader, make_trainer, token_data, validate
 from tests.parity import next_token_loss
@@ -77,10 +75,7 @@ def test_a_sharded_checkpoint_exported_with_tp_train_export_lightning_loads_in_o
     sharded, exported = tmp_path / "sharded.ckpt", tmp_path / "exported.ckpt"
     val_tp2 = run_on_ranks(_fit_sharded, 2, str(sharded), timeout=300)[0]
     assert sharded.is_dir()
-    result = subprocess.run(
-        [sys.executable, "-m", "tp_train.tools.export", "--lightning", str(sharded), str(exported)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = train_cases.run_module("tp_train.tools.export", ["--lightning", str(sharded), str(exported)], timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     plain = DocLM.load_from_checkpoint(exported)
     data = token_data(3, seed=99).tensors[0]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import train_cases
 from tests.distributed import free_port, run_on_ranks
 from tests.docs_examples import ROOT, example, shell_blocks
 
@@ -183,8 +184,9 @@ def test_the_readme_sbatch_script_is_scripts_slurm_sbatch():
 
 def test_documented_zoo_commands_parse():
     """Each option a documented zoo command uses is one the zoo's command line takes."""
-    help_text = subprocess.run([sys.executable, "-m", "tp_train.tools.zoo", "--help"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=300, check=True).stdout  # fmt: skip
+    result = train_cases.run_module("tp_train.tools.zoo", ["--help"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    help_text = result.stdout
     options = {
         word
         for block in shell_blocks()

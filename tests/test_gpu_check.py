@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import train_cases
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -118,9 +120,9 @@ def test_without_a_gpu_the_check_says_so_after_the_wheelhouse_check(wheelhouse, 
 @pytest.mark.slow
 def test_the_one_device_measurement_and_the_summary(tmp_path):
     bench = tmp_path / "gpu_bench.json"
-    command = [sys.executable, "-m", "tp_train.tools.bench.one_device", "--size", "small", "--no-compiled",
-               "--seconds", "0", "--sweep", "8", "--peak-tflops", "1", "--output", str(bench)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    arguments = ["--size", "small", "--no-compiled", "--seconds", "0", "--sweep", "8", "--peak-tflops", "1",
+                 "--output", str(bench)]  # fmt: skip
+    done = train_cases.run_module("tp_train.tools.bench.one_device", arguments, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(bench.read_text())
     assert sorted(report["contenders"]) == ["ours tp=1", "plain tp=1"]

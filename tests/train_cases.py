@@ -14,8 +14,8 @@ Three ways in:
   by this pytest worker's own server (started at its first call, `python -m tests.train_cases --serve`: a case per
   line on stdin; it answers with the child's pid, then its exit status). Tests that signal the job from outside or
   time it by its pipes (every rank's end) start it themselves.
-- `run_batch(cases, timeout)`, for tests: a batch's cases (below) served by this pytest worker's server, results
-  returned.
+- `run_batch(cases, timeout)` and `run_module(module, arguments, timeout)`, for tests: a batch's cases (below), or
+  one `python -m module`, served by this pytest worker's server.
 - A batch: `python -m tests.train_cases < cases.json > results.json`,
   cases: [{"overrides": [...], "env": {...}, "directory": "...", "module": "..." (optional)}];
   results: [{"status", "stdout", "stderr"}]
@@ -259,6 +259,20 @@ def run_batch(cases: list[dict], timeout: float) -> list[dict]:
         output = {name: (Path(case["directory"]) / name).read_text(errors="replace") for name in ("stdout", "stderr")}
         results.append({"status": answer["status"], **output})
     return results
+
+
+def run_module(module: str, arguments: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run([sys.executable, "-m", module, *arguments], capture_output=True, text=True, timeout=timeout)`
+    from the project's root, run as a batch's case by this pytest worker's server (`run_batch`), in the environment
+    the server started with."""
+    directory = Path(tempfile.mkdtemp(prefix="module-case-"))
+    try:
+        case = {"module": module, "overrides": arguments, "directory": str(directory), "child_ranks": 0}
+        (result,) = run_batch([case], timeout)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    command = [sys.executable, "-m", module, *arguments]
+    return subprocess.CompletedProcess(command, result["status"], result["stdout"], result["stderr"])
 
 
 # What run() runs: train.py, or the script that runs it and signals itself at a step.
