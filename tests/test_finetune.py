@@ -70,7 +70,12 @@ def runs(tmp_path_factory) -> dict:
     (30 steps, W&B, a validation sample), and a gpt_tiny trained on code from scratch (30 steps)."""
     tmp = tmp_path_factory.mktemp("finetune")
     script = ROOT / "scripts" / "tiny_llama.py"
-    subprocess.run([sys.executable, str(script)], cwd=tmp, check=True, capture_output=True, timeout=300)
+    output = tmp / "tiny_llama_output"
+    output.mkdir()
+    case = {"script": script.relative_to(ROOT).as_posix(), "overrides": [], "cwd": str(tmp), "directory": str(output),
+            "child_ranks": 0}  # fmt: skip
+    (made,) = train_cases.run_batch([case], timeout=300)  # `python scripts/tiny_llama.py` in tmp, imports shared
+    assert made["status"] == 0, made["stderr"][-3000:]
     assert (tmp / "corpus.txt").stat().st_size > 100_000  # the documented commands read the script's corpus
     (tmp / "code.txt").write_text(code_corpus())
     lora = ["model=hf", f"model.path={tmp / 'tiny-llama'}", "peft=lora", "trainer.max_steps=10"]
