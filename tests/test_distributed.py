@@ -15,9 +15,9 @@ import tp_train.plan.applying.sequence_parallel as sequence_parallel
 from tests.distributed import init_gloo, run_on_ranks
 
 
-@pytest.fixture(params=["pooled", "fresh"])
+@pytest.fixture(params=["pooled", pytest.param("fresh", marks=pytest.mark.slow)])
 def ranks(request, monkeypatch):
-    """The test runs on pooled ranks and on fresh ones."""
+    """The test runs on pooled ranks and on fresh ones (those in the slow set: `make test-fast` checks the pool)."""
     if request.param == "fresh":
         monkeypatch.setenv("TP_TRAIN_TEST_FRESH_RANKS", "1")
     return request.param

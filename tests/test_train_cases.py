@@ -40,6 +40,7 @@ def test_a_forked_run_answers_as_python_train_py_does(tmp_path):
     assert forked.stderr.startswith("error: ") and "tp=3" in forked.stderr, forked.stderr
 
 
+@pytest.mark.slow  # waits out its 5-s limit, after the server's start when it is the worker's first run
 def test_a_forked_run_past_its_timeout_is_killed_and_raised(tmp_path):
     command = [sys.executable, "train.py", "experiment=smoke", "logger=none", "trainer.max_steps=100000",
                f"hydra.run.dir={tmp_path}"]  # fmt: skip
