@@ -246,19 +246,28 @@ def _answer(server: subprocess.Popen, deadline: float) -> dict | None:
 def run_batch(cases: list[dict], timeout: float) -> list[dict]:
     """The batch's results (see the module's docstring) for `cases`, run one after the other by this pytest worker's
     server, whose start-up they share with its other runs; each case's `directory` receives its stdout and stderr."""
-    server, deadline = _server(), time.monotonic() + timeout
     results = []
     for case in cases:
-        server.stdin.write((json.dumps(case) + "\n").encode())
-        pid = _answer(server, deadline + 60)["pid"]
-        answer = _answer(server, deadline)
-        if answer is None:
-            os.kill(pid, signal.SIGKILL)
-            _answer(server, time.monotonic() + 60)
-            raise subprocess.TimeoutExpired(f"tests.train_cases.run_batch: {case.get('overrides')}", timeout)
-        output = {name: (Path(case["directory"]) / name).read_text(errors="replace") for name in ("stdout", "stderr")}
-        results.append({"status": answer["status"], **output})
+        status, output = _served(case, timeout)
+        if status is None:
+            command = f"tests.train_cases.run_batch: {case.get('overrides')}"
+            raise subprocess.TimeoutExpired(command, timeout, output=output["stdout"], stderr=output["stderr"])
+        results.append({"status": status, **output})
     return results
+
+
+def _served(case: dict, timeout: float) -> tuple[int | None, dict[str, str]]:
+    """Runs `case` on this worker's server: its exit status (None: killed at `timeout`, counted from its fork, since a
+    server's first answer waits for the server's own imports) and the stdout and stderr it left in its directory."""
+    server = _server()
+    server.stdin.write((json.dumps(case) + "\n").encode())
+    pid = _answer(server, time.monotonic() + timeout + 60)["pid"]
+    answer = _answer(server, time.monotonic() + timeout)
+    if answer is None:
+        os.kill(pid, signal.SIGKILL)
+        _answer(server, time.monotonic() + 60)
+    output = {name: (Path(case["directory"]) / name).read_text(errors="replace") for name in ("stdout", "stderr")}
+    return (None if answer is None else answer["status"]), output
 
 
 def run_module(module: str, arguments: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -291,21 +300,13 @@ def run(
     directory = Path(tempfile.mkdtemp(prefix="train-case-"))
     called = time.monotonic()
     try:
-        server = _server()
         environment = dict(os.environ) if env is None else env
         case = {"script": command[1], "overrides": command[2:], "env": environment, "whole_env": True, "cwd": str(cwd),
                 "directory": str(directory), "child_ranks": child_ranks}  # fmt: skip
-        server.stdin.write((json.dumps(case) + "\n").encode())
-        # The case's time starts at its fork: a server's first answer waits for the server's own imports.
-        pid = _answer(server, time.monotonic() + timeout + 60)["pid"]
-        answer = _answer(server, time.monotonic() + timeout)
-        if answer is None:
-            os.kill(pid, signal.SIGKILL)
-            _answer(server, time.monotonic() + 60)
-        output = {name: (directory / name).read_text(errors="replace") for name in ("stdout", "stderr")}
-        if answer is None:
+        status, output = _served(case, timeout)
+        if status is None:
             raise subprocess.TimeoutExpired(command, timeout, output=output["stdout"], stderr=output["stderr"])
-        return subprocess.CompletedProcess(command, answer["status"], output["stdout"], output["stderr"])
+        return subprocess.CompletedProcess(command, status, output["stdout"], output["stderr"])
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         timing.record("train.py forked", s=time.monotonic() - called)
