@@ -50,7 +50,25 @@ REFUSALS = {
     "tp_zero": (ParallelDims.from_world(8, tp=0), {}, "tp=0 must be a positive integer, e.g. tp=2"),
     "virtual_stages_not_integer": (ParallelDims.from_world(8, pp=2, virtual_stages=1.5), {},
                                    "virtual_stages=1.5 must be a positive integer, e.g. virtual_stages=2"),
+    "pp_above_blocks": (ParallelDims.from_world(4, pp=4), {"blocks": (3, "GPT's 'blocks'")},
+                        "pipeline parallelism: 4 stages (pipeline_parallel_size x virtual stages) but GPT's 'blocks' "
+                        "has 3 blocks; use at most 3 stages"),
+    "virtual_stages_not_dividing_blocks": (ParallelDims.from_world(2, pp=2, virtual_stages=2),
+                                           {"blocks": (6, "GPT's 'blocks'")},
+                                           "pipeline parallelism: GPT's 'blocks' has 6 blocks, which pp=2 x virtual "
+                                           "stages=2 = 4 stages do not split evenly; use virtual stages in [3]"),
+    "virtual_stages_not_dividing_any_way": (ParallelDims.from_world(2, pp=2, virtual_stages=2),
+                                            {"blocks": (5, "the model")},
+                                            "pipeline parallelism: the model has 5 blocks, which pp=2 x virtual "
+                                            "stages=2 = 4 stages do not split evenly; use pipeline_virtual_stages=1 "
+                                            "(one stage per rank)"),
 }  # fmt: skip
+
+
+def test_the_blocks_are_checked_only_where_given_and_one_stage_per_rank_may_split_unevenly():
+    ParallelDims.from_world(2, pp=2, virtual_stages=2).validate()
+    ParallelDims.from_world(2, pp=2).validate(blocks=(3, "GPT's 'blocks'"))  # 2 + 1: uneven, one stage per rank
+    ParallelDims.from_world(2, pp=2, virtual_stages=2).validate(blocks=(8, "GPT's 'blocks'"))
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))

@@ -54,7 +54,7 @@ def test_split_balances_parameters_with_embedding_and_head():
 
 
 def test_split_refuses_in_one_line():
-    with pytest.raises(ValueError, match=r"3 stages .* has 2 blocks in 'blocks'; use at most 2") as error:
+    with pytest.raises(ValueError, match=r"3 stages .* GPT's 'blocks' has 2 blocks; use at most 2") as error:
         plan_pipeline_split(tiny_gpt(2), 3)
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=r"pipeline_split=\[2, 2\]: give 2 positive block counts"):

@@ -23,8 +23,8 @@ PIPELINE_CASES = {
     "pp_not_dividing_devices": (["tp=1", "pp=2", "trainer.devices=3"],
                                 "= 3 ranks is not a multiple of tp=1 x cp=1 x pp=2; use trainer.devices in [2, 4, 6"),
     "pp_above_blocks": (["tp=1", "pp=3", "trainer.strategy.pipeline_microbatches=4"],
-                        "pp=3: pipeline parallelism: 3 stages (pipeline_parallel_size x virtual stages) but GPT has 2 "
-                        "blocks in 'blocks'; use at most 2 stages"),
+                        "pp=3: pipeline parallelism: 3 stages (pipeline_parallel_size x virtual stages) but GPT's "
+                        "'blocks' has 2 blocks; use at most 2 stages"),
     "microbatches_not_dividing_batch": (["tp=1", "pp=2", "trainer.strategy.pipeline_microbatches=3"],
                                         "data.batch_size=8 is not a multiple of trainer.strategy.pipeline_microbatches"
                                         "=3 (each batch runs as that many microbatches); use data.batch_size=9"),
@@ -36,7 +36,13 @@ PIPELINE_CASES = {
                                                 "more (got 1)"),
     "virtual_stages_above_blocks": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b",
                                      "trainer.strategy.pipeline_virtual_stages=2"],
-                                    "4 stages (pipeline_parallel_size x virtual stages) but GPT has 2 blocks"),
+                                    "4 stages (pipeline_parallel_size x virtual stages) but GPT's 'blocks' has 2 "
+                                    "blocks"),
+    "virtual_stages_not_dividing_blocks": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b",
+                                            "trainer.strategy.pipeline_virtual_stages=2", "model.config.n_layer=6"],
+                                           "pp=2: pipeline parallelism: GPT's 'blocks' has 6 blocks, which pp=2 x "
+                                           "virtual stages=2 = 4 stages do not split evenly; use virtual stages in "
+                                           "[3]"),
     "model_without_blocks": ([SIZED, "+model.planned=false", "tp=1", "pp=2"], "SizedLM"),
 }  # fmt: skip
 

@@ -102,7 +102,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
     _check_one_batch(cfg, model)  # a model that cannot run says so before its plan does
     if plan_error is not None:
         raise ConfigError(f"model={type(model).__name__} at tp={tp}: {plan_error}") from None
-    check_pipeline(cfg, model)
+    check_pipeline(cfg, model, dims)
     check_experts(cfg, model)
     if cp > 1:
         try:

@@ -151,10 +151,12 @@ class ParallelDims:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
         return "ddp"
 
-    def validate(self, devices_key: str = "devices", num_nodes: int = 1) -> None:
+    def validate(self, devices_key: str = "devices", num_nodes: int = 1, blocks: tuple[int, str] | None = None) -> None:
         """Raises ValueError, in one line naming the values and what would work, for degrees that do not fit together
         or the world size. `devices_key` names where the devices per node come from (e.g. "trainer.devices"), and
-        `num_nodes` how many nodes share the world, for the error to say which device counts would fit."""
+        `num_nodes` how many nodes share the world, for the error to say which device counts would fit. With
+        `blocks` (the model's count of repeated blocks and where they are, e.g. (2, "GPT's 'blocks'")), the
+        pipeline's stages are checked against them too (`check_blocks`)."""
         for name in ("tp", "cp", "pp", "ep", "virtual_stages", "world_size"):
             value = getattr(self, name)
             if not _positive(value):
@@ -183,6 +185,26 @@ class ParallelDims:
                 f"ep={self.ep} does not divide dp x cp = {self.dp_cp} ({devices} over tp={self.tp} x "
                 f"pp={self.pp}); expert parallelism splits the experts among those ranks, it adds none: use "
                 f"{devices_key} in {_fitting(fits, num_nodes)}"
+            )
+
+        if blocks is not None:
+            self.check_blocks(*blocks)
+
+    def check_blocks(self, count: int, where: str = "the model") -> None:
+        """The pipeline's stages (pp x virtual_stages) against the model's `count` repeated blocks (`where`: which
+        model and list, for the message): at most one stage per block, and with virtual stages the same number of
+        blocks in every stage (the interleaved schedules' stages take turns on a rank)."""
+        if self.stages > count:
+            raise ValueError(
+                f"pipeline parallelism: {self.stages} stages (pipeline_parallel_size x virtual stages) but {where} "
+                f"has {count} blocks; use at most {count} stages"
+            )
+        if self.virtual_stages > 1 and count % self.stages:
+            fits = [v for v in range(2, count // self.pp + 1) if count % (self.pp * v) == 0]
+            use = f"virtual stages in {fits}" if fits else "pipeline_virtual_stages=1 (one stage per rank)"
+            raise ValueError(
+                f"pipeline parallelism: {where} has {count} blocks, which pp={self.pp} x virtual stages="
+                f"{self.virtual_stages} = {self.stages} stages do not split evenly; use {use}"
             )
 
     def _check_shard_groups(self, num_nodes: int) -> None:

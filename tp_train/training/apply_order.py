@@ -29,7 +29,7 @@ from tp_train.parallel.pipeline import Pipeline, schedule_named
 from tp_train.parallel.pipeline.runner import stage_indices
 from tp_train.parallel.pipeline.split import PipelineSplit, skipped, within
 from tp_train.parallel.random import sync_default_generator
-from tp_train.plan.deciding.pipeline import plan_pipeline_split
+from tp_train.plan.deciding.pipeline import count_blocks, find_blocks, plan_pipeline_split
 from tp_train.plan.deciding.resolve import modules_with_plans
 from tp_train.plan.meta_init import materialize_remaining
 from tp_train.plan.parallelize import attached, parallelize
@@ -107,7 +107,10 @@ def parallelize_for_training(
 def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy) -> ParallelTraining:
     split = None
     if dims.pp > 1:  # decided on the model as written, before the planner swaps its layers
-        split = plan_pipeline_split(pipelined_model(root)[1], dims.stages, explicit=options.pipeline_split)
+        model = pipelined_model(root)[1]
+        blocks = find_blocks(model)
+        dims.check_blocks(*count_blocks(model, blocks))  # the preflight's check, for a user's own Trainer
+        split = plan_pipeline_split(model, dims.stages, explicit=options.pipeline_split, blocks=blocks)
         # the head's logits gathered whole: the loss runs on the last stage's rank, which may hold no other shard
         options = replace(options, loss_parallel=False)
     experts = TrainingExperts(dims.ep, options.expert_capacity_factor)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.plan.deciding.match import match_plan
 from tp_train.plan.deciding.resolve import resolve_plan
@@ -39,21 +40,28 @@ def find_blocks(model: nn.Module) -> str:
     return blocks[0].rpartition(".")[0]
 
 
+def count_blocks(model: nn.Module, blocks: str | None = None) -> tuple[int, str]:
+    """`model`'s repeated blocks (`blocks`, by default `find_blocks`'): how many, and where, as
+    `ParallelDims.validate`'s `blocks` takes them (e.g. (2, "GPT's 'blocks'"))."""
+    blocks = blocks or find_blocks(model)
+    return len(model.get_submodule(blocks)), _where(model, blocks)
+
+
+def _where(model: nn.Module, blocks: str) -> str:
+    return f"{type(model).__name__}'s '{blocks}'"
+
+
 def plan_pipeline_split(
     model: nn.Module, num_stages: int, explicit: list[int] | tuple[int, ...] | None = None, blocks: str | None = None
 ) -> PipelineSplit:
     """The split of `model` into `num_stages` stages: `explicit` blocks per stage (e.g. [3, 2]) when given, else the
     model's own `pipeline_split` attribute (data beside its `tp_plan`, for that many stages), else the contiguous
     split whose heaviest stage holds the fewest parameters. One-line `ValueError` when the stages
-    outnumber the blocks or `explicit` does not add up to them."""
+    outnumber the blocks (`ParallelDims.check_blocks`) or `explicit` does not add up to them."""
     blocks = blocks or find_blocks(model)
     block_list = model.get_submodule(blocks)
     count = len(block_list)
-    if num_stages > count:
-        raise ValueError(
-            f"pipeline parallelism: {num_stages} stages (pipeline_parallel_size x virtual stages) but "
-            f"{type(model).__name__} has {count} blocks in '{blocks}'; use at most {count} stages"
-        )
+    ParallelDims(pp=num_stages).check_blocks(count, _where(model, blocks))
     before, after = _outside_blocks(model, blocks)
     own = getattr(model, "pipeline_split", None)
     if explicit is None and own is not None and len(own) == num_stages:
