@@ -1,7 +1,8 @@
 """`python train.py pp=2` as users type it: bad pipeline settings refused in one line before any rank starts
-(`PIPELINE_CASES`, run by test_preflight), runs at pp=2 and at pp=2 x tp=2 with sequence parallelism logging the
-same losses as at pp=1 (train.py's CSV metrics, to 1e-5) and counting the whole model's parameters in summary.json,
-and pp=2 x dp=2 under FSDP2 saving checkpoints and resuming from one with the losses of the run that saved it."""
+(`PIPELINE_CASES`, run by test_preflight), runs at pp=2, at pp=2 x tp=2 with sequence parallelism and at pp=4 cut
+before sharding logging the same losses as at pp=1 (train.py's CSV metrics, to 1e-5; the last validation loss is the
+final parameters') and counting the whole model's parameters in summary.json, and pp=2 x dp=2 under FSDP2 saving
+checkpoints and resuming from one with the losses of the run that saved it."""
 
 from __future__ import annotations
 
@@ -70,18 +71,23 @@ def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict[str, dict[in
 
 
 @pytest.mark.slow
-def test_train_py_at_pp2_logs_the_losses_of_pp1(tmp_path):
+def test_train_py_at_pp2_and_pp4_logs_the_losses_of_pp1(tmp_path):
+    # Our GPT with 4 blocks, its embedding tied to its head: at pp=4 the tie spans the first and the last rank, and
+    # without verification each rank gives storage to its own stage only (cut before shard). 10 AdamW steps each.
     runs, summaries = {}, {}
     shapes = {
         "pp1": ["tp=1", "pp=1"],
         "pp2": ["tp=1", "pp=2"],
         "pp2_tp2_sp": ["tp=2", "pp=2", "sequence_parallel=true"],
+        "pp4_cut_before_shard": ["tp=1", "pp=4", "trainer.strategy.verify_plan=false"],
     }
     for shape, sizes in shapes.items():
-        steps = ["trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=2"]
+        steps = ["model.config.n_layer=4", "trainer.max_steps=10", "trainer.val_check_interval=5",
+                 "trainer.limit_val_batches=2"]  # fmt: skip
         runs[shape] = _train(tmp_path, shape, [*sizes, *steps])
         summaries[shape] = json.loads((tmp_path / shape / "summary.json").read_text())
-    for shape in ("pp2", "pp2_tp2_sp"):
+    assert sorted(runs["pp1"]["train/loss"]) == list(range(10)), runs["pp1"]["train/loss"]
+    for shape in ("pp2", "pp2_tp2_sp", "pp4_cut_before_shard"):
         for name in ("train/loss", "val/loss", "train/grad_norm"):
             assert runs[shape][name], name
             assert runs[shape][name] == pytest.approx(runs["pp1"][name], abs=1e-5), (shape, name)
