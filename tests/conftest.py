@@ -17,6 +17,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its pool here; inherited by train.py runs
+# Inductor compiles in each rank's own process, not in a pool of fresh interpreters per rank (its default on 2 cores:
+# two workers, each importing torch): test_compile's tp=2 batch took 70 CPU-s instead of 78 (2026-12-07). The same
+# code is generated either way.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
