@@ -1,4 +1,4 @@
-"""Pipeline parallelism without Lightning: where a model splits (tp_train.plan.deciding.pipeline), a stage keeps the
+"""Pipeline parallelism without Lightning: where a model splits (tp_train.training.pipeline_split), a stage keeps the
 model's parameter names, and our GPT at pp=2 over 10 optimizer steps equals one process (losses and final parameters to
 1e-5) with each schedule, on real gloo ranks."""
 
@@ -16,7 +16,7 @@ from models.gpt import GPT, GPTConfig
 from tests.distributed import run_on_ranks
 from tp_train.parallel.pipeline import REFUSED, Pipeline, schedule_named
 from tp_train.parallel.pipeline.stage import cut_stage
-from tp_train.plan.deciding.pipeline import plan_pipeline_split
+from tp_train.training.pipeline_split import plan_pipeline_split
 
 STEPS = 10
 BATCH, SEQ, VOCAB = 4, 8, 64

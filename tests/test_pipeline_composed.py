@@ -19,8 +19,8 @@ from tp_train.parallel.pipeline import Pipeline
 from tp_train.parallel.pipeline.runner import refuse_sharded_ties
 from tp_train.parallel.pipeline.ties import tied_parameters
 from tp_train.parallel.sharding import local_part
-from tp_train.plan.deciding.pipeline import plan_pipeline_split
 from tp_train.training.data_parallel import fully_shard_data_parallel
+from tp_train.training.pipeline_split import plan_pipeline_split
 
 N_LAYER = 3
 # name -> (tp, dp, cp, data parallelism over the stage, sequence parallel), on pp=2 x tp x dp x cp ranks. The 8-rank

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tp_train.checkpoint.stages import parameter_names
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.parallel.pipeline.stage import StageForward, cut_stage
-from tp_train.plan.deciding.pipeline import plan_pipeline_split
+from tp_train.training.pipeline_split import plan_pipeline_split
 
 SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, n_layer=4, n_embd=32, n_head=4, bos_token_id=1, eos_token_id=2,

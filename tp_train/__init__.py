@@ -41,13 +41,13 @@ from tp_train.parallel.sharding import (
 )
 from tp_train.plan.checking.verify import PlanVerificationError, verify_parallelized
 from tp_train.plan.deciding.autoplan import infer_plan
-from tp_train.plan.deciding.pipeline import plan_pipeline_split
 from tp_train.plan.meta_init import deferred_init
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.export import export_hugging_face
 from tp_train.tools.generation import Sampling, generate
 from tp_train.tools.memory import estimate_memory
 from tp_train.training.data_parallel import fully_shard_data_parallel
+from tp_train.training.pipeline_split import plan_pipeline_split
 
 # name -> (module, attribute): the Lightning half, imported by `__getattr__` on first use
 _LIGHTNING_NAMES = {

@@ -8,8 +8,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from tp_train.errors import ConfigError
-from tp_train.plan.deciding.experts import check_expert_parallel
-from tp_train.training.experts import check_expert_parallel_arguments
+from tp_train.training.experts import check_expert_parallel, check_expert_parallel_arguments
 
 
 def check_experts(cfg: DictConfig, model: nn.Module) -> None:

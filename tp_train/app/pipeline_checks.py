@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from tp_train.errors import ConfigError
 from tp_train.lightning.arguments import check_pipeline_arguments
 from tp_train.parallel.dims import ParallelDims
-from tp_train.plan.deciding.pipeline import count_blocks, plan_pipeline_split
+from tp_train.training.pipeline_split import count_blocks, plan_pipeline_split
 
 
 def check_pipeline(cfg: DictConfig, model: nn.Module, dims: ParallelDims | None = None) -> None:

@@ -14,7 +14,6 @@ from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.sharding import ShardSpec, ceil_div, data_parallel_shard_dim
 from tp_train.plan.applying.adapters import adapter_specs
 from tp_train.plan.deciding.match import match_plan
-from tp_train.plan.deciding.pipeline import plan_pipeline_split
 from tp_train.plan.deciding.resolve import resolve_plan
 from tp_train.plan.layout import blocks_if_any
 from tp_train.plan.styles import PlannedModule, adapted_base, adapted_model, parameter_shard_spec, style_shard_spec
@@ -25,6 +24,7 @@ from tp_train.tools.activation_model import (
     model_shape,
 )
 from tp_train.tools.pipeline_memory import in_flight, rank_parameter_ids, rank_stages
+from tp_train.training.pipeline_split import plan_pipeline_split
 
 MIB = 2**20
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size of its parameter

@@ -29,7 +29,6 @@ from tp_train.parallel.pipeline import Pipeline, schedule_named
 from tp_train.parallel.pipeline.runner import stage_indices
 from tp_train.parallel.pipeline.split import PipelineSplit, skipped, within
 from tp_train.parallel.random import sync_default_generator
-from tp_train.plan.deciding.pipeline import count_blocks, find_blocks, plan_pipeline_split
 from tp_train.plan.deciding.resolve import modules_with_plans
 from tp_train.plan.meta_init import materialize_remaining
 from tp_train.plan.parallelize import attached, parallelize
@@ -37,6 +36,7 @@ from tp_train.plan.probe_input import ProbeInput
 from tp_train.training.data_parallel import fully_shard_data_parallel, refuse_replicated_shards
 from tp_train.training.experts import TrainingExperts
 from tp_train.training.parallel_training import ParallelTraining
+from tp_train.training.pipeline_split import count_blocks, find_blocks, plan_pipeline_split
 
 BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's bucket for the first broadcast of the weights
 TRAINING_ATTRIBUTE = "_tp_training"  # on the root: what `parallelize_for_training` made of it, applied once

@@ -28,8 +28,30 @@ from tp_train.parallel.experts import (
 )
 from tp_train.parallel.pipeline.split import skipped
 from tp_train.parallel.sharding import named_sharded_parameters
-from tp_train.plan.deciding.experts import check_expert_parallel
+from tp_train.plan.deciding.experts import find_experts
 from tp_train.plan.gradient_hooks import keep_gradient_hooks
+
+
+def check_expert_parallel(model: nn.Module, expert_parallel_size: int) -> dict[str, int]:
+    """`find_experts(model)`, once `expert_parallel_size` is known to fit every experts module: raises ValueError
+    (one line naming the model, the size and what would work) for no experts found, or a size above or not dividing
+    a layer's number of experts."""
+    found = find_experts(model)
+    if expert_parallel_size == 1:
+        return found
+    if not found:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} but {type(model).__name__} has no experts module (a module "
+            f"with num_experts and its experts' weights stacked as (num_experts, ...) tensors); use ep=1"
+        )
+    for name, experts in found.items():
+        if expert_parallel_size > experts or experts % expert_parallel_size:
+            fits = [size for size in range(1, experts + 1) if experts % size == 0]
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size} does not divide the {experts} experts of '{name}' "
+                f"({type(model).__name__}); use one of {fits}"
+            )
+    return found
 
 
 def check_expert_parallel_arguments(expert_parallel_size: int, capacity_factor: float | None = None) -> None:

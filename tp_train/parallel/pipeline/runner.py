@@ -81,7 +81,7 @@ class Pipeline:
 
     Args:
         model: the whole model (left as it is; the stages are copies).
-        split: where it splits (`tp_train.plan.deciding.pipeline.plan_pipeline_split`), with pp x v stages.
+        split: where it splits (`tp_train.training.pipeline_split.plan_pipeline_split`), with pp x v stages.
         group: the pipeline-parallel process group.
         schedule_name: a name in `tp_train.parallel.pipeline.schedules.SCHEDULES`.
         microbatches: how many microbatches each step splits its batch into (along dim 0).

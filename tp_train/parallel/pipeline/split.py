@@ -1,4 +1,4 @@
-"""A model's split into pipeline stages, as data: what `tp_train.plan.deciding.pipeline` decides and
+"""A model's split into pipeline stages, as data: what `tp_train.training.pipeline_split` decides and
 `tp_train.parallel.pipeline` cuts along."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Where a model's experts are, and whether `expert_parallel_size` fits them: decided on the model as written (it may
-be on the meta device), before anything is sharded.
+"""Where a model's experts are, decided on the model as written (it may be on the meta device), before anything is
+sharded: the tensor-parallel plan leaves them whole under expert parallelism (`keep_experts_whole`); whether an
+expert-parallel size fits them is the training layer's (`tp_train.training.experts.check_expert_parallel`).
 
 An experts module is recognised by its shape, not by its family: a module with an integer `num_experts` whose own
 parameters include one stacked over its experts (`(num_experts, ...)`), called as `(hidden (T, D), top_k_index
@@ -38,28 +39,6 @@ def _takes_routes(module: nn.Module) -> bool:
         return False
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
-
-
-def check_expert_parallel(model: nn.Module, expert_parallel_size: int) -> dict[str, int]:
-    """`find_experts(model)`, once `expert_parallel_size` is known to fit every experts module: raises ValueError
-    (one line naming the model, the size and what would work) for no experts found, or a size above or not dividing
-    a layer's number of experts."""
-    found = find_experts(model)
-    if expert_parallel_size == 1:
-        return found
-    if not found:
-        raise ValueError(
-            f"expert_parallel_size={expert_parallel_size} but {type(model).__name__} has no experts module (a module "
-            f"with num_experts and its experts' weights stacked as (num_experts, ...) tensors); use ep=1"
-        )
-    for name, experts in found.items():
-        if expert_parallel_size > experts or experts % expert_parallel_size:
-            fits = [size for size in range(1, experts + 1) if experts % size == 0]
-            raise ValueError(
-                f"expert_parallel_size={expert_parallel_size} does not divide the {experts} experts of '{name}' "
-                f"({type(model).__name__}); use one of {fits}"
-            )
-    return found
 
 
 def keep_experts_whole(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:

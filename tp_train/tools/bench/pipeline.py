@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from models import GPT, GPTConfig
 from tp_train.parallel.pipeline import SCHEDULES, Pipeline
-from tp_train.plan.deciding.pipeline import plan_pipeline_split
 from tp_train.tools.bench.measure import (
     current_memory,
     group_max,
@@ -49,6 +48,7 @@ from tp_train.tools.bench.pipeline_timeline import TimedLoss, Timeline, schedule
 from tp_train.tools.bench.plot import PANEL_HEIGHT, PANEL_WIDTH, figure, legend, panel
 from tp_train.tools.bench.ranks import start_ranks
 from tp_train.tools.memory import MIB, estimate_memory
+from tp_train.training.pipeline_split import plan_pipeline_split
 
 # (pp, schedule, stages per rank); pp=1 is the model in one process, forward and backward over the whole batch
 SETUPS = [
