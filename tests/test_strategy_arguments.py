@@ -46,4 +46,4 @@ def test_the_arguments_users_pass_are_accepted():
     strategy = TensorParallelStrategy(
         tensor_parallel_size=2, context_parallel_size=2, context_parallel_rotation="alltoall", bucket_cap_mb=5
     )
-    assert (strategy.tensor_parallel_size, strategy.context_parallel_rotation) == (2, "alltoall")
+    assert (strategy.tensor_parallel_size, strategy.options.context_parallel_rotation) == (2, "alltoall")

@@ -209,5 +209,5 @@ class TrainingMetrics(L.Callback):
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
             "parameters_on_rank": self.parameters_on_rank,
-            "data_parallel": getattr(trainer.strategy, "data_parallel", "ddp"),
+            "data_parallel": getattr(getattr(trainer.strategy, "options", None), "data_parallel", "ddp"),
         }

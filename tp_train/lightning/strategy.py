@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -15,28 +16,28 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import default_pg_timeout
 from typing_extensions import override
 
 from tp_train.checkpoint import consolidated
-from tp_train.checkpoint.async_writer import AsyncCheckpointWriter
 from tp_train.lightning.arguments import check_arguments, check_fused_loss, check_pipeline_arguments, check_shard_size
 from tp_train.lightning.checkpoint_hooks import CheckpointHooks
 from tp_train.lightning.example_input import example_inputs
 from tp_train.lightning.launch import LaunchHooks
 from tp_train.lightning.loss import StrategyLoss
+from tp_train.lightning.mesh_groups import MeshGroups
 from tp_train.lightning.pipeline import PipelineSteps, step_runner
 from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_parallel_precision
+from tp_train.lightning.step_hooks import StepHooks
 from tp_train.lightning.steps import ModelSteps
-from tp_train.parallel.dims import ParallelDims, ParallelMesh
+from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.mesh import backend_with_timeout
 from tp_train.plan.meta_init import deferred_init
 from tp_train.training import ParallelTraining, TrainingOptions, parallelize_for_training
 from tp_train.training.experts import check_expert_parallel_arguments
 
 
-class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
+class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks, DDPStrategy):
     """Shards the LightningModule's model(s) column-then-row over `tensor_parallel_size` ranks; the remaining
     factor of the world size is data parallelism.
 
@@ -132,104 +133,41 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
         check_shard_size(data_parallel_shard_size, data_parallel)
         check_expert_parallel_arguments(expert_parallel_size, expert_capacity_factor)
-        self.expert_parallel_size, self.expert_capacity_factor = expert_parallel_size, expert_capacity_factor
-        self._parallel: ParallelTraining | None = None  # the model as parallelized (setup)
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.pipeline_schedule, self.pipeline_split = pipeline_schedule, pipeline_split
-        self.pipeline_microbatches = pipeline_microbatches  # None: the apply order's default, one per pipeline rank
-        self.pipeline_virtual_stages = pipeline_virtual_stages
-        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, self.pipeline_microbatches,
+        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, pipeline_microbatches,
                                  pipeline_virtual_stages, data_parallel)  # fmt: skip
-        self._steps: ModelSteps | PipelineSteps = ModelSteps()  # how the step hooks run the user's steps (setup)
+        consolidated.check_data_parallel(save_distributed_checkpoint, data_parallel)
+        consolidated.check_pipeline_parallel(save_distributed_checkpoint, pipeline_parallel_size)
+        check_fused_loss(fused_loss, data_parallel)
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )
-        self.tensor_parallel_size = tensor_parallel_size
-        self.context_parallel_size = context_parallel_size
-        self.context_parallel_rotation = context_parallel_rotation
-        self._plan = plan
-        self._verify_plan = verify_plan
-        self.loss_parallel = loss_parallel  # set back by `setup` where the apply order gathers the logits whole
-        self.compile = compile
-        self.overlap = overlap
-        self.async_checkpoint = async_checkpoint
-        self.trust_checkpoint = trust_checkpoint
-        consolidated.check_data_parallel(save_distributed_checkpoint, data_parallel)
-        consolidated.check_pipeline_parallel(save_distributed_checkpoint, pipeline_parallel_size)
+        # the degrees (`parallel_dims`, at the world size) and how each dimension is applied (`options`)
+        self.tensor_parallel_size, self.context_parallel_size = tensor_parallel_size, context_parallel_size
+        self.pipeline_parallel_size, self.pipeline_virtual_stages = pipeline_parallel_size, pipeline_virtual_stages
+        self.expert_parallel_size, self.data_parallel_shard_size = expert_parallel_size, data_parallel_shard_size
+        self.options = TrainingOptions(
+            plan=plan, verify_plan=verify_plan, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel,
+            activation_checkpointing=activation_checkpointing, compile=compile, overlap=overlap,
+            data_parallel=data_parallel, context_parallel_rotation=context_parallel_rotation,
+            pipeline_schedule=pipeline_schedule, pipeline_microbatches=pipeline_microbatches,
+            pipeline_split=pipeline_split,
+            expert_capacity_factor=expert_capacity_factor,
+            fsdp_methods=("training_step", "validation_step", "test_step", "predict_step"),
+        )  # fmt: skip
+        self.async_checkpoint, self.trust_checkpoint = async_checkpoint, trust_checkpoint
         self.save_distributed_checkpoint = save_distributed_checkpoint
-        self._checkpoint_writer: AsyncCheckpointWriter | None = None
-        self.sequence_parallel = sequence_parallel
-        self.activation_checkpointing = activation_checkpointing
-        self.data_parallel = data_parallel
-        self.data_parallel_shard_size = data_parallel_shard_size
-        self._mesh: ParallelMesh | None = None  # the mesh and its views (setup_environment)
-        check_fused_loss(fused_loss, data_parallel)
-        # (no head-and-loss fusion to turn off under FSDP2 here: the apply order leaves none)
-        self._loss = StrategyLoss(self.loss_parallel, fused_loss, compile, context_parallel=context_parallel_size > 1)
+        self._parallel: ParallelTraining | None = None  # the model as parallelized (setup)
+        self._steps: ModelSteps | PipelineSteps = ModelSteps()  # how the step hooks run the user's steps (setup)
+        self._loss = StrategyLoss(loss_parallel, fused_loss, compile, context_parallel=context_parallel_size > 1)
 
     @property
     def parallel_dims(self) -> ParallelDims:
         """The job's degrees: these arguments at the world size (validated in `setup_environment`)."""
         return ParallelDims.from_world(
             self.world_size, tp=self.tensor_parallel_size, cp=self.context_parallel_size,
-            pp=self.pipeline_parallel_size, ep=self.expert_parallel_size, data_parallel=self.data_parallel,
+            pp=self.pipeline_parallel_size, ep=self.expert_parallel_size, data_parallel=self.options.data_parallel,
             virtual_stages=self.pipeline_virtual_stages, dp_shard=self.data_parallel_shard_size,
         )  # fmt: skip
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        """The job's mesh and its named views (`ParallelDims.build_mesh`)."""
-        if self._mesh is None:
-            raise RuntimeError("the device mesh exists once the processes are initialised (setup_environment)")
-        return self._mesh
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        return self.mesh.root
-
-    @property
-    def tensor_parallel_group(self) -> ProcessGroup:
-        return self.mesh.tensor_parallel.get_group()
-
-    @property
-    def data_parallel_group(self) -> ProcessGroup:
-        return self.mesh.data_parallel.get_group()
-
-    @property
-    def context_parallel_group(self) -> ProcessGroup:
-        return self.mesh.context_parallel.get_group()
-
-    @property
-    def replica_group(self) -> ProcessGroup:
-        """The data x context parallel ranks: those whose tokens differ, over which DDP (or FSDP2) averages."""
-        return self.mesh.replicas.get_group()
-
-    @property
-    def pipeline_parallel_group(self) -> ProcessGroup:
-        return self.mesh.pipeline_parallel.get_group()
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.parallel_dims.dp
-
-    def cross_entropy(
-        self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0
-    ) -> torch.Tensor:
-        """Mean cross-entropy of `logits` (..., vocab) against `target` (...), whichever way the model's head
-        was sharded: with `loss_parallel` each rank holds its slice of the vocabulary and only per-token
-        statistics cross ranks (`tp_train.vocab_parallel_cross_entropy`); otherwise `F.cross_entropy`. Logits in
-        half precision are reduced in fp32."""
-        self._steps.count_targets(target, ignore_index)  # under a pipeline: each microbatch's share of the batch
-        group = self.tensor_parallel_group if self.loss_parallel else None
-        return self._loss.cross_entropy(self.lightning_module, group, logits, target, ignore_index, label_smoothing)
-
-    def batch_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """For logging: the batch's loss from this rank's `loss` (its training or validation step's), as one process
-        would compute it on the whole batch: the mean over the data x context parallel ranks (`replica_group`), each
-        weighted by the targets `cross_entropy` counted in its step (by 1 where none went through it). The gradients
-        are untouched. Under a pipeline, `loss` itself: the pipeline logs the batch's after its last microbatch."""
-        weight = self._loss.targets if self._loss.targets is not None else 1.0
-        return self._steps.batch_loss(loss, weight)
 
     @property
     def parallel_training(self) -> ParallelTraining:
@@ -237,38 +175,6 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         if self._parallel is None:
             raise RuntimeError("the model is parallelized in the strategy's setup(); it has not run yet")
         return self._parallel
-
-    # The step hooks: each through the step runner (`tp_train.lightning.steps`), with Lightning's own as its default.
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # the head and the loss fused, where they may be; the tokens dropped over the experts' capacity logged
-        module = self.lightning_module
-        step = partial(self._steps.training_step, super().training_step, *args, **kwargs)
-        with self.parallel_training.experts.counting_drops(module, module.log, self.root_device):
-            return self._loss.step(module, step)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._steps.backward(super().backward, closure_loss, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        step = partial(self._steps.validation_step, super().validation_step, *args, **kwargs)
-        return self._loss.step(self.lightning_module, step)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.test_step(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.predict_step(super().predict_step, *args, **kwargs)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        data_parallel = self.mesh.data_parallel
-        return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
 
     @override
     def setup_environment(self) -> None:
@@ -281,11 +187,6 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self.device_mesh
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        self.parallel_training.after_backward()
 
     @contextmanager
     @override
@@ -304,15 +205,18 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         if not any(t.is_meta for t in module.parameters()):
             self.model_to_device()  # shard on the device: the collectives below run on it
         fitting = trainer.state.fn == TrainerFn.FITTING
+        separator = getattr(trainer.datamodule, "document_separator", None)  # attention within documents
+        options = replace(self.options, document_separator=separator)
         self._parallel = parallelize_for_training(
-            module, self.parallel_dims, self.mesh, self.root_device, self._training_options(trainer),
+            module, self.parallel_dims, self.mesh, self.root_device, options,
             example_inputs=partial(example_inputs, trainer, module, group=self.tensor_parallel_group),
             convert=self.precision_plugin.convert_module, mp_policy=fsdp_mixed_precision_policy(self.precision_plugin),
             wrap_replicas=self._replicate if fitting else None,
         )  # fmt: skip
         self.model = self._parallel.module
-        if self.loss_parallel and not self._parallel.loss_parallel:
-            self.loss_parallel = self._loss.loss_parallel = False
+        if self.options.loss_parallel and not self._parallel.loss_parallel:
+            self.options = replace(self.options, loss_parallel=False)
+            self._loss.loss_parallel = False
             rank_zero_info(
                 "loss_parallel off: the loss takes the whole logits (under a pipeline, or with no LM head planned "
                 "'colwise_gather_output': the model's get_output_embeddings() whole under its plan)"
@@ -334,19 +238,6 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         self._precision_plugin = None if precision_plugin is None else tensor_parallel_precision(precision_plugin)
 
-    def _training_options(self, trainer: pl.Trainer) -> TrainingOptions:
-        split = self.pipeline_split
-        return TrainingOptions(
-            plan=self._plan, verify_plan=self._verify_plan, loss_parallel=self.loss_parallel,
-            sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile, overlap=self.overlap, data_parallel=self.data_parallel,
-            context_parallel_rotation=self.context_parallel_rotation,
-            document_separator=getattr(trainer.datamodule, "document_separator", None),  # its document_mask
-            pipeline_schedule=self.pipeline_schedule, pipeline_microbatches=self.pipeline_microbatches,
-            pipeline_split=None if split is None else tuple(split), expert_capacity_factor=self.expert_capacity_factor,
-            fsdp_methods=("training_step", "validation_step", "test_step", "predict_step"),
-        )  # fmt: skip
-
     def _replicate(self, module: torch.nn.Module, group: ProcessGroup) -> torch.nn.Module:
         """Lightning's DDP around `module`, with this strategy's DDP arguments (its process group: `group`, the data x
         context parallel ranks) and communication hooks."""
@@ -354,14 +245,6 @@ class TensorParallelStrategy(LaunchHooks, CheckpointHooks, DDPStrategy):
         self.model = self._setup_model(module)
         self._register_ddp_hooks()
         return self.model
-
-    @contextmanager
-    @override
-    def block_backward_sync(self):
-        """No data-parallel gradient reduction while Lightning accumulates micro-batches (`ParallelTraining.no_sync`);
-        the last micro-batch's backward reduces the sum."""
-        with self.parallel_training.no_sync():
-            yield
 
     @classmethod
     @override

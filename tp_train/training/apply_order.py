@@ -14,7 +14,7 @@ The order, on every rank:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,7 +59,7 @@ class TrainingOptions:
     document_separator: int | None = None  # attention kept within documents (`document_mask`), this token between
     pipeline_schedule: str = "1f1b"
     pipeline_microbatches: int | None = None  # default: the pipeline's size
-    pipeline_split: tuple[int, ...] | None = None  # blocks per stage; default balanced by parameters
+    pipeline_split: Sequence[int] | None = None  # blocks per stage; default balanced by parameters
     expert_capacity_factor: float | None = None
     fsdp_methods: tuple[str, ...] = ()  # the root's methods that gather its parameters like `forward` (FSDP2)
 
