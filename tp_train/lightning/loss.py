@@ -9,14 +9,13 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import ProcessGroup
 
 from tp_train.errors import HeadOutputChangedError
-from tp_train.parallel.context_parallel.models import context_parallel_cross_entropy, mean_over_group
+from tp_train.parallel.context_parallel.models import context_parallel_cross_entropy
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from tp_train.plan.parallelize import attached
@@ -31,17 +30,6 @@ def _whole_logits_loss(logits, target, ignore_index, label_smoothing):
     return F.cross_entropy(
         logits.flatten(0, -2), target.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing
     )
-
-
-def mean_over_replicas(loss: torch.Tensor, weight: torch.Tensor | float, group: ProcessGroup | None) -> torch.Tensor:
-    """The mean of every rank's `loss` over `group`, each weighted by its `weight` (the count of targets its mean is
-    over; 1 where it is not a token mean): the batch's loss from each data x context parallel rank's share, for
-    logging (detached; `mean_over_group`'s one all-reduce of two numbers). `loss` itself where `group` is one rank or
-    None. A rank whose targets were all ignored (a mean of nothing) adds nothing; a batch with none counted logs 0."""
-    if group is None or dist.get_world_size(group) == 1:
-        return loss
-    count = torch.as_tensor(weight, dtype=torch.float32, device=loss.device)
-    return mean_over_group(loss.detach(), count, group).detach()
 
 
 def _compiled(fn, compile: bool | str):

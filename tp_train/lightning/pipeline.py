@@ -28,11 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from lightning.pytorch.strategies import Strategy
-from torch.distributed import ProcessGroup
 
-from tp_train.lightning.loss import mean_over_replicas
 from tp_train.lightning.steps import ModelSteps
-from tp_train.parallel.pipeline import Pipeline
 from tp_train.training import ParallelTraining
 from tp_train.training.apply_order import pipelined_model
 
@@ -66,19 +63,19 @@ class PipelineSteps:
     user's step methods run through `pipeline` (this rank's stages of the LightningModule's model, cut by
     `tp_train.training.parallelize_for_training`); Lightning's own hooks (`default`) are not called.
 
-    `replicas` are the data x context parallel ranks of this stage (other tokens, the same parameters): the logged
-    loss is the batch's over them. The gradients' average over them is `ParallelTraining.after_backward`'s, which the
-    strategy's `post_backward` runs."""
+    The logged loss is the batch's over the data x context parallel ranks (other tokens, the same parameters:
+    `training.batch_loss`); the gradients' average over them is `training.after_backward`'s, which the strategy's
+    `post_backward` runs."""
 
-    def __init__(self, strategy: Strategy, pipeline: Pipeline, replicas: ProcessGroup | None = None) -> None:
+    def __init__(self, strategy: Strategy, training: ParallelTraining) -> None:
         self.strategy = strategy
         self.module = strategy.lightning_module
         self.name, _ = pipelined_model(self.module)
-        self.pipeline = pipeline
+        self.training = training
+        self.pipeline = pipeline = training.pipeline
         pipeline.loss_fn = self._microbatch_loss  # the user's training_step on the last stage's output
         self.split = pipeline.split
         self.microbatches = pipeline.microbatches
-        self.replicas = replicas if replicas is not None and dist.get_world_size(replicas) > 1 else None
         # 16-mixed: the scaler's scale, by which each microbatch's loss is multiplied before the schedule's backward
         # (Lightning scales the loss before its own backward; here the schedule runs it)
         self.loss_scale: torch.Tensor | None = None
@@ -183,7 +180,7 @@ class PipelineSteps:
         last = self.pipeline.holds_last
         loss_sum, divisor, weight = self.pipeline.from_last_stage(value if last else None, device, size=3)
         loss = loss_sum / divisor  # this replica's batch: what training_step returns
-        self._log_on_every_rank(mean_over_replicas(loss, weight, self.replicas))
+        self._log_on_every_rank(self.training.batch_loss(loss, weight))
         return loss, divisor.item()
 
     def _model_input(self, step: Callable, part: Any, batch_idx: int) -> torch.Tensor:
@@ -260,12 +257,10 @@ class PipelineSteps:
 
 def step_runner(strategy: Strategy, training: ParallelTraining) -> ModelSteps | PipelineSteps:
     """The runner of `strategy`'s step hooks for the model `training` holds, chosen once at setup: through its
-    pipeline where it has one, else Lightning's own steps. `strategy` is the `TensorParallelStrategy` (its
-    `replica_group`: the data x context parallel ranks the logged loss is averaged over)."""
-    replicas = strategy.replica_group
+    pipeline where it has one, else Lightning's own steps. `strategy` is the `TensorParallelStrategy`."""
     if training.pipeline is None:
-        return ModelSteps(replicas)
-    return PipelineSteps(strategy, training.pipeline, replicas)
+        return ModelSteps(training)
+    return PipelineSteps(strategy, training)
 
 
 def _batch_arguments(args: tuple, kwargs: dict) -> tuple[Any, int]:

@@ -10,18 +10,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroup
 
-from tp_train.lightning.loss import mean_over_replicas
+from tp_train.training import ParallelTraining
 
 
 class ModelSteps:
     """Lightning's own steps: the user's step methods call the model (DDP or FSDP2 around it reduces the gradients
-    in backward), and the loss logged is the mean over `replicas` (the data x context parallel ranks: other tokens,
-    the same parameters), each rank's weighted by its targets. Before setup, `replicas` is None: each rank's own."""
+    in backward), and the loss logged is the batch's (`ParallelTraining.batch_loss`: over the data x context parallel
+    ranks, each rank's weighted by its targets). Before setup, `training` is None: each rank's own."""
 
-    def __init__(self, replicas: ProcessGroup | None = None) -> None:
-        self.replicas = replicas
+    def __init__(self, training: ParallelTraining | None = None) -> None:
+        self.training = training
 
     def training_step(self, default: Callable, *args: Any, **kwargs: Any) -> Any:
         """The step as Lightning runs it: `default(*args, **kwargs)` (the same for every step method)."""
@@ -37,4 +36,4 @@ class ModelSteps:
 
     def batch_loss(self, loss: torch.Tensor, weight: torch.Tensor | float) -> torch.Tensor:
         """The batch's loss from this rank's `loss`, weighted by `weight` (its targets) among the replicas'."""
-        return mean_over_replicas(loss, weight, self.replicas)
+        return loss if self.training is None else self.training.batch_loss(loss, weight)

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.clipping import clip_grad_norm_, clip_grads_with_norm_, global_grad_norm
+from tp_train.parallel.context_parallel.models import mean_over_group
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.experts import named_expert_parameters
 from tp_train.parallel.pipeline import Pipeline
@@ -103,6 +104,18 @@ class ParallelTraining:
             dense = [param for param in self.pipeline.parameters() if id(param) not in held]
             average_gradients(dense, self.pipeline_replicas)
         self.experts.after_backward()
+
+    def batch_loss(self, loss: torch.Tensor, weight: torch.Tensor | float = 1.0) -> torch.Tensor:
+        """For logging: the whole batch's loss, as one process would compute it, from this rank's `loss` (its share's
+        mean, over `weight` targets; 1 where it is not a token mean): the weighted mean over the data x context
+        parallel ranks (`mesh.replicas`: other tokens, the same parameters), detached; one all-reduce of two numbers.
+        A rank whose targets were all ignored adds nothing; a batch with none counted gives 0. Under a pipeline, call
+        it with the pipeline's batch loss (the same on every stage). The gradients are not touched."""
+        group = self.mesh.replicas.get_group()
+        if dist.get_world_size(group) == 1:
+            return loss
+        count = torch.as_tensor(weight, dtype=torch.float32, device=loss.device)
+        return mean_over_group(loss.detach(), count, group).detach()
 
     def clipping(self) -> ClippingGroups:
         """The clipping norm's groups and the tensor-parallel shards, by `id()` of the parameters as they are now
