@@ -186,7 +186,6 @@ class ParallelDims:
                 f"pp={self.pp}); expert parallelism splits the experts among those ranks, it adds none: use "
                 f"{devices_key} in {_fitting(fits, num_nodes)}"
             )
-
         if blocks is not None:
             self.check_blocks(*blocks)
 
