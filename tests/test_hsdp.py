@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from models.gpt import GPT, GPTConfig
@@ -67,6 +68,9 @@ def test_hsdp_trains_like_one_device_holds_half_and_resumes_across_layouts(tmp_p
     summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())
     model = GPT(_config())
     assert summary["parameters"] == sum(p.numel() for p in model.parameters())
+    # the run's logged hyperparameters (W&B's config; here the CSV logger's) name the strategy's mode
+    hparams = yaml.safe_load(next((tmp_path / "hsdp").glob("csv/version_*/hparams.yaml")).read_text())
+    assert (hparams["data_parallel"], hparams["dp_shard"]) == ("fsdp", DP_SHARD), hparams["data_parallel"]
     assert summary["parameters_on_rank"] == parameters_per_rank(model, tp=1, dp=DP_SHARD, data_parallel="fsdp")
     assert summary["parameters_on_rank"] > parameters_per_rank(model, tp=1, dp=DP, data_parallel="fsdp")
 
