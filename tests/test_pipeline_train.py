@@ -1,8 +1,9 @@
 """`python train.py pp=2` as users type it: bad pipeline settings refused in one line before any rank starts
 (`PIPELINE_CASES`, run by test_preflight), runs at pp=2, at pp=2 x tp=2 with sequence parallelism and at pp=4 cut
 before sharding logging the same losses as at pp=1 (train.py's CSV metrics, to 1e-5; the last validation loss is the
-final parameters') and counting the whole model's parameters in summary.json, and pp=2 x dp=2 under FSDP2 saving
-checkpoints and resuming from one with the losses of the run that saved it."""
+final parameters') and counting the whole model's parameters in summary.json, and checkpoints moving between one
+process and pp=2 x dp=2 under FSDP2 or pp=2 x cp=2, both ways (and FSDP2's at its own layout), with the losses of the
+unbroken run."""
 
 from __future__ import annotations
 
@@ -98,14 +99,26 @@ def test_train_py_at_pp2_and_pp4_logs_the_losses_of_pp1(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_py_at_pp2_dp2_fsdp_saves_and_resumes_with_the_losses_of_the_unbroken_run(tmp_path):
-    # Each stage's FSDP2 shards are DTensors over its own data-parallel ranks: a save that placed them over the
-    # pipeline ranks too had DCP expect the other stage's ranks to hold half of each tensor, and refuse the plan.
-    layout = ["tp=1", "pp=2", "dp=2", "data_parallel=fsdp", "trainer.max_steps=4", "trainer.val_check_interval=2",
-              "trainer.limit_val_batches=0"]  # fmt: skip
-    unbroken = _train(tmp_path, "unbroken", [*layout, "+callbacks.checkpoint.save_top_k=-1"])  # keeps step 2's
-    checkpoint = tmp_path / "unbroken" / "checkpoints" / "step000002.ckpt"
-    resumed = _train(tmp_path, "resumed", [*layout, f"ckpt_path={checkpoint}"])
-    for name in ("train/loss", "train/grad_norm"):  # steps 3 and 4: the loaded weights, then AdamW's loaded state
-        assert sorted(resumed[name]) == [2, 3], (name, resumed[name])
-        assert resumed[name] == pytest.approx({step: unbroken[name][step] for step in (2, 3)}, abs=1e-5), name
+def test_checkpoints_move_between_one_process_and_pp2_with_fsdp_or_cp_with_the_unbroken_losses(tmp_path):
+    # One process saves at steps 2 and 4; pp=2 x dp=2 under FSDP2 and pp=2 x cp=2 each resume its step 2 and save
+    # their own step 4, which resumes at the same layout (FSDP2) and in one process. Every resumed step logs the
+    # loss and gradient norm of the one process's unbroken run. Each FSDP2 stage's shards are DTensors over its own
+    # data-parallel ranks: a save that placed them over the pipeline ranks too had DCP refuse the plan.
+    steps = ["trainer.max_steps=6", "trainer.val_check_interval=2", "trainer.limit_val_batches=0", "tp=1"]
+    one = ["pp=1", "trainer.devices=1", "data.batch_size=8"]
+    layouts = {"fsdp": ["pp=2", "dp=2", "data_parallel=fsdp", "data.batch_size=4"],
+               "cp": ["pp=2", "cp=2", "data.batch_size=8"]}  # fmt: skip
+    unbroken = _train(tmp_path, "one", [*steps, *one, "ckpt_path=null", "+callbacks.checkpoint.save_top_k=-1"])
+
+    def resumed(name: str, sizes: list[str], saved_by: str, step: int) -> None:
+        checkpoint = tmp_path / saved_by / "checkpoints" / f"step{step:06d}.ckpt"
+        run = _train(tmp_path, name, [*steps, *sizes, f"ckpt_path={checkpoint}", "+callbacks.checkpoint.save_top_k=-1"])
+        for series in ("train/loss", "train/grad_norm"):  # the loaded weights, then the loaded AdamW state
+            assert sorted(run[series]) == list(range(step, 6)), (name, series, run[series])
+            expected = {logged: unbroken[series][logged] for logged in range(step, 6)}
+            assert run[series] == pytest.approx(expected, abs=1e-5), (name, series)
+
+    for name, sizes in layouts.items():
+        resumed(name, sizes, "one", 2)
+        resumed(f"{name}_at_pp1", one, name, 4)
+    resumed("fsdp_again", layouts["fsdp"], "fsdp", 4)
