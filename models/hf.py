@@ -92,11 +92,19 @@ def _layered_fields(model_type: str | None, config: dict, token_ids: dict, famil
     aliases = type(defaults).attribute_map
     config = {aliases.get(key, key): value for key, value in config.items()}  # the later of two names of one field
     family = {key: value for key, value in family_fields.items() if aliases.get(key, key) not in config}
-    specials = {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
     vocab = config.get(aliases.get("vocab_size", "vocab_size"), _field_value(defaults, "vocab_size"))
-    specials = {field: _lacking_id(defaults, field, token_ids, vocab) if value is None else value
-                for field, value in specials.items()}  # fmt: skip
-    return {**specials, **family, **config}
+    return {**special_token_fields(model_type, token_ids, vocab), **family, **config}
+
+
+def special_token_fields(model_type: str, token_ids: dict, vocab) -> dict:
+    """The special token ids a `model_type` config built for the data's tokenizer takes (`token_ids`: its pad, bos
+    and eos ids, None where it lacks one), for the fields the family's config has."""
+    from transformers import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]()
+    specials = {field: value for field, value in token_ids.items() if _has_field(defaults, field)}
+    return {field: _lacking_id(defaults, field, token_ids, vocab) if value is None else value
+            for field, value in specials.items()}  # fmt: skip
 
 
 def _lacking_id(defaults, field: str, token_ids: dict, vocab) -> int | None:

@@ -51,6 +51,19 @@ def test_a_field_set_on_the_command_line_wins_and_a_size_reaches_the_family_unde
     assert model.config.kv_lora_rank == 32 and model.config.q_lora_rank == 64
 
 
+@pytest.mark.parametrize("family", ["roberta", "xmod"])
+def test_a_family_counting_positions_from_the_pad_id_gets_the_rows_a_block_takes(tmp_path, family):
+    """RoBERTa's embeddings number positions from the pad id + 1: at `data.block_size` rows the first 64-token batch
+    failed (`index 64 is out of bounds for dimension 1 with size 64`); a value the user gives is kept."""
+    _, model = _build(tmp_path, f"model.type={family}")
+    assert model.config.max_position_embeddings == 64 + model.config.pad_token_id + 1
+    assert torch.isfinite(model(torch.randint(0, 512, (2, 64)), use_cache=False).logits).all()
+    _, model = _build(tmp_path, f"model.type={family}", "model.config.max_position_embeddings=100")
+    assert model.config.max_position_embeddings == 100
+    cfg, _ = _build(tmp_path, "model.type=llama")  # a family with no such rule: the block
+    assert cfg.model.config.max_position_embeddings == 64
+
+
 def test_the_zoos_tiny_config_and_model_hf_come_from_one_derivation(tmp_path):
     """hf.yaml at the zoo's sizes gives the zoo's tiny config: its structural fields are `model.family_fields`."""
     from tp_train.tools.family_configs import TOKEN_IDS

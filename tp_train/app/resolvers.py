@@ -80,6 +80,21 @@ def family_field(model_type: str | None, field: str, default):
     return default
 
 
+def positions(model_type: str | None, block_size, token_ids=None, vocab_size=None) -> int:
+    """The position-table rows `model_type` needs for blocks of `block_size` tokens (`conf/model/hf.yaml`'s
+    `max_position_embeddings`): the block, and for a family whose positions count on from the pad id (its record's
+    `positions_after_padding`: RoBERTa's) that id + 1 more, the id the model is built with (the data tokenizer's, or
+    the family's own: `models.hf.special_token_fields`); a value the user gives replaces the interpolation."""
+    from models.hf import special_token_fields
+    from tp_train.plan.deciding.families import family
+
+    spec = family(model_type)
+    if spec is None or not spec.positions_after_padding:
+        return int(block_size)
+    pad = special_token_fields(model_type, dict(token_ids or {}), vocab_size).get("pad_token_id")
+    return int(block_size) + (int(pad) + 1 if pad is not None else 0)
+
+
 def devices(dp, tp, cp, pp, ep) -> int:
     """The devices the config's degrees take (`conf/trainer/default.yaml`), from the one owner of the degrees."""
     return ParallelDims.devices_for(dp=int(dp), tp=int(tp), cp=int(cp), pp=int(pp), ep=int(ep))
@@ -90,10 +105,11 @@ def register_resolvers() -> None:
     `${tokenizer_of:${model.path}}` (a pretrained model's own tokenizer, so its token ids mean what it learned) and
     `${special_token_ids:${data.tokenizer_path}}` (the data's tokenizer's pad, bos and eos ids, which a model built
     from its family's config takes) and `${family_fields:${model.type},${model.config}}` (the family's small config
-    at those sizes) and `${family_field:${model.type},FIELD,DEFAULT}` for conf/."""
+    at those sizes), `${family_field:${model.type},FIELD,DEFAULT}` and
+    `${positions:${model.type},BLOCK,TOKEN_IDS,VOCAB}` (the position-table rows a block takes) for conf/."""
     resolvers = {"devices": devices, "precision": lightning_precision, "tokenizer_of": tokenizer_of,
                  "special_token_ids": lambda path: dict(_special_token_ids(path)),
-                 "family_fields": family_fields, "family_field": family_field}  # fmt: skip
+                 "family_fields": family_fields, "family_field": family_field, "positions": positions}  # fmt: skip
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)

@@ -29,6 +29,8 @@ class FamilySpec:
     # shard this model (a config, how it was built), or None
     unshardable: str | None = None  # why no plan of tp_train's shards the family: refused but for an explicit plan
     zoo_fields: Mapping[str, object] | None = None  # the zoo's tiny config: fields the family's layout needs
+    positions_after_padding: bool | None = None  # its learned positions count on from the pad id (RoBERTa's):
+    # a block of n tokens takes n + pad id + 1 rows of the position table
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:

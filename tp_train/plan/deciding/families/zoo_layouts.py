@@ -1,5 +1,6 @@
-"""Records of families tp_train plans with no built-in entries, but whose tiny zoo config needs fields of its own:
-a layout that ties two generic sizes, or a default config that builds no model that runs."""
+"""Records of families tp_train plans with no built-in entries, but whose small config (the zoo's, and `model=hf`'s)
+needs fields of its own: a layout that ties two generic sizes, a default config that builds no model that runs, or
+a position table longer than the blocks."""
 
 from __future__ import annotations
 
@@ -39,8 +40,15 @@ RECORDS = (
     # by default); at the zoo's 32 to 64 it swaps itself for full attention in its first forward (a new module, which
     # the plan check refuses through train.py): the tiny config asks for the full attention it would run.
     FamilySpec(model_type="big_bird", zoo_fields=dict(attention_type="original_full")),
-    # X-MOD's language adapters need a language for inputs that name none (`set_default_language`, a config field).
-    FamilySpec(model_type="xmod", zoo_fields=dict(default_language="en_XX")),
+    # X-MOD's language adapters need a language for inputs that name none (`set_default_language`, a config field);
+    # its positions, as RoBERTa's, count on from the pad id.
+    FamilySpec(model_type="xmod", zoo_fields=dict(default_language="en_XX"), positions_after_padding=True),
+    # RoBERTa's embeddings number a token's position from the pad id + 1 (checkpoints hold 514 rows for 512 tokens):
+    # `model=hf` at `data.block_size` positions failed in the first forward (`index 64 is out of bounds`, issue 54).
+    *(
+        FamilySpec(model_type=name, positions_after_padding=True)
+        for name in ("roberta", "camembert", "data2vec-text", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl")
+    ),
     # Defaults that build no model that runs (transformers 5's defaults lack what every checkpoint sets):
     FamilySpec(model_type="lfm2_moe", zoo_fields=dict(layer_types=["conv", "full_attention"])),  # no layer kinds
     # rotary parameters are looked up per layer kind, and the default has none
