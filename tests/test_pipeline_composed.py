@@ -132,6 +132,9 @@ LIGHTNING_COMPOSITIONS = {
     # 2 stages per rank (0 and 2, 1 and 3), each a view of the module's one model; the tie across ranks 0 and 1
     "pp2_dp2_interleaved": dict(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4),
     "pp2_dp2_looped_bfs": dict(pipeline_schedule="looped_bfs", pipeline_virtual_stages=2, layers=4),
+    # FSDP2 on each of a rank's stage views, which share the model: its hooks ran for the other view's stage too
+    "pp2_dp2_interleaved_fsdp": dict(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4,
+                                     data_parallel="fsdp"),  # fmt: skip
     # a block per rank, the embedding on the first and its tied head on the last: the tie across ranks 0 and 3
     "pp4_tied": dict(pipeline_parallel_size=4, pipeline_microbatches=4, layers=4),
 }

@@ -27,7 +27,7 @@ def check_pipeline(cfg: DictConfig, model: nn.Module, dims: ParallelDims | None 
     microbatches = strategy.get("pipeline_microbatches") or pp
     virtual = strategy.get("pipeline_virtual_stages") or 1
     try:
-        check_pipeline_arguments(pp, schedule, microbatches, virtual, cfg.get("data_parallel", "ddp"))
+        check_pipeline_arguments(pp, schedule, microbatches, virtual)
     except ValueError as error:
         raise ConfigError(f"pp={pp}: {error}") from None
     batch_size = cfg.data.get("batch_size")

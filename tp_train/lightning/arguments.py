@@ -70,9 +70,7 @@ def check_shard_size(data_parallel_shard_size: int | None, data_parallel: str) -
 STRATEGY_VIRTUAL_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
 
 
-def check_pipeline_arguments(
-    size: int, schedule: str, microbatches: int | None, virtual_stages: int = 1, data_parallel: str = "ddp"
-) -> None:
+def check_pipeline_arguments(size: int, schedule: str, microbatches: int | None, virtual_stages: int = 1) -> None:
     """One-line `ValueError` for pipeline arguments the strategy cannot run (yet), before any rank starts."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"pipeline_parallel_size={size!r} must be a positive integer")
@@ -88,8 +86,3 @@ def check_pipeline_arguments(
             f"runs it outside Lightning)"
         )
     schedule_named(schedule, virtual_stages)  # unknown or refused, or stages per rank it cannot use: its one line
-    if virtual_stages > 1 and data_parallel == "fsdp":
-        raise ValueError(
-            f"pipeline_virtual_stages={virtual_stages} with data_parallel='fsdp' is not offered yet (FSDP2 on views "
-            f"sharing one model is untested); use data_parallel='ddp' or pipeline_virtual_stages=1"
-        )

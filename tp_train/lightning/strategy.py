@@ -134,7 +134,7 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
         check_shard_size(data_parallel_shard_size, data_parallel)
         check_expert_parallel_arguments(expert_parallel_size, expert_capacity_factor)
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, pipeline_microbatches,
-                                 pipeline_virtual_stages, data_parallel)  # fmt: skip
+                                 pipeline_virtual_stages)  # fmt: skip
         consolidated.check_data_parallel(save_distributed_checkpoint, data_parallel)
         consolidated.check_pipeline_parallel(save_distributed_checkpoint, pipeline_parallel_size)
         check_fused_loss(fused_loss, data_parallel)

@@ -104,8 +104,12 @@ def _cut(model: nn.Module, split: PipelineSplit, stages: list[int]) -> nn.Module
 def _with_modules(module: nn.Module, replaced: dict[str, nn.Module], keep=None) -> nn.Module:
     """A shallow copy of `module` with the submodules named (dotted) in `replaced` swapped in, each module on their
     paths copied alike; every other submodule, parameter and buffer shared. With `keep`, the copy's children are
-    only those of the indices in `keep` (a block list's)."""
+    only those of the indices in `keep` (a block list's). Each copy has hooks of its own, starting as the module's:
+    a hook registered on one stage's view (FSDP2's, wrapping each stage) must not run for the others'."""
     view = copy.copy(module)
+    for key, value in vars(module).items():
+        if "hooks" in key and isinstance(value, dict):
+            view.__dict__[key] = copy.copy(value)
     children = dict(module._modules) if keep is None else {str(i): module._modules[str(i)] for i in keep}
     inner: dict[str, dict[str, nn.Module]] = {}
     for name, new in replaced.items():
