@@ -132,9 +132,23 @@ LIGHTNING_COMPOSITIONS = {
     # 2 stages per rank (0 and 2, 1 and 3), each a view of the module's one model; the tie across ranks 0 and 1
     "pp2_dp2_interleaved": dict(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4),
     "pp2_dp2_looped_bfs": dict(pipeline_schedule="looped_bfs", pipeline_virtual_stages=2, layers=4),
+    # the zero-bubble schedules (backward for inputs and for weights apart); a V places stages 0 and 3 on rank 0, so
+    # its tied embedding and head are one parameter there, counted once in the clipping norm
+    "pp2_dp2_interleaved_zero_bubble": dict(
+        pipeline_schedule="interleaved_zero_bubble", pipeline_virtual_stages=2, layers=4
+    ),
+    "pp2_dp2_zbv": dict(pipeline_schedule="zbv_zero_bubble", pipeline_virtual_stages=2, layers=4),
+    "pp2_tp2_dualpipev": dict(
+        tensor_parallel_size=2,
+        pipeline_schedule="dualpipev",
+        pipeline_virtual_stages=2,
+        pipeline_microbatches=4,
+        layers=4,
+    ),  # as many microbatches as stages
     # FSDP2 on each of a rank's stage views, which share the model: its hooks ran for the other view's stage too
-    "pp2_dp2_interleaved_fsdp": dict(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4,
-                                     data_parallel="fsdp"),  # fmt: skip
+    "pp2_dp2_interleaved_fsdp": dict(
+        pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4, data_parallel="fsdp"
+    ),
     # a block per rank, the embedding on the first and its tied head on the last: the tie across ranks 0 and 3
     "pp4_tied": dict(pipeline_parallel_size=4, pipeline_microbatches=4, layers=4),
 }
@@ -212,7 +226,11 @@ def _fit_composed(rank, world_size, names):
         for key, param in module.model.named_parameters(remove_duplicate=False):
             params[key] = param.full_tensor() if isinstance(param, DTensor) else param.detach()
         if not plain and kwargs.get("data_parallel") != "fsdp":  # tensor-parallel shards gathered
-            params = {**params, **full_tensors(module.model, trainer.strategy.tensor_parallel_group, grads=False)}
+            gathered = full_tensors(module.model, trainer.strategy.tensor_parallel_group, grads=False)
+            first_name = {id(param): name for name, param in module.model.named_parameters()}
+            # a parameter under two names on one rank (a V's rank 0 holds the embedding and its tied head) once
+            params = {key: gathered[first_name[id(param)]]
+                      for key, param in module.model.named_parameters(remove_duplicate=False)}  # fmt: skip
             params = {key: local_part(value).detach().clone() for key, value in params.items()}
         norm = None if plain else trainer.strategy.precision_plugin.last_grad_norm.item()
         scaler = getattr(trainer.precision_plugin, "scaler", None)

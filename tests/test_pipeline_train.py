@@ -30,9 +30,11 @@ PIPELINE_CASES = {
     "microbatches_not_dividing_batch": (["tp=1", "pp=2", "trainer.strategy.pipeline_microbatches=3"],
                                         "data.batch_size=8 is not a multiple of trainer.strategy.pipeline_microbatches"
                                         "=3 (each batch runs as that many microbatches); use data.batch_size=9"),
-    "zero_bubble_schedule_in_strategy": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=zbv_zero_bubble"],
-                         "pipeline_schedule='zbv_zero_bubble' runs several stages per rank in a way the strategy does "
-                         "not offer yet; use 'interleaved_1f1b', 'looped_bfs', '1f1b' or 'gpipe'"),
+    "dualpipev_with_fewer_microbatches_than_stages": (
+        ["tp=1", "pp=2", "model.config.n_layer=4", "trainer.strategy.pipeline_schedule=dualpipev",
+         "trainer.strategy.pipeline_virtual_stages=2"],
+        "pipeline_schedule='dualpipev' needs at least as many microbatches as stages (2 x 2 virtual = 4), got "
+        "pipeline_microbatches=2; use pipeline_microbatches=4"),
     "virtual_schedule_without_virtual_stages": (["tp=1", "pp=2", "trainer.strategy.pipeline_schedule=looped_bfs"],
                                                 "runs several stages per rank: set pipeline_virtual_stages to 2 or "
                                                 "more (got 1)"),

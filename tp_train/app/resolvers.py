@@ -81,18 +81,11 @@ def family_field(model_type: str | None, field: str, default):
 
 
 def positions(model_type: str | None, block_size, token_ids=None, vocab_size=None) -> int:
-    """The position-table rows `model_type` needs for blocks of `block_size` tokens (`conf/model/hf.yaml`'s
-    `max_position_embeddings`): the block, and for a family whose positions count on from the pad id (its record's
-    `positions_after_padding`: RoBERTa's) that id + 1 more, the id the model is built with (the data tokenizer's, or
-    the family's own: `models.hf.special_token_fields`); a value the user gives replaces the interpolation."""
-    from models.hf import special_token_fields
-    from tp_train.plan.deciding.families import family
+    """`conf/model/hf.yaml`'s `max_position_embeddings`: the position-table rows `model_type` needs for blocks of
+    `block_size` tokens (`tp_train.tools.family_configs.position_rows`); a value the user gives replaces it."""
+    from tp_train.tools.family_configs import position_rows
 
-    spec = family(model_type)
-    if spec is None or not spec.positions_after_padding:
-        return int(block_size)
-    pad = special_token_fields(model_type, dict(token_ids or {}), vocab_size).get("pad_token_id")
-    return int(block_size) + (int(pad) + 1 if pad is not None else 0)
+    return position_rows(model_type, int(block_size), dict(token_ids or {}), vocab_size)
 
 
 def devices(dp, tp, cp, pp, ep) -> int:

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tp_train.parallel.context_parallel import ROTATIONS
 from tp_train.parallel.dims import check_shard_mode
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
-from tp_train.parallel.pipeline import SCHEDULES, schedule_named
+from tp_train.parallel.pipeline import schedule_named
 
 
 def check_arguments(
@@ -65,11 +65,6 @@ def check_shard_size(data_parallel_shard_size: int | None, data_parallel: str) -
     check_shard_mode(size, data_parallel, "data_parallel_shard_size", unset="None")
 
 
-# What the strategy runs with several stages per rank: each stage a view of the LightningModule's model, one
-# forward and one full backward per chunk. The V-placed and zero-bubble schedules (a split backward) are untested here.
-STRATEGY_VIRTUAL_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
-
-
 def check_pipeline_arguments(size: int, schedule: str, microbatches: int | None, virtual_stages: int = 1) -> None:
     """One-line `ValueError` for pipeline arguments the strategy cannot run (yet), before any rank starts."""
     if not isinstance(size, int) or size < 1:
@@ -78,11 +73,10 @@ def check_pipeline_arguments(size: int, schedule: str, microbatches: int | None,
         raise ValueError(f"pipeline_microbatches={microbatches!r} must be a positive integer")
     if size == 1:
         return
-    key = schedule.lower().replace("-", "_")
-    if key in SCHEDULES and SCHEDULES[key].virtual and key not in STRATEGY_VIRTUAL_SCHEDULES:
+    named = schedule_named(schedule, virtual_stages)  # unknown or refused, or stages it cannot use: its one line
+    stages, microbatches = size * virtual_stages, microbatches or size  # the strategy's default: one per rank
+    if named.microbatch_per_stage and microbatches < stages:
         raise ValueError(
-            f"pipeline_schedule={schedule!r} runs several stages per rank in a way the strategy does not offer yet; "
-            f"use {', '.join(repr(name) for name in STRATEGY_VIRTUAL_SCHEDULES)}, '1f1b' or 'gpipe' (tp_train.Pipeline "
-            f"runs it outside Lightning)"
+            f"pipeline_schedule={schedule!r} needs at least as many microbatches as stages ({size} x {virtual_stages} "
+            f"virtual = {stages}), got pipeline_microbatches={microbatches}; use pipeline_microbatches={stages}"
         )
-    schedule_named(schedule, virtual_stages)  # unknown or refused, or stages per rank it cannot use: its one line

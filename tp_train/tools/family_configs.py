@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from models.hf import GPT_NAMES, SIZE_ALIASES, SIZE_FIELDS
+from models.hf import GPT_NAMES, SIZE_ALIASES, SIZE_FIELDS, special_token_fields
 from tp_train.plan.deciding.families import family
 
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -72,6 +72,17 @@ def small_config(model_type: str, sizes: dict) -> dict:
         return dict(sizes)
     accepted = {field: value for field, value in sizes.items() if _accepts(defaults, field, value)}
     return {**accepted, **_small_fields(defaults, sizes), **record_fields(model_type)}
+
+
+def position_rows(model_type: str | None, block_size: int, token_ids: dict, vocab_size) -> int:
+    """The position-table rows `model_type` needs for blocks of `block_size` tokens: the block, and for a family
+    whose positions count on from the pad id (its record's `positions_after_padding`: RoBERTa's) that id + 1 more,
+    the id the model is built with for the data's `token_ids` (the tokenizer's, or the family's own)."""
+    spec = family(model_type)
+    if spec is None or not spec.positions_after_padding:
+        return block_size
+    pad = special_token_fields(model_type, token_ids, vocab_size).get("pad_token_id")
+    return block_size + (pad + 1 if pad is not None else 0)
 
 
 def record_fields(model_type: str) -> dict:

@@ -165,16 +165,17 @@ class Pipeline:
 
     def duplicate_parameters(self) -> frozenset[int]:
         """`id()` of this rank's copies of tied parameters that an earlier stage also holds: a norm over the stages
-        counts each tied parameter once, on the first stage holding it."""
-        duplicates = set()
+        counts each tied parameter once, on the first stage holding it. Where this rank holds that stage too (a V
+        schedule's rank 0 holds the first and the last), its copy is the same parameter, and counted."""
+        duplicates, counted = set(), set()
         for model, stage in zip(self.models, self.stage_indices, strict=True):
             held = dict(model.named_parameters(remove_duplicate=False))
             for tie in self.ties:
                 holders = [self._stage_holding(name) for name in tie.names]
                 for name, holder in zip(tie.names, holders, strict=True):
-                    if holder == stage and stage > min(holders) and name in held:
-                        duplicates.add(id(held[name]))
-        return frozenset(duplicates)
+                    if holder == stage and name in held:
+                        (duplicates if stage > min(holders) else counted).add(id(held[name]))
+        return frozenset(duplicates - counted)
 
     def _stage_holding(self, parameter: str) -> int:
         for stage in range(self.split.num_stages):

@@ -14,6 +14,7 @@ class Schedule:
     torch_class: type  # the torch schedule that runs it
     virtual: bool  # several stages per rank, at least 2 of them
     placement: str = "loop"  # "loop": rank r runs stages r, r + pp, ...; "v": rank r runs stages r and 2pp - 1 - r
+    microbatch_per_stage: bool = False  # needs at least as many microbatches as stages (torch's DualPipeV)
 
 
 SCHEDULES = {
@@ -25,7 +26,7 @@ SCHEDULES = {
         Schedule("looped_bfs", pipelining.ScheduleLoopedBFS, virtual=True),
         Schedule("interleaved_zero_bubble", pipelining.ScheduleInterleavedZeroBubble, virtual=True),
         Schedule("zbv_zero_bubble", pipelining.ScheduleZBVZeroBubble, virtual=True, placement="v"),
-        Schedule("dualpipev", pipelining.ScheduleDualPipeV, virtual=True, placement="v"),
+        Schedule("dualpipev", pipelining.ScheduleDualPipeV, virtual=True, placement="v", microbatch_per_stage=True),
     )
 }
 
