@@ -5,7 +5,7 @@
   block each), every next loss the one process's, which takes the weights and the optimizer's state resharded
   across stages and tensor-parallel shards by their names; the pp=2 checkpoint exported (`tp-train-export`) holds
   every stage's weights;
-- Llama (untied) at pp=2 and at pp=2 x tp=2.
+- Llama (untied, 4 blocks) at pp=2, at pp=2 x tp=2 and at pp=2 with 2 virtual stages per rank (Interleaved1F1B).
 Dropout is off: a pipeline draws its masks stage by stage, not in one process's order."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ COMMON = ["experiment=smoke", "logger=csv", "model=hf", "trainer.limit_val_batch
 GPT2 = ["model.type=gpt2", "model.config.n_layer=4", "+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0",
         "+model.config.attn_pdrop=0", "trainer.max_steps=6", "trainer.val_check_interval=3",
         "+callbacks.checkpoint.save_top_k=-1"]  # fmt: skip
-LLAMA = ["model.type=llama", "trainer.max_steps=2", "trainer.val_check_interval=2"]
+LLAMA = ["model.type=llama", "model.config.n_layer=4", "trainer.max_steps=2", "trainer.val_check_interval=2"]
+# two stages per rank, each a view of the one model (Llama's rotary embedding and mask computed on every stage)
+VIRTUAL = ["trainer.strategy.pipeline_schedule=interleaved_1f1b", "trainer.strategy.pipeline_virtual_stages=2"]
 
 
 def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict[str, dict[int, float]]:
@@ -80,7 +82,8 @@ def test_hugging_face_models_at_pp_equal_one_process_and_resume_across_pp(tmp_pa
     gaps["gpt2 pp=2 exported"] = max((exported[2][k] - exported[1][k]).abs().max().item() for k in exported[1])
     assert gaps["gpt2 pp=2 exported"] < 1e-4
     llama = _train(tmp_path, "llama_pp1", [*LLAMA, "pp=1", "tp=1"])
-    for pp, tp in ((2, 1), (2, 2)):
-        run = _train(tmp_path, f"llama_pp{pp}_tp{tp}", [*LLAMA, f"pp={pp}", f"tp={tp}"])
-        gaps[f"llama pp={pp} x tp={tp}"] = _assert_same(run, llama, f"llama pp={pp} x tp={tp}")
+    for name, layout in {"pp=2": ["pp=2", "tp=1"], "pp=2 x tp=2": ["pp=2", "tp=2"],
+                         "pp=2 x 2 virtual stages": ["pp=2", "tp=1", *VIRTUAL]}.items():  # fmt: skip
+        run = _train(tmp_path, f"llama_{len(gaps)}", [*LLAMA, *layout])
+        gaps[f"llama {name}"] = _assert_same(run, llama, f"llama {name}")
     print(", ".join(f"{what}: {gap:.1e}" for what, gap in gaps.items()))
