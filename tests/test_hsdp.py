@@ -2,7 +2,8 @@
 of 2 ranks, each group holding the model split between its ranks, the groups replicating it) on gloo ranks: the
 logged losses, gradient norms and final parameters of one process at the same global batch (data.batch_size x dp),
 each rank holding 1/dp_shard of the parameters (not 1/dp), and checkpoints that move between HSDP and one device
-(DDP at dp=1) in both directions with the losses of the unbroken run. One test: its four runs share the cache."""
+(DDP at dp=1) in both directions with the losses of the unbroken run; and HSDP with tp=2 inside each shard group (8
+ranks) alike. One test: its five runs share the cache."""
 
 from __future__ import annotations
 
@@ -63,6 +64,15 @@ def test_hsdp_trains_like_one_device_holds_half_and_resumes_across_layouts(tmp_p
     assert whole.keys() == own.keys()
     at_step_2 = _parameters(tmp_path / "hsdp", "step000002.ckpt")  # the last steps moved them: not a stale save
     assert max((own[name] - at_step_2[name]).abs().max().item() for name in own) > 1e-4
+    # with tensor parallelism inside each shard group: 8 ranks, (replicate 2, shard 2, tp 2)
+    with_tp = _train(
+        tmp_path, "hsdp_tp2", [*(setting for setting in SMALL if setting != "tp=1"), *HSDP, "tp=2"], ranks=8
+    )
+    worst_loss = _worst(with_tp, one_device, [0, 1, 2, 3])
+    with_tp_own = _parameters(tmp_path / "hsdp_tp2")
+    worst_parameter = max((whole[name] - with_tp_own[name]).abs().max().item() for name in whole)
+    print(f"HSDP x tp=2: losses and norms {worst_loss:.2e}, parameters {worst_parameter:.2e}")
+    assert worst_loss < 1e-5 and worst_parameter < 1e-5
 
     # Rank 0 holds its half of every parameter (FSDP2's larger piece of an odd split), not a quarter.
     summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())

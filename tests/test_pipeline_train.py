@@ -62,13 +62,15 @@ def _metrics(run_dir: Path) -> dict[str, dict[int, float]]:
     return series
 
 
-def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict[str, dict[int, float]]:
-    """The metrics of `python train.py experiment=smoke <overrides>` run in `tmp_path/name`, its CSV logged."""
+def _train(tmp_path: Path, name: str, overrides: list[str], ranks: int = 4) -> dict[str, dict[int, float]]:
+    """The metrics of `python train.py experiment=smoke <overrides>` run in `tmp_path/name`, its CSV logged; up to
+    `ranks` ranks are forked (more start as fresh interpreters)."""
     out = tmp_path / name
     overrides = ["experiment=smoke", "logger=csv", "ckpt_path=null", "trainer.log_every_n_steps=1", *overrides,
                  f"hydra.run.dir={out}"]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "offline", "TP_TRAIN_CACHE": str(tmp_path / "cache")}
-    result = train_cases.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env, timeout=600)
+    command = [sys.executable, "train.py", *overrides]
+    result = train_cases.run(command, cwd=ROOT, env=env, timeout=600, child_ranks=ranks - 1)
     assert result.returncode == 0, result.stderr[-4000:]
     return _metrics(out)
 
