@@ -44,18 +44,19 @@ class StrategyLoss:
     """Mean cross-entropy of a model's output against targets, whichever way its head was sharded.
 
     Args:
-        loss_parallel: the head's logits are sharded along the vocabulary (`vocab_parallel_cross_entropy`, writing
-            their gradient into their own buffer: nothing else reads them).
         fused: compute the head and the loss together (`vocab_parallel_linear_cross_entropy`), so the logits never
             exist: True, False, or None for "when the LightningModule says its head feeds only the loss"
             (`HEAD_FEEDS_ONLY_LOSS`). With `loss_parallel` and a head without bias only.
         compile: run the loss through `torch.compile`, as the model (True, or a backend's name).
         context_parallel: the logits are of this rank's share of each sequence; `cross_entropy` is the mean over all
             of its tokens.
+        loss_parallel: the head's logits are sharded along the vocabulary (`vocab_parallel_cross_entropy`, writing
+            their gradient into their own buffer: nothing else reads them). The strategy sets it once the model is
+            sharded, from what sharding decided (`ParallelTraining.loss_parallel`).
     """
 
     def __init__(
-        self, loss_parallel: bool, fused: bool | None, compile: bool | str, context_parallel: bool = False
+        self, fused: bool | None, compile: bool | str, context_parallel: bool = False, loss_parallel: bool = False
     ) -> None:
         self.loss_parallel = loss_parallel
         self.fused = fused

@@ -158,7 +158,7 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self._parallel: ParallelTraining | None = None  # the model as parallelized (setup)
         self._steps: ModelSteps | PipelineSteps = ModelSteps()  # how the step hooks run the user's steps (setup)
-        self._loss = StrategyLoss(loss_parallel, fused_loss, compile, context_parallel=context_parallel_size > 1)
+        self._loss = StrategyLoss(fused_loss, compile, context_parallel=context_parallel_size > 1)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -214,9 +214,8 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
             wrap_replicas=self._replicate if fitting else None,
         )  # fmt: skip
         self.model = self._parallel.module
+        self._loss.loss_parallel = self._parallel.loss_parallel  # what sharding decided; `options` holds the request
         if self.options.loss_parallel and not self._parallel.loss_parallel:
-            self.options = replace(self.options, loss_parallel=False)
-            self._loss.loss_parallel = False
             rank_zero_info(
                 "loss_parallel off: the loss takes the whole logits (under a pipeline, or with no LM head planned "
                 "'colwise_gather_output': the model's get_output_embeddings() whole under its plan)"
