@@ -92,6 +92,16 @@ def test_a_config_that_cannot_be_built_is_one_line_naming_the_fields_it_needs(tm
     assert unset_fields("dots1", {}) == ["n_shared_experts", "n_routed_experts", "num_experts_per_tok"]
 
 
+def test_the_one_batch_check_runs_a_family_in_fp32_before_bf16(tmp_path):
+    """xLSTM's kernel keeps fp32 states beside bf16 inputs, so the check's bf16 batch on the meta device refused
+    `model=hf model.type=xlstm` (`expected scalar type torch.float32 but found torch.bfloat16`), which trains in
+    fp32: the one family of 178 the as-typed run failed (issue 54)."""
+    from tp_train.app import preflight
+
+    cfg = _compose(tmp_path, ["model=hf", *DATA, "model.type=xlstm"])
+    preflight._check_one_batch(cfg, instantiate(cfg.model)().to("meta"))  # as the preflight holds it: refused before
+
+
 @pytest.mark.slow
 def test_dbrx_trains_through_train_py_at_tp2_from_model_type_alone(tmp_path):
     run_dir = tmp_path / "run"

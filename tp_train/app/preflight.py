@@ -168,25 +168,39 @@ def embedding_rows(model: torch.nn.Module) -> int | None:
 
 def _check_one_batch(cfg: DictConfig, model: torch.nn.Module) -> None:
     """A Hugging Face model built from its family's config (`model.type`) runs one batch on one device: on the meta
-    device (shapes only), in bf16 (Hugging Face's grouped-GEMM experts refuse fp32 there), before any rank starts or
-    any sharding; `model` is left in bf16. It runs as a training step does, without a generation cache; where the
-    meta device stops that early (DeepSeek-V3's attention reads a value), the family's default path, whose cache
-    checks the heads' shapes, runs too. An error about the meta device itself, or there about the cache a training
-    step never builds (Bamba's tiny layers, all linear attention), proves nothing and passes."""
+    device (shapes only), in fp32 or else in bf16 (Hugging Face's grouped-GEMM experts refuse fp32 there; xLSTM's
+    kernel mixes its fp32 states with bf16 inputs), before any rank starts or any sharding; `model` is left in bf16.
+    It runs as a training step does, without a generation cache; where the meta device stops that early
+    (DeepSeek-V3's attention reads a value), the family's default path, whose cache checks the heads' shapes, runs
+    too. An error about the meta device itself, or there about the cache a training step never builds (Bamba's tiny
+    layers, all linear attention), proves nothing and passes. A model that runs in neither dtype is refused with its
+    bf16 error."""
     if not _from_family(cfg):
         return  # a saved model ran as it was saved; a model of your own may need other inputs
     block = cfg.data.get("block_size") or 8
     batch = torch.zeros(2, block, dtype=torch.long, device="meta")
-    model = model.to(torch.bfloat16)
+    error = None
+    for dtype in (torch.float32, torch.bfloat16):
+        error = _one_batch_error(model.to(dtype), batch)
+        if error is None:
+            break
+    model.to(torch.bfloat16)
+    if error is not None:
+        raise _family_refusal(cfg, f"run one batch of (2, {block}) tokens on one device", error)
+
+
+def _one_batch_error(model: torch.nn.Module, batch: torch.Tensor) -> Exception | None:
+    """The error that shows `model` cannot run `batch` on the meta device (`_check_one_batch`), or None."""
     default_path = lambda model, batch: model(batch)  # noqa: E731
     for forward, inconclusive in ((run_without_cache, ("meta",)), (default_path, ("meta", "cache"))):
         error = _meta_error(forward, model, batch)
         if error is None:
-            return
+            return None
         reason = " ".join(str(error).split())
         proves_nothing = any(word in reason.lower() for word in inconclusive) or _building_a_cache(error)
         if not isinstance(error, NotImplementedError) and not proves_nothing:
-            raise _family_refusal(cfg, f"run one batch of (2, {block}) tokens on one device", error)
+            return error
+    return None
 
 
 def _from_family(cfg: DictConfig) -> bool:
