@@ -194,7 +194,7 @@ def _auto_planned_parity(rank, world_size):
         assert find_plan(model) is None  # the auto-planner is what is being tested
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            results[name] = parity_errors(model, _logits, VOCAB)
+            results[name] = parity_errors(model, _logits, VOCAB, parallelize_kwargs=dict(verify=True))
         results[name]["printed"] = printed.getvalue()
     return results
 

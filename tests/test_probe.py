@@ -39,7 +39,10 @@ def _logits(model, idx):
 
 def _cache_families_parity(rank, world_size):
     torch.set_num_threads(1)
-    return {name: parity_errors(_build(name), _logits, VOCAB) for name in CACHE_FAMILIES}
+    return {
+        name: parity_errors(_build(name), _logits, VOCAB, parallelize_kwargs=dict(verify=True))
+        for name in CACHE_FAMILIES
+    }
 
 
 def test_these_models_fail_with_their_default_cache():
