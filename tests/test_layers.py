@@ -25,7 +25,7 @@ PADDED_VOCAB = 40  # a sharded logits width with padding past VOCAB at every tes
 PADDING_IDX = 12
 # Linear configs x (output, input, weight, bias) + row x 4 + embedding x 2 + losses x (loss, grad) + all-ignored.
 # ... + gathered fused column + negative padding_idx + a row layer keeping its share of the output.
-CHECKS = 5 * 4 + 4 + 2 + 4 * 2 + 1 + 4 + 2 + 4
+CHECKS = 6 * 4 + 4 + 2 + 4 * 2 + 1 + 4 + 2 + 4
 ATOL = 1e-5
 
 
@@ -155,6 +155,8 @@ def _layer_checks(rank: int, world_size: int):
     errors = {}
     _column_errors(errors, "column", rank, world_size, group, OUT_FEATURES)
     _column_errors(errors, "column_gathered", rank, world_size, group, OUT_FEATURES, gather_output=True)
+    # Without overlap the input gradient's all-reduce is `copy_to_tensor_parallel_region`'s, not the overlapped one's.
+    _column_errors(errors, "column_not_overlapped", rank, world_size, group, OUT_FEATURES, overlap=False)
     _column_errors(errors, "column_sections", rank, world_size, group, 24, sections=(4, 12, 8))
     _column_errors(errors, "column_padded", rank, world_size, group, 10, pad_output=True)
     _column_errors(errors, "column_padded_gathered", rank, world_size, group, 10, pad_output=True, gather_output=True)
