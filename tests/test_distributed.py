@@ -135,7 +135,9 @@ def _dirty_the_state(rank, world_size, mode: str):
     torch.rand(3)
     os.environ["TP_TRAIN_LEFT_BY_A_TEST"] = "1"
     os.chdir("/")
-    dist.new_group([0, 1])
+    # A collective on the new group before returning: a rank that left the task (destroying its groups) while its peer
+    # was still connecting the group's full mesh failed that peer with "Connection closed by peer" (CI, 2026-12-07).
+    dist.barrier(group=dist.new_group([0, 1]))
     sequence_parallel._reduce_replicated_gradients = None  # as a negative control switches a step off
     if mode == "dispatch mode":
         from torch.utils._python_dispatch import TorchDispatchMode
