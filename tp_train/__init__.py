@@ -46,6 +46,7 @@ from tp_train.plan.parallelize import parallelize
 from tp_train.tools.export import export_hugging_face
 from tp_train.tools.generation import Sampling, generate
 from tp_train.tools.memory import estimate_memory
+from tp_train.tools.simulate import SimulatedMemory, simulate_memory
 from tp_train.training.data_parallel import fully_shard_data_parallel
 from tp_train.training.pipeline_split import plan_pipeline_split
 
@@ -101,6 +102,7 @@ __all__ = [
     "RowParallelLinear",
     "Sampling",
     "ShardSpec",
+    "SimulatedMemory",
     "TensorParallelMixedPrecision",
     "TensorParallelRNG",
     "TensorParallelStrategy",
@@ -115,6 +117,7 @@ __all__ = [
     "cosine_with_warmup",
     "deferred_init",
     "estimate_memory",
+    "simulate_memory",
     "export_hugging_face",
     "full_state_dict",
     "fully_shard_data_parallel",

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel.fake_ranks import real_values
+
 # The groups of the `failures_agreed` blocks running now, innermost last (a dynamic scope: entered and left by the
 # block, never configured from outside).
 _agreeing: list[ProcessGroup] = []
@@ -88,6 +90,7 @@ def _any_rank_failed(group: ProcessGroup, failed: bool) -> bool:
     """One all-reduce (max) of this rank's failure flag over `group`."""
     backend = str(dist.get_backend(group))
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    with real_values():  # read here: a real flag in a simulation too (`tp_train.parallel.fake_ranks`)
+        flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())

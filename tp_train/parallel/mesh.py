@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.parallel.agreement import rebuilt_error
+from tp_train.parallel.fake_ranks import fake_group
 
 # The mesh's axes (built by tp_train.parallel.dims.ParallelDims, which says their order): data parallelism across
 # replicas, context parallelism (each rank a share of every sequence) and tensor parallelism within one; parameters
@@ -64,6 +65,8 @@ def backend_with_timeout(backend: str, timeout: timedelta | None) -> tuple[str, 
 def first_rank_decides(decide: Callable[[], Any], group: ProcessGroup | None = None) -> Any:
     """`decide()` run on the group's first rank only and its result returned on every rank (a broadcast); when it
     raises, the first rank raises its error and every other rank the same type with the same message."""
+    if fake_group(group):  # a simulation's one process is every rank: each decides as the first would
+        return decide()
     decision: list = [None]
     if dist.get_rank(group) == 0:
         try:

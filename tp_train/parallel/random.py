@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.agreement import before_collective
+from tp_train.parallel.fake_ranks import real_values
 
 REPLICATED, SHARDED = "replicated", "sharded"
 _SHARDED_SEED_OFFSET = 2718  # Megatron's offset between the data-parallel and model-parallel seeds
@@ -29,10 +30,11 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
 
 def sync_default_generator(group: ProcessGroup, device: torch.device) -> None:
     """Sets `device`'s default generator on every rank of `group` to the group's first rank's (a collective)."""
-    state = _get_state(device).to(device)  # generator states live on the CPU; NCCL needs the device
-    before_collective()
-    dist.broadcast(state, group=group, group_src=0)
-    _set_state(device, state.cpu())
+    with real_values():  # a generator's state is set from it: real in a simulation too
+        state = _get_state(device).to(device)  # generator states live on the CPU; NCCL needs the device
+        before_collective()
+        dist.broadcast(state, group=group, group_src=0)
+        _set_state(device, state.cpu())
 
 
 class TensorParallelRNG:
@@ -44,13 +46,14 @@ class TensorParallelRNG:
         self.device = device
         self.dropout = dropout
         self.sync_replicated(group)
-        # An unseeded process's initial seed is any 64-bit value: fold it into int64's range.
-        seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
-        before_collective()
-        dist.broadcast(seed, group=group, group_src=0)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            self._manual_seed(int(seed) + _SHARDED_SEED_OFFSET + dist.get_rank(group))
-            self._states = {SHARDED: _get_state(device)}
+        with real_values():
+            # An unseeded process's initial seed is any 64-bit value: fold it into int64's range.
+            seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
+            before_collective()
+            dist.broadcast(seed, group=group, group_src=0)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self._manual_seed(int(seed) + _SHARDED_SEED_OFFSET + dist.get_rank(group))
+                self._states = {SHARDED: _get_state(device)}
         self._stack = [REPLICATED]
 
     def _manual_seed(self, seed: int) -> None:

@@ -25,6 +25,7 @@ from torch.distributed.utils import _sync_module_states
 from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
+from tp_train.parallel.fake_ranks import fake_group
 from tp_train.parallel.pipeline import Pipeline, schedule_named
 from tp_train.parallel.pipeline.runner import stage_indices
 from tp_train.parallel.pipeline.split import PipelineSplit, skipped, within
@@ -136,7 +137,8 @@ def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy
         )  # fmt: skip
     if convert is not None:
         convert(root)
-    root.to(device)
+    if not fake_group():  # a simulation's fake parameters are on `device` already, and `to` cannot swap them
+        root.to(device)
     if fsdp and pipeline is None and not isinstance(root, FSDPModule):
         refuse_replicated_shards(root, dims.tp)
         models = [module for _, module in modules_with_plans(root)] if options.plan is None else [root]
