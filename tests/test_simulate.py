@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tp_train
-from models import GPT, GPTConfig
+from models import GPT, GPTConfig, MoEConfig, MoEGPT
 from tests.distributed import run_on_ranks
 from tests.test_memory import PEAK_CASES, PEAK_VOCAB, _measured_and_estimated_peaks
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -88,4 +88,7 @@ def test_a_layout_it_cannot_simulate_is_one_line():
         tp_train.simulate_memory(_tiny_gpt, _dims(2, pp=2), _next_token_step)
     with pytest.raises(ValueError, match=r"^simulate_memory: rank=4 is outside the world of 4 ranks$"):
         tp_train.simulate_memory(_tiny_gpt, _dims(4, tp=2), _next_token_step, rank=4)
+    config = MoEConfig(vocab_size=128, block_size=32, n_layer=1, n_head=4, n_embd=64, n_expert=4, top_k=2)
+    with pytest.raises(ValueError, match=r"^simulate_memory: MoEGPT's step has a shape that depends on the data \("):
+        tp_train.simulate_memory(lambda: MoEGPT(config), _dims(1), _next_token_step)
     assert not dist.is_initialized()  # nothing was left behind

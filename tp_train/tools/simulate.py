@@ -7,7 +7,9 @@ What fake ranks cannot carry, and what is done instead:
 - DDP's reducer needs real storage: the model is not wrapped, and its gradient buckets (one flat copy of the
   trainable parameters' gradients, torch's default) are added to the peak by arithmetic;
 - a pipeline's stages exchange shapes over real groups: `pp > 1` is refused for now (`estimate_memory` still covers
-  it, by formula).
+  it, by formula);
+- a forward whose shapes depend on the data (a mixture of experts' dropless routing: `nonzero`, `bincount`) cannot
+  run on fake tensors: refused in one line naming the operation, until a routing assumption stands in for the data.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -95,7 +97,14 @@ def simulate_memory(
             with tracker:
                 for _ in range(SIMULATED_STEPS):
                     tracker.reset_mod_stats()  # the module statistics of one step; the peak is kept across both
-                    forward_backward(training.module)
+                    try:
+                        forward_backward(training.module)
+                    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+                        raise ValueError(
+                            f"simulate_memory: {type(model).__name__}'s step has a shape that depends on the data "
+                            f"({error.func}, e.g. a mixture of experts' routing), which fake tensors cannot "
+                            f"simulate yet; use estimate_memory"
+                        ) from None
                     step_optimizer.step()
                     step_optimizer.zero_grad()
             [peak] = tracker.get_tracker_snapshot("peak").values()
