@@ -3,6 +3,9 @@ holds what real gloo ranks measure, rank by rank, and the model states the exact
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +16,9 @@ from models import GPT, GPTConfig, MoEConfig, MoEGPT
 from tests.distributed import run_on_ranks
 from tests.test_memory import PEAK_CASES, PEAK_VOCAB, _measured_and_estimated_peaks
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
-from tp_train.training.apply_order import TrainingOptions
+from tp_train.parallel.fake_ranks import real_values
+from tp_train.tools.simulate import _pipeline_buffers
+from tp_train.training.apply_order import TrainingOptions, parallelize_for_training
 
 # gpt_tiny's shape in fp32 and under bf16 autocast (gpt_small's measured step costs ~30 s a precision here).
 TINY_CASES = [case for case in PEAK_CASES if case[:2] == (4, 128)]
@@ -30,10 +35,10 @@ def _simulated_peak(case: tuple, tp: int, rank: int) -> int:
     layers, width, heads, batch, seq, precision = case
     config = GPTConfig(vocab_size=PEAK_VOCAB, block_size=seq, n_layer=layers, n_head=heads, n_embd=width)
 
-    def forward_backward(model):  # as `TrainingStep`: autocast over the forward, the loss and the backward
+    def forward_backward(training):  # as `TrainingStep`: autocast over the forward, the loss and the backward
         idx = torch.randint(0, PEAK_VOCAB, (batch, seq + 1))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            logits = model(idx[:, :-1])
+            logits = training.module(idx[:, :-1])
             vocab_parallel_cross_entropy(
                 logits, idx[:, 1:], group=dist.group.WORLD, vocab_size=PEAK_VOCAB, in_place_backward=True
             ).backward()
@@ -46,21 +51,22 @@ def _simulated_peak(case: tuple, tp: int, rank: int) -> int:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_simulated_peak_is_what_each_real_rank_measures(tp):
     """Measured as the benchmark measures (the profiler's allocator events on real gloo ranks, in test_memory);
-    2026-12-07: equal to 0.1 MiB at tp 1 and 2 (24.0 MiB at tp=2 fp32, 26.2-26.5 under bf16 autocast)."""
+    2026-12-07: equal to 0.1 MiB at tp 1 and 2 (24.0 MiB at tp=2 fp32, 26.2-26.5 under bf16 autocast); allowed 4%,
+    as the measured tp=2 step of MEASURED_LAYOUTS below."""
     measured = run_on_ranks(_measured_and_estimated_peaks, tp, TINY_CASES, timeout=300)
     for rank, results in enumerate(measured):
         for case, (*_, peak, _estimate) in zip(TINY_CASES, results, strict=True):
             simulated = _simulated_peak(case, tp, rank)
-            assert abs(simulated / peak - 1) <= 0.02, (case, tp, rank, simulated, peak)
+            assert abs(simulated / peak - 1) <= 0.04, (case, tp, rank, simulated, peak)  # see MEASURED_LAYOUTS
 
 
 def _tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64))
 
 
-def _next_token_step(model) -> None:
+def _next_token_step(training) -> None:
     idx = torch.randint(0, 128, (2, 33))
-    F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+    F.cross_entropy(training.module(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
 
 
 @pytest.mark.parametrize(
@@ -84,11 +90,129 @@ def test_data_parallel_model_states_are_the_exact_bytes_of_the_sharded_tensors(w
 
 
 def test_a_layout_it_cannot_simulate_is_one_line():
-    with pytest.raises(ValueError, match=r"^simulate_memory: pp=2 is not simulated yet; use estimate_memory"):
-        tp_train.simulate_memory(_tiny_gpt, _dims(2, pp=2), _next_token_step)
+    zero_bubble = TrainingOptions(pipeline_schedule="interleaved_zero_bubble")
+    with pytest.raises(ValueError, match=r"^simulate_memory: pipeline_schedule='interleaved_zero_bubble' is not simul"):
+        tp_train.simulate_memory(_tiny_gpt, _dims(2, pp=2, virtual_stages=2), _next_token_step, zero_bubble)
     with pytest.raises(ValueError, match=r"^simulate_memory: rank=4 is outside the world of 4 ranks$"):
         tp_train.simulate_memory(_tiny_gpt, _dims(4, tp=2), _next_token_step, rank=4)
     config = MoEConfig(vocab_size=128, block_size=32, n_layer=1, n_head=4, n_embd=64, n_expert=4, top_k=2)
     with pytest.raises(ValueError, match=r"^simulate_memory: MoEGPT's step has a shape that depends on the data \("):
         tp_train.simulate_memory(lambda: MoEGPT(config), _dims(1), _next_token_step)
     assert not dist.is_initialized()  # nothing was left behind
+
+
+def _gpt_of_4_blocks() -> GPT:
+    return GPT(GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=128))
+
+
+def _pipeline_step(training) -> None:
+    with real_values():  # the batch is read (its count of targets): real on a simulated rank too
+        idx = torch.randint(0, 128, (8, 65), generator=torch.Generator().manual_seed(0))
+        ids, targets = idx[:, :-1], idx[:, 1:]
+    training.pipeline.train_step(ids, targets)
+
+
+def _pipeline(schedule: str) -> TrainingOptions:
+    return TrainingOptions(pipeline_schedule=schedule, pipeline_microbatches=4)
+
+
+# Layouts of 2 ranks, each measured on real gloo ranks and simulated: (degrees, options, the step's function, the
+# largest relative difference allowed). 2026-12-07: the pipelines' measured peaks were the same bytes in every run
+# (1f1b -0.5% and +0.0%, gpipe and interleaved 0.0% and +0.0%); tp=2's read 0.0% to 2.4% above the simulated one
+# from run to run (the profiler records more than the step's tensors). Not FSDP2: its measured peak moved between
+# 10.3 and 11.0 MB, so it is held to torch's MemTracker below instead.
+MEASURED_LAYOUTS = {
+    "tp=2": (dict(tp=2), TrainingOptions(), _next_token_step, 0.04),
+    "pp=2 1f1b": (dict(pp=2), _pipeline("1f1b"), _pipeline_step, 0.015),
+    "pp=2 gpipe": (dict(pp=2), _pipeline("gpipe"), _pipeline_step, 0.015),
+    "pp=2 interleaved_1f1b": (dict(pp=2, virtual_stages=2), _pipeline("interleaved_1f1b"), _pipeline_step, 0.015),
+}
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+class _MeasuredStep:
+    """The simulator's step on real ranks, as `peak_bytes` measures one: what lives between steps (parameters,
+    optimizer states, the pipeline's receive buffers) plus the step's largest growth."""
+
+    def __init__(self, training, forward_backward) -> None:
+        self.training, self.forward_backward = training, forward_backward
+        self.optimizer = torch.optim.AdamW([p for p in training.root.parameters() if p.requires_grad])
+
+    def __call__(self) -> None:
+        self.forward_backward(self.training)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def resident_bytes(self) -> int:
+        states = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        held = [*self.training.root.parameters(), *states, *_pipeline_buffers(self.training.pipeline)]
+        return sum(_local_bytes(t) for t in held)
+
+
+def _measured_peaks(rank, world_size, layouts):
+    from tp_train.tools.bench.measure import peak_bytes
+
+    peaks = []
+    for layout in layouts:
+        degrees, options, forward_backward, _ = MEASURED_LAYOUTS[layout]
+        torch.manual_seed(0)
+        dims = _dims(world_size, **degrees)
+        training = parallelize_for_training(
+            _gpt_of_4_blocks(), dims, dims.build_mesh("cpu"), torch.device("cpu"), options
+        )
+        step = _MeasuredStep(training, forward_backward)
+        step()  # AdamW's states and torch's receive buffers
+        peaks.append(peak_bytes(step, torch.device("cpu")))
+    return peaks
+
+
+@pytest.mark.slow
+def test_each_rank_s_simulated_peak_is_what_it_measures_under_tp_and_pipelines():
+    """Tensor parallelism, and torch's pipeline schedules run on one simulated rank
+    (tp_train/tools/simulated_pipeline.py): each rank's peak against the same step measured on real gloo ranks."""
+    layouts = list(MEASURED_LAYOUTS)
+    measured = run_on_ranks(_measured_peaks, 2, layouts, timeout=300)
+    for rank, peaks in enumerate(measured):
+        for layout, peak in zip(layouts, peaks, strict=True):
+            degrees, options, forward_backward, tolerance = MEASURED_LAYOUTS[layout]
+            simulated = tp_train.simulate_memory(
+                _gpt_of_4_blocks, _dims(2, **degrees), forward_backward, options, rank=rank
+            )
+            assert abs(simulated.peak / peak - 1) <= tolerance, (layout, rank, simulated, peak)
+
+
+def _memtracker_peak(dims, options, rank: int) -> int:
+    """The simulated step's peak as torch's MemTracker counts it (which follows FSDP2's resized storages and
+    DTensors' shards too, through module hooks that a pipeline's stages defeat)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tp_train.tools.simulate import _fake_rank, _parallelized
+
+    with _fake_rank(dims, rank) as mesh:
+        training = _parallelized(_tiny_gpt, dims, mesh, replace(options, verify_plan=False))
+        optimizer = torch.optim.AdamW(list(training.root.parameters()))
+        for tracked in (False, True):
+            tracker = MemTracker()
+            tracker.track_external(training.module, optimizer)
+            with tracker if tracked else contextlib.nullcontext():
+                _next_token_step(training)
+                optimizer.step()
+                optimizer.zero_grad()
+        [peak] = tracker.get_tracker_snapshot("peak").values()
+    return peak["Total"]
+
+
+@pytest.mark.parametrize(
+    "world_size, degrees", [(2, dict(data_parallel="fsdp")), (4, dict(tp=2, data_parallel="fsdp")), (2, dict(tp=2))]
+)
+def test_the_peak_is_torch_memtracker_s_where_it_can_follow_the_step(world_size, degrees):
+    """Two counts of the same simulated step, torch's and ours (`tp_train.tools.live_bytes`), agree to the byte:
+    FSDP2's sharded DTensors and its gathered parameters, freed and gathered again by resizing their storages."""
+    dims = _dims(world_size, **degrees)
+    options = TrainingOptions(data_parallel=degrees.get("data_parallel", "ddp"))
+    simulated = tp_train.simulate_memory(_tiny_gpt, dims, _next_token_step, options)
+    assert simulated.peak == _memtracker_peak(dims, options, 0)

@@ -100,7 +100,8 @@ class TensorParallelRNG:
             return
         for region in (REPLICATED, SHARDED):
             self._enter(region)
-            self._manual_seed(int(torch.randint(2**62, ())) + data_parallel_rank)
+            with real_values():  # a seed: real in a simulation too
+                self._manual_seed(int(torch.randint(2**62, ())) + data_parallel_rank)
             self._exit()
 
     def run_in(self, module: nn.Module, region: str) -> None:

@@ -1,47 +1,53 @@
 """One training step of any layout simulated in one process: the real sharding code (`parallelize_for_training`)
-on fake tensors over torch's fake process group, its memory tracked by torch's `MemTracker`, at any world size and
-for any rank, on this machine, with no rank started and no weight allocated.
+on fake tensors over torch's fake process group, its memory counted storage by storage (`LiveBytes`), at any world
+size and for any rank, on this machine, with no rank started and no weight allocated.
 
 What fake ranks cannot carry, and what is done instead:
 - plan verification runs the model on real values: off (the plan is the model's own, or the one given);
 - DDP's reducer needs real storage: the model is not wrapped, and its gradient buckets (one flat copy of the
   trainable parameters' gradients, torch's default) are added to the peak by arithmetic;
-- a pipeline's stages exchange shapes over real groups: `pp > 1` is refused for now (`estimate_memory` still covers
-  it, by formula);
+- a pipeline's stages exchange their shapes over the group: they are answered on the rank
+  (`tp_train.tools.simulated_pipeline`), for the schedules of forwards and full backwards;
 - a forward whose shapes depend on the data (a mixture of experts' dropless routing: `nonzero`, `bincount`) cannot
   run on fake tensors: refused in one line naming the operation, until a routing assumption stands in for the data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tp_train.parallel.dims import ParallelDims
+from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.fake_ranks import FAKE_BACKEND
+from tp_train.parallel.pipeline import schedule_named
+from tp_train.tools.live_bytes import BUFFERS, KINDS, OPTIMIZER_STATES, PARAMETERS, RECEIVE_BUFFERS, LiveBytes
+from tp_train.tools.simulated_pipeline import FirstBoundaryFound, simulated_pipeline
 from tp_train.training.apply_order import TrainingOptions, parallelize_for_training
+from tp_train.training.parallel_training import ParallelTraining
 
 MIB = 2**20
-SIMULATED_STEPS = 2  # the second step holds the optimizer's states the first one made
+SIMULATED_STEPS = 2  # the last one counted: the optimizer's states and the pipeline's buffers exist by then
+# The pipeline schedules whose actions are forwards and full backwards (not split into input and weight gradients).
+SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
 
 
 @dataclass(frozen=True)
 class SimulatedMemory:
-    """Bytes one rank holds at the simulated step's peak, by kind (MemTracker's categories at that moment)."""
+    """Bytes one rank holds at the simulated step's peak, by kind (`tp_train.tools.live_bytes`), at that moment."""
 
-    parameters: int  # FSDP2's gathered ones in use included
+    parameters: int  # this rank's shards
     gradients: int
     optimizer_states: int
-    activations: int  # what the forward keeps for the backward
-    temporaries: int  # the backward's working tensors (gradients of activations)
-    buffers: int
+    buffers: int  # the model's
+    receive_buffers: int  # a pipeline's, one per microbatch for activations and for gradients (torch's)
+    working: int  # activations kept for the backward, the backward's temporaries, FSDP2's gathered parameters
     gradient_buckets: int  # DDP's, by arithmetic (see the module docstring)
 
     @property
@@ -57,7 +63,7 @@ class SimulatedMemory:
 def simulate_memory(
     build: Callable[[], nn.Module],
     dims: ParallelDims,
-    forward_backward: Callable[[nn.Module], object],
+    forward_backward: Callable[[ParallelTraining], object],
     options: TrainingOptions | None = None,
     rank: int = 0,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW,
@@ -66,14 +72,15 @@ def simulate_memory(
 
     Args:
         build: makes the unsharded model (called under the fake mode: its weights hold no memory).
-        dims: the degrees, validated (`ParallelDims.from_world(...)`); `pp` must be 1.
-        forward_backward: `forward_backward(module)` runs one forward and backward on inputs it makes (fake too), in
-            the contexts the real step uses (Lightning's autocast wraps the forward; the benchmark's, the backward too).
+        dims: the degrees, validated (`ParallelDims.from_world(...)`).
+        forward_backward: `forward_backward(training)` runs one forward and backward of what
+            `parallelize_for_training` returned (`training.module(...)`, or `training.pipeline.train_step(...)`) on
+            inputs it makes: fake, or real where the step reads them (a pipeline's batch: made under
+            `tp_train.parallel.fake_ranks.real_values`); in the contexts the real step uses (Lightning's autocast
+            wraps the forward; the benchmark's, the backward too).
         options: as `TensorParallelStrategy` gives them; plan verification is switched off.
         optimizer: made over the sharded parameters; AdamW by default.
     """
-    if dims.pp > 1:
-        raise ValueError(f"simulate_memory: pp={dims.pp} is not simulated yet; use estimate_memory for a pipeline")
     if not 0 <= rank < dims.world_size:
         raise ValueError(f"simulate_memory: rank={rank} is outside the world of {dims.world_size} ranks")
     if dist.is_initialized():
@@ -81,45 +88,107 @@ def simulate_memory(
             "simulate_memory: a process group is already initialised here; simulate before the ranks start, or in a "
             "process of its own"
         )
-    options = options or TrainingOptions()
+    options = replace(options or TrainingOptions(), verify_plan=False)
+    if dims.pp > 1:
+        schedule = schedule_named(options.pipeline_schedule, dims.virtual_stages)  # its own refusal, before any work
+        if schedule.name not in SIMULATED_SCHEDULES:
+            raise ValueError(
+                f"simulate_memory: pipeline_schedule={options.pipeline_schedule!r} is not simulated yet; use one of "
+                f"{', '.join(SIMULATED_SCHEDULES)}, or estimate_memory"
+            )
+    boundary = _first_boundary(build, dims, forward_backward, options) if dims.pp > 1 else None
+    live, trainable = _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary)
+    replicated = dims.dp_cp > 1 and options.data_parallel == "ddp" and dims.pp == 1
+    return SimulatedMemory(
+        **{kind: live.at_peak.get(kind, 0) for kind in KINDS},
+        gradient_buckets=sum(_bytes(param) for param in trainable) if replicated else 0,
+    )
+
+
+@contextmanager
+def _fake_rank(dims: ParallelDims, rank: int) -> Iterator[ParallelMesh]:
+    """`rank` of a fake world of `dims.world_size` ranks and its mesh, under a fake tensor mode (real tensors may
+    enter it: a step's batch, made real to be read)."""
     dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
         mesh = dims.build_mesh("cpu")
-        with FakeTensorMode():
-            model = build()
-            training = parallelize_for_training(
-                model, dims, mesh, torch.device("cpu"), replace(options, verify_plan=False), wrap_replicas=None
-            )
-            trainable = [param for param in model.parameters() if param.requires_grad]
-            step_optimizer = optimizer(trainable)
-            tracker = MemTracker()
-            tracker.track_external(training.module, step_optimizer)
-            with tracker:
-                for _ in range(SIMULATED_STEPS):
-                    tracker.reset_mod_stats()  # the module statistics of one step; the peak is kept across both
-                    try:
-                        forward_backward(training.module)
-                    except (DataDependentOutputException, DynamicOutputShapeException) as error:
-                        raise ValueError(
-                            f"simulate_memory: {type(model).__name__}'s step has a shape that depends on the data "
-                            f"({error.func}, e.g. a mixture of experts' routing), which fake tensors cannot "
-                            f"simulate yet; use estimate_memory"
-                        ) from None
-                    step_optimizer.step()
-                    step_optimizer.zero_grad()
-            [peak] = tracker.get_tracker_snapshot("peak").values()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield mesh
     finally:
         dist.destroy_process_group()
-    replicated = dims.dp_cp > 1 and options.data_parallel == "ddp"
-    return SimulatedMemory(
-        parameters=peak.get("Parameter", 0),
-        gradients=peak.get("Gradient", 0),
-        optimizer_states=peak.get("Optstate", 0),
-        activations=peak.get("Activation", 0),
-        temporaries=peak.get("Temp", 0) + peak.get("Other", 0),
-        buffers=peak.get("Buffer", 0),
-        gradient_buckets=sum(_bytes(param) for param in trainable) if replicated else 0,
-    )
+
+
+def _parallelized(build, dims, mesh, options) -> ParallelTraining:
+    return parallelize_for_training(build(), dims, mesh, torch.device("cpu"), options, wrap_replicas=None)
+
+
+def _first_boundary(build, dims, forward_backward, options) -> tuple:
+    """The shapes the first pipeline stage sends on (see `tp_train.tools.simulated_pipeline`), from rank 0."""
+    with _fake_rank(dims, 0) as mesh:
+        training = _parallelized(build, dims, mesh, options)
+        with simulated_pipeline(training.pipeline, None):
+            try:
+                _forward_backward(forward_backward, training)
+            except FirstBoundaryFound as found:
+                return found.metas
+    raise RuntimeError("simulate_memory: the first pipeline stage sent nothing on in the first pass")
+
+
+def _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary) -> tuple[LiveBytes, list]:
+    """The bytes by kind at the peak of one step on `rank` (after a first, which makes the optimizer's states and the
+    pipeline's buffers), and the rank's trainable parameters."""
+    with _fake_rank(dims, rank) as mesh, ExitStack() as stack:
+        training = _parallelized(build, dims, mesh, options)
+        sent = stack.enter_context(simulated_pipeline(training.pipeline, boundary)) if boundary is not None else {}
+        trainable = [param for param in training.root.parameters() if param.requires_grad]
+        step_optimizer = optimizer(trainable)
+        for _ in range(SIMULATED_STEPS):
+            live = LiveBytes(trainable)
+            live.hold(training.root.parameters(), PARAMETERS)
+            live.hold(training.root.buffers(), BUFFERS)
+            states = [t for state in step_optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+            live.hold(states, OPTIMIZER_STATES)
+            live.hold(_pipeline_buffers(training.pipeline), RECEIVE_BUFFERS)
+            with live:
+                _forward_backward(forward_backward, training)
+                step_optimizer.step()
+                step_optimizer.zero_grad()
+        _check_boundaries(sent, boundary)
+    return live, trainable
+
+
+def _pipeline_buffers(pipeline) -> list[torch.Tensor]:
+    """The receive buffers torch's pipeline stages allocated (per microbatch, for activations and gradients)."""
+    buffers = []
+    for stage in pipeline.stages if pipeline is not None else []:
+        infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+        buffers += [info.buffer for group in infos for info in group if isinstance(info.buffer, torch.Tensor)]
+    return buffers
+
+
+def _forward_backward(forward_backward, training: ParallelTraining) -> None:
+    try:
+        forward_backward(training)
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise ValueError(
+            f"simulate_memory: {type(training.root).__name__}'s step has a shape that depends on the data "
+            f"({error.func}, e.g. a mixture of experts' routing), which fake tensors cannot simulate yet; use "
+            f"estimate_memory"
+        ) from None
+
+
+def _check_boundaries(sent: dict[int, tuple], boundary: tuple | None) -> None:
+    """Every stage this rank held sent on what the first stage did (what the others were simulated to receive)."""
+    for stage, metas in sent.items():
+        if metas != boundary:
+            raise ValueError(
+                f"simulate_memory: pipeline stage {stage} sends {_shapes(metas)} on, where the first stage sends "
+                f"{_shapes(boundary)}; only stages that pass on the same hidden state are simulated"
+            )
+
+
+def _shapes(metas: tuple) -> list:
+    return [tuple(meta.shape) for meta in metas]
 
 
 def _bytes(tensor: torch.Tensor) -> int:

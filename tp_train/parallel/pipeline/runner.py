@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
 
+from tp_train.parallel.fake_ranks import real_values
 from tp_train.parallel.pipeline.schedules import schedule_named
 from tp_train.parallel.pipeline.split import PipelineSplit
 from tp_train.parallel.pipeline.stage import StageForward, cut_stage, cut_stages
@@ -189,7 +190,8 @@ class Pipeline:
         its targets (not ignored) on every rank of the group."""
         self._check_batch(ids)
         if isinstance(self.loss_fn, TokenWeightedCrossEntropy):
-            self.loss_fn.batch_tokens = int((targets != self.loss_fn.ignore_index).sum().clamp(min=1))
+            with real_values():  # read here: real on a simulated rank too, from a real batch
+                self.loss_fn.batch_tokens = int((targets != self.loss_fn.ignore_index).sum().clamp(min=1))
         held = self.set_aside_gradients()
         losses = self.run(ids, targets)
         self.finish_gradients(held)
