@@ -92,6 +92,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __enter__(self):
         # `UntypedStorage.resize_` is not an operator a dispatch mode sees: followed while active, as MemTracker does.
+        self._own_resize = "resize_" in vars(torch.UntypedStorage)  # else inherited, and put back so
         resize = self._resize = torch.UntypedStorage.resize_
 
         def resize_(storage, size):
@@ -106,13 +107,21 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             for storage in _storages(tensor) if isinstance(tensor, torch.Tensor) else []:
-                if id(storage) not in self._kind:
+                key = id(storage)
+                if key not in self._kind:
                     self._track(storage, WORKING)
+                elif storage.nbytes() != self._bytes[key]:  # grown or shrunk in place (`resize_`, an `out=`)
+                    self._resized(storage)
         self._new_peak()
         return out
 
     def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        torch.UntypedStorage.resize_ = self._resize
-        for finalizer in self._finalizers.values():
-            finalizer.detach()
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._own_resize:
+                torch.UntypedStorage.resize_ = self._resize
+            else:
+                del torch.UntypedStorage.resize_
+            for finalizer in self._finalizers.values():
+                finalizer.detach()

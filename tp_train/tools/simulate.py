@@ -22,14 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.fake_ranks import FAKE_BACKEND
 from tp_train.parallel.pipeline import schedule_named
 from tp_train.tools.live_bytes import BUFFERS, KINDS, OPTIMIZER_STATES, PARAMETERS, RECEIVE_BUFFERS, LiveBytes
 from tp_train.tools.simulated_pipeline import FirstBoundaryFound, simulated_pipeline
-from tp_train.training.apply_order import TrainingOptions, parallelize_for_training
+from tp_train.training.apply_order import TrainingOptions, parallelize_for_training, wrapped_by_ddp
 from tp_train.training.parallel_training import ParallelTraining
 
 MIB = 2**20
@@ -79,6 +78,7 @@ def simulate_memory(
             `tp_train.parallel.fake_ranks.real_values`); in the contexts the real step uses (Lightning's autocast
             wraps the forward; the benchmark's, the backward too).
         options: as `TensorParallelStrategy` gives them; plan verification is switched off.
+        rank: the rank simulated (its pipeline stage, its shard of an uneven split).
         optimizer: made over the sharded parameters; AdamW by default.
     """
     if not 0 <= rank < dims.world_size:
@@ -97,18 +97,16 @@ def simulate_memory(
                 f"{', '.join(SIMULATED_SCHEDULES)}, or estimate_memory"
             )
     boundary = _first_boundary(build, dims, forward_backward, options) if dims.pp > 1 else None
-    live, trainable = _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary)
-    replicated = dims.dp_cp > 1 and options.data_parallel == "ddp" and dims.pp == 1
-    return SimulatedMemory(
-        **{kind: live.at_peak.get(kind, 0) for kind in KINDS},
-        gradient_buckets=sum(_bytes(param) for param in trainable) if replicated else 0,
-    )
+    live, buckets = _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary)
+    return SimulatedMemory(**{kind: live.at_peak.get(kind, 0) for kind in KINDS}, gradient_buckets=buckets)
 
 
 @contextmanager
 def _fake_rank(dims: ParallelDims, rank: int) -> Iterator[ParallelMesh]:
     """`rank` of a fake world of `dims.world_size` ranks and its mesh, under a fake tensor mode (real tensors may
     enter it: a step's batch, made real to be read)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend: here only
+
     dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
         mesh = dims.build_mesh("cpu")
@@ -134,9 +132,9 @@ def _first_boundary(build, dims, forward_backward, options) -> tuple:
     raise RuntimeError("simulate_memory: the first pipeline stage sent nothing on in the first pass")
 
 
-def _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary) -> tuple[LiveBytes, list]:
+def _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary) -> tuple[LiveBytes, int]:
     """The bytes by kind at the peak of one step on `rank` (after a first, which makes the optimizer's states and the
-    pipeline's buffers), and the rank's trainable parameters."""
+    pipeline's buffers), and DDP's buckets: one flat copy of the trainable gradients, where DDP would wrap."""
     with _fake_rank(dims, rank) as mesh, ExitStack() as stack:
         training = _parallelized(build, dims, mesh, options)
         sent = stack.enter_context(simulated_pipeline(training.pipeline, boundary)) if boundary is not None else {}
@@ -154,7 +152,8 @@ def _simulated_step(build, dims, forward_backward, options, rank, optimizer, bou
                 step_optimizer.step()
                 step_optimizer.zero_grad()
         _check_boundaries(sent, boundary)
-    return live, trainable
+        buckets = sum(_bytes(param) for param in trainable) if wrapped_by_ddp(training, options) else 0
+    return live, buckets
 
 
 def _pipeline_buffers(pipeline) -> list[torch.Tensor]:

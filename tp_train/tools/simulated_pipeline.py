@@ -23,15 +23,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.pipelining._utils import (
-    InferenceMode,
-    _derive_grad_metas,
-    _StageBackwardMeta,
-    _StageForwardMeta,
-)
 
 from tp_train.parallel.pipeline import Pipeline
+
+# What this reaches into torch's pipelining for: private names, as torch 2.13 has them.
+_STAGE_METHODS = ("_send_meta", "_recv_meta", "_stage_meta")
+_SCHEDULE_METHODS = ("_warmup_p2p",)
 
 
 class _HeldUntilWaited:
@@ -59,8 +58,22 @@ def simulated_pipeline(pipeline: Pipeline, boundary: tuple | None) -> Iterator[d
     """Runs `pipeline`'s schedule on this simulated rank (see the module docstring); `boundary` is the first stage's
     output shapes (None on the first pass, which raises `FirstBoundaryFound` with them once the first stage has
     inferred them). Yields {stage: the output shapes it sent}."""
+    try:
+        from torch.distributed.pipelining._utils import (
+            InferenceMode,
+            _derive_grad_metas,
+            _StageBackwardMeta,
+            _StageForwardMeta,
+        )
+    except ImportError:
+        raise ValueError(_unsupported("its stage metadata (_StageForwardMeta, _StageBackwardMeta)")) from None
     sent: dict[int, tuple] = {}
     schedule = pipeline.torch_schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    missing = [name for name in _SCHEDULE_METHODS if not hasattr(schedule, name)]
+    missing += [name for name in _STAGE_METHODS if not hasattr(stages[0], name)]
+    if missing or not hasattr(torch_schedules, "_batch_p2p"):
+        raise ValueError(_unsupported(", ".join(missing) or "_batch_p2p"))
 
     def warmup_without_vote(stages, has_backward, p2p_done) -> None:
         for stage in stages:
@@ -77,12 +90,11 @@ def simulated_pipeline(pipeline: Pipeline, boundary: tuple | None) -> Iterator[d
             if src_stage > stage.stage_index:  # the gradients of this stage's outputs
                 return _StageBackwardMeta(backward_metas=_derive_grad_metas(stage._stage_meta.outputs))
             if boundary is None:
-                raise RuntimeError("simulated pipeline: the first pass reached a stage after the first")
+                raise RuntimeError("simulate_memory: the pipeline's first pass reached a stage after the first")
             return _StageForwardMeta(forward_metas=boundary)
 
         stage._send_meta, stage._recv_meta = send_meta, recv_meta
 
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
     for stage in stages:
         patch(stage)
     schedule._warmup_p2p = warmup_without_vote
@@ -97,3 +109,10 @@ def simulated_pipeline(pipeline: Pipeline, boundary: tuple | None) -> Iterator[d
         yield sent
     finally:
         torch_schedules._batch_p2p = batch_p2p
+
+
+def _unsupported(missing: str) -> str:
+    return (
+        f"simulate_memory: pipelines are simulated through torch 2.13's pipelining internals, and torch "
+        f"{torch.__version__} lacks {missing}; use estimate_memory for a pipeline"
+    )

@@ -94,15 +94,22 @@ def parallelize_for_training(
         convert: sets the parameters' dtype (a precision's `convert_module`), after sharding and cutting.
         mp_policy: FSDP2's mixed precision.
         wrap_replicas: how to wrap `root` for data parallelism over the replicas' group under DDP (default: torch's
-            `DistributedDataParallel`); None with `data_parallel="ddp"` for evaluation only: nothing is wrapped.
+            `DistributedDataParallel`); None with `data_parallel="ddp"` for evaluation, or a simulation (whose fake
+            tensors DDP's reducer cannot take): nothing is wrapped.
     """
     training = getattr(root, TRAINING_ATTRIBUTE, None)
     if training is None:
         training = _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy)
         setattr(root, TRAINING_ATTRIBUTE, training)
-    replicated = dims.dp_cp > 1 and options.data_parallel == "ddp" and training.pipeline is None
+    replicated = wrapped_by_ddp(training, options)
     training.module = wrap_replicas(root, mesh.replicas.get_group()) if replicated and wrap_replicas else root
     return training
+
+
+def wrapped_by_ddp(training: ParallelTraining, options: TrainingOptions) -> bool:
+    """Whether data parallelism wraps the model in DDP: replicas under `ddp`, outside a pipeline (which averages its
+    stages' gradients itself)."""
+    return training.dims.dp_cp > 1 and options.data_parallel == "ddp" and training.pipeline is None
 
 
 def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy) -> ParallelTraining:
