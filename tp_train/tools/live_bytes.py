@@ -56,6 +56,11 @@ class LiveBytes(TorchDispatchMode):
                 self._track(storage, kind)
         self._new_peak()
 
+    def reset_peak(self) -> None:
+        """Forgets the peak so far: the next one is of what runs from now on, over what lives now."""
+        self.peak, self.at_peak = 0, {}
+        self._new_peak()
+
     def _track(self, storage: torch.UntypedStorage, kind: str) -> None:
         key = id(storage)
         if key in self._kind:

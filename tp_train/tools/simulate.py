@@ -140,14 +140,15 @@ def _simulated_step(build, dims, forward_backward, options, rank, optimizer, bou
         sent = stack.enter_context(simulated_pipeline(training.pipeline, boundary)) if boundary is not None else {}
         trainable = [param for param in training.root.parameters() if param.requires_grad]
         step_optimizer = optimizer(trainable)
-        for _ in range(SIMULATED_STEPS):
-            live = LiveBytes(trainable)
-            live.hold(training.root.parameters(), PARAMETERS)
-            live.hold(training.root.buffers(), BUFFERS)
-            states = [t for state in step_optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-            live.hold(states, OPTIMIZER_STATES)
-            live.hold(_pipeline_buffers(training.pipeline), RECEIVE_BUFFERS)
-            with live:
+        live = LiveBytes(trainable)
+        live.hold(training.root.parameters(), PARAMETERS)
+        live.hold(training.root.buffers(), BUFFERS)
+        with live:  # every step: what one leaves alive (states, buffers, caches) is there in the next
+            for _ in range(SIMULATED_STEPS):
+                states = [t for state in step_optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+                live.hold(states, OPTIMIZER_STATES)
+                live.hold(_pipeline_buffers(training.pipeline), RECEIVE_BUFFERS)
+                live.reset_peak()  # the last step's peak
                 _forward_backward(forward_backward, training)
                 step_optimizer.step()
                 step_optimizer.zero_grad()
