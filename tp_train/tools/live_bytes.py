@@ -3,7 +3,7 @@ simulator reads (`tp_train.tools.simulate`).
 
 torch's `MemTracker` classifies the same bytes through module hooks, which follow one call of each root module per
 step; a pipeline calls each stage once per microbatch and runs backwards between forwards. Here the kind comes from
-what a storage is instead: a parameter's, a gradient's (from the moment it is accumulated into a parameter), an
+what a storage is instead: a parameter's, a gradient's (told at each new peak, from the parameters' `.grad`), an
 optimizer state's, a model buffer's, one of the pipeline's receive buffers, or else a step's working tensor
 (activations kept for the backward and the backward's temporaries). Works on fake tensors (their storages have a
 size and no data) as on real ones.

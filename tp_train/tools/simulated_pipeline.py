@@ -7,8 +7,9 @@ gradients' shapes to the one before (`send_object_list`). On one simulated rank:
 - the vote is skipped: every stage infers its shapes by running (torch's "dynamic" mode, as real ranks of our
   stages, which pass no example shapes, choose);
 - a stage receives as its input the shapes of the first stage's output, recorded by a first pass on the first
-  pipeline rank (`first_boundary`): every boundary of a model cut between its blocks carries the same hidden state.
-  Each stage this rank holds checks that its own output matches (a stage that does not is refused in one line);
+  pipeline rank (`simulate._first_boundary`): every boundary of a model cut between its blocks carries the same
+  hidden state. Each stage this rank holds checks that its own output matches (one that does not is refused in one
+  line);
 - a stage receives as its output's gradient the shapes of its own output (a gradient is shaped as its tensor);
 - a send on the fake group completes at once and keeps nothing; a real one (gloo's, NCCL's) keeps its tensor until the
   schedule waits on it, which torch's multi-stage schedules do at the end of the step: the sends here keep theirs
