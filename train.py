@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tp_train import TensorParallelMixedPrecision
 from tp_train.app import preflight, resume
+from tp_train.app.auto_layout import apply_auto_layout
 from tp_train.app.command_line import quote_paths
 from tp_train.app.module import CausalLMModule
 from tp_train.app.preflight import estimate_for_config
@@ -166,6 +167,9 @@ def main(cfg: DictConfig) -> float | None:
 
 def run(cfg: DictConfig) -> float | None:
     try:
+        layouts = apply_auto_layout(cfg, list(HydraConfig.get().overrides.task), rank_zero_only.rank)
+        if layouts is not None:  # parallel=auto, on the launching process: what it chose among
+            print(layouts, flush=True)
         preflight.check_in_launching_process(cfg, lambda: instantiate(cfg.model), rank_zero_only.rank)
         if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
             try:
@@ -222,6 +226,8 @@ def run(cfg: DictConfig) -> float | None:
     summary = summarize(trainer)
     if summary is None:
         return None
+    if cfg.get("chosen_layout"):
+        summary["chosen_layout"] = OmegaConf.to_container(cfg.chosen_layout)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     width = max(len(key) for key in summary)

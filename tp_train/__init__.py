@@ -46,7 +46,7 @@ from tp_train.plan.parallelize import parallelize
 from tp_train.tools.export import export_hugging_face
 from tp_train.tools.generation import Sampling, generate
 from tp_train.tools.memory import estimate_memory
-from tp_train.tools.simulate import SimulatedMemory, simulate_memory
+from tp_train.tools.simulate import SimulatedMemory, SimulatedStep, simulate_memory, simulate_step
 from tp_train.training.data_parallel import fully_shard_data_parallel
 from tp_train.training.pipeline_split import plan_pipeline_split
 
@@ -103,6 +103,7 @@ __all__ = [
     "Sampling",
     "ShardSpec",
     "SimulatedMemory",
+    "SimulatedStep",
     "TensorParallelMixedPrecision",
     "TensorParallelRNG",
     "TensorParallelStrategy",
@@ -137,6 +138,7 @@ __all__ = [
     "scatter_to_tensor_parallel_region",
     "shard_experts",
     "simulate_memory",
+    "simulate_step",
     "unshard_tensor",
     "unshard_tensors",
     "verify_parallelized",

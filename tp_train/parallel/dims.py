@@ -111,6 +111,10 @@ class ParallelDims:
         ranks and adds none of its own). conf/trainer/default.yaml's `devices` default."""
         return tp * pp * math.lcm(dp * cp, ep)
 
+    def dp_per_node(self, num_nodes: int) -> int:
+        """The data-parallel size on each of `num_nodes` nodes (the config's `dp`, which is per node)."""
+        return self.dp // num_nodes
+
     # What the degrees make: the only products of degrees in tp_train.
     @property
     def dp(self) -> int:
@@ -301,6 +305,27 @@ class ParallelMesh:
     def expert_replicas(self) -> DeviceMesh:
         """The replicas at one place of every run: they hold the same experts, whose gradients they average."""
         return self._experts(EXPERT_REPLICAS)
+
+    def roles(self) -> dict[str, str]:
+        """{process group name: its view's name} for every view of this rank, innermost first (a group two views
+        share is named by the first): what a count of collectives files each under (`tp_train.tools.step_counts`)."""
+        views = [(TENSOR_PARALLEL, self.tensor_parallel), (CONTEXT_PARALLEL, self.context_parallel)]
+        if self.experts is not None:
+            views += [(EXPERT_PARALLEL, self.expert_parallel), (EXPERT_REPLICAS, self.expert_replicas)]
+        if self.hybrid_shard is not None:
+            views += [
+                (SHARD_GROUP, self.hybrid_shard[SHARD_GROUP]),
+                (DATA_REPLICATE, self.hybrid_shard[DATA_REPLICATE]),
+            ]
+        views += [
+            (REPLICAS, self.replicas),
+            (DATA_PARALLEL, self.data_parallel),
+            (PIPELINE_PARALLEL, self.pipeline_parallel),
+        ]
+        roles: dict[str, str] = {}
+        for name, view in views:
+            roles.setdefault(view.get_group().group_name, name)
+        return roles
 
     def _experts(self, name: str) -> DeviceMesh:
         if self.experts is None:

@@ -5,7 +5,8 @@ size and for any rank, on this machine, with no rank started and no weight alloc
 What fake ranks cannot carry, and what is done instead:
 - plan verification runs the model on real values: off (the plan is the model's own, or the one given);
 - DDP's reducer needs real storage: the model is not wrapped, and its gradient buckets (one flat copy of the
-  trainable parameters' gradients, torch's default) are added to the peak by arithmetic;
+  trainable parameters' gradients, torch's default) are added to the peak by arithmetic, as are its all-reduces
+  (one per bucket of `DDP_BUCKET_BYTES`) to the step's collectives;
 - a pipeline's stages exchange their shapes over the group: they are answered on the rank
   (`tp_train.tools.simulated_pipeline`), for the schedules of forwards and full backwards;
 - a forward whose shapes depend on the data (a mixture of experts' dropless routing: `nonzero`, `bincount`) cannot
@@ -25,9 +26,11 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.fake_ranks import FAKE_BACKEND
+from tp_train.parallel.mesh import REPLICAS
 from tp_train.parallel.pipeline import schedule_named
 from tp_train.tools.live_bytes import BUFFERS, KINDS, OPTIMIZER_STATES, PARAMETERS, RECEIVE_BUFFERS, LiveBytes
 from tp_train.tools.simulated_pipeline import FirstBoundaryFound, simulated_pipeline
+from tp_train.tools.step_counts import ALL_REDUCE, Collective, CollectiveCount, StepCounts
 from tp_train.training.apply_order import TrainingOptions, parallelize_for_training, wrapped_by_ddp
 from tp_train.training.parallel_training import ParallelTraining
 
@@ -35,6 +38,7 @@ MIB = 2**20
 SIMULATED_STEPS = 2  # the last one counted: the optimizer's states and the pipeline's buffers exist by then
 # The pipeline schedules whose actions are forwards and full backwards (not split into input and weight gradients).
 SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+DDP_BUCKET_BYTES = 25 * MIB  # DDP's default bucket_cap_mb
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,17 @@ class SimulatedMemory:
         return "\n".join([f"{title}:", *(f"  {name:<{width}}  {value / MIB:10.1f} MiB" for name, value in rows)])
 
 
+@dataclass(frozen=True)
+class SimulatedStep:
+    """One simulated training step on one rank: its memory at the peak, and what it computed and sent
+    (`tp_train.tools.step_counts`: its FLOPs, dispatched operations, and collectives by kind and group)."""
+
+    memory: SimulatedMemory
+    flops: int
+    operations: int
+    collectives: dict[Collective, CollectiveCount]
+
+
 def simulate_memory(
     build: Callable[[], nn.Module],
     dims: ParallelDims,
@@ -67,7 +82,19 @@ def simulate_memory(
     rank: int = 0,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW,
 ) -> SimulatedMemory:
-    """The memory `rank` of a `dims` job holds at the peak of a training step.
+    """The memory `rank` of a `dims` job holds at the peak of a training step: `simulate_step(...).memory`."""
+    return simulate_step(build, dims, forward_backward, options, rank, optimizer).memory
+
+
+def simulate_step(
+    build: Callable[[], nn.Module],
+    dims: ParallelDims,
+    forward_backward: Callable[[ParallelTraining], object],
+    options: TrainingOptions | None = None,
+    rank: int = 0,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = torch.optim.AdamW,
+) -> SimulatedStep:
+    """One training step of `rank` of a `dims` job: the memory it holds at its peak, and what it computes and sends.
 
     Args:
         build: makes the unsharded model (called under the fake mode: its weights hold no memory).
@@ -76,7 +103,8 @@ def simulate_memory(
             `parallelize_for_training` returned (`training.module(...)`, or `training.pipeline.train_step(...)`) on
             inputs it makes: fake, or real where the step reads them (a pipeline's batch: made under
             `tp_train.parallel.fake_ranks.real_values`); in the contexts the real step uses (Lightning's autocast
-            wraps the forward; the benchmark's, the backward too).
+            wraps the forward; the benchmark's, the backward too). The simulator then runs `after_backward` and the
+            optimizer, as the strategy does.
         options: as `TensorParallelStrategy` gives them; plan verification is switched off.
         rank: the rank simulated (its pipeline stage, its shard of an uneven split).
         optimizer: made over the sharded parameters; AdamW by default.
@@ -97,8 +125,7 @@ def simulate_memory(
                 f"{', '.join(SIMULATED_SCHEDULES)}, or estimate_memory"
             )
     boundary = _first_boundary(build, dims, forward_backward, options) if dims.pp > 1 else None
-    live, buckets = _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary)
-    return SimulatedMemory(**{kind: live.at_peak.get(kind, 0) for kind in KINDS}, gradient_buckets=buckets)
+    return _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary)
 
 
 @contextmanager
@@ -132,9 +159,9 @@ def _first_boundary(build, dims, forward_backward, options) -> tuple:
     raise RuntimeError("simulate_memory: the first pipeline stage sent nothing on in the first pass")
 
 
-def _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary) -> tuple[LiveBytes, int]:
+def _simulated_step(build, dims, forward_backward, options, rank, optimizer, boundary) -> SimulatedStep:
     """The bytes by kind at the peak of one step on `rank` (after a first, which makes the optimizer's states and the
-    pipeline's buffers), and DDP's buckets: one flat copy of the trainable gradients, where DDP would wrap."""
+    pipeline's buffers) and what that step counted, with DDP's buckets and their all-reduces where DDP would wrap."""
     with _fake_rank(dims, rank) as mesh, ExitStack() as stack:
         training = _parallelized(build, dims, mesh, options)
         sent = stack.enter_context(simulated_pipeline(training.pipeline, boundary)) if boundary is not None else {}
@@ -143,18 +170,26 @@ def _simulated_step(build, dims, forward_backward, options, rank, optimizer, bou
         live = LiveBytes(trainable)
         live.hold(training.root.parameters(), PARAMETERS)
         live.hold(training.root.buffers(), BUFFERS)
-        with live:  # every step: what one leaves alive (states, buffers, caches) is there in the next
+        counts = StepCounts(mesh.roles())
+        with live, counts:  # every step: what one leaves alive (states, buffers, caches) is there in the next
             for _ in range(SIMULATED_STEPS):
                 states = [t for state in step_optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
                 live.hold(states, OPTIMIZER_STATES)
                 live.hold(_pipeline_buffers(training.pipeline), RECEIVE_BUFFERS)
-                live.reset_peak()  # the last step's peak
+                live.reset_peak()  # the last step's peak, and its counts
+                counts.reset()
                 _forward_backward(forward_backward, training)
+                training.after_backward()
                 step_optimizer.step()
                 step_optimizer.zero_grad()
         _check_boundaries(sent, boundary)
-        buckets = sum(_bytes(param) for param in trainable) if wrapped_by_ddp(training, options) else 0
-    return live, buckets
+        buckets = 0
+        if wrapped_by_ddp(training, options):
+            buckets = sum(_bytes(param) for param in trainable)
+            replicas = Collective(ALL_REDUCE, REPLICAS, tuple(dist.get_process_group_ranks(mesh.replicas.get_group())))
+            counts.collectives[replicas] = CollectiveCount(calls=-(-buckets // DDP_BUCKET_BYTES), bytes=buckets)
+    memory = SimulatedMemory(**{kind: live.at_peak.get(kind, 0) for kind in KINDS}, gradient_buckets=buckets)
+    return SimulatedStep(memory, counts.flops, counts.operations, dict(counts.collectives))
 
 
 def _pipeline_buffers(pipeline) -> list[torch.Tensor]:

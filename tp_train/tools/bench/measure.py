@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.distributed import ProcessGroup
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tp_train.parallel.collectives import COLLECTIVE_RANGE
 from tp_train.tools.bench.contenders import TrainingStep
+from tp_train.tools.step_counts import StepCounts
 from tp_train.training.memory import (  # noqa: F401 - the benchmarks' measures, from where training keeps them
     current_memory,
     peak_memory,
@@ -76,38 +76,19 @@ def peak_bytes(step: TrainingStep, device: torch.device) -> int:
     return resident + peak
 
 
-class _CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives that reach the dispatcher: c10d's (torch.distributed's) and the functional ones
-    DTensor redistributes with (their `wait_tensor` is not a collective), and the bytes of their send buffers (an
-    all-reduce's tensor, an all-to-all's input)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__
-        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in name and "barrier" not in name:
-            self.count += 1
-            sent = args[1] if name.startswith("alltoall_base") else args[0]  # all_to_all_single(output, input)
-            tensors = sent if isinstance(sent, (list, tuple)) else [sent]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return func(*args, **(kwargs or {}))
-
-
 def collectives_per_step(step: Callable[[], object]) -> int:
-    """Collectives one step issues on this rank."""
-    with _CollectiveCounter() as mode:
+    """Collectives one step issues on this rank (`tp_train.tools.step_counts`)."""
+    with StepCounts() as counts:
         step()
-    return mode.count
+    return counts.collective_calls
 
 
 def collective_bytes_per_step(step: Callable[[], object]) -> int:
-    """Bytes of the send buffers one step hands to collectives on this rank."""
-    with _CollectiveCounter() as mode:
+    """Bytes of the tensors one step hands to collectives on this rank (`tp_train.tools.step_counts`: an
+    all-to-all's input, an all-reduce's tensor)."""
+    with StepCounts() as counts:
         step()
-    return mode.bytes
+    return counts.collective_bytes
 
 
 def collective_seconds(step: TrainingStep) -> tuple[float, float]:

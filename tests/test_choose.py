@@ -1,0 +1,155 @@
+"""Choosing the degrees (`tp_train.tools.choose`, `python train.py parallel=auto`): every layout of the world simulated
+on fake ranks, those over the memory dropped with their need, the rest ranked by predicted time; the global batch held;
+the choice written into the run's config and passed to its ranks; bad input one line each. Whether the choice is
+fast in fact is the benchmark's (`python -m tp_train.tools.bench.step_time`), not a timed test."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from models import GPT, GPTConfig
+from tests import train_cases
+from tests.test_configs import _compose
+from tp_train.app.auto_layout import CHOSEN_ENVIRONMENT_VARIABLE, apply_auto_layout
+from tp_train.errors import ConfigError
+from tp_train.parallel.dims import ParallelDims
+from tp_train.tools.choose import HEADROOM, choose_layout
+from tp_train.tools.hardware import CPU_HERE, profile_named
+from tp_train.tools.simulate import simulate_step
+from tp_train.tools.steps import language_model_step
+from tp_train.training.apply_order import TrainingOptions
+
+ROOT = train_cases.ROOT
+SEQ, VOCAB, GLOBAL_BATCH = 32, 256, 8
+
+
+def _gpt() -> GPT:
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=64, dropout=0.0))
+
+
+def _choose(memory: float, **pinned):
+    return choose_layout(_gpt, 2, GLOBAL_BATCH, SEQ, VOCAB, memory, CPU_HERE, pinned)
+
+
+@pytest.fixture(scope="module")
+def roomy() -> list:
+    """The layouts of 2 ranks with memory to spare (1 GiB a rank; the tiny model needs a few MiB)."""
+    return _choose(2**30)
+
+
+def test_the_layouts_that_fit_come_first_fastest_first_each_holding_the_global_batch(roomy):
+    candidates = roomy
+    labels = [c.layout.label() for c in candidates]
+    assert {"tp=1 pp=1 dp=2 ddp", "tp=1 pp=1 dp=2 fsdp", "tp=2 pp=1 dp=1", "tp=1 pp=2 dp=1 1f1b x4"} <= set(labels)
+    fitting = [c for c in candidates if c.fits]
+    assert [c.time.total for c in fitting] == sorted(c.time.total for c in fitting)
+    for candidate in fitting:
+        layout = candidate.layout
+        assert layout.dims.dp * layout.micro_batch * layout.accumulation == GLOBAL_BATCH
+        assert candidate.tokens_per_s == pytest.approx(GLOBAL_BATCH * SEQ / candidate.time.total)
+    # two stages a rank on a pipeline of 2 ranks: 4 stages of a 2-block model, which the pipeline refuses
+    [unshardable] = [c for c in candidates if c.unshardable]
+    assert (
+        unshardable.layout.label().startswith("tp=1 pp=2 dp=1 interleaved_1f1b")
+        and "2 blocks" in unshardable.unshardable
+    )
+
+
+def test_a_tighter_budget_drops_layouts_with_their_need_or_fits_them_by_checkpointing_or_accumulating(roomy):
+    roomy = {c.layout.label(): c for c in roomy if c.fits}
+    needs = sorted(c.memory for c in roomy.values())
+    budget = (needs[0] + needs[-1]) / 2 / (1 - HEADROOM)  # between the smallest layout's need and the largest's
+    tight = _choose(budget)
+    for candidate in tight:  # accumulating or not, each data-parallel rank's share of the global batch is whole
+        layout = candidate.layout
+        assert layout.dims.dp * layout.micro_batch * layout.accumulation == GLOBAL_BATCH, layout
+    assert all(c.memory <= budget * (1 - HEADROOM) for c in tight if c.fits)
+    assert all(c.memory > budget * (1 - HEADROOM) for c in tight if not c.fits and not c.unshardable)
+    refitted = [c for c in tight if c.fits and c.layout.label() not in roomy]  # as given, they needed more
+    assert refitted and all(c.layout.options.activation_checkpointing or c.layout.accumulation > 1 for c in refitted)
+
+
+def test_accumulating_micro_batches_fits_what_checkpointing_alone_does_not():
+    def need(micro_batch: int) -> int:  # tp=2 with activation checkpointing, as the chooser simulates it
+        dims = ParallelDims.from_world(2, tp=2)
+        options = TrainingOptions(loss_parallel=True, activation_checkpointing=True)
+        return simulate_step(_gpt, dims, language_model_step(micro_batch, SEQ, VOCAB), options).memory.peak
+
+    whole, quarter = need(4), need(1)
+    [best, *_] = choose_layout(_gpt, 2, 4, SEQ, VOCAB, (whole + quarter) / 2 / (1 - HEADROOM), CPU_HERE, {"tp": 2})
+    assert best.fits and best.layout.accumulation > 1 and best.layout.micro_batch * best.layout.accumulation == 4
+
+
+def test_pinned_degrees_are_kept():
+    assert {c.layout.dims.tp for c in _choose(2**30, tp=2)} == {2}
+    assert {c.layout.options.data_parallel for c in _choose(2**30, dp=2, data_parallel="fsdp")} == {"fsdp"}
+    with pytest.raises(ValueError, match=r"^choose_layout: cannot pin cp; pin one of tp, pp, dp, data_parallel$"):
+        _choose(2**30, cp=2)
+
+
+def test_the_profile_changes_the_ranking_not_the_memory(roomy):
+    on_cpu = {c.layout.label(): c for c in roomy}
+    on_gpu = choose_layout(_gpt, 2, GLOBAL_BATCH, SEQ, VOCAB, 2**30, profile_named("h100-80gb"))
+    for candidate in on_gpu:
+        assert candidate.memory == on_cpu[candidate.layout.label()].memory
+    assert max(c.time.total for c in on_gpu if c.fits) < min(c.time.total for c in on_cpu.values() if c.fits)
+
+
+def _auto(tmp_path, overrides: list[str], rank: int = 1):
+    """The config `apply_auto_layout` leaves, and its report; rank 1 (a started rank) leaves no choice behind."""
+    cfg = _compose(tmp_path, ["experiment=smoke", "parallel=auto", *overrides])
+    return cfg, apply_auto_layout(cfg, overrides, rank=rank)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["global_batch_size=8"], r"^parallel=auto needs the world to fill: give trainer\.devices=N"),
+        (["trainer.devices=2"], r"^parallel=auto holds the global batch fixed: give global_batch_size=N"),
+        (["trainer.devices=2", "global_batch_size=8", "hardware=tpu"], r"^hardware='tpu' is not a known profile"),
+        (["trainer.devices=2", "global_batch_size=8", "cp=2"], r"^cp=2 with parallel=auto: the chooser does not"),
+        (
+            ["trainer.devices=2", "global_batch_size=2", "tp=2", "memory_per_device=0.001"],
+            r"^parallel=auto: no layout of 2 ranks fits 0\.9 MiB a device \(1\.0 MiB less 10% headroom\); the "
+            r"smallest, tp=2 pp=1 dp=1 ac accumulate 2, needs [0-9.]+ MiB; give more devices",
+        ),
+    ],
+)
+def test_bad_input_to_parallel_auto_is_one_line(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _auto(tmp_path, overrides)
+
+
+def test_the_choice_is_written_where_the_strategy_data_and_trainer_read_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(CHOSEN_ENVIRONMENT_VARIABLE, "")  # so that the choice left below is removed after the test
+    monkeypatch.delenv(CHOSEN_ENVIRONMENT_VARIABLE)
+    overrides = ["trainer.devices=2", "global_batch_size=8", "tp=2"]
+    cfg, report = _auto(tmp_path, overrides, rank=0)
+    assert report.splitlines()[0].endswith("chose tp=2 pp=1 dp=1") and cfg.tp == 2 and cfg.dp == 1
+    assert cfg.data.batch_size * cfg.trainer.accumulate_grad_batches == 8
+    assert cfg.trainer.strategy.tensor_parallel_size == 2 and cfg.chosen_layout.label == "tp=2 pp=1 dp=1"
+    # the ranks the launching process starts read its choice from their environment rather than choosing again
+    passed = json.loads(os.environ[CHOSEN_ENVIRONMENT_VARIABLE])
+    assert passed["tp"] == 2
+    monkeypatch.setenv(CHOSEN_ENVIRONMENT_VARIABLE, json.dumps({**passed, "tp": 1, "dp": 2, "batch_size": 2}))
+    started, report = _auto(tmp_path, overrides)
+    assert report is None and (started.tp, started.dp, started.data.batch_size) == (1, 2, 2)
+
+
+@pytest.mark.slow
+def test_train_py_parallel_auto_trains_the_chosen_layout_and_records_it(tmp_path):
+    result = train_cases.run(
+        [sys.executable, "train.py", "experiment=smoke", "parallel=auto", "trainer.devices=2", "global_batch_size=8",
+         "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "logger=none",
+         f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    chosen = result.stdout.splitlines()[0]
+    assert chosen.startswith("parallel=auto: 2 ranks, ") and "; chose tp=" in chosen, result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and chosen.endswith(f"chose {summary['chosen_layout']['label']}")

@@ -1,0 +1,167 @@
+"""`python -m tp_train.tools.bench.step_time`: the time model (`tp_train.tools.step_time`) against measured steps.
+
+Each layout's step is simulated in this process (`simulate_step`, rank 0 and, under a pipeline, its last rank: the
+slower is predicted) and priced with a hardware profile (this machine's CPU profile by default), then run for real on
+gloo ranks (each with the intra-op threads Lightning's launcher gives it: the cores over the ranks, at least one) and
+timed: the median step of the slowest rank. One table: predicted and measured milliseconds a step, their ratio, and the
+predicted parts. The model and batch are fixed; each data-parallel rank takes its own batch of that size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models import GPT, GPTConfig
+from tp_train.parallel.dims import ParallelDims
+from tp_train.tools.bench.measure import group_max
+from tp_train.tools.bench.ranks import start_ranks
+from tp_train.tools.hardware import PROFILES, profile_named
+from tp_train.tools.simulate import simulate_step
+from tp_train.tools.step_time import predict_step_time
+from tp_train.tools.steps import language_model_step
+from tp_train.training.apply_order import TrainingOptions, parallelize_for_training
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    data_parallel: str = "ddp"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    def dims(self) -> ParallelDims:
+        dims = ParallelDims.from_world(
+            self.world_size, tp=self.tp, pp=self.pp, data_parallel=self.data_parallel,
+            virtual_stages=self.virtual_stages,
+        )  # fmt: skip
+        dims.validate()
+        return dims
+
+    def label(self) -> str:
+        dims = self.dims()
+        parts = [f"tp={self.tp}"] if self.tp > 1 else []
+        parts += [f"dp={dims.dp} {self.data_parallel}"] if dims.dp > 1 else []
+        parts += [f"pp={self.pp} {self.schedule}"] if self.pp > 1 else []
+        return ", ".join(parts) or "one process"
+
+
+LAYOUTS = [
+    Layout(1),
+    Layout(2, tp=2),
+    Layout(2, data_parallel="ddp"),
+    Layout(2, data_parallel="fsdp"),
+    Layout(2, pp=2),
+    Layout(2, pp=2, schedule="interleaved_1f1b", virtual_stages=2),
+    Layout(4, tp=4),
+    Layout(4, tp=2, data_parallel="ddp"),
+    Layout(4, tp=2, pp=2),
+]
+MICROBATCHES = 4
+
+
+def model_config(args) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width,
+        dropout=0.0,
+    )  # fmt: skip
+
+
+def options(layout: Layout) -> TrainingOptions:
+    return TrainingOptions(
+        loss_parallel=True, data_parallel=layout.data_parallel, pipeline_schedule=layout.schedule,
+        pipeline_microbatches=MICROBATCHES if layout.pp > 1 else None,
+    )  # fmt: skip
+
+
+def predicted(layout: Layout, args) -> dict:
+    dims, config = layout.dims(), model_config(args)
+    step = language_model_step(args.batch, args.seq, args.vocab)
+    ranks = [0] if layout.pp == 1 else [0, dims.world_size - 1]  # the first and the last pipeline stage
+    steps = [simulate_step(lambda: GPT(config), dims, step, options(layout), rank=rank) for rank in ranks]
+    return asdict(predict_step_time(steps, dims, profile_named(args.hardware), MICROBATCHES))
+
+
+def _measure(rank: int, world_size: int, device: torch.device, layout: Layout, args, out: Path) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as Lightning's launcher sets it
+    dims = layout.dims()
+    torch.manual_seed(0)
+    training = parallelize_for_training(
+        GPT(model_config(args)), dims, dims.build_mesh(device.type), device, options(layout)
+    )
+    optimizer = torch.optim.AdamW(training.root.parameters())
+    step = language_model_step(args.batch, args.seq, args.vocab, generator=torch.Generator().manual_seed(rank))
+    times = []
+    for index in range(args.warmup + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(training)
+        training.after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if index >= args.warmup:
+            times.append(time.perf_counter() - start)
+    slowest = group_max(statistics.median(times), dist.group.WORLD, device)
+    if rank == 0:
+        out.write_text(json.dumps({"measured": slowest}))
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        f"{'layout':<28} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'ratio':>6} "
+        f"{'compute':>8} {'comm':>7} {'bubble':>7}"
+    ]
+    for row in rows:
+        p = row["predicted"]
+        p["total"] = p["compute"] + p["communication"] + p["bubble"]
+        lines.append(
+            f"{row['layout']:<28} {row['ranks']:>5} {p['total'] * 1e3:12.1f} {row['measured'] * 1e3:11.1f} "
+            f"{p['total'] / row['measured']:6.2f} {p['compute'] * 1e3:8.1f} {p['communication'] * 1e3:7.1f} "
+            f"{p['bubble'] * 1e3:7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tp_train.tools.bench.step_time", description=__doc__)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--hardware", default="cpu-2core", choices=sorted(PROFILES))
+    parser.add_argument("--layouts", type=int, nargs="*", help="indices into LAYOUTS (default: all)")
+    parser.add_argument("--output", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    chosen = [LAYOUTS[index] for index in args.layouts] if args.layouts else LAYOUTS
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in chosen:
+            prediction = predicted(layout, args)
+            out = Path(tmp) / "measured.json"
+            start_ranks(_measure, layout.world_size, layout, args, out)
+            measured = json.loads(out.read_text())["measured"]
+            rows.append({"layout": layout.label(), "ranks": layout.world_size, "predicted": prediction,
+                         "measured": measured})  # fmt: skip
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Choosing the degrees: every valid layout of a world size simulated (`simulate_step`), those over the memory
+dropped, the rest ranked by their predicted step time (`tp_train.tools.step_time`).
+
+A layout is the degrees (tp, pp, dp; the data-parallel mode), the pipeline's schedule, activation checkpointing, and
+how each data-parallel rank's share of the global batch is cut: micro-batches accumulated, each split into the
+pipeline's microbatches. The global batch (sequences per optimizer step) is held fixed. For each set of degrees,
+schedule and mode, the cheapest way to fit is searched in order: the whole share at once, then with activation
+checkpointing, then accumulated over 2, 4, ... micro-batches (each again without, then with, checkpointing); the
+first that fits is that layout's, and a set that fits in none is reported with its smallest need.
+
+Not chosen yet (pinned at 1): context and expert parallelism (their steps are not simulated: a sequence's shares,
+data-dependent routing), HSDP's shard size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+
+from tp_train.parallel.dims import ParallelDims
+from tp_train.tools.hardware import HardwareProfile
+from tp_train.tools.simulate import SimulatedStep, simulate_step
+from tp_train.tools.step_time import StepTime, predict_step_time
+from tp_train.tools.steps import language_model_step
+from tp_train.training.apply_order import TrainingOptions
+
+GIB = 2**30
+HEADROOM = 0.10  # of a device's memory kept free: the allocator's fragmentation, the runtime's own buffers
+DEGREES = ("tp", "pp", "dp")
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))  # (schedule, stages per pipeline rank) tried under a pipeline
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to train: the degrees, how each is applied, and how the global batch is cut."""
+
+    dims: ParallelDims
+    options: TrainingOptions
+    micro_batch: int  # sequences a data-parallel rank runs at once
+    accumulation: int  # micro-batches per optimizer step
+    microbatches: int  # the pipeline's, per micro-batch (1 without a pipeline)
+
+    def label(self) -> str:
+        dims, options = self.dims, self.options
+        parts = [f"tp={dims.tp}", f"pp={dims.pp}", f"dp={dims.dp}"]
+        if dims.dp > 1:
+            parts.append(options.data_parallel)
+        if dims.pp > 1:
+            parts.append(f"{options.pipeline_schedule} x{self.microbatches}")
+        if options.activation_checkpointing:
+            parts.append("ac")
+        if self.accumulation > 1:
+            parts.append(f"accumulate {self.accumulation}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: int  # the peak bytes of its fullest simulated rank
+    time: StepTime | None  # of one optimizer step (every micro-batch); None where it does not fit
+    tokens_per_s: float
+    fits: bool
+    unshardable: str | None = None  # why the model cannot take these degrees (then no memory is known)
+
+
+def choose_layout(
+    build: Callable[[], nn.Module],
+    world_size: int,
+    global_batch: int,
+    seq_len: int,
+    vocab_size: int,
+    memory_per_device: float,
+    profile: HardwareProfile,
+    pinned: dict[str, int | str] | None = None,
+    options: TrainingOptions | None = None,
+    autocast: torch.dtype | None = None,
+) -> list[Candidate]:
+    """Every layout of `world_size` ranks training `build()`'s model on `global_batch` sequences of `seq_len` tokens
+    per optimizer step: those that fit `memory_per_device` bytes (less `HEADROOM`) first, fastest first (predicted on
+    `profile`), then those that do not, smallest first. `pinned` fixes degrees ("tp", "pp", "dp") or
+    "data_parallel"; `options` gives the rest of the strategy's settings (the loss, sequence parallelism)."""
+    pinned = dict(pinned or {})
+    unknown = sorted(set(pinned) - {*DEGREES, "data_parallel"})
+    if unknown:
+        raise ValueError(
+            f"choose_layout: cannot pin {', '.join(unknown)}; pin one of {', '.join(DEGREES)}, data_parallel"
+        )
+    budget = memory_per_device * (1 - HEADROOM)
+    base = replace(options or TrainingOptions(loss_parallel=True), verify_plan=False)
+    candidates = []
+    for dims, applied in _degrees(world_size, global_batch, pinned, base):
+        candidates.append(_fit(build, dims, applied, global_batch, seq_len, vocab_size, budget, profile, autocast))
+    if not candidates:
+        raise ValueError(
+            f"choose_layout: no layout of {world_size} ranks has {_pins(pinned)} and takes a global batch of "
+            f"{global_batch}; pin degrees whose product divides {world_size}, leaving a data-parallel size that "
+            f"divides the global batch"
+        )
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.time.total)
+    over = sorted((c for c in candidates if not c.fits and not c.unshardable), key=lambda c: c.memory)
+    return fitting + over + [c for c in candidates if c.unshardable]
+
+
+def _pins(pinned: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in pinned.items()) or "no degree pinned"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _degrees(world_size, global_batch, pinned, base) -> Iterator[tuple[ParallelDims, TrainingOptions]]:
+    """Each valid (degrees, schedule, data-parallel mode) of the world, as pinned."""
+    for tp, pp in itertools.product(_divisors(world_size), repeat=2):
+        filled = _valid(ParallelDims.from_world(world_size, tp=tp, pp=pp))
+        if filled is None:  # tp x pp does not divide the world
+            continue
+        chosen = {"tp": tp, "pp": pp, "dp": filled.dp}
+        if any(pinned.get(key, value) != value for key, value in chosen.items()) or global_batch % filled.dp:
+            continue
+        modes = ("ddp", "fsdp") if filled.dp > 1 else ("ddp",)
+        for mode in [pinned["data_parallel"]] if "data_parallel" in pinned else modes:
+            for schedule, virtual in SCHEDULES if pp > 1 else (("1f1b", 1),):
+                dims = _valid(
+                    ParallelDims.from_world(world_size, tp=tp, pp=pp, data_parallel=mode, virtual_stages=virtual)
+                )
+                if dims is not None:
+                    yield dims, replace(base, data_parallel=mode, pipeline_schedule=schedule)
+
+
+def _valid(dims: ParallelDims) -> ParallelDims | None:
+    try:
+        dims.validate()
+    except ValueError:
+        return None
+    return dims
+
+
+def _fit(build, dims, options, global_batch, seq_len, vocab_size, budget, profile, autocast) -> Candidate:
+    """The first way of cutting this layout's share of the batch that fits (see the module docstring), or its
+    smallest need."""
+    share = global_batch // dims.dp
+    smallest = None
+    for accumulation in _divisors(share):
+        micro_batch = share // accumulation
+        microbatches = _pipeline_microbatches(dims, micro_batch)
+        if microbatches is None:
+            continue
+        for checkpointing in (False, True):
+            applied = replace(
+                options, activation_checkpointing=checkpointing,
+                pipeline_microbatches=microbatches if dims.pp > 1 else None,
+            )  # fmt: skip
+            layout = Layout(dims, applied, micro_batch, accumulation, microbatches)
+            try:
+                steps = _simulated(build, layout, seq_len, vocab_size, autocast)
+            except ValueError as error:  # a model these degrees cannot shard (heads tp does not divide, too few blocks)
+                return smallest or Candidate(layout, 0, None, 0.0, fits=False, unshardable=str(error))
+            memory = max(step.memory.peak for step in steps)
+            if memory <= budget:
+                time = predict_step_time(steps, dims, profile, microbatches)
+                time = StepTime(*(accumulation * part for part in vars(time).values()))
+                return Candidate(layout, memory, time, global_batch * seq_len / time.total, fits=True)
+            if smallest is None or memory < smallest.memory:
+                smallest = Candidate(layout, memory, None, 0.0, fits=False)
+    return smallest
+
+
+def _pipeline_microbatches(dims: ParallelDims, micro_batch: int) -> int | None:
+    """The pipeline's microbatches for a micro-batch: twice the stages when they divide it (a smaller bubble), else
+    the stages; None when neither does. 1 without a pipeline."""
+    if dims.pp == 1:
+        return 1
+    return next((m for m in (2 * dims.stages, dims.stages) if micro_batch % m == 0), None)
+
+
+def _simulated(build, layout: Layout, seq_len, vocab_size, autocast) -> list[SimulatedStep]:
+    """The simulated step of the layout's first rank and, under a pipeline, its last (the head's stage)."""
+    dims = layout.dims
+    step = language_model_step(layout.micro_batch, seq_len, vocab_size, autocast=autocast)
+    ranks = [0] if dims.pp == 1 else [0, dims.world_size - 1]
+    return [simulate_step(build, dims, step, layout.options, rank=rank) for rank in ranks]
+
+
+def table(candidates: list[Candidate], memory_per_device: float, rows: int = 5) -> str:
+    """The best `rows` layouts, then one line per layout that lost, saying why."""
+    lines = [f"{'layout':<44} {'memory/rank':>11} {'step':>9} {'tokens/s':>10}"]
+    fitting = [c for c in candidates if c.fits]
+    for candidate in fitting[:rows]:
+        lines.append(
+            f"{candidate.layout.label():<44} {size_label(candidate.memory):>11} {candidate.time.total:8.3f}s "
+            f"{candidate.tokens_per_s:10.0f}"
+        )
+    slower = fitting[rows:]
+    if slower:
+        lines.append(f"slower: {', '.join(c.layout.label() for c in slower)}")
+    usable = size_label(memory_per_device * (1 - HEADROOM))
+    for candidate in (c for c in candidates if not c.fits):
+        if candidate.unshardable:
+            lines.append(f"cannot shard this model: {candidate.layout.label()} ({candidate.unshardable})")
+        else:
+            need = f"needs {size_label(candidate.memory)}, {usable} usable"
+            lines.append(f"over the memory: {candidate.layout.label()} ({need})")
+    return "\n".join(lines)
+
+
+def size_label(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
