@@ -91,12 +91,24 @@ def test_pinned_degrees_are_kept():
         _choose(2**30, cp=2)
 
 
-def test_the_profile_changes_the_ranking_not_the_memory(roomy):
+def test_the_profile_changes_the_times_not_the_memory(roomy):
     on_cpu = {c.layout.label(): c for c in roomy}
     on_gpu = choose_layout(_gpt, 2, GLOBAL_BATCH, SEQ, VOCAB, 2**30, profile_named("h100-80gb"))
     for candidate in on_gpu:
         assert candidate.memory == on_cpu[candidate.layout.label()].memory
-    assert max(c.time.total for c in on_gpu if c.fits) < min(c.time.total for c in on_cpu.values() if c.fits)
+
+
+def test_each_node_holds_the_same_data_parallel_ranks_and_a_batch_the_pipeline_cannot_split_is_said():
+    # 2 ranks on 2 nodes: only dp=2 puts a data-parallel rank on each node (the config's dp is per node)
+    across = choose_layout(_gpt, 2, GLOBAL_BATCH, SEQ, VOCAB, 2**30, CPU_HERE, num_nodes=2)
+    assert {c.layout.dims.dp for c in across} == {2}
+    # one sequence a step: pp=2 has no micro-batch to split into its 2 stages' microbatches
+    odd = {c.layout.label(): c for c in choose_layout(_gpt, 2, 1, SEQ, VOCAB, 2**30, CPU_HERE)}
+    assert odd["tp=2 pp=1 dp=1"].fits
+    assert (
+        odd["tp=1 pp=2 dp=1 1f1b x2"].unshardable
+        == "no micro-batch of 1 sequences a rank divides into 2 pipeline stages"
+    )
 
 
 def _auto(tmp_path, overrides: list[str], rank: int = 1):
@@ -112,6 +124,15 @@ def _auto(tmp_path, overrides: list[str], rank: int = 1):
         (["trainer.devices=2"], r"^parallel=auto holds the global batch fixed: give global_batch_size=N"),
         (["trainer.devices=2", "global_batch_size=8", "hardware=tpu"], r"^hardware='tpu' is not a known profile"),
         (["trainer.devices=2", "global_batch_size=8", "cp=2"], r"^cp=2 with parallel=auto: the chooser does not"),
+        (
+            ["trainer.devices=2", "global_batch_size=true"],
+            r"^parallel=auto holds the global batch fixed \(global_batch_size=True\)",
+        ),
+        (["trainer.devices=2", "global_batch_size=8", "precision=foo"], r"^precision=foo is not a precision"),
+        (
+            ["trainer.devices=2", "global_batch_size=8", "tp=3"],
+            r"^parallel=auto: choose_layout: no layout of 2 ranks has tp=3 and takes a global batch of 8; pin degrees",
+        ),
         (
             ["trainer.devices=2", "global_batch_size=2", "tp=2", "memory_per_device=0.001"],
             r"^parallel=auto: no layout of 2 ranks fits 0\.9 MiB a device \(1\.0 MiB less 10% headroom\); the "
@@ -135,9 +156,31 @@ def test_the_choice_is_written_where_the_strategy_data_and_trainer_read_it(tmp_p
     # the ranks the launching process starts read its choice from their environment rather than choosing again
     passed = json.loads(os.environ[CHOSEN_ENVIRONMENT_VARIABLE])
     assert passed["tp"] == 2
-    monkeypatch.setenv(CHOSEN_ENVIRONMENT_VARIABLE, json.dumps({**passed, "tp": 1, "dp": 2, "batch_size": 2}))
+    other = {"tp": 1, "pp": 2, "dp": 1, "data_parallel": "fsdp", "activation_checkpointing": True, "batch_size": 2,
+             "accumulate_grad_batches": 4, "pipeline_schedule": "interleaved_1f1b", "pipeline_microbatches": 2,
+             "pipeline_virtual_stages": 2}  # fmt: skip
+    monkeypatch.setenv(CHOSEN_ENVIRONMENT_VARIABLE, json.dumps({**passed, **other}))
     started, report = _auto(tmp_path, overrides)
-    assert report is None and (started.tp, started.dp, started.data.batch_size) == (1, 2, 2)
+    strategy = started.trainer.strategy
+    assert report is None
+    assert (started.tp, started.pp, started.dp, started.data_parallel, started.activation_checkpointing) == (
+        1,
+        2,
+        1,
+        "fsdp",
+        True,
+    )
+    assert (started.data.batch_size, started.trainer.accumulate_grad_batches) == (2, 4)
+    assert (strategy.pipeline_parallel_size, strategy.data_parallel, strategy.activation_checkpointing) == (
+        2,
+        "fsdp",
+        True,
+    )
+    assert (strategy.pipeline_schedule, strategy.pipeline_microbatches, strategy.pipeline_virtual_stages) == (
+        "interleaved_1f1b",
+        2,
+        2,
+    )
 
 
 @pytest.mark.slow

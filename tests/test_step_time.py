@@ -7,6 +7,8 @@ the benchmark's (`python -m tp_train.tools.bench.step_time`, docs/performance.md
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -16,16 +18,17 @@ from models import GPT, GPTConfig
 from tp_train.parallel.dims import ParallelDims
 from tp_train.parallel.mesh import PIPELINE_PARALLEL, REPLICAS, TENSOR_PARALLEL
 from tp_train.tools.hardware import CPU_HERE, GPU_PROFILES, profile_named
-from tp_train.tools.simulate import DDP_BUCKET_BYTES, SimulatedMemory
+from tp_train.tools.simulate import DDP_BUCKET_BYTES, MIB, SimulatedMemory, ddp_buckets
 from tp_train.tools.step_counts import (
     ALL_GATHER,
     ALL_REDUCE,
+    BROADCAST,
     POINT_TO_POINT,
     REDUCE_SCATTER,
     Collective,
     CollectiveCount,
 )
-from tp_train.tools.step_time import bubble_fraction, predict_step_time, wire_bytes
+from tp_train.tools.step_time import bubble_fraction, collective_seconds, predict_step_time, ring_steps, wire_bytes
 from tp_train.tools.steps import language_model_step
 from tp_train.training.apply_order import TrainingOptions
 
@@ -96,8 +99,12 @@ def test_data_parallel_collectives_move_every_parameter_and_gradient():
     parameters = _parameter_bytes()
     ddp = _simulate(2, data_parallel="ddp")
     assert ddp.collectives == {
-        Collective(ALL_REDUCE, REPLICAS, (0, 1)): CollectiveCount(-(-parameters // DDP_BUCKET_BYTES), parameters)
+        Collective(ALL_REDUCE, REPLICAS, (0, 1)): CollectiveCount(ddp_buckets(parameters), parameters)
     }
+    first = 1 * MIB  # DDP's first bucket is small (torch's _DEFAULT_FIRST_BUCKET_BYTES), the rest DDP_BUCKET_BYTES
+    assert [
+        ddp_buckets(n) for n in (0, 1, first, first + 1, first + DDP_BUCKET_BYTES, first + DDP_BUCKET_BYTES + 1)
+    ] == [0, 1, 1, 2, 2, 3]
     fsdp = _simulate(2, data_parallel="fsdp")
     assert _by(fsdp, REDUCE_SCATTER, REPLICAS).bytes == parameters
     assert parameters < _by(fsdp, ALL_GATHER, REPLICAS).bytes < 2 * parameters
@@ -147,10 +154,44 @@ def test_the_time_model_prices_compute_links_overlap_and_the_bubble():
     assert piped.compute == pytest.approx(3.0) and piped.bubble == pytest.approx(2.0 * 3 / 8)
 
 
-def test_cpu_ranks_share_the_cores_and_gpus_do_not():
-    assert CPU_HERE.slowdown(2) == 1.0 and CPU_HERE.slowdown(4) == 2.0
-    assert CPU_HERE.slowdown(1) == pytest.approx(1 / (1 + CPU_HERE.thread_efficiency))
-    assert all(profile.slowdown(8) == 1.0 for profile in GPU_PROFILES.values())
+def test_hops_of_each_kind_and_gradient_reductions_once_an_accumulated_step():
+    h100 = profile_named("h100-80gb")
+    assert [ring_steps(kind, 8) for kind in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, POINT_TO_POINT)] == [
+        14,
+        7,
+        7,
+        7,
+        1,
+    ]
+    rate, one = h100.flops_per_s * h100.efficiency, CollectiveCount(1, 10**6)
+    tensor = Collective(ALL_REDUCE, TENSOR_PARALLEL, (0, 1))
+    gather, reduce = Collective(ALL_GATHER, REPLICAS, (0, 2)), Collective(REDUCE_SCATTER, REPLICAS, (0, 2))
+    h100 = replace(h100, overlap=0.0)  # every data-parallel collective waited on, to see each one's count
+    step = _step(rate, {tensor: one, gather: one, reduce: one})
+    single, accumulated = (predict_step_time([step], _dims(4, tp=2), h100, accumulation=a) for a in (1, 4))
+    seconds = {c: collective_seconds(c, 1, 10**6, h100) for c in (tensor, gather, reduce)}
+    assert single.compute == pytest.approx(1.0) and accumulated.compute == pytest.approx(4.0)
+    # each micro-batch's tensor-parallel collectives and FSDP2's all-gathers; the gradients' reduce-scatter once
+    assert accumulated.communication == pytest.approx(4 * seconds[tensor] + 4 * seconds[gather] + seconds[reduce])
+    # under a pipeline, the stages' gradients are averaged after the schedule: waited on even where overlap would hide
+    after = predict_step_time([_step(rate, {reduce: one})], _dims(4, pp=2), profile_named("h100-80gb"))
+    assert after.hidden_communication == 0 and after.communication == pytest.approx(seconds[reduce])
+
+
+def test_cpu_ranks_split_and_share_the_cores_and_gpus_do_not():
+    assert CPU_HERE.thread_speed(1) == pytest.approx(1 + CPU_HERE.thread_efficiency)
+    assert CPU_HERE.thread_speed(2) == CPU_HERE.thread_speed(4) == 1.0
+    assert all(profile.thread_speed(8) == 1.0 for profile in GPU_PROFILES.values())
+    cpu = replace(CPU_HERE, operation_s=0.0)
+    one_thread = cpu.flops_per_s * cpu.efficiency
+    # 4 ranks on 2 cores: each rank's second of work takes two; a pipeline's ranks idle in its bubble, leaving their
+    # cores to the others, so the bubble costs nothing until the ranks' work no longer fills the cores
+    spread = predict_step_time([_step(one_thread, {})], _dims(4, tp=4), cpu)
+    assert spread.compute == pytest.approx(1.0) and spread.total == pytest.approx(2.0)
+    piped = predict_step_time([_step(one_thread, {})], _dims(4, pp=4), cpu, microbatches=4)
+    assert piped.bubble == pytest.approx(3 / 4) and piped.total == pytest.approx(2.0)
+    drained = predict_step_time([_step(one_thread, {})], _dims(4, pp=4), cpu, microbatches=1)
+    assert drained.total == pytest.approx(1.0 + 3.0) and drained.sharing == 0
 
 
 def test_an_unknown_hardware_profile_is_one_line_listing_the_known_ones():

@@ -22,13 +22,13 @@ from tp_train.app.preflight import meta_model
 from tp_train.app.resolvers import lightning_precision
 from tp_train.errors import ConfigError
 from tp_train.parallel.dims import ParallelDims
-from tp_train.tools.choose import GIB, HEADROOM, choose_layout, size_label, table
-from tp_train.tools.hardware import CPU_HERE, PROFILES, profile_named
+from tp_train.tools.choose import DEGREES, HEADROOM, choose_layout, size_label, table
+from tp_train.tools.hardware import CPU_HERE, GIB, PROFILES, profile_named
 from tp_train.training.apply_order import TrainingOptions
 
 AUTO = "auto"
 CHOSEN_ENVIRONMENT_VARIABLE = "TP_TRAIN_AUTO_LAYOUT"  # the launching process's choice, for the ranks it starts
-PINNABLE = ("tp", "pp", "dp", "data_parallel")
+PINNABLE = (*DEGREES, "data_parallel")
 NOT_CHOSEN = ("cp", "ep", "dp_shard")  # kept at their defaults under auto (tp_train.tools.choose's docstring)
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
@@ -60,12 +60,18 @@ def _pinned(command_line: list[str]) -> dict:
         key, _, value = override.lstrip("+~").partition("=")
         if key in PINNABLE and value != AUTO:
             pinned[key] = value if key == "data_parallel" else _positive(key, value)
-        if key in NOT_CHOSEN and value not in ("1", "null", AUTO):
-            raise ConfigError(
-                f"{key}={value} with parallel=auto: the chooser does not simulate {key} yet; leave {key} unset, or "
-                f"use parallel=manual"
-            )
     return pinned
+
+
+def _check_not_chosen(cfg: DictConfig) -> None:
+    """The degrees the chooser keeps at their defaults must be there, wherever the config set them."""
+    for key in NOT_CHOSEN:
+        value = cfg.get(key)
+        if value not in (None, 1):
+            raise ConfigError(
+                f"{key}={value} with parallel=auto: the chooser does not simulate {key} yet; leave {key} at its "
+                f"default, or use parallel=manual"
+            )
 
 
 def _positive(key: str, value: str) -> int:
@@ -74,24 +80,33 @@ def _positive(key: str, value: str) -> int:
     return int(value)
 
 
-def _world_size(cfg: DictConfig) -> int:
-    if OmegaConf.is_interpolation(cfg.trainer, "devices") or not isinstance(cfg.trainer.get("devices"), int):
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _world_size(cfg: DictConfig) -> tuple[int, int]:
+    """(The ranks to fill, the nodes they are on)."""
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    if OmegaConf.is_interpolation(cfg.trainer, "devices") or not _count(devices):
+        given = "" if OmegaConf.is_interpolation(cfg.trainer, "devices") else f" (trainer.devices={devices})"
         raise ConfigError(
-            "parallel=auto needs the world to fill: give trainer.devices=N (devices per node) and, across nodes, "
-            "trainer.num_nodes=M"
+            f"parallel=auto needs the world to fill{given}: give trainer.devices=N (devices per node, a number) and, "
+            f"across nodes, trainer.num_nodes=M"
         )
-    return ParallelDims.ranks_of(cfg.trainer.devices, cfg.trainer.get("num_nodes", 1))
+    return ParallelDims.ranks_of(devices, nodes), nodes
 
 
-def _memory_per_device(cfg: DictConfig, world_size: int) -> float:
+def _memory_per_device(cfg: DictConfig, devices_per_node: int, profile) -> float:
     given = cfg.get("memory_per_device")
     if given is not None:
-        if not isinstance(given, (int, float)) or given <= 0:
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
             raise ConfigError(f"memory_per_device={given}: give each device's memory in GiB, e.g. memory_per_device=80")
         return float(given) * GIB
+    if cfg.get("hardware") is not None:  # a target other than this machine: its devices' memory
+        return float(profile.memory_bytes)
     if torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(0).total_memory)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world_size  # CPU ranks share the RAM
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / devices_per_node  # a node's ranks share its RAM
 
 
 def _profile(cfg: DictConfig):
@@ -114,13 +129,20 @@ def _gpu_profile():
 
 def _choose(cfg: DictConfig, pinned: dict) -> tuple[dict, str]:
     global_batch = cfg.get("global_batch_size")
-    if not isinstance(global_batch, int) or global_batch < 1:
+    if not _count(global_batch):
+        given = "" if global_batch is None else f" (global_batch_size={global_batch})"
         raise ConfigError(
-            "parallel=auto holds the global batch fixed: give global_batch_size=N (sequences per optimizer step)"
+            f"parallel=auto holds the global batch fixed{given}: give global_batch_size=N, a positive number of "
+            f"sequences per optimizer step"
         )
-    world_size = _world_size(cfg)
-    memory, profile = _memory_per_device(cfg, world_size), _profile(cfg)
-    precision = lightning_precision(cfg.precision)
+    _check_not_chosen(cfg)
+    world_size, nodes = _world_size(cfg)
+    profile = _profile(cfg)
+    memory = _memory_per_device(cfg, cfg.trainer.devices, profile)
+    try:
+        precision = lightning_precision(cfg.precision)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     model = meta_model(cfg, lambda: instantiate(cfg.model))
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or cfg.data.vocab_size
 
@@ -136,7 +158,7 @@ def _choose(cfg: DictConfig, pinned: dict) -> tuple[dict, str]:
     try:
         candidates = choose_layout(
             build, world_size, global_batch, cfg.data.block_size, vocab, memory, profile, pinned, options,
-            AUTOCAST.get(precision),
+            AUTOCAST.get(precision), num_nodes=nodes,
         )  # fmt: skip
     except ValueError as error:
         raise ConfigError(f"parallel=auto: {error}") from None
@@ -154,7 +176,7 @@ def _choose(cfg: DictConfig, pinned: dict) -> tuple[dict, str]:
         )
     layout = best.layout
     chosen = {
-        "tp": layout.dims.tp, "pp": layout.dims.pp, "dp": layout.dims.dp_per_node(cfg.trainer.get("num_nodes", 1)),
+        "tp": layout.dims.tp, "pp": layout.dims.pp, "dp": layout.dims.dp_per_node(nodes),
         "data_parallel": layout.options.data_parallel,
         "activation_checkpointing": layout.options.activation_checkpointing,
         "batch_size": layout.micro_batch, "accumulate_grad_batches": layout.accumulation,

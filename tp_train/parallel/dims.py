@@ -106,14 +106,20 @@ class ParallelDims:
         return devices * num_nodes
 
     @staticmethod
+    def ranks_per_node(world_size: int, num_nodes: int = 1) -> int:
+        """The ranks each node holds of a world split evenly over `num_nodes` (`trainer.devices`)."""
+        return world_size // num_nodes
+
+    @staticmethod
     def devices_for(dp: int = 1, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1) -> int:
         """The ranks a config's degrees take: tp x pp x (dp x cp raised to a multiple of ep, which regroups those
         ranks and adds none of its own). conf/trainer/default.yaml's `devices` default."""
         return tp * pp * math.lcm(dp * cp, ep)
 
-    def dp_per_node(self, num_nodes: int) -> int:
-        """The data-parallel size on each of `num_nodes` nodes (the config's `dp`, which is per node)."""
-        return self.dp // num_nodes
+    def dp_per_node(self, num_nodes: int) -> int | None:
+        """The data-parallel size on each of `num_nodes` nodes (the config's `dp`, which is per node); None where the
+        nodes cannot hold the same number."""
+        return None if self.dp % num_nodes else self.dp // num_nodes
 
     # What the degrees make: the only products of degrees in tp_train.
     @property

@@ -22,13 +22,12 @@ import torch
 import torch.nn as nn
 
 from tp_train.parallel.dims import ParallelDims
-from tp_train.tools.hardware import HardwareProfile
+from tp_train.tools.hardware import GIB, HardwareProfile
 from tp_train.tools.simulate import SimulatedStep, simulate_step
 from tp_train.tools.step_time import StepTime, predict_step_time
 from tp_train.tools.steps import language_model_step
 from tp_train.training.apply_order import TrainingOptions
 
-GIB = 2**30
 HEADROOM = 0.10  # of a device's memory kept free: the allocator's fragmentation, the runtime's own buffers
 DEGREES = ("tp", "pp", "dp")
 SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))  # (schedule, stages per pipeline rank) tried under a pipeline
@@ -79,11 +78,14 @@ def choose_layout(
     pinned: dict[str, int | str] | None = None,
     options: TrainingOptions | None = None,
     autocast: torch.dtype | None = None,
+    num_nodes: int = 1,
 ) -> list[Candidate]:
     """Every layout of `world_size` ranks training `build()`'s model on `global_batch` sequences of `seq_len` tokens
     per optimizer step: those that fit `memory_per_device` bytes (less `HEADROOM`) first, fastest first (predicted on
     `profile`), then those that do not, smallest first. `pinned` fixes degrees ("tp", "pp", "dp") or
-    "data_parallel"; `options` gives the rest of the strategy's settings (the loss, sequence parallelism)."""
+    "data_parallel" (dp per node, as the config gives it); `options` gives the rest of the strategy's settings (the
+    loss, sequence parallelism). Over `num_nodes` nodes (the world split evenly), each node holds the same number of
+    data-parallel ranks, and a group spanning nodes is priced at the profile's inter-node bandwidth."""
     pinned = dict(pinned or {})
     unknown = sorted(set(pinned) - {*DEGREES, "data_parallel"})
     if unknown:
@@ -91,9 +93,10 @@ def choose_layout(
             f"choose_layout: cannot pin {', '.join(unknown)}; pin one of {', '.join(DEGREES)}, data_parallel"
         )
     budget = memory_per_device * (1 - HEADROOM)
+    profile = replace(profile, devices_per_node=ParallelDims.ranks_per_node(world_size, num_nodes))
     base = replace(options or TrainingOptions(loss_parallel=True), verify_plan=False)
     candidates = []
-    for dims, applied in _degrees(world_size, global_batch, pinned, base):
+    for dims, applied in _degrees(world_size, num_nodes, global_batch, pinned, base):
         candidates.append(_fit(build, dims, applied, global_batch, seq_len, vocab_size, budget, profile, autocast))
     if not candidates:
         raise ValueError(
@@ -114,13 +117,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degrees(world_size, global_batch, pinned, base) -> Iterator[tuple[ParallelDims, TrainingOptions]]:
-    """Each valid (degrees, schedule, data-parallel mode) of the world, as pinned."""
+def _degrees(world_size, num_nodes, global_batch, pinned, base) -> Iterator[tuple[ParallelDims, TrainingOptions]]:
+    """Each valid (degrees, schedule, data-parallel mode) of the world, as pinned; the same data-parallel ranks on
+    each node."""
     for tp, pp in itertools.product(_divisors(world_size), repeat=2):
         filled = _valid(ParallelDims.from_world(world_size, tp=tp, pp=pp))
-        if filled is None:  # tp x pp does not divide the world
+        per_node = filled.dp_per_node(num_nodes) if filled is not None else None
+        if per_node is None:  # tp x pp does not divide the world, or dp the nodes
             continue
-        chosen = {"tp": tp, "pp": pp, "dp": filled.dp}
+        chosen = {"tp": tp, "pp": pp, "dp": per_node}
         if any(pinned.get(key, value) != value for key, value in chosen.items()) or global_batch % filled.dp:
             continue
         modes = ("ddp", "fsdp") if filled.dp > 1 else ("ddp",)
@@ -163,11 +168,13 @@ def _fit(build, dims, options, global_batch, seq_len, vocab_size, budget, profil
                 return smallest or Candidate(layout, 0, None, 0.0, fits=False, unshardable=str(error))
             memory = max(step.memory.peak for step in steps)
             if memory <= budget:
-                time = predict_step_time(steps, dims, profile, microbatches)
-                time = StepTime(*(accumulation * part for part in vars(time).values()))
+                time = predict_step_time(steps, dims, profile, microbatches, accumulation)
                 return Candidate(layout, memory, time, global_batch * seq_len / time.total, fits=True)
             if smallest is None or memory < smallest.memory:
                 smallest = Candidate(layout, memory, None, 0.0, fits=False)
+    if smallest is None:  # no micro-batch of the share splits into the pipeline's microbatches
+        reason = f"no micro-batch of {share} sequences a rank divides into {dims.stages} pipeline stages"
+        return Candidate(Layout(dims, options, share, 1, dims.stages), 0, None, 0.0, fits=False, unshardable=reason)
     return smallest
 
 

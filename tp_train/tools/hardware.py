@@ -39,14 +39,14 @@ class HardwareProfile:
     thread_efficiency: float = 1.0  # CPU ranks: what each intra-op thread past the first adds, of one thread's rate
     source: str = ""
 
-    def slowdown(self, ranks_on_node: int) -> float:
-        """How much slower than one thread of `flops_per_s` each rank runs when `ranks_on_node` share the node: CPU
-        ranks split the cores into intra-op threads (`cores // ranks`, at least one, as Lightning's launcher does),
-        each past the first adding `thread_efficiency`, and ranks beyond the cores share them; a GPU is its rank's."""
+    def thread_speed(self, ranks_on_node: int) -> float:
+        """How many times one thread's rate each rank computes at when `ranks_on_node` share the node: CPU ranks
+        split the cores into intra-op threads (`cores // ranks`, at least one, as Lightning's launcher does), each past
+        the first adding `thread_efficiency`; a GPU is its rank's own (1). Ranks beyond the cores share them: the time
+        model's `sharing`."""
         if self.cores is None:
             return 1.0
-        threads = max(1, self.cores // ranks_on_node)
-        return max(1.0, ranks_on_node / self.cores) / (1 + (threads - 1) * self.thread_efficiency)
+        return 1 + (max(1, self.cores // ranks_on_node) - 1) * self.thread_efficiency
 
     def describe(self) -> str:
         return f"{self.name}: {self.source}"
@@ -73,7 +73,7 @@ GPU_PROFILES = {
 # op's dispatch measured by `python -m tp_train.tools.hardware`; gloo's all-reduce latency a hop and bandwidth from 2
 # ranks' all-reduces of 4 B to 16 MiB; `efficiency` and `thread_efficiency` fitted on two layouts of
 # `python -m tp_train.tools.bench.step_time` (dp=2 DDP, one thread a rank; one process of two threads), the rest of
-# its layouts then predicted (docs/performance.md).
+# its layouts then predicted (docs/choosing-degrees.md).
 CPU_HERE = HardwareProfile(
     "cpu-2core", 7.0e10, 0.75, 9e-6, 24 * GIB, 64, 0.8e9, 0.8e9, 2.5e-4, 0.0, cores=2, thread_efficiency=0.43,
     source="measured on this project's 2-core CI machine, 2026-12-07",

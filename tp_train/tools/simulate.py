@@ -6,7 +6,7 @@ What fake ranks cannot carry, and what is done instead:
 - plan verification runs the model on real values: off (the plan is the model's own, or the one given);
 - DDP's reducer needs real storage: the model is not wrapped, and its gradient buckets (one flat copy of the
   trainable parameters' gradients, torch's default) are added to the peak by arithmetic, as are its all-reduces
-  (one per bucket of `DDP_BUCKET_BYTES`) to the step's collectives;
+  (`ddp_buckets`: a first small bucket, then one per `DDP_BUCKET_BYTES`) to the step's collectives;
 - a pipeline's stages exchange their shapes over the group: they are answered on the rank
   (`tp_train.tools.simulated_pipeline`), for the schedules of forwards and full backwards;
 - a forward whose shapes depend on the data (a mixture of experts' dropless routing: `nonzero`, `bincount`) cannot
@@ -38,7 +38,7 @@ MIB = 2**20
 SIMULATED_STEPS = 2  # the last one counted: the optimizer's states and the pipeline's buffers exist by then
 # The pipeline schedules whose actions are forwards and full backwards (not split into input and weight gradients).
 SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
-DDP_BUCKET_BYTES = 25 * MIB  # DDP's default bucket_cap_mb
+DDP_BUCKET_BYTES = 25 * MIB  # DDP's default bucket_cap_mb; its first bucket is torch's _DEFAULT_FIRST_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -187,9 +187,18 @@ def _simulated_step(build, dims, forward_backward, options, rank, optimizer, bou
         if wrapped_by_ddp(training, options):
             buckets = sum(_bytes(param) for param in trainable)
             replicas = Collective(ALL_REDUCE, REPLICAS, tuple(dist.get_process_group_ranks(mesh.replicas.get_group())))
-            counts.collectives[replicas] = CollectiveCount(calls=-(-buckets // DDP_BUCKET_BYTES), bytes=buckets)
+            count = counts.collectives.setdefault(replicas, CollectiveCount())
+            count.calls += ddp_buckets(buckets)
+            count.bytes += buckets
     memory = SimulatedMemory(**{kind: live.at_peak.get(kind, 0) for kind in KINDS}, gradient_buckets=buckets)
     return SimulatedStep(memory, counts.flops, counts.operations, dict(counts.collectives))
+
+
+def ddp_buckets(gradient_bytes: int) -> int:
+    """The all-reduces DDP makes of `gradient_bytes`: a first bucket of torch's first-bucket size, then buckets of
+    `DDP_BUCKET_BYTES`."""
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES
+    return 1 + -(-max(0, gradient_bytes - first) // DDP_BUCKET_BYTES) if gradient_bytes else 0
 
 
 def _pipeline_buffers(pipeline) -> list[torch.Tensor]:

@@ -1,16 +1,19 @@
-"""The time of one training step, predicted from a simulated step's counts (`tp_train.tools.simulate.SimulatedStep`)
-and a hardware profile (`tp_train.tools.hardware`):
+"""The time of one optimizer step, predicted from a simulated step's counts (`tp_train.tools.simulate.SimulatedStep`)
+and a hardware profile (`tp_train.tools.hardware`). Each rank's work on one micro-batch:
 
-    step = (compute + exposed communication) x (1 + bubble)
-
-- compute: the step's FLOPs at the profile's rate times its efficiency, plus a fixed cost per dispatched operation
-  (what dominates small models: a kernel launch, a CPU op's dispatch);
+- compute: its FLOPs at the profile's rate times its efficiency, plus a fixed cost per dispatched operation (what
+  dominates small models: a kernel launch, a CPU op's dispatch);
 - communication: each collective priced as its algorithm moves it (a ring's steps and bytes, `wire_bytes`) over the
-  links its group spans (within a node, or across nodes); the tensor, context, expert and pipeline parallel ones wait
-  in the step's path; the data-parallel ones (gradient all-reduces and reduce-scatters, FSDP2's all-gathers) run beside
-  up to `overlap` of the compute;
-- the pipeline bubble: a schedule of m microbatches over pp ranks of v stages each idles (pp - 1) / (m v) of its work.
-CPU ranks sharing a node's cores run slower by the profile's `slowdown`.
+  links its group spans (within a node, or across nodes); the tensor, context, expert and pipeline parallel ones are
+  waited on; the data-parallel ones (gradient all-reduces and reduce-scatters, FSDP2's all-gathers) run beside up to
+  `overlap` of the compute, except under a pipeline, which averages its stages' gradients after its schedule.
+
+With `accumulation` micro-batches a step, each is computed, but the gradients are reduced once (the micro-batches
+before the last accumulate inside `no_sync`). The step is then the slowest simulated rank's work plus the pipeline
+bubble, (pp - 1) / (m v) of the stages' mean work (m microbatches, v stages a rank: the others fill and drain the
+pipeline meanwhile). CPU ranks split a node's cores into intra-op threads (`HardwareProfile.thread_speed`); ranks
+beyond the cores share them, so the step takes at least every rank's work over the cores (`sharing`: a rank that waits
+in the bubble leaves its core to the others).
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from tp_train.tools.step_counts import (
     Collective,
 )
 
-# The groups whose collectives reduce gradients or gather parameters, which can run beside the compute.
+# The groups whose collectives reduce gradients or gather parameters, which can run beside the compute; their
+# gradient reductions run once an optimizer step however many micro-batches it accumulates.
 DATA_PARALLEL_ROLES = frozenset({REPLICAS, DATA_PARALLEL, DATA_REPLICATE, SHARD_GROUP, EXPERT_REPLICAS})
+GRADIENT_REDUCTIONS = frozenset({ALL_REDUCE, REDUCE_SCATTER})
 
 
 @dataclass(frozen=True)
@@ -44,10 +49,11 @@ class StepTime:
     communication: float  # what the step waits on
     hidden_communication: float  # what ran beside the compute
     bubble: float
+    sharing: float = 0.0  # CPU ranks beyond the cores: the wait for a core, past the rest
 
     @property
     def total(self) -> float:
-        return self.compute + self.communication + self.bubble
+        return self.compute + self.communication + self.bubble + self.sharing
 
 
 def wire_bytes(kind: str, ranks: int, tensor_bytes: int) -> float:
@@ -85,27 +91,37 @@ def bubble_fraction(dims: ParallelDims, microbatches: int) -> float:
 
 
 def predict_step_time(
-    steps: Sequence[SimulatedStep], dims: ParallelDims, profile: HardwareProfile, microbatches: int = 1
+    steps: Sequence[SimulatedStep],
+    dims: ParallelDims,
+    profile: HardwareProfile,
+    microbatches: int = 1,
+    accumulation: int = 1,
 ) -> StepTime:
-    """The step on `profile`'s devices (see the module docstring) of the ranks `steps` simulated: one rank's, or
-    under a pipeline one per stage kind (its first and last ranks: the embedding's and the head's). The slowest one's
-    work, and a bubble of `bubble_fraction` of the stages' mean work: a rank idles while the others fill and drain
-    the pipeline. `microbatches`: the pipeline's, per step."""
-    slowdown = profile.slowdown(min(dims.world_size, profile.devices_per_node))
-    busy = [_busy(step, profile, slowdown) for step in steps]
-    compute, communication, hidden = max(busy, key=lambda parts: parts[0] + parts[1])
-    mean_work = sum(parts[0] + parts[1] for parts in busy) / len(busy)
-    return StepTime(compute, communication, hidden, mean_work * bubble_fraction(dims, microbatches))
+    """The optimizer step (see the module docstring) of the ranks `steps` simulated, on `profile`'s devices: one
+    rank's, or under a pipeline one per stage kind (its first and last ranks: the embedding's and the head's), each a
+    step of one micro-batch. `microbatches`: the pipeline's per micro-batch; `accumulation`: micro-batches a step."""
+    ranks_on_node = min(dims.world_size, profile.devices_per_node)
+    speed = profile.thread_speed(ranks_on_node)
+    work = [_work(step, dims, profile, accumulation, speed) for step in steps]
+    compute, communication, hidden = max(work, key=lambda parts: parts[0] + parts[1])
+    mean_work = sum(parts[0] + parts[1] for parts in work) / len(work)
+    bubble = mean_work * bubble_fraction(dims, microbatches)
+    sharing = 0.0
+    if profile.cores is not None and ranks_on_node > profile.cores:
+        sharing = max(0.0, ranks_on_node * mean_work / profile.cores - (compute + communication + bubble))
+    return StepTime(compute, communication, hidden, bubble, sharing)
 
 
-def _busy(step: SimulatedStep, profile: HardwareProfile, slowdown: float) -> tuple[float, float, float]:
-    """(compute, communication waited on, communication hidden) of one rank's step, in seconds."""
+def _work(step, dims, profile, accumulation, speed) -> tuple[float, float, float]:
+    """(compute, communication waited on, communication hidden) of one rank's optimizer step, in seconds."""
     compute = step.flops / (profile.flops_per_s * profile.efficiency) + step.operations * profile.operation_s
-    compute *= slowdown
+    compute *= accumulation / speed
     waited = beside = 0.0
     for collective, count in step.collectives.items():
-        seconds = collective_seconds(collective, count.calls, count.bytes, profile) * slowdown
-        if collective.role in DATA_PARALLEL_ROLES:
+        reduced_once = collective.role in DATA_PARALLEL_ROLES and collective.kind in GRADIENT_REDUCTIONS
+        calls = 1 if reduced_once else accumulation
+        seconds = calls * collective_seconds(collective, count.calls, count.bytes, profile) / speed
+        if collective.role in DATA_PARALLEL_ROLES and dims.pp == 1:
             beside += seconds
         else:
             waited += seconds

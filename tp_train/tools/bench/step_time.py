@@ -10,6 +10,7 @@ predicted parts. The model and batch are fixed; each data-parallel rank takes it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -25,6 +26,8 @@ from models import GPT, GPTConfig
 from tp_train.parallel.dims import ParallelDims
 from tp_train.tools.bench.measure import group_max
 from tp_train.tools.bench.ranks import start_ranks
+from tp_train.tools.choose import choose_layout
+from tp_train.tools.choose import table as choice_table
 from tp_train.tools.hardware import PROFILES, profile_named
 from tp_train.tools.simulate import simulate_step
 from tp_train.tools.step_time import predict_step_time
@@ -93,21 +96,22 @@ def predicted(layout: Layout, args) -> dict:
     return asdict(predict_step_time(steps, dims, profile_named(args.hardware), MICROBATCHES))
 
 
-def _measure(rank: int, world_size: int, device: torch.device, layout: Layout, args, out: Path) -> None:
+def _measure(rank, world_size, device, dims, options, micro_batch, accumulation, args, out: Path) -> None:
+    """The median seconds of an optimizer step (its `accumulation` micro-batches of `micro_batch` sequences) on the
+    slowest rank, written to `out` by rank 0."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # as Lightning's launcher sets it
-    dims = layout.dims()
     torch.manual_seed(0)
-    training = parallelize_for_training(
-        GPT(model_config(args)), dims, dims.build_mesh(device.type), device, options(layout)
-    )
+    training = parallelize_for_training(GPT(model_config(args)), dims, dims.build_mesh(device.type), device, options)
     optimizer = torch.optim.AdamW(training.root.parameters())
-    step = language_model_step(args.batch, args.seq, args.vocab, generator=torch.Generator().manual_seed(rank))
+    step = language_model_step(micro_batch, args.seq, args.vocab, generator=torch.Generator().manual_seed(rank))
     times = []
     for index in range(args.warmup + args.steps):
         dist.barrier()
         start = time.perf_counter()
-        step(training)
-        training.after_backward()
+        for micro in range(accumulation):
+            with training.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
+                step(training)
+                training.after_backward()
         optimizer.step()
         optimizer.zero_grad()
         if index >= args.warmup:
@@ -115,6 +119,42 @@ def _measure(rank: int, world_size: int, device: torch.device, layout: Layout, a
     slowest = group_max(statistics.median(times), dist.group.WORLD, device)
     if rank == 0:
         out.write_text(json.dumps({"measured": slowest}))
+
+
+def measured(dims, options, micro_batch: int, accumulation: int, args) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "measured.json"
+        start_ranks(_measure, dims.world_size, dims, options, micro_batch, accumulation, args, out)
+        return json.loads(out.read_text())["measured"]
+
+
+def choice_sweep(args) -> None:
+    """The chooser's candidates for `--world` ranks under `--memory-mib`, and every fitting one measured."""
+    config, memory = model_config(args), args.memory_mib * 2**20
+    candidates = choose_layout(
+        lambda: GPT(config), args.world, args.global_batch, args.seq, args.vocab, memory, profile_named(args.hardware)
+    )
+    print(choice_table(candidates, memory), flush=True)
+    rows = []
+    for candidate in (c for c in candidates if c.fits):
+        layout = candidate.layout
+        seconds = measured(layout.dims, layout.options, layout.micro_batch, layout.accumulation, args)
+        rows.append({"layout": layout.label(), "memory_mib": candidate.memory / 2**20,
+                     "predicted_tokens_per_s": candidate.tokens_per_s,
+                     "measured_tokens_per_s": args.global_batch * args.seq / seconds})  # fmt: skip
+        row = rows[-1]
+        print(f"{row['layout']:<44} {row['memory_mib']:8.1f} MiB {row['predicted_tokens_per_s']:9.0f} "
+              f"{row['measured_tokens_per_s']:9.0f}", flush=True)  # fmt: skip
+    best = max(row["measured_tokens_per_s"] for row in rows)
+    slowest = min(row["measured_tokens_per_s"] for row in rows)
+    over = sum(not c.fits for c in candidates)
+    chosen = rows[0]
+    print(
+        f"chosen: {chosen['layout']}, measured {chosen['measured_tokens_per_s'] / best:.2f} of the best measured; "
+        f"fastest / slowest measured {best / slowest:.2f}; {over} layouts over the memory or unshardable"
+    )
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=2))
 
 
 def table(rows: list[dict]) -> str:
@@ -146,18 +186,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hardware", default="cpu-2core", choices=sorted(PROFILES))
     parser.add_argument("--layouts", type=int, nargs="*", help="indices into LAYOUTS (default: all)")
     parser.add_argument("--output", default=None, help="write the rows as JSON here")
+    parser.add_argument("--choose", action="store_true", help="the chooser's sweep instead (tools/choose.py)")
+    parser.add_argument("--world", type=int, default=4, help="--choose: the ranks")
+    parser.add_argument("--memory-mib", type=float, default=64.0, help="--choose: each rank's memory")
+    parser.add_argument("--global-batch", type=int, default=16, help="--choose: sequences per optimizer step")
     args = parser.parse_args(argv)
+    if args.choose:
+        choice_sweep(args)
+        return
     chosen = [LAYOUTS[index] for index in args.layouts] if args.layouts else LAYOUTS
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for layout in chosen:
-            prediction = predicted(layout, args)
-            out = Path(tmp) / "measured.json"
-            start_ranks(_measure, layout.world_size, layout, args, out)
-            measured = json.loads(out.read_text())["measured"]
-            rows.append({"layout": layout.label(), "ranks": layout.world_size, "predicted": prediction,
-                         "measured": measured})  # fmt: skip
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    for layout in chosen:
+        prediction = predicted(layout, args)
+        seconds = measured(layout.dims(), options(layout), args.batch, 1, args)
+        rows.append({"layout": layout.label(), "ranks": layout.world_size, "predicted": prediction,
+                     "measured": seconds})  # fmt: skip
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=2))
