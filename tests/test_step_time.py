@@ -27,6 +27,7 @@ from tp_train.tools.step_counts import (
     REDUCE_SCATTER,
     Collective,
     CollectiveCount,
+    StepCounts,
 )
 from tp_train.tools.step_time import bubble_fraction, collective_seconds, predict_step_time, ring_steps, wire_bytes
 from tp_train.tools.steps import language_model_step
@@ -120,8 +121,17 @@ def test_a_pipeline_stage_sends_each_microbatch_on_and_receives_its_gradient_bac
     assert messages.bytes == 2 * BATCH * SEQ * WIDTH * 4 + BATCH * SEQ * 8
 
 
+def test_the_other_operations_are_counted_by_the_bytes_they_move_and_views_by_none():
+    x = torch.ones(1000)
+    with StepCounts() as counts:
+        x.view(10, 100).t()  # views of x: nothing read or written
+        x + 1  # reads x, writes a new tensor of its size
+        x.mul_(2)  # in place: reads and writes x
+    assert counts.memory_traffic == 2 * 4000 + 2 * 4000 and counts.flops == 0 and counts.operations == 4
+
+
 def _step(flops: float, collectives: dict) -> tp_train.SimulatedStep:
-    return tp_train.SimulatedStep(SimulatedMemory(0, 0, 0, 0, 0, 0, 0), int(flops), 0, collectives)
+    return tp_train.SimulatedStep(SimulatedMemory(0, 0, 0, 0, 0, 0, 0), int(flops), 0, 0, collectives)
 
 
 def test_the_time_model_prices_compute_links_overlap_and_the_bubble():

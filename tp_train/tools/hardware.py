@@ -29,6 +29,7 @@ class HardwareProfile:
     flops_per_s: float  # one device's: dense bf16 on a GPU (data sheet), fp32 matmuls on one CPU core (measured)
     efficiency: float  # the fraction of `flops_per_s` a step's FLOPs reach
     operation_s: float  # the fixed cost of one dispatched operation (a kernel launch; an op's dispatch on a CPU)
+    memory_bytes_per_s: float  # one device's memory bandwidth: what the operations other than matmuls are bound by
     memory_bytes: int  # one device's memory
     devices_per_node: int
     intra_node_bytes_per_s: float  # one device's bandwidth to its node's others, one direction (NVLink; shared memory)
@@ -57,25 +58,26 @@ class HardwareProfile:
 # systems), 8 GPUs a node (HGX / DGX). Latency: a few microseconds a hop for NCCL within a node, ~10 across nodes.
 GPU_PROFILES = {
     "h100-80gb": HardwareProfile(
-        "h100-80gb", 989e12, FITTED_EFFICIENCY, 5e-6, 80 * 10**9, 8, 450e9, 50e9, 10e-6, 0.9,
+        "h100-80gb", 989e12, FITTED_EFFICIENCY, 5e-6, 3.35e12, 80 * 10**9, 8, 450e9, 50e9, 10e-6, 0.9,
         source="NVIDIA H100 SXM5 data sheet; efficiency fitted on torchtitan's Llama 3.1 8B FSDP run",
     ),
     "h200-141gb": HardwareProfile(
-        "h200-141gb", 989e12, FITTED_EFFICIENCY, 5e-6, 141 * 10**9, 8, 450e9, 50e9, 10e-6, 0.9,
+        "h200-141gb", 989e12, FITTED_EFFICIENCY, 5e-6, 4.8e12, 141 * 10**9, 8, 450e9, 50e9, 10e-6, 0.9,
         source="NVIDIA H200 SXM data sheet; the H100's efficiency",
     ),
     "a100-80gb": HardwareProfile(
-        "a100-80gb", 312e12, FITTED_EFFICIENCY, 5e-6, 80 * 10**9, 8, 300e9, 25e9, 10e-6, 0.9,
+        "a100-80gb", 312e12, FITTED_EFFICIENCY, 5e-6, 2.039e12, 80 * 10**9, 8, 300e9, 25e9, 10e-6, 0.9,
         source="NVIDIA A100 SXM4 80GB data sheet; the H100's efficiency",
     ),
 }  # fmt: skip
 # This project's CI machine (2 cores, 24 GiB, gloo over loopback), 2026-12-07: one thread's fp32 matmul rate and an
-# op's dispatch measured by `python -m tp_train.tools.hardware`; gloo's all-reduce latency a hop and bandwidth from 2
-# ranks' all-reduces of 4 B to 16 MiB; `efficiency` and `thread_efficiency` fitted on two layouts of
-# `python -m tp_train.tools.bench.step_time` (dp=2 DDP, one thread a rank; one process of two threads), the rest of
-# its layouts then predicted (docs/choosing-degrees.md).
+# op's dispatch measured by `python -m tp_train.tools.hardware`; one thread's copy bandwidth on 32 MiB tensors (16-27
+# GB/s); gloo's all-reduce latency a hop and bandwidth from 2 ranks' all-reduces of 4 B to 16 MiB. `efficiency` and
+# `thread_efficiency` fitted (the worst predicted / measured ratio made smallest, on a grid) on the 49 measured steps
+# of `python -m tp_train.tools.bench.step_time`: three runs of its 9 layouts and two of its choice sweep
+# (docs/choosing-degrees.md).
 CPU_HERE = HardwareProfile(
-    "cpu-2core", 7.0e10, 0.75, 9e-6, 24 * GIB, 64, 0.8e9, 0.8e9, 2.5e-4, 0.0, cores=2, thread_efficiency=0.43,
+    "cpu-2core", 7.0e10, 1.0, 9e-6, 2.0e10, 24 * GIB, 64, 0.8e9, 0.8e9, 2.5e-4, 0.0, cores=2, thread_efficiency=0.3,
     source="measured on this project's 2-core CI machine, 2026-12-07",
 )  # fmt: skip
 PROFILES = {**GPU_PROFILES, CPU_HERE.name: CPU_HERE}

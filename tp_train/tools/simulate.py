@@ -71,6 +71,7 @@ class SimulatedStep:
     memory: SimulatedMemory
     flops: int
     operations: int
+    memory_traffic: int  # bytes read and written by the operations that are not matrix products
     collectives: dict[Collective, CollectiveCount]
 
 
@@ -191,7 +192,7 @@ def _simulated_step(build, dims, forward_backward, options, rank, optimizer, bou
             count.calls += ddp_buckets(buckets)
             count.bytes += buckets
     memory = SimulatedMemory(**{kind: live.at_peak.get(kind, 0) for kind in KINDS}, gradient_buckets=buckets)
-    return SimulatedStep(memory, counts.flops, counts.operations, dict(counts.collectives))
+    return SimulatedStep(memory, counts.flops, counts.operations, counts.memory_traffic, dict(counts.collectives))
 
 
 def ddp_buckets(gradient_bytes: int) -> int:

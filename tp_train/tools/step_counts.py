@@ -60,8 +60,10 @@ class CollectiveCount:
 
 
 class StepCounts(TorchDispatchMode):
-    """Counts what runs while active: `flops`, `operations` (dispatched ops) and `collectives` ({Collective: its
-    calls and bytes}). `roles` maps a process group's name to the role its collectives are filed under."""
+    """Counts what runs while active: `flops` (of matrix products and attentions), `memory_traffic` (the bytes the
+    other operations read and write: elementwise, norms, copies, the optimizer; views move none), `operations`
+    (dispatched ops) and `collectives` ({Collective: its calls and bytes}). `roles` maps a process group's name to the
+    role its collectives are filed under."""
 
     def __init__(self, roles: Mapping[str, str] | None = None) -> None:
         super().__init__()
@@ -70,6 +72,7 @@ class StepCounts(TorchDispatchMode):
 
     def reset(self) -> None:
         self.flops = 0
+        self.memory_traffic = 0
         self.operations = 0
         self.collectives: dict[Collective, CollectiveCount] = {}
 
@@ -84,6 +87,9 @@ class StepCounts(TorchDispatchMode):
             # a DTensor's FLOPs are its shard's: what this rank computes
             local_args, local_kwargs, local_out = tree_map_only(torch.Tensor, _local, (args, kwargs, out))
             self.flops += flop_registry[func._overloadpacket](*local_args, **local_kwargs, out_val=local_out)
+        elif not _is_view(func):
+            local_args, local_kwargs, local_out = tree_map_only(torch.Tensor, _local, (args, kwargs, out))
+            self.memory_traffic += _bytes((local_args, local_kwargs, local_out))
         return out
 
     def _collective(self, kind: str, args, kwargs) -> None:
@@ -109,6 +115,13 @@ class StepCounts(TorchDispatchMode):
     @property
     def collective_bytes(self) -> int:
         return sum(count.bytes for count in self.collectives.values())
+
+
+def _is_view(func) -> bool:
+    """Whether `func` returns a view of an input (it moves no data), as its schema says: an aliased return that
+    is not written to (an in-place op's is)."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

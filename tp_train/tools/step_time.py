@@ -1,8 +1,9 @@
 """The time of one optimizer step, predicted from a simulated step's counts (`tp_train.tools.simulate.SimulatedStep`)
 and a hardware profile (`tp_train.tools.hardware`). Each rank's work on one micro-batch:
 
-- compute: its FLOPs at the profile's rate times its efficiency, plus a fixed cost per dispatched operation (what
-  dominates small models: a kernel launch, a CPU op's dispatch);
+- compute: its FLOPs at the profile's rate times its efficiency, the bytes its other operations read and write at
+  the memory's bandwidth, plus a fixed cost per dispatched operation (what dominates small models: a kernel launch,
+  a CPU op's dispatch);
 - communication: each collective priced as its algorithm moves it (a ring's steps and bytes, `wire_bytes`) over the
   links its group spans (within a node, or across nodes); the tensor, context, expert and pipeline parallel ones are
   waited on; the data-parallel ones (gradient all-reduces and reduce-scatters, FSDP2's all-gathers) run beside up to
@@ -115,6 +116,7 @@ def predict_step_time(
 def _work(step, dims, profile, accumulation, speed) -> tuple[float, float, float]:
     """(compute, communication waited on, communication hidden) of one rank's optimizer step, in seconds."""
     compute = step.flops / (profile.flops_per_s * profile.efficiency) + step.operations * profile.operation_s
+    compute += step.memory_traffic / profile.memory_bytes_per_s
     compute *= accumulation / speed
     waited = beside = 0.0
     for collective, count in step.collectives.items():

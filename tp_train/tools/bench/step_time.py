@@ -164,7 +164,7 @@ def table(rows: list[dict]) -> str:
     ]
     for row in rows:
         p = row["predicted"]
-        p["total"] = p["compute"] + p["communication"] + p["bubble"]
+        p["total"] = p["compute"] + p["communication"] + p["bubble"] + p["sharing"]
         lines.append(
             f"{row['layout']:<28} {row['ranks']:>5} {p['total'] * 1e3:12.1f} {row['measured'] * 1e3:11.1f} "
             f"{p['total'] / row['measured']:6.2f} {p['compute'] * 1e3:8.1f} {p['communication'] * 1e3:7.1f} "
