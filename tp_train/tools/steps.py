@@ -22,10 +22,10 @@ def language_model_step(
     and loss under CPU/CUDA autocast to `autocast` where given (Lightning's mixed precision)."""
 
     def step(training: ParallelTraining) -> None:
+        device = next(training.root.parameters()).device  # a GPU rank's; the simulator's fake ranks are on the CPU
         with real_values():
-            tokens = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+            tokens = torch.randint(0, vocab, (batch, seq + 1), generator=generator).to(device)
             ids, targets = tokens[:, :-1], tokens[:, 1:]
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
             if training.pipeline is not None:
                 training.pipeline.train_step(ids, targets)
