@@ -171,7 +171,7 @@ def run(cfg: DictConfig) -> float | None:
         if layouts is not None:  # parallel=auto, on the launching process: what it chose among
             print(layouts, flush=True)
         preflight.check_in_launching_process(cfg, lambda: instantiate(cfg.model), rank_zero_only.rank)
-        if rank_zero_only.rank == 0:  # the launching process, before any other rank starts
+        if rank_zero_only.rank == 0 and layouts is None:  # the launching process (auto printed the simulated memory)
             try:
                 estimate = estimate_for_config(cfg, lambda: instantiate(cfg.model))
             except ValueError as error:  # a model of your own whose config gives no layer count or width: advisory
