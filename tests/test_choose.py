@@ -18,7 +18,7 @@ from tp_train.app.auto_layout import CHOSEN_ENVIRONMENT_VARIABLE, apply_auto_lay
 from tp_train.errors import ConfigError
 from tp_train.parallel.dims import ParallelDims
 from tp_train.tools.choose import HEADROOM, choose_layout
-from tp_train.tools.hardware import CPU_HERE, profile_named
+from tp_train.tools.hardware import CPU_HERE
 from tp_train.tools.simulate import simulate_step
 from tp_train.tools.steps import language_model_step
 from tp_train.training.apply_order import TrainingOptions
@@ -89,13 +89,6 @@ def test_pinned_degrees_are_kept():
     assert {c.layout.options.data_parallel for c in _choose(2**30, dp=2, data_parallel="fsdp")} == {"fsdp"}
     with pytest.raises(ValueError, match=r"^choose_layout: cannot pin cp; pin one of tp, pp, dp, data_parallel$"):
         _choose(2**30, cp=2)
-
-
-def test_the_profile_changes_the_times_not_the_memory(roomy):
-    on_cpu = {c.layout.label(): c for c in roomy}
-    on_gpu = choose_layout(_gpt, 2, GLOBAL_BATCH, SEQ, VOCAB, 2**30, profile_named("h100-80gb"))
-    for candidate in on_gpu:
-        assert candidate.memory == on_cpu[candidate.layout.label()].memory
 
 
 def test_each_node_holds_the_same_data_parallel_ranks_and_a_batch_the_pipeline_cannot_split_is_said():

@@ -24,6 +24,7 @@ from tp_train.errors import ConfigError
 from tp_train.parallel.dims import ParallelDims
 from tp_train.tools.choose import DEGREES, HEADROOM, choose_layout, size_label, table
 from tp_train.tools.hardware import CPU_HERE, GIB, PROFILES, profile_named
+from tp_train.tools.memory import MIB
 from tp_train.training.apply_order import TrainingOptions
 
 AUTO = "auto"
@@ -183,7 +184,7 @@ def _choose(cfg: DictConfig, pinned: dict) -> tuple[dict, str]:
         "pipeline_schedule": layout.options.pipeline_schedule,
         "pipeline_microbatches": layout.options.pipeline_microbatches,
         "pipeline_virtual_stages": layout.dims.virtual_stages,
-        "label": layout.label(), "memory_mib": round(best.memory / 2**20, 1),
+        "label": layout.label(), "memory_mib": round(best.memory / MIB, 1),
         "predicted_tokens_per_s": round(best.tokens_per_s, 1),
     }  # fmt: skip
     title = f"parallel=auto: {world_size} ranks, {memory / GIB:.2f} GiB each, {profile.name}; chose {layout.label()}"

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from tp_train.parallel.dims import ParallelDims
 from tp_train.tools.hardware import GIB, HardwareProfile
+from tp_train.tools.memory import MIB
 from tp_train.tools.simulate import SimulatedStep, simulate_step
 from tp_train.tools.step_time import StepTime, predict_step_time
 from tp_train.tools.steps import language_model_step
@@ -163,7 +164,7 @@ def _fit(build, dims, options, global_batch, seq_len, vocab_size, budget, profil
             )  # fmt: skip
             layout = Layout(dims, applied, micro_batch, accumulation, microbatches)
             try:
-                steps = _simulated(build, layout, seq_len, vocab_size, autocast)
+                steps = simulated_ranks(build, layout, seq_len, vocab_size, autocast)
             except ValueError as error:  # a model these degrees cannot shard (heads tp does not divide, too few blocks)
                 return smallest or Candidate(layout, 0, None, 0.0, fits=False, unshardable=str(error))
             memory = max(step.memory.peak for step in steps)
@@ -186,8 +187,9 @@ def _pipeline_microbatches(dims: ParallelDims, micro_batch: int) -> int | None:
     return next((m for m in (2 * dims.stages, dims.stages) if micro_batch % m == 0), None)
 
 
-def _simulated(build, layout: Layout, seq_len, vocab_size, autocast) -> list[SimulatedStep]:
-    """The simulated step of the layout's first rank and, under a pipeline, its last (the head's stage)."""
+def simulated_ranks(build, layout: Layout, seq_len, vocab_size, autocast=None) -> list[SimulatedStep]:
+    """One micro-batch's step of the layout's first rank and, under a pipeline, of its last (the head's stage): the
+    ranks `predict_step_time` takes."""
     dims = layout.dims
     step = language_model_step(layout.micro_batch, seq_len, vocab_size, autocast=autocast)
     ranks = [0] if dims.pp == 1 else [0, dims.world_size - 1]
@@ -217,4 +219,4 @@ def table(candidates: list[Candidate], memory_per_device: float, rows: int = 5) 
 
 
 def size_label(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB"

@@ -49,9 +49,6 @@ class HardwareProfile:
             return 1.0
         return 1 + (max(1, self.cores // ranks_on_node) - 1) * self.thread_efficiency
 
-    def describe(self) -> str:
-        return f"{self.name}: {self.source}"
-
 
 # NVIDIA's data sheets: H100 SXM5 and H200 SXM (dense bf16 989 TFLOP/s; NVLink 4 at 900 GB/s both directions), A100
 # SXM4 80GB (312 TFLOP/s; NVLink 3 at 600 GB/s); one 400 Gb/s NDR InfiniBand card per GPU (200 Gb/s HDR on A100

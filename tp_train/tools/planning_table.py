@@ -14,9 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tp_train.parallel.dims import ParallelDims
+from tp_train.tools.hardware import GIB
 from tp_train.tools.memory import estimate_memory
 
-GIB = 2**30
 # Each shape's LlamaConfig fields; vocabulary 32000, context 4096 for all three.
 FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 LLAMA_2 = {

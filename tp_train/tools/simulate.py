@@ -29,12 +29,12 @@ from tp_train.parallel.fake_ranks import FAKE_BACKEND
 from tp_train.parallel.mesh import REPLICAS
 from tp_train.parallel.pipeline import schedule_named
 from tp_train.tools.live_bytes import BUFFERS, KINDS, OPTIMIZER_STATES, PARAMETERS, RECEIVE_BUFFERS, LiveBytes
+from tp_train.tools.memory import MIB
 from tp_train.tools.simulated_pipeline import FirstBoundaryFound, simulated_pipeline
 from tp_train.tools.step_counts import ALL_REDUCE, Collective, CollectiveCount, StepCounts
 from tp_train.training.apply_order import TrainingOptions, parallelize_for_training, wrapped_by_ddp
 from tp_train.training.parallel_training import ParallelTraining
 
-MIB = 2**20
 SIMULATED_STEPS = 2  # the last one counted: the optimizer's states and the pipeline's buffers exist by then
 # The pipeline schedules whose actions are forwards and full backwards (not split into input and weight gradients).
 SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")

@@ -10,7 +10,6 @@ an all-to-all's input, a point-to-point message; what each rank sends of it depe
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -101,12 +100,6 @@ class StepCounts(TorchDispatchMode):
         count = self.collectives.setdefault(key, CollectiveCount())
         count.calls += 1
         count.bytes += max(_bytes(arg) for arg in (*args, *kwargs.values()))
-
-    def calls_by_kind(self) -> Counter[str]:
-        calls: Counter[str] = Counter()
-        for key, count in self.collectives.items():
-            calls[key.kind] += count.calls
-        return calls
 
     @property
     def collective_calls(self) -> int:

@@ -1,11 +1,11 @@
 """`python -m tp_train.tools.bench.step_time`: the time model (`tp_train.tools.step_time`) against measured steps.
 
-Each layout's step is simulated in this process (`simulate_step`, rank 0 and, under a pipeline, its last rank: the
-slower is predicted) and priced with a hardware profile (this machine's CPU profile by default), then run for real on
-gloo ranks (each with the intra-op threads Lightning's launcher gives it: the cores over the ranks, at least one) and
-timed: the median step of the slowest rank. One table: predicted and measured milliseconds a step, their ratio, and the
-predicted parts. The model and batch are fixed; each data-parallel rank takes its own batch of that size.
-"""
+Each layout's step is simulated in this process (`tp_train.tools.choose.simulated_ranks`: rank 0 and, under a
+pipeline, its last rank) and priced with a hardware profile (this machine's CPU profile by default), then run for
+real on gloo ranks (each with the intra-op threads Lightning's launcher gives it: the cores over the ranks, at least
+one) and timed: the median step of the slowest rank. One table: predicted and measured milliseconds a step, their
+ratio, and the predicted parts. The model and batch are fixed; each data-parallel rank takes its own batch of that
+size. `--choose` runs the chooser's sweep instead: its candidates, and every one that fits measured."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,52 +26,42 @@ from models import GPT, GPTConfig
 from tp_train.parallel.dims import ParallelDims
 from tp_train.tools.bench.measure import group_max
 from tp_train.tools.bench.ranks import start_ranks
-from tp_train.tools.choose import choose_layout
+from tp_train.tools.choose import Layout, choose_layout, simulated_ranks
 from tp_train.tools.choose import table as choice_table
 from tp_train.tools.hardware import PROFILES, profile_named
-from tp_train.tools.simulate import simulate_step
+from tp_train.tools.memory import MIB
 from tp_train.tools.step_time import predict_step_time
 from tp_train.tools.steps import language_model_step
 from tp_train.training.apply_order import TrainingOptions, parallelize_for_training
 
-
-@dataclass(frozen=True)
-class Layout:
-    world_size: int
-    tp: int = 1
-    pp: int = 1
-    data_parallel: str = "ddp"
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-
-    def dims(self) -> ParallelDims:
-        dims = ParallelDims.from_world(
-            self.world_size, tp=self.tp, pp=self.pp, data_parallel=self.data_parallel,
-            virtual_stages=self.virtual_stages,
-        )  # fmt: skip
-        dims.validate()
-        return dims
-
-    def label(self) -> str:
-        dims = self.dims()
-        parts = [f"tp={self.tp}"] if self.tp > 1 else []
-        parts += [f"dp={dims.dp} {self.data_parallel}"] if dims.dp > 1 else []
-        parts += [f"pp={self.pp} {self.schedule}"] if self.pp > 1 else []
-        return ", ".join(parts) or "one process"
-
-
-LAYOUTS = [
-    Layout(1),
-    Layout(2, tp=2),
-    Layout(2, data_parallel="ddp"),
-    Layout(2, data_parallel="fsdp"),
-    Layout(2, pp=2),
-    Layout(2, pp=2, schedule="interleaved_1f1b", virtual_stages=2),
-    Layout(4, tp=4),
-    Layout(4, tp=2, data_parallel="ddp"),
-    Layout(4, tp=2, pp=2),
-]
 MICROBATCHES = 4
+
+
+def _layout(batch, world_size, tp=1, pp=1, data_parallel="ddp", schedule="1f1b", virtual_stages=1) -> Layout:
+    """A layout of the chooser's kind, `batch` sequences a rank, `MICROBATCHES` of them under a pipeline."""
+    dims = ParallelDims.from_world(world_size, tp=tp, pp=pp, data_parallel=data_parallel, virtual_stages=virtual_stages)
+    dims.validate()
+    microbatches = MICROBATCHES if pp > 1 else 1
+    options = TrainingOptions(
+        loss_parallel=True, data_parallel=data_parallel, pipeline_schedule=schedule,
+        pipeline_microbatches=microbatches if pp > 1 else None,
+    )  # fmt: skip
+    return Layout(dims, options, micro_batch=batch, accumulation=1, microbatches=microbatches)
+
+
+def layouts(batch: int) -> list[Layout]:
+    """The benchmark's layouts, of 1, 2 and 4 ranks."""
+    return [
+        _layout(batch, 1),
+        _layout(batch, 2, tp=2),
+        _layout(batch, 2, data_parallel="ddp"),
+        _layout(batch, 2, data_parallel="fsdp"),
+        _layout(batch, 2, pp=2),
+        _layout(batch, 2, pp=2, schedule="interleaved_1f1b", virtual_stages=2),
+        _layout(batch, 4, tp=4),
+        _layout(batch, 4, tp=2, data_parallel="ddp"),
+        _layout(batch, 4, tp=2, pp=2),
+    ]
 
 
 def model_config(args) -> GPTConfig:
@@ -81,19 +71,10 @@ def model_config(args) -> GPTConfig:
     )  # fmt: skip
 
 
-def options(layout: Layout) -> TrainingOptions:
-    return TrainingOptions(
-        loss_parallel=True, data_parallel=layout.data_parallel, pipeline_schedule=layout.schedule,
-        pipeline_microbatches=MICROBATCHES if layout.pp > 1 else None,
-    )  # fmt: skip
-
-
 def predicted(layout: Layout, args) -> dict:
-    dims, config = layout.dims(), model_config(args)
-    step = language_model_step(args.batch, args.seq, args.vocab)
-    ranks = [0] if layout.pp == 1 else [0, dims.world_size - 1]  # the first and the last pipeline stage
-    steps = [simulate_step(lambda: GPT(config), dims, step, options(layout), rank=rank) for rank in ranks]
-    return asdict(predict_step_time(steps, dims, profile_named(args.hardware), MICROBATCHES))
+    config = model_config(args)
+    steps = simulated_ranks(lambda: GPT(config), layout, args.seq, args.vocab)
+    return asdict(predict_step_time(steps, layout.dims, profile_named(args.hardware), layout.microbatches))
 
 
 def _measure(rank, world_size, device, dims, options, micro_batch, accumulation, args, out: Path) -> None:
@@ -130,7 +111,7 @@ def measured(dims, options, micro_batch: int, accumulation: int, args) -> float:
 
 def choice_sweep(args) -> None:
     """The chooser's candidates for `--world` ranks under `--memory-mib`, and every fitting one measured."""
-    config, memory = model_config(args), args.memory_mib * 2**20
+    config, memory = model_config(args), args.memory_mib * MIB
     candidates = choose_layout(
         lambda: GPT(config), args.world, args.global_batch, args.seq, args.vocab, memory, profile_named(args.hardware)
     )
@@ -139,7 +120,7 @@ def choice_sweep(args) -> None:
     for candidate in (c for c in candidates if c.fits):
         layout = candidate.layout
         seconds = measured(layout.dims, layout.options, layout.micro_batch, layout.accumulation, args)
-        rows.append({"layout": layout.label(), "memory_mib": candidate.memory / 2**20,
+        rows.append({"layout": layout.label(), "memory_mib": candidate.memory / MIB,
                      "predicted_tokens_per_s": candidate.tokens_per_s,
                      "measured_tokens_per_s": args.global_batch * args.seq / seconds})  # fmt: skip
         row = rows[-1]
@@ -159,14 +140,14 @@ def choice_sweep(args) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        f"{'layout':<28} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'ratio':>6} "
+        f"{'layout':<44} {'ranks':>5} {'predicted ms':>12} {'measured ms':>11} {'ratio':>6} "
         f"{'compute':>8} {'comm':>7} {'bubble':>7}"
     ]
     for row in rows:
         p = row["predicted"]
         p["total"] = p["compute"] + p["communication"] + p["bubble"] + p["sharing"]
         lines.append(
-            f"{row['layout']:<28} {row['ranks']:>5} {p['total'] * 1e3:12.1f} {row['measured'] * 1e3:11.1f} "
+            f"{row['layout']:<44} {row['ranks']:>5} {p['total'] * 1e3:12.1f} {row['measured'] * 1e3:11.1f} "
             f"{p['total'] / row['measured']:6.2f} {p['compute'] * 1e3:8.1f} {p['communication'] * 1e3:7.1f} "
             f"{p['bubble'] * 1e3:7.1f}"
         )
@@ -184,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hardware", default="cpu-2core", choices=sorted(PROFILES))
-    parser.add_argument("--layouts", type=int, nargs="*", help="indices into LAYOUTS (default: all)")
+    parser.add_argument("--layouts", type=int, nargs="*", help="indices into layouts() (default: all)")
     parser.add_argument("--output", default=None, help="write the rows as JSON here")
     parser.add_argument("--choose", action="store_true", help="the chooser's sweep instead (tools/choose.py)")
     parser.add_argument("--world", type=int, default=4, help="--choose: the ranks")
@@ -194,12 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.choose:
         choice_sweep(args)
         return
-    chosen = [LAYOUTS[index] for index in args.layouts] if args.layouts else LAYOUTS
+    every = layouts(args.batch)
     rows = []
-    for layout in chosen:
+    for layout in [every[index] for index in args.layouts] if args.layouts else every:
         prediction = predicted(layout, args)
-        seconds = measured(layout.dims(), options(layout), args.batch, 1, args)
-        rows.append({"layout": layout.label(), "ranks": layout.world_size, "predicted": prediction,
+        seconds = measured(layout.dims, layout.options, layout.micro_batch, 1, args)
+        rows.append({"layout": layout.label(), "ranks": layout.dims.world_size, "predicted": prediction,
                      "measured": seconds})  # fmt: skip
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
