@@ -138,6 +138,17 @@ def test_bad_input_to_parallel_auto_is_one_line(tmp_path, overrides, message):
         _auto(tmp_path, overrides)
 
 
+def test_a_true_precision_hugging_face_model_is_simulated_in_its_dtype(tmp_path):
+    """Built in bf16 as Lightning's bf16-true builds it (a fake model converted afterwards could not swap a Hugging
+    Face model's tied embedding): its parameters and AdamW states take half the bytes of fp32's."""
+    memory = {}
+    for precision in ("32", "bf16-true"):
+        overrides = ["model=hf", f"precision={precision}", "trainer.devices=2", "global_batch_size=2", "tp=2"]
+        cfg, _ = _auto(tmp_path, overrides)
+        memory[precision] = cfg.chosen_layout.memory_mib
+    assert 0.4 < memory["bf16-true"] / memory["32"] < 0.6, memory
+
+
 def test_the_choice_is_written_where_the_strategy_data_and_trainer_read_it(tmp_path, monkeypatch):
     monkeypatch.setenv(CHOSEN_ENVIRONMENT_VARIABLE, "")  # so that the choice left below is removed after the test
     monkeypatch.delenv(CHOSEN_ENVIRONMENT_VARIABLE)

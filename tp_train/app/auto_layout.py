@@ -148,8 +148,14 @@ def _choose(cfg: DictConfig, pinned: dict) -> tuple[dict, str]:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or cfg.data.vocab_size
 
     def build():
-        built = instantiate(cfg.model)()
-        return built.to(TRUE_DTYPES[precision]) if precision in TRUE_DTYPES else built
+        # Made in the precision's dtype, as Lightning's true-precision plugins make it (a default dtype while the
+        # model is built): converting a fake model afterwards cannot swap a Hugging Face model's tied embedding.
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(TRUE_DTYPES.get(precision, default))
+        try:
+            return instantiate(cfg.model)()
+        finally:
+            torch.set_default_dtype(default)
 
     strategy = cfg.trainer.get("strategy") or {}
     options = TrainingOptions(
