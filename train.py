@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tp_train import TensorParallelMixedPrecision
 from tp_train.app import preflight, resume
-from tp_train.app.auto_layout import apply_auto_layout
+from tp_train.app.auto_layout import AUTO, apply_auto_layout
 from tp_train.app.command_line import quote_paths
 from tp_train.app.module import CausalLMModule
 from tp_train.app.preflight import estimate_for_config
@@ -142,7 +142,8 @@ def resume_from(cfg: DictConfig) -> str | None:
         template = f"{unresolved['sweep']['dir']}/{unresolved['sweep']['subdir']}"
     else:
         template = unresolved["run"]["dir"]
-    ckpt_path = resume.resolve(cfg.ckpt_path, template, run_dir, list(hydra_cfg.overrides.task))
+    overrides = list(hydra_cfg.overrides.task)
+    ckpt_path = resume.resolve(cfg.ckpt_path, template, run_dir, overrides, elastic=cfg.get("parallel") == AUTO)
     if rank_zero_only.rank == 0:
         os.environ[resume.ENVIRONMENT_VARIABLE] = ckpt_path or ""  # Lightning's launcher copies it to the ranks
         if ckpt_path is not None:

@@ -72,7 +72,7 @@ def test_loader_resumes_at_the_next_untrained_batch_of_its_epoch(rank):
                     break
             epoch += 1
         state = first.state_dict()
-        assert state == {"epoch": (stop - 1) // 3, "batches": (stop - 1) % 3 + 1}
+        assert state == {"epoch": (stop - 1) // 3, "batches": (stop - 1) % 3 + 1, "sequences_per_batch": 10}
         resumed = build()
         resumed.load_state_dict(state)
         for epoch in range(state["epoch"], 3):  # as Lightning does: the saved epoch again, then the next ones
@@ -188,6 +188,19 @@ def test_auto_resume_takes_the_last_checkpoint_of_the_same_command_unless_it_fin
     assert auto() is None
     monkeypatch.setenv(resume.ENVIRONMENT_VARIABLE, "/from/the/launcher")  # a child rank
     assert auto() == "/from/the/launcher"
+
+
+def test_under_parallel_auto_the_same_command_on_another_number_of_devices_is_the_same_run(tmp_path, monkeypatch):
+    monkeypatch.delenv(resume.ENVIRONMENT_VARIABLE, raising=False)
+    template = f"{tmp_path}/${{now:%H-%M-%S}}"
+    command = ["parallel=auto", "global_batch_size=8"]
+    current = _run_dir(tmp_path, "2", [*command, "trainer.devices=2"])
+    at_four = _run_dir(tmp_path, "1", [*command, "trainer.devices=4", "trainer.num_nodes=1"], saved=time.time() - 5)
+    resumed = resume.resolve("auto", template, current, [*command, "trainer.devices=2"], elastic=True)
+    assert resumed == str(at_four / "checkpoints" / "last.ckpt")
+    assert resume.resolve("auto", template, current, [*command, "trainer.devices=2"]) is None  # degrees given
+    other = resume.resolve("auto", template, current, ["parallel=auto", "global_batch_size=4"], elastic=True)
+    assert other is None  # another global batch is another run
 
 
 # -------------------------------------------------------------------------------------------- through train.py

@@ -53,6 +53,7 @@ from tp_train.training.pipeline_split import plan_pipeline_split
 # name -> (module, attribute): the Lightning half, imported by `__getattr__` on first use
 _LIGHTNING_NAMES = {
     "CausalLMModule": ("tp_train.app.module", "CausalLMModule"),
+    "DataPosition": ("tp_train.lightning.data_position", "DataPosition"),
     "HangDetector": ("tp_train.lightning.hang", "HangDetector"),
     "NonFiniteGuard": ("tp_train.lightning.nonfinite", "NonFiniteGuard"),
     "Preempted": ("tp_train.lightning.preemption", "Preempted"),
@@ -86,6 +87,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationCounter",
     "ColumnParallelLinear",
+    "DataPosition",
     "HangDetector",
     "NonFiniteError",
     "NonFiniteGuard",

@@ -12,7 +12,9 @@ rank trains the same layout.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import traceback
 
 import torch
 from hydra.utils import instantiate
@@ -47,11 +49,43 @@ def apply_auto_layout(cfg: DictConfig, command_line: list[str], rank: int) -> st
     if passed is not None:
         _write(cfg, json.loads(passed))
         return None
-    chosen, report = _choose(cfg, _pinned(command_line))
+    chosen, report = _in_a_child(_choose, cfg, _pinned(command_line))
     _write(cfg, chosen)
     if rank == 0:
         os.environ[CHOSEN_ENVIRONMENT_VARIABLE] = json.dumps(chosen)
     return report
+
+
+def _in_a_child(fn, *args):
+    """`fn(*args)` in a forked child process, its result or its ConfigError passed back: the simulation sets up fake
+    process groups, meshes and fake tensors, and none of what they leave may reach the process that then trains
+    (with it, the launching rank's first FSDP2 gather while loading a checkpoint waited forever for its peers; what
+    state did it is not pinned down)."""
+    context = multiprocessing.get_context("fork")
+    receiving, sending = context.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            sending.send((True, fn(*args)))
+        except ConfigError as error:
+            sending.send((False, str(error)))
+        except BaseException as error:  # noqa: BLE001 - passed back, with its traceback, to be raised there
+            sending.send((None, "".join(traceback.format_exception(error))))
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    sending.close()
+    try:
+        ok, result = receiving.recv()
+    except EOFError:
+        process.join()
+        ok, result = None, f"the process choosing the layout ended with status {process.exitcode} and no answer"
+    process.join()
+    if ok is None:
+        raise RuntimeError(f"parallel=auto: choosing the layout failed:\n{result}")
+    if not ok:
+        raise ConfigError(result)
+    return result
 
 
 def _pinned(command_line: list[str]) -> dict:
@@ -203,6 +237,8 @@ def _write(cfg: DictConfig, chosen: dict) -> None:
         cfg.tp, cfg.pp, cfg.dp = chosen["tp"], chosen["pp"], chosen["dp"]
         cfg.data_parallel, cfg.activation_checkpointing = chosen["data_parallel"], chosen["activation_checkpointing"]
         cfg.data.batch_size = chosen["batch_size"]
+        if "whole_steps" in cfg.data:  # every step the same global batch, on this layout and any it resumes on
+            cfg.data.whole_steps = True
         cfg.trainer.accumulate_grad_batches = chosen["accumulate_grad_batches"]
         strategy = cfg.trainer.strategy
         strategy.pipeline_schedule = chosen["pipeline_schedule"]

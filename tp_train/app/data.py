@@ -60,6 +60,9 @@ class TextDataModule(LightningDataModule):
         document_mask: packed documents never attend across each other: attention is block-diagonal by document
             (from the EOS tokens between them) and positions restart at each document, under
             `TensorParallelStrategy` (`document_separator` tells it the EOS id; docs/long-sequences.md).
+        whole_steps: each epoch's training order cut to whole optimizer steps (this batch size x the data-parallel
+            ranks x the trainer's accumulation) rather than padded for the ranks: every step trains the same
+            sequences on any layout (`parallel=auto` sets it; see `ResumableDistributedSampler`).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class TextDataModule(LightningDataModule):
         seed: int = 1234,
         num_workers: int = 0,
         document_mask: bool = False,
+        whole_steps: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:  # to skip validation, use Trainer(limit_val_batches=0)
@@ -89,6 +93,7 @@ class TextDataModule(LightningDataModule):
         self.val_fraction, self.requested_vocab_size, self.tokenizer_path = val_fraction, vocab_size, tokenizer_path
         self.text_field, self.subset, self.max_files, self.max_bytes = text_field, subset, max_files, max_bytes
         self.seed, self.num_workers, self.document_mask = seed, num_workers, document_mask
+        self.whole_steps = whole_steps
         self.cache_dir = Path(cache_dir).expanduser()
         # Set by prepare_data() and setup(): the tokenizer, where it was read from, and its size (len(tokenizer)).
         self.tokenizer: PreTrainedTokenizerFast | None = None
@@ -131,8 +136,22 @@ class TextDataModule(LightningDataModule):
         # sampler arguments; Lightning keeps a DistributedSampler as it is), so a checkpoint resumes mid-epoch at
         # the next untrained batch (see tp_train.lightning.resumable_loader).
         split = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
-        sampler = ResumableDistributedSampler(self.train_dataset, shuffle=True, seed=self.seed, **split)
+        step_size = self._step_size(split.get("num_replicas", 1)) if self.whole_steps else None
+        sampler = ResumableDistributedSampler(
+            self.train_dataset, shuffle=True, seed=self.seed, step_size=step_size, **split
+        )
         return self._dataloader(self.train_dataset, loader=ResumableDataLoader, sampler=sampler)
+
+    def _step_size(self, replicas: int) -> int:
+        """The sequences of one optimizer step over all data-parallel ranks; at least one in the training split."""
+        step_size = self.batch_size * replicas * (self.trainer.accumulate_grad_batches if self.trainer else 1)
+        if len(self.train_dataset) < step_size:
+            raise ValueError(
+                f"data: the training split holds {len(self.train_dataset)} blocks, fewer than one optimizer step's "
+                f"{step_size} (data.batch_size={self.batch_size} x {replicas} data-parallel ranks x accumulation); "
+                f"give more text or a smaller global batch"
+            )
+        return step_size
 
     @override
     def val_dataloader(self) -> DataLoader:

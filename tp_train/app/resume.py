@@ -1,4 +1,8 @@
-"""Auto-resume: with `ckpt_path=auto`, a rerun continues its previous run from that run's last checkpoint."""
+"""Auto-resume: with `ckpt_path=auto`, a rerun continues its previous run from that run's last checkpoint.
+
+A run is the same command: the same overrides, `ckpt_path` aside. Under `parallel=auto` the number of devices is not
+part of it either (`trainer.devices`, `trainer.num_nodes`): the command restarted on another number re-chooses the
+layout and resumes (the checkpoint reshards, `tp_train.lightning.data_position` keeps the epoch's position)."""
 
 from __future__ import annotations
 
@@ -15,10 +19,13 @@ AUTO = "auto"
 ENVIRONMENT_VARIABLE = "TP_TRAIN_RESUME_FROM"  # the launching process's decision, inherited by its child ranks
 CHECKPOINTS = "checkpoints"  # in the run directory, where conf/callbacks saves them
 FINISHED = "summary.json"
+ELASTIC_KEYS = ("trainer.devices", "trainer.num_nodes")  # not part of a run's identity under parallel=auto
 _INTERPOLATION = re.compile(r"\$\{[^}]*\}")
 
 
-def resolve(ckpt_path: str | None, run_dir_template: str, run_dir: Path, overrides: list[str]) -> str | None:
+def resolve(
+    ckpt_path: str | None, run_dir_template: str, run_dir: Path, overrides: list[str], elastic: bool = False
+) -> str | None:
     """The checkpoint to resume from, or None to start fresh.
 
     Args:
@@ -26,23 +33,24 @@ def resolve(ckpt_path: str | None, run_dir_template: str, run_dir: Path, overrid
         run_dir_template: the unresolved Hydra run directory (for a multirun, sweep dir / subdir).
         run_dir: this run's directory (Hydra has created it already).
         overrides: this run's task overrides (`hydra.overrides.task`).
+        elastic: the layout is chosen for the devices (`parallel=auto`): a run on another number is the same run.
     """
     if ckpt_path != AUTO:
         return ckpt_path
     if ENVIRONMENT_VARIABLE in os.environ:  # a child rank: the launching process decided
         return os.environ[ENVIRONMENT_VARIABLE] or None
-    found = last_checkpoint(run_dir_template, run_dir, overrides)
+    found = last_checkpoint(run_dir_template, run_dir, overrides, elastic)
     return None if found is None else str(found)
 
 
-def last_checkpoint(run_dir_template: str, run_dir: Path, overrides: list[str]) -> Path | None:
+def last_checkpoint(run_dir_template: str, run_dir: Path, overrides: list[str], elastic: bool = False) -> Path | None:
     """The last checkpoint of an unfinished earlier run of the same command (see the module docstring)."""
-    command = _command(overrides)
+    command = _command(overrides, elastic)
     runs = {Path(p).resolve() for p in glob.glob(_INTERPOLATION.sub("*", run_dir_template))} | {run_dir.resolve()}
     events = []  # (time, checkpoint or None for "finished")
     for run in runs:
         recorded = run / ".hydra" / "overrides.yaml"
-        if run != run_dir.resolve() and not (recorded.is_file() and _command(_read(recorded)) == command):
+        if run != run_dir.resolve() and not (recorded.is_file() and _command(_read(recorded), elastic) == command):
             continue
         checkpoint, finished = newest_complete(run / CHECKPOINTS), run / FINISHED
         if checkpoint is not None:
@@ -52,8 +60,9 @@ def last_checkpoint(run_dir_template: str, run_dir: Path, overrides: list[str]) 
     return max(events, key=lambda event: event[0])[1] if events else None
 
 
-def _command(overrides: list[str]) -> list[str]:
-    return sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "ckpt_path")
+def _command(overrides: list[str], elastic: bool = False) -> list[str]:
+    ignored = ("ckpt_path", *(ELASTIC_KEYS if elastic else ()))
+    return sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in ignored)
 
 
 def _read(path: Path) -> list[str]:

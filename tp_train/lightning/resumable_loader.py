@@ -7,14 +7,37 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+SEQUENCES_PER_BATCH = "sequences_per_batch"  # a saved state's batch size times its data-parallel ranks
+
 
 class ResumableDistributedSampler(DistributedSampler):
     """torch's `DistributedSampler` (a permutation seeded with `seed + epoch`, this rank taking every
     `num_replicas`-th index) that can leave out the first `start` indices of this rank's share for one epoch.
+
+    With `step_size` (the sequences of one optimizer step over all ranks), each epoch's order is cut to a whole number
+    of steps before it is split, instead of padded to a multiple of the ranks: every step then trains the same
+    `step_size` sequences whatever the number of ranks and the batch per rank (`parallel=auto`'s fixed global batch,
+    resumable on another layout), the tail of each epoch's order left out.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        step_size: int | None = None,
+    ):
+        whole_steps = step_size is not None
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=whole_steps
+        )
+        if whole_steps:
+            if step_size <= 0 or step_size % num_replicas:
+                raise ValueError(f"step_size={step_size} must be a positive multiple of num_replicas={num_replicas}")
+            self.total_size = len(dataset) - len(dataset) % step_size  # DistributedSampler's cut, for drop_last
+            self.num_samples = self.total_size // num_replicas
         self.start = 0  # indices of this rank's share to leave out; set by ResumableDataLoader
 
     def __iter__(self) -> Iterator[int]:
@@ -48,8 +71,10 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        """The epoch and how many of its batches this rank has been given (= trained, see the module doc)."""
-        return {"epoch": self._epoch, "batches": self._batches}
+        """The epoch, how many of its batches this rank has been given (= trained, see the module doc), and how many
+        sequences each of those batches took over all data-parallel ranks (what `DataPosition` resumes by)."""
+        sequences = self.batch_size * self.sampler.num_replicas
+        return {"epoch": self._epoch, "batches": self._batches, SEQUENCES_PER_BATCH: sequences}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Makes the next iteration of epoch `state["epoch"]` start after its first `state["batches"]` batches."""
