@@ -31,35 +31,41 @@ from tests import timing  # noqa: E402
 torch.set_num_threads(1)
 
 LONGEST_FIRST = [  # by their CPU-seconds in one whole run at -n 3 (2026-12-07, TP_TRAIN_TEST_CPU, a quiet 2-core
-    # machine: 2,780 CPU-s in 1,476 s), those that wait out limits (their wall time well above their CPU) moved up
-    "test_cluster_launch.py",  # 217 CPU-s: torchrun restarts, Slurm requeue, two agents as two nodes
-    "test_hang.py",  # 42 CPU-s, ~150 s: train.py runs that wait out a hang limit
-    "test_rank_failure.py",  # 58 CPU-s, ~100 s
-    "test_compile.py",  # 150: the inductor compile at tp=2
-    "test_planner_families.py",  # 142: one start-up for every family
-    "test_finetune.py",  # 120
-    "test_attention_splits.py",  # 104
-    "test_hf_train.py",  # 101: train.py per family at tp 1 and 2
-    "test_layout_train.py",  # 79: 8-rank train.py runs
-    "test_pipeline_hf.py",  # 74
-    "test_pipeline_train.py",  # 73 (before pp=4 joined it)
-    "test_memory.py",  # 62: gpt_small's measured peaks
-    "test_without_lightning.py",  # 61: four torchrun ranks, fresh interpreters
-    "test_train_app.py",  # 54
-    "test_context_parallel_train.py",  # 53
-    "test_any_transformer.py",  # 53
-    "test_expert_parallel_lightning.py",  # 52
-    "test_train_cases.py",  # 48
-    "test_expert_parallel_train.py",  # 48
-    "test_compiled_loss.py",  # 48
-    "test_never_silently_wrong.py",  # 46
-    "test_launch.py",  # 45: spawned ranks, fresh interpreters
-    "test_pipeline_composed.py",  # 43
-    "test_fsdp_checkpoint.py",  # 39
-    "test_preflight.py",  # 39: every refusal in one start-up
-    "test_fsdp.py",  # 38
-    "test_multi_role_attention.py",  # 37
-    "test_gpu_check.py",  # 36
+    # machine: 2,133 CPU-s in 1,168 s), those that wait out limits (their wall time well above their CPU) moved up
+    "test_cluster_launch.py",  # 150 CPU-s: torchrun restarts, Slurm requeue, two agents as two nodes
+    "test_hang.py",  # 34 CPU-s, ~150 s: train.py runs that wait out a hang limit
+    "test_rank_failure.py",  # 43 CPU-s, ~100 s
+    "test_compile.py",  # 126: the inductor compile at tp=2
+    "test_layout_train.py",  # 83: 8-rank train.py runs
+    "test_attention_splits.py",  # 79
+    "test_finetune.py",  # 78
+    "test_hf_train.py",  # 73: train.py per family at tp 1 and 2
+    "test_planner_families.py",  # 65: one start-up for every family
+    "test_compiled_loss.py",  # 62
+    "test_simulate.py",  # 52
+    "test_choose.py",  # 51
+    "test_hsdp.py",  # 50: one test
+    "test_pipeline_train.py",  # 49
+    "test_pipeline_composed.py",  # 44
+    "test_pipeline_hf.py",  # 44
+    "test_expert_parallel_train.py",  # 43
+    "test_expert_parallel_lightning.py",  # 42
+    "test_multi_role_attention.py",  # 40
+    "test_context_parallel_train.py",  # 38
+    "test_preflight.py",  # 37: every refusal in one start-up
+    "test_elastic.py",  # about 35 (added since): three train.py runs of 4, 4 and 2 ranks
+    "test_fsdp.py",  # 34
+    "test_any_transformer.py",  # 34
+    "test_fsdp_checkpoint.py",  # 32
+    "test_train_cases.py",  # 32
+    "test_train_app.py",  # 31
+    "test_docs.py",  # 29
+    "test_checkpoint.py",  # 27
+    "test_without_lightning.py",  # 24: four torchrun ranks, fresh interpreters
+    "test_gpu_check.py",  # 24
+    "test_memory.py",  # 23: gpt_small's measured peaks
+    "test_context_parallel_resume.py",  # 22
+    "test_launch.py",  # 21: spawned ranks, fresh interpreters
 ]
 
 
