@@ -14,6 +14,7 @@ data-dependent routing), HSDP's shard size.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -187,13 +188,15 @@ def _pipeline_microbatches(dims: ParallelDims, micro_batch: int) -> int | None:
     return next((m for m in (2 * dims.stages, dims.stages) if micro_batch % m == 0), None)
 
 
-def simulated_ranks(build, layout: Layout, seq_len, vocab_size, autocast=None) -> list[SimulatedStep]:
+@functools.lru_cache(maxsize=512)
+def simulated_ranks(build, layout: Layout, seq_len, vocab_size, autocast=None) -> tuple[SimulatedStep, ...]:
     """One micro-batch's step of the layout's first rank and, under a pipeline, of its last (the head's stage): the
-    ranks `predict_step_time` takes."""
+    ranks `predict_step_time` takes. Kept for the same `build` and layout (a simulation is a function of them): a
+    choice under another budget, hardware or pins simulates only the layouts it has not seen."""
     dims = layout.dims
     step = language_model_step(layout.micro_batch, seq_len, vocab_size, autocast=autocast)
     ranks = [0] if dims.pp == 1 else [0, dims.world_size - 1]
-    return [simulate_step(build, dims, step, layout.options, rank=rank) for rank in ranks]
+    return tuple(simulate_step(build, dims, step, layout.options, rank=rank) for rank in ranks)
 
 
 def table(candidates: list[Candidate], memory_per_device: float, rows: int = 5) -> str:
