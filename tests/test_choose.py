@@ -87,7 +87,9 @@ def test_accumulating_micro_batches_fits_what_checkpointing_alone_does_not():
 def test_pinned_degrees_are_kept():
     assert {c.layout.dims.tp for c in _choose(2**30, tp=2)} == {2}
     assert {c.layout.options.data_parallel for c in _choose(2**30, dp=2, data_parallel="fsdp")} == {"fsdp"}
-    with pytest.raises(ValueError, match=r"^choose_layout: cannot pin cp; pin one of tp, pp, dp, data_parallel$"):
+    with pytest.raises(
+        ValueError, match=r"^choose_layout: cannot pin cp; pin one of tp, pp, dp, dp_shard, data_parallel$"
+    ):
         _choose(2**30, cp=2)
 
 
@@ -102,6 +104,18 @@ def test_each_node_holds_the_same_data_parallel_ranks_and_a_batch_the_pipeline_c
         odd["tp=1 pp=2 dp=1 1f1b x2"].unshardable
         == "no micro-batch of 1 sequences a rank divides into 2 pipeline stages"
     )
+
+
+def test_hsdp_shard_groups_within_a_node_are_layouts_of_their_own_and_a_pinned_one_is_written(tmp_path):
+    # 4 ranks on 2 nodes: FSDP2 over all 4 data-parallel ranks, or HSDP's groups of 2 (one per node), or DDP
+    candidates = choose_layout(_gpt, 4, GLOBAL_BATCH, SEQ, VOCAB, 2**30, CPU_HERE, {"tp": 1, "pp": 1}, num_nodes=2)
+    memory = {c.layout.label(): c.memory for c in candidates}
+    assert set(memory) == {"tp=1 pp=1 dp=4 ddp", "tp=1 pp=1 dp=4 fsdp", "tp=1 pp=1 dp=4 hsdp x2"}
+    assert memory["tp=1 pp=1 dp=4 fsdp"] < memory["tp=1 pp=1 dp=4 hsdp x2"] < memory["tp=1 pp=1 dp=4 ddp"]
+    overrides = ["trainer.devices=2", "trainer.num_nodes=2", "global_batch_size=8", "tp=1", "pp=1", "dp_shard=2"]
+    cfg, report = _auto(tmp_path, overrides)
+    assert report.splitlines()[0].endswith("chose tp=1 pp=1 dp=4 hsdp x2"), report
+    assert cfg.dp_shard == 2 and cfg.trainer.strategy.data_parallel_shard_size == 2 and cfg.data_parallel == "fsdp"
 
 
 def _auto(tmp_path, overrides: list[str], rank: int = 1):

@@ -1,7 +1,7 @@
 """`python train.py parallel=auto trainer.devices=4 global_batch_size=16`: the degrees chosen for the run
 (`tp_train.tools.choose`), from its model and data config, and written into the config before anything is built.
 
-A degree given on the command line (`tp=2`, `pp=1`, `dp=2`, `data_parallel=fsdp`) pins it; the others are chosen,
+A degree given on the command line (`tp=2`, `pp=1`, `dp=2`, `dp_shard=2`, `data_parallel=fsdp`) pins it; the others are chosen,
 with activation checkpointing, the pipeline's schedule and microbatches, and how each data-parallel rank's share of
 `global_batch_size` is cut (`data.batch_size` sequences at once, `trainer.accumulate_grad_batches` of them).
 `memory_per_device` (GiB) and `hardware` (a profile of `tp_train.tools.hardware`) describe a target other than this
@@ -32,7 +32,7 @@ from tp_train.training.apply_order import TrainingOptions
 AUTO = "auto"
 CHOSEN_ENVIRONMENT_VARIABLE = "TP_TRAIN_AUTO_LAYOUT"  # the launching process's choice, for the ranks it starts
 PINNABLE = (*DEGREES, "data_parallel")
-NOT_CHOSEN = ("cp", "ep", "dp_shard")  # kept at their defaults under auto (tp_train.tools.choose's docstring)
+NOT_CHOSEN = ("cp", "ep")  # kept at their defaults under auto (tp_train.tools.choose's docstring)
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
@@ -218,6 +218,7 @@ def _choose(cfg: DictConfig, pinned: dict) -> tuple[dict, str]:
     layout = best.layout
     chosen = {
         "tp": layout.dims.tp, "pp": layout.dims.pp, "dp": layout.dims.dp_per_node(nodes),
+        "dp_shard": layout.dims.dp_shard if layout.dims.data_parallel == "hsdp" else None,
         "data_parallel": layout.options.data_parallel,
         "activation_checkpointing": layout.options.activation_checkpointing,
         "batch_size": layout.micro_batch, "accumulate_grad_batches": layout.accumulation,
@@ -235,6 +236,7 @@ def _write(cfg: DictConfig, chosen: dict) -> None:
     """The chosen layout into the config, where the strategy, the data and the trainer read each part."""
     with open_dict(cfg):
         cfg.tp, cfg.pp, cfg.dp = chosen["tp"], chosen["pp"], chosen["dp"]
+        cfg.dp_shard = chosen.get("dp_shard")  # HSDP's shard group; None: all of dp (FSDP2), or DDP
         cfg.data_parallel, cfg.activation_checkpointing = chosen["data_parallel"], chosen["activation_checkpointing"]
         cfg.data.batch_size = chosen["batch_size"]
         if "whole_steps" in cfg.data:  # every step the same global batch, on this layout and any it resumes on

@@ -1,7 +1,8 @@
 """Choosing the degrees: every valid layout of a world size simulated (`simulate_step`), those over the memory
 dropped, the rest ranked by their predicted step time (`tp_train.tools.step_time`).
 
-A layout is the degrees (tp, pp, dp; the data-parallel mode), the pipeline's schedule, activation checkpointing, and
+A layout is the degrees (tp, pp, dp; the data-parallel mode: DDP, FSDP2 over all of dp, or HSDP's shard groups of
+each size that divides dp and stays within a node), the pipeline's schedule, activation checkpointing, and
 how each data-parallel rank's share of the global batch is cut: micro-batches accumulated, each split into the
 pipeline's microbatches. The global batch (sequences per optimizer step) is held fixed. For each set of degrees,
 schedule and mode, the cheapest way to fit is searched in order: the whole share at once, then with activation
@@ -9,7 +10,7 @@ checkpointing, then accumulated over 2, 4, ... micro-batches (each again without
 first that fits is that layout's, and a set that fits in none is reported with its smallest need.
 
 Not chosen yet (pinned at 1): context and expert parallelism (their steps are not simulated: a sequence's shares,
-data-dependent routing), HSDP's shard size.
+data-dependent routing).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tp_train.tools.steps import language_model_step
 from tp_train.training.apply_order import TrainingOptions
 
 HEADROOM = 0.10  # of a device's memory kept free: the allocator's fragmentation, the runtime's own buffers
-DEGREES = ("tp", "pp", "dp")
+DEGREES = ("tp", "pp", "dp", "dp_shard")
 SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))  # (schedule, stages per pipeline rank) tried under a pipeline
 
 
@@ -49,7 +50,7 @@ class Layout:
         dims, options = self.dims, self.options
         parts = [f"tp={dims.tp}", f"pp={dims.pp}", f"dp={dims.dp}"]
         if dims.dp > 1:
-            parts.append(options.data_parallel)
+            parts.append(f"hsdp x{dims.dp_shard}" if dims.data_parallel == "hsdp" else options.data_parallel)
         if dims.pp > 1:
             parts.append(f"{options.pipeline_schedule} x{self.microbatches}")
         if options.activation_checkpointing:
@@ -84,10 +85,10 @@ def choose_layout(
 ) -> list[Candidate]:
     """Every layout of `world_size` ranks training `build()`'s model on `global_batch` sequences of `seq_len` tokens
     per optimizer step: those that fit `memory_per_device` bytes (less `HEADROOM`) first, fastest first (predicted on
-    `profile`), then those that do not, smallest first. `pinned` fixes degrees ("tp", "pp", "dp") or
-    "data_parallel" (dp per node, as the config gives it); `options` gives the rest of the strategy's settings (the
-    loss, sequence parallelism). Over `num_nodes` nodes (the world split evenly), each node holds the same number of
-    data-parallel ranks, and a group spanning nodes is priced at the profile's inter-node bandwidth."""
+    `profile`), then those that do not, smallest first. `pinned` fixes degrees ("tp", "pp", "dp",
+    "dp_shard") or "data_parallel" (dp per node, as the config gives it); `options` gives the rest of the strategy's
+    settings (the loss, sequence parallelism). Over `num_nodes` nodes (the world split evenly), each node holds the
+    same number of data-parallel ranks, and a group spanning nodes is priced at the profile's inter-node bandwidth."""
     pinned = dict(pinned or {})
     unknown = sorted(set(pinned) - {*DEGREES, "data_parallel"})
     if unknown:
@@ -130,19 +131,31 @@ def _degrees(world_size, num_nodes, global_batch, pinned, base) -> Iterator[tupl
         chosen = {"tp": tp, "pp": pp, "dp": per_node}
         if any(pinned.get(key, value) != value for key, value in chosen.items()) or global_batch % filled.dp:
             continue
-        modes = ("ddp", "fsdp") if filled.dp > 1 else ("ddp",)
+        modes = ("fsdp",) if "dp_shard" in pinned else ("ddp", "fsdp") if filled.dp > 1 else ("ddp",)
         for mode in [pinned["data_parallel"]] if "data_parallel" in pinned else modes:
-            for schedule, virtual in SCHEDULES if pp > 1 else (("1f1b", 1),):
-                dims = _valid(
-                    ParallelDims.from_world(world_size, tp=tp, pp=pp, data_parallel=mode, virtual_stages=virtual)
-                )
-                if dims is not None:
-                    yield dims, replace(base, data_parallel=mode, pipeline_schedule=schedule)
+            for shard in _shard_sizes(filled.dp, mode, pinned):
+                for schedule, virtual in SCHEDULES if pp > 1 else (("1f1b", 1),):
+                    made = ParallelDims.from_world(
+                        world_size, tp=tp, pp=pp, data_parallel=mode, dp_shard=shard, virtual_stages=virtual
+                    )
+                    dims = _valid(made, num_nodes)
+                    if dims is not None:
+                        yield dims, replace(base, data_parallel=mode, pipeline_schedule=schedule)
 
 
-def _valid(dims: ParallelDims) -> ParallelDims | None:
+def _shard_sizes(dp: int, mode: str, pinned: dict) -> list[int | None]:
+    """FSDP2's shard group sizes to try: all of dp (None), and HSDP's groups of each divisor of dp between (whole
+    copies across the groups); DDP shards nothing. A pinned `dp_shard` is the one tried."""
+    if mode != "fsdp":
+        return [None]
+    if "dp_shard" in pinned:
+        return [None if pinned["dp_shard"] == dp else pinned["dp_shard"]]
+    return [None, *(size for size in _divisors(dp) if 1 < size < dp)]
+
+
+def _valid(dims: ParallelDims, num_nodes: int = 1) -> ParallelDims | None:
     try:
-        dims.validate()
+        dims.validate(num_nodes=num_nodes)
     except ValueError:
         return None
     return dims
