@@ -1,9 +1,9 @@
 """`python train.py parallel=auto trainer.devices=4 global_batch_size=16`: the degrees chosen for the run
 (`tp_train.tools.choose`), from its model and data config, and written into the config before anything is built.
 
-A degree given on the command line (`tp=2`, `pp=1`, `dp=2`, `dp_shard=2`, `data_parallel=fsdp`) pins it; the others are chosen,
-with activation checkpointing, the pipeline's schedule and microbatches, and how each data-parallel rank's share of
-`global_batch_size` is cut (`data.batch_size` sequences at once, `trainer.accumulate_grad_batches` of them).
+A degree given on the command line (`tp=2`, `pp=1`, `dp=2`, `dp_shard=2`, `data_parallel=fsdp`) pins it; the others
+are chosen, with activation checkpointing, the pipeline's schedule and microbatches, and how each data-parallel rank's
+share of `global_batch_size` is cut (`data.batch_size` sequences at once, `trainer.accumulate_grad_batches` of them).
 `memory_per_device` (GiB) and `hardware` (a profile of `tp_train.tools.hardware`) describe a target other than this
 machine. The launching process chooses and passes the choice to the ranks it starts in their environment, so every
 rank trains the same layout.
