@@ -137,6 +137,11 @@ def _auto(tmp_path, overrides: list[str], rank: int = 1):
         ),
         (["trainer.devices=2", "global_batch_size=8", "precision=foo"], r"^precision=foo is not a precision"),
         (
+            ["trainer.devices=2", "global_batch_size=8", "dp_shard=2", "data_parallel=ddp"],
+            r"^parallel=auto: choose_layout: dp_shard=2 shards over groups of FSDP2 ranks \(HSDP\), which "
+            r"data_parallel=ddp does not",
+        ),
+        (
             ["trainer.devices=2", "global_batch_size=8", "tp=3"],
             r"^parallel=auto: choose_layout: no layout of 2 ranks has tp=3 and takes a global batch of 8; pin degrees",
         ),
@@ -189,6 +194,7 @@ def test_the_choice_is_written_where_the_strategy_data_and_trainer_read_it(tmp_p
         True,
     )
     assert (started.data.batch_size, started.trainer.accumulate_grad_batches) == (2, 4)
+    assert started.data.whole_steps is True  # every step the same sequences, on this layout and any it resumes on
     assert (strategy.pipeline_parallel_size, strategy.data_parallel, strategy.activation_checkpointing) == (
         2,
         "fsdp",

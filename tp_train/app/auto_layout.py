@@ -49,26 +49,27 @@ def apply_auto_layout(cfg: DictConfig, command_line: list[str], rank: int) -> st
     if passed is not None:
         _write(cfg, json.loads(passed))
         return None
-    chosen, report = _in_a_child(_choose, cfg, _pinned(command_line))
+    chosen, report = _choose(cfg, _pinned(command_line))
     _write(cfg, chosen)
     if rank == 0:
         os.environ[CHOSEN_ENVIRONMENT_VARIABLE] = json.dumps(chosen)
     return report
 
 
-def _in_a_child(fn, *args):
-    """`fn(*args)` in a forked child process, its result or its ConfigError passed back: the simulation sets up fake
-    process groups, meshes and fake tensors, and none of what they leave may reach the process that then trains
-    (with it, the launching rank's first FSDP2 gather while loading a checkpoint waited forever for its peers; what
-    state did it is not pinned down)."""
+def _in_a_child(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` in a forked child process, its result or its ValueError (as a ConfigError) passed back:
+    the simulation sets up fake process groups, meshes and fake tensors, and none of what they leave may reach the
+    process that then trains (with it, the launching rank's first FSDP2 gather while loading a checkpoint waited
+    forever for its peers; what state did it is not pinned down). The child runs on the CPU only: whatever needs the
+    GPU (the hardware profile, its memory) is read before, in this process."""
     context = multiprocessing.get_context("fork")
     receiving, sending = context.Pipe(duplex=False)
 
     def child() -> None:
         try:
-            sending.send((True, fn(*args)))
-        except ConfigError as error:
-            sending.send((False, str(error)))
+            sending.send((True, fn(*args, **kwargs)))
+        except ValueError as error:
+            sending.send((False, f"parallel=auto: {error}"))
         except BaseException as error:  # noqa: BLE001 - passed back, with its traceback, to be raised there
             sending.send((None, "".join(traceback.format_exception(error))))
 
@@ -196,13 +197,12 @@ def _choose(cfg: DictConfig, pinned: dict) -> tuple[dict, str]:
         loss_parallel=bool(strategy.get("loss_parallel", True)),
         sequence_parallel=bool(cfg.get("sequence_parallel", False)),
     )
-    try:
-        candidates = choose_layout(
-            build, world_size, global_batch, cfg.data.block_size, vocab, memory, profile, pinned, options,
-            AUTOCAST.get(precision), num_nodes=nodes,
-        )  # fmt: skip
-    except ValueError as error:
-        raise ConfigError(f"parallel=auto: {error}") from None
+    if cfg.get("dp_shard") is not None:  # set in the config: pinned as if given on the command line
+        pinned.setdefault("dp_shard", cfg.dp_shard)
+    candidates = _in_a_child(
+        choose_layout, build, world_size, global_batch, cfg.data.block_size, vocab, memory, profile, pinned, options,
+        AUTOCAST.get(precision), num_nodes=nodes,
+    )  # fmt: skip
     best = candidates[0]
     if not best.fits:
         smallest = (

@@ -52,7 +52,6 @@ class CausalLMModule(L.LightningModule):
         self._optimizer_factory = optimizer
         self._scheduler_factory = scheduler
         self.adapters = adapters
-        self._step_losses: list[torch.Tensor] = []  # the logged losses of the optimizer step's micro-batches so far
         if self.model is not None and adapters is not None:
             self.model = _with_adapters(self.model, adapters)
 
@@ -111,12 +110,7 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch, train=True)
-        self._step_losses.append(self._batch_loss(loss).detach())
-        epoch_loop = self.trainer.fit_loop.epoch_loop
-        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 or epoch_loop.batch_progress.is_last_batch:
-            # The optimizer step's loss: the mean of its micro-batches' (equal in size), the same at any accumulation
-            self.log("train/loss", torch.stack(self._step_losses).mean(), prog_bar=True)
-            self._step_losses.clear()
+        self.log("train/loss", self._batch_loss(loss), prog_bar=True)
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

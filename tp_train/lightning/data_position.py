@@ -34,6 +34,8 @@ class DataPosition(Callback):
             return
         state, replicas = states[0], (trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1)
         saved, now = state[SEQUENCES_PER_BATCH], batch_size * replicas
+        if saved == now:  # the same cut: the saved position is this run's (an epoch's last step may be partial)
+            return
         sequences, step = state["batches"] * saved, now * trainer.accumulate_grad_batches
         if sequences % step:
             raise CheckpointError(
@@ -42,8 +44,6 @@ class DataPosition(Callback):
                 f"(data.batch_size={batch_size} x {replicas} data-parallel ranks x "
                 f"{trainer.accumulate_grad_batches} accumulated); resume with a batch per step that divides {sequences}"
             )
-        if saved == now:
-            return
         shift = sequences // now - state["batches"]
         progress = fit_loop[PROGRESS]
         for counts in (progress["current"], progress["total"]):

@@ -15,7 +15,6 @@ data-dependent routing).
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -94,6 +93,11 @@ def choose_layout(
     if unknown:
         raise ValueError(
             f"choose_layout: cannot pin {', '.join(unknown)}; pin one of {', '.join(DEGREES)}, data_parallel"
+        )
+    if "dp_shard" in pinned and pinned.get("data_parallel", "fsdp") != "fsdp":
+        raise ValueError(
+            f"choose_layout: dp_shard={pinned['dp_shard']} shards over groups of FSDP2 ranks (HSDP), which "
+            f"data_parallel={pinned['data_parallel']} does not; pin data_parallel=fsdp, or leave dp_shard out"
         )
     budget = memory_per_device * (1 - HEADROOM)
     profile = replace(profile, devices_per_node=ParallelDims.ranks_per_node(world_size, num_nodes))
@@ -201,11 +205,9 @@ def _pipeline_microbatches(dims: ParallelDims, micro_batch: int) -> int | None:
     return next((m for m in (2 * dims.stages, dims.stages) if micro_batch % m == 0), None)
 
 
-@functools.lru_cache(maxsize=512)
 def simulated_ranks(build, layout: Layout, seq_len, vocab_size, autocast=None) -> tuple[SimulatedStep, ...]:
     """One micro-batch's step of the layout's first rank and, under a pipeline, of its last (the head's stage): the
-    ranks `predict_step_time` takes. Kept for the same `build` and layout (a simulation is a function of them): a
-    choice under another budget, hardware or pins simulates only the layouts it has not seen."""
+    ranks `predict_step_time` takes."""
     dims = layout.dims
     step = language_model_step(layout.micro_batch, seq_len, vocab_size, autocast=autocast)
     ranks = [0] if dims.pp == 1 else [0, dims.world_size - 1]
