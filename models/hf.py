@@ -133,8 +133,10 @@ def hugging_face_model(type: str, config: dict | None = None, auto_class=None) -
     fields = _config_fields(type, dict(config or {}))
     auto_class = auto_class or AutoModel
     build = getattr(auto_class, "from_config", None) or auto_class._from_config
+    # torch's grouped_mm, transformers' default for expert layers, takes no float64: the loop over experts does
+    options = {"experts_implementation": "eager"} if torch.get_default_dtype() == torch.float64 else {}
     try:
-        return build(AutoConfig.for_model(type, **fields))
+        return build(AutoConfig.for_model(type, **fields), **options)
     except ValueError as error:  # the family's own validation (GPT-Neo's attention_types), or no head for the task
         raise ValueError(f"type={type}: {' '.join(str(error).split())}") from None
 

@@ -1,7 +1,7 @@
 """The vocabulary-parallel loss in chunks: exact against `F.cross_entropy` on the gathered logits (fp32, 1e-6) at tp
 1, 2 and 4, over several chunks, with ignored targets, label smoothing and a padded vocabulary, the gradient written
-into a new buffer or into the logits' own; float32 from bf16 logits; and a peak-memory bound that a full fp32 copy
-of the logits breaks."""
+into a new buffer or into the logits' own; float32 from bf16 logits, float64 from float64 ones (1e-12); and a
+peak-memory bound that a full fp32 copy of the logits breaks."""
 
 from __future__ import annotations
 
@@ -66,7 +66,17 @@ def _exactness(rank, world_size):
     errors["bf16/loss"] = (loss.detach() - expected).abs().item()
     expected_grad = expected_grad.chunk(world_size, dim=-1)[rank]
     errors["bf16/grad_in_bf16"] = (local.grad.float() - expected_grad).abs().max().item()
-    return errors, loss.dtype, local.grad.dtype
+    bf16_grad_dtype = local.grad.dtype
+
+    # fp64 logits (precision=64): the statistics in fp64 too, F.cross_entropy's loss and gradient to 1e-12
+    logits = (4 * torch.randn(*TOKENS, PADDED_VOCAB, generator=generator)).double()
+    expected64, expected_grad = _reference(logits, target, PADDED_VOCAB, 0.1, 1.0)
+    local = logits.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+    loss64 = vocab_parallel_cross_entropy(local, target, group, PADDED_VOCAB, label_smoothing=0.1, chunk_size=4)
+    loss64.backward()
+    errors["fp64/loss"] = (loss64.detach() - expected64).abs().item()
+    errors["fp64/grad"] = (local.grad - expected_grad.chunk(world_size, dim=-1)[rank]).abs().max().item()
+    return errors, (loss.dtype, loss64.dtype), (bf16_grad_dtype, local.grad.dtype)
 
 
 @functools.cache
@@ -77,12 +87,13 @@ def _results(tp):
 @pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_chunked_loss_equals_cross_entropy_of_gathered_logits(tp):
     for rank, (errors, loss_dtype, grad_dtype) in enumerate(_results(tp)):
-        assert len(errors) == 2 * len(CASES) + 2, sorted(errors)
-        exact = {key: value for key, value in errors.items() if not key.startswith("bf16/")}
+        assert len(errors) == 2 * len(CASES) + 4, sorted(errors)
+        exact = {key: value for key, value in errors.items() if not key.startswith(("bf16/", "fp64/"))}
         assert max(exact.values()) <= EXACT, (rank, {k: v for k, v in exact.items() if v > EXACT})
         assert errors["bf16/loss"] <= 1e-5, (rank, errors["bf16/loss"])
         assert errors["bf16/grad_in_bf16"] <= 4e-3, (rank, errors["bf16/grad_in_bf16"])  # bf16's rounding
-        assert loss_dtype == torch.float32 and grad_dtype == torch.bfloat16
+        assert loss_dtype == (torch.float32, torch.float64) and grad_dtype == (torch.bfloat16, torch.float64)
+        assert max(errors["fp64/loss"], errors["fp64/grad"]) <= 1e-12, (rank, errors["fp64/loss"], errors["fp64/grad"])
 
 
 ROWS, COLUMNS, WIDTH, CHUNK = 2048, 8192, 64, 128  # bf16 logits of 32 MiB from a narrow head; fp32 chunks of 4 MiB

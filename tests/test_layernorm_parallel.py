@@ -173,3 +173,36 @@ def test_a_layernorm_in_the_residual_stream_is_not_taken_for_one_between_column_
     plan = tp_train.infer_plan(build_family("image-classification", "siglip2"), tensor_parallel_size=2)
     assert plan["vision_model.encoder.layers.*.self_attn.q_proj"] == "colwise"
     assert "layernorm_parallel" not in plan.values()
+
+
+def _float64_norms(rank, world_size):
+    """A LayerNorm and an RMS norm over features split across the ranks, on float64 inputs: the corrected outputs
+    against the whole norms' (no statistic rounded to float32 on the way)."""
+    import torch.distributed as dist
+
+    from tp_train.parallel.norm import ParallelLayerNormRegion, ParallelRMSNormRegion
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, dtype=torch.float64) * 3 + 1
+    errors = {}
+    for name, whole, region in (
+        ("layernorm", nn.LayerNorm(16, dtype=torch.float64), ParallelLayerNormRegion(dist.group.WORLD, 1e-5)),
+        ("rmsnorm", nn.RMSNorm(16, eps=1e-5, dtype=torch.float64), ParallelRMSNormRegion(dist.group.WORLD, 1e-5)),
+    ):
+        with torch.no_grad():
+            for parameter in whole.parameters():
+                parameter.uniform_(0.5, 1.5)
+        local = type(whole)(16 // world_size, eps=1e-5, dtype=torch.float64)
+        with torch.no_grad():
+            for own, full in zip(local.parameters(), whole.parameters(), strict=True):
+                own.copy_(full.chunk(world_size)[rank])
+        region.install(local)
+        output = local(x.chunk(world_size, dim=-1)[rank])
+        errors[name] = (output - whole(x).chunk(world_size, dim=-1)[rank]).abs().max().item(), output.dtype
+    return errors
+
+
+def test_norms_over_split_features_keep_float64():
+    for errors in run_on_ranks(_float64_norms, 2):
+        for name, (error, dtype) in errors.items():
+            assert dtype == torch.float64 and error <= 1e-12, (name, error, dtype)

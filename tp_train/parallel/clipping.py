@@ -51,6 +51,8 @@ def global_grad_norm(
             buckets[(id(p) in sharded, isinstance(p, DTensor))].append(local_part(p.grad.detach()))
     # Where the reduction runs: with the parameters (NCCL needs the GPU), even on a rank with no gradients.
     device = local_part(parameters[0]).device if parameters else torch.device("cpu")
+    # The norm's dtype: float32, or float64 for float64 parameters (a float32 norm would round their clipping)
+    dtype = torch.promote_types(parameters[0].dtype, torch.float32) if parameters else torch.float32
     # FSDP2's data-parallel group: where its DTensors split (HSDP's replicate axis holds copies, counted once)
     fully_sharded = next((p for p in parameters if isinstance(p, DTensor)), None)
     data_parallel = None
@@ -60,10 +62,10 @@ def global_grad_norm(
     def part(key: tuple[bool, bool]) -> torch.Tensor:
         grads = buckets[key]
         if not grads:
-            return torch.zeros((), device=device)
+            return torch.zeros((), device=device, dtype=dtype)
         if norm_type == 2.0:
-            return _squared_norm(grads).float().to(device)
-        return torch.nn.utils.get_total_norm(grads, norm_type).float().to(device)
+            return _squared_norm(grads).to(device, dtype)
+        return torch.nn.utils.get_total_norm(grads, norm_type).to(device, dtype)
 
     op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
     combine = torch.add if norm_type == 2.0 else torch.maximum
@@ -73,7 +75,7 @@ def global_grad_norm(
         for p in parameters:
             spec = specs.get(id(p))
             if p.grad is not None and spec is not None and replicated_rows(spec, dist.get_world_size(group)):
-                excess = _replicated_excess(p.grad.detach(), spec, group).to(device)
+                excess = _replicated_excess(p.grad.detach(), spec, group).to(device, dtype)
                 tp_parts[0 if isinstance(p, DTensor) else 1] = tp_parts[0 if isinstance(p, DTensor) else 1] - excess
     over_tp = torch.stack(tp_parts)
     dist.all_reduce(over_tp, op=op, group=group)

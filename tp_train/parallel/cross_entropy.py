@@ -28,10 +28,16 @@ def chunk_rows(rows: int, columns: int, chunk: int | None = None) -> int:
     return max(1, CHUNK_BYTES // (4 * max(1, columns)))
 
 
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the loss computes in for logits of `dtype`: float32, or float64 for float64 logits (never narrower)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def fp32_chunk(chunk: torch.Tensor, writable: bool) -> torch.Tensor:
-    """`chunk` in fp32, free to overwrite: a copy, or `chunk` itself when it is fp32 and `writable`."""
-    if chunk.dtype != torch.float32:
-        return chunk.float()
+    """`chunk` in fp32 (fp64 if it is), free to overwrite: a copy, or `chunk` itself when it is already in that
+    dtype and `writable`."""
+    if chunk.dtype != statistics_dtype(chunk.dtype):
+        return chunk.to(statistics_dtype(chunk.dtype))
     return chunk if writable else chunk.clone()
 
 
@@ -44,10 +50,12 @@ def chunk_statistics(part: torch.Tensor, smoothing: bool):
 
 
 def empty_statistics(logits: torch.Tensor, rows: int, smoothing: bool):
-    """Per-token (max, sum of exps, sum of logits) buffers in fp32, as a shard of no real column leaves them."""
-    row_max = logits.new_full((rows,), float("-inf"), dtype=torch.float32)
-    sum_logits = logits.new_zeros((rows,), dtype=torch.float32) if smoothing else None
-    return row_max, logits.new_zeros((rows,), dtype=torch.float32), sum_logits
+    """Per-token (max, sum of exps, sum of logits) buffers in fp32 (fp64 for fp64 logits), as a shard of no real
+    column leaves them."""
+    dtype = statistics_dtype(logits.dtype)
+    row_max = logits.new_full((rows,), float("-inf"), dtype=dtype)
+    sum_logits = logits.new_zeros((rows,), dtype=dtype) if smoothing else None
+    return row_max, logits.new_zeros((rows,), dtype=dtype), sum_logits
 
 
 def log_sum_exp_over_group(row_max, sum_exp, extra: list[torch.Tensor], group: ProcessGroup):
@@ -92,7 +100,8 @@ class LossTargets:
 
     def row_scale(self, grad_output) -> torch.Tensor:
         """d loss / d (token i's loss term): grad_output / count for kept tokens, 0 for ignored ones."""
-        return self.keep.to(torch.float32) * (grad_output.float() / self.keep.sum())
+        dtype = statistics_dtype(grad_output.dtype)
+        return self.keep.to(dtype) * (grad_output.to(dtype) / self.keep.sum())
 
     def chunk_gradient(self, part, log_sum_exp, row_scale, rows: slice) -> torch.Tensor:
         """d loss / d logits of one fp32 chunk (rows, real columns), in place of `part`:
@@ -122,13 +131,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         targets = LossTargets.of(target, logits.size(-1), group, vocab_size, ignore_index, label_smoothing)
         rows, valid, smoothing = logits.size(0), targets.valid, label_smoothing > 0
         chunk = chunk_rows(rows, valid, chunk)
-        target_logit = logits.gather(-1, targets.local_target.unsqueeze(-1)).squeeze(-1).float()
+        dtype = statistics_dtype(logits.dtype)
+        target_logit = logits.gather(-1, targets.local_target.unsqueeze(-1)).squeeze(-1).to(dtype)
         target_logit = target_logit.masked_fill(~targets.in_range, 0.0)
         row_max, sum_exp, sum_logits = empty_statistics(logits, rows, smoothing)
         for start in range(0, rows if valid else 0, chunk):
             part = slice(start, start + chunk)
             # (chunk, valid) fp32: the only copy of the logits' values
-            row_max[part], sum_exp[part], chunk_sum = chunk_statistics(logits[part, :valid].float(), smoothing)
+            row_max[part], sum_exp[part], chunk_sum = chunk_statistics(logits[part, :valid].to(dtype), smoothing)
             if smoothing:
                 sum_logits[part] = chunk_sum
         extra = [target_logit, sum_logits] if smoothing else [target_logit]
@@ -164,7 +174,7 @@ def vocab_parallel_cross_entropy(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of vocab-sharded logits; equals `F.cross_entropy` on the gathered logits, and is float32
-    whatever the logits' dtype (as `F.cross_entropy` under autocast).
+    whatever the logits' dtype (as `F.cross_entropy` under autocast), float64 for float64 logits.
 
     The logits stay in their dtype: the row max, the sum of exps and the target logit are computed in fp32 over
     chunks of tokens, so the loss holds one chunk's fp32 copy at a time and saves only the logits and one fp32

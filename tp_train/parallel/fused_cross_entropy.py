@@ -39,13 +39,11 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         rows, valid, smoothing = hidden.size(0), targets.valid, label_smoothing > 0
         chunk = chunk_rows(rows, valid, chunk)
         head = weight[:valid].to(dtype)  # as autocast casts it for F.linear; the input is cast chunk by chunk
-        target_logit, (row_max, sum_exp, sum_logits) = (
-            hidden.new_zeros(rows, dtype=torch.float32),
-            (empty_statistics(hidden, rows, smoothing)),
-        )
+        row_max, sum_exp, sum_logits = empty_statistics(hidden.new_empty(0, dtype=dtype), rows, smoothing)
+        target_logit = hidden.new_zeros(rows, dtype=row_max.dtype)
         for start in range(0, rows if valid else 0, chunk):
             part = slice(start, start + chunk)
-            logits = (hidden[part].to(dtype) @ head.T).float()  # (chunk, valid): this chunk's logits, the only ones
+            logits = fp32_chunk(hidden[part].to(dtype) @ head.T, writable=True)  # (chunk, valid): the only logits
             target_logit[part] = logits.gather(-1, targets.local_target[part].unsqueeze(-1)).squeeze(-1)
             row_max[part], sum_exp[part], chunk_sum = chunk_statistics(logits, smoothing)
             if smoothing:
