@@ -2,8 +2,9 @@
 of 2 ranks, each group holding the model split between its ranks, the groups replicating it) on gloo ranks: the
 logged losses, gradient norms and final parameters of one process at the same global batch (data.batch_size x dp),
 each rank holding 1/dp_shard of the parameters (not 1/dp), and checkpoints that move between HSDP and one device
-(DDP at dp=1) in both directions with the losses of the unbroken run; and HSDP with tp=2 inside each shard group (8
-ranks) alike. One test: its five runs share the cache."""
+(DDP at dp=1) in both directions with the losses of the unbroken run; HSDP with tp=2 inside each shard group (8
+ranks) alike, and HSDP under a pipeline of 2 virtual stages per rank (8 ranks). In float64 (see PARAMETER_TOLERANCE).
+One test: its eight runs share the cache."""
 
 from __future__ import annotations
 
@@ -95,6 +96,20 @@ def test_hsdp_trains_like_one_device_holds_half_and_resumes_across_layouts(tmp_p
     for resumed in (to_one_device, to_hsdp):  # steps 3 and 4: the loaded weights, then AdamW's loaded state
         assert all(sorted(resumed[name]) == [2, 3] for name in SERIES), resumed
         assert _worst(resumed, one_device, [2, 3]) < 1e-5, (resumed, one_device)
+
+    # HSDP under a pipeline of 2 virtual stages per rank (interleaved 1F1B): 8 ranks (pp 2, replicate 2, shard 2),
+    # each rank's two stage views sharded by FSDP2 apart, against one device with the same 4 blocks
+    blocks = ["model.config.n_layer=4"]
+    one_device_4 = _train(tmp_path, "one_device_4_blocks", [*SMALL, *ONE_DEVICE, *blocks])
+    interleaved = ["pp=2", "trainer.strategy.pipeline_schedule=interleaved_1f1b",
+                   "trainer.strategy.pipeline_virtual_stages=2"]  # fmt: skip
+    virtual = _train(tmp_path, "hsdp_pp2_virtual", [*SMALL, *HSDP, *blocks, *interleaved], ranks=8)
+    worst_loss = _worst(virtual, one_device_4, [0, 1, 2, 3])
+    whole, own = _parameters(tmp_path / "one_device_4_blocks"), _parameters(tmp_path / "hsdp_pp2_virtual")
+    assert whole.keys() == own.keys()
+    worst_parameter = max((whole[name] - own[name]).abs().max().item() for name in whole)
+    print(f"HSDP x pp=2 x 2 virtual stages: losses and norms {worst_loss:.2e}, parameters {worst_parameter:.2e}")
+    assert worst_loss < 1e-5 and worst_parameter < PARAMETER_TOLERANCE
 
 
 def _config() -> GPTConfig:

@@ -233,8 +233,12 @@ class Pipeline:
                 param.grad = held[param] if param.grad is None else held[param] + param.grad
 
     def from_last_stage(self, value: torch.Tensor | None, device: torch.device, size: int = 1) -> torch.Tensor:
-        """`value` (fp32, `size` elements; None except on the last stage's rank) broadcast from the last stage."""
-        value = torch.zeros(size, device=device) if value is None else value.detach().float().reshape(size)
+        """`value` (fp32, `size` elements; None except on the last stage's rank) broadcast from the last stage. The
+        buffer's dtype is explicit on every rank: under precision=64 the default dtype is float64 in a step."""
+        if value is None:
+            value = torch.zeros(size, device=device, dtype=torch.float32)
+        else:
+            value = value.detach().float().reshape(size)
         dist.broadcast(value, group=self.group, group_src=self.last_rank)
         return value if size > 1 else value[0]
 
