@@ -153,3 +153,23 @@ def test_the_global_norm_of_millions_of_elements_is_exact_to_float64_at_every_tp
     for tp in (1, 2):
         for norm, exact in run_on_ranks(_large_gradient_norm, tp):
             assert abs(norm - exact) / exact < 1e-6, (tp, norm, exact)
+
+
+def _float64_norm(rank, world_size):
+    """One backward of a float64 model and of its sharded copy: the global norm against torch's on the whole model."""
+    torch.manual_seed(0)
+    reference = SwiGLUModel().double()
+    model = tp_train.parallelize(copy.deepcopy(reference))
+    idx = torch.randint(0, VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    next_token_loss(reference(idx), idx).backward()
+    next_token_loss(model(idx), idx).backward()
+    exact = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    sharded = {id(param) for _, param, _ in tp_train.named_sharded_parameters(model)}
+    norm = tp_train.global_grad_norm(list(model.parameters()), sharded, dist.group.WORLD)
+    return norm.dtype, abs(norm.item() - exact.item()) / exact.item()
+
+
+def test_the_global_norm_of_a_float64_model_is_float64():
+    """precision=64: the norm is not rounded to float32 on the way (which would leave it 1e-8 off)."""
+    for dtype, error in run_on_ranks(_float64_norm, 2):
+        assert dtype == torch.float64 and error < 1e-13, (dtype, error)

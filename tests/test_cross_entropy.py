@@ -166,15 +166,28 @@ def _fused_exactness(rank, world_size):
         errors[f"{name}/input_grad"] = (local_hidden.grad - full_hidden.grad).abs().max().item()
         expected_weight_grad = full_weight.grad.chunk(world_size)[rank]
         errors[f"{name}/weight_grad"] = (local_weight.grad - expected_weight_grad).abs().max().item()
-    return errors, loss.dtype
+
+    # float64 (precision=64): the head and the statistics in float64, F.cross_entropy's to 1e-12
+    hidden = torch.randn(*TOKENS, HIDDEN, generator=generator, dtype=torch.float64)
+    weight = torch.randn(PADDED_VOCAB, HIDDEN, generator=generator, dtype=torch.float64)
+    target = torch.randint(0, PADDED_VOCAB, TOKENS, generator=generator)
+    full_weight = weight.clone().requires_grad_()
+    expected = F.cross_entropy((hidden @ full_weight.T).flatten(0, -2), target.flatten())
+    expected.backward()
+    local_weight = weight.chunk(world_size)[rank].clone().requires_grad_()
+    loss64 = vocab_parallel_linear_cross_entropy(hidden, local_weight, target, group, PADDED_VOCAB, chunk_size=4)
+    loss64.backward()
+    errors["fp64/loss"] = (loss64.detach() - expected.detach()).abs().item() * 1e6  # held to 1e-12 as 1e-6
+    errors["fp64/weight_grad"] = (local_weight.grad - full_weight.grad.chunk(world_size)[rank]).abs().max().item() * 1e6
+    return errors, (loss.dtype, loss64.dtype)
 
 
 @pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fused_head_and_loss_equal_cross_entropy_of_the_full_head(tp):
     for rank, (errors, loss_dtype) in enumerate(run_on_ranks(_fused_exactness, tp, timeout=120)):
-        assert len(errors) == 3 * len(CASES), sorted(errors)
+        assert len(errors) == 3 * len(CASES) + 2, sorted(errors)
         assert max(errors.values()) <= EXACT, (rank, {k: v for k, v in errors.items() if v > EXACT})
-        assert loss_dtype == torch.float32
+        assert loss_dtype == (torch.float32, torch.float64)
 
 
 def _fused_memory(rank, world_size):

@@ -4,7 +4,7 @@ logged losses, gradient norms and final parameters of one process at the same gl
 each rank holding 1/dp_shard of the parameters (not 1/dp), and checkpoints that move between HSDP and one device
 (DDP at dp=1) in both directions with the losses of the unbroken run; HSDP with tp=2 inside each shard group (8
 ranks) alike, and HSDP under a pipeline of 2 virtual stages per rank (8 ranks). In float64 (see PARAMETER_TOLERANCE).
-One test: its eight runs share the cache."""
+And the first pair in float32 too. One test: its ten runs share the cache."""
 
 from __future__ import annotations
 
@@ -96,6 +96,13 @@ def test_hsdp_trains_like_one_device_holds_half_and_resumes_across_layouts(tmp_p
     for resumed in (to_one_device, to_hsdp):  # steps 3 and 4: the loaded weights, then AdamW's loaded state
         assert all(sorted(resumed[name]) == [2, 3] for name in SERIES), resumed
         assert _worst(resumed, one_device, [2, 3]) < 1e-5, (resumed, one_device)
+
+    # In float32, as users train: the logged losses and gradient norms (its parameters: PARAMETER_TOLERANCE)
+    float32 = [setting for setting in SMALL if setting != "precision=64"]
+    one_device_32 = _train(tmp_path, "one_device_float32", [*float32, *ONE_DEVICE])
+    worst_loss = _worst(_train(tmp_path, "hsdp_float32", [*float32, *HSDP]), one_device_32, [0, 1, 2, 3])
+    print(f"HSDP in float32: losses and norms {worst_loss:.2e}")
+    assert worst_loss < 1e-5
 
     # HSDP under a pipeline of 2 virtual stages per rank (interleaved 1F1B): 8 ranks (pp 2, replicate 2, shard 2),
     # each rank's two stage views sharded by FSDP2 apart, against one device with the same 4 blocks

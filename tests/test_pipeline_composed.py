@@ -129,6 +129,8 @@ LIGHTNING_COMPOSITIONS = {
     # the loss scaled in the schedule, the inf check agreed by every rank: the same steps skipped as on one device
     "pp2_tp2_16mixed": dict(tensor_parallel_size=2, precision="16-mixed"),
     "pp2_tp2_bf16mixed": dict(tensor_parallel_size=2, precision="bf16-mixed"),  # autocast in each stage's chunks
+    # bf16 weights; the default dtype is bf16 in a step, and the loss's buffers are float32 on every rank all the same
+    "pp2_bf16true": dict(precision="bf16-true"),
     # 2 stages per rank (0 and 2, 1 and 3), each a view of the module's one model; the tie across ranks 0 and 1
     "pp2_dp2_interleaved": dict(pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2, layers=4),
     "pp2_dp2_looped_bfs": dict(pipeline_schedule="looped_bfs", pipeline_virtual_stages=2, layers=4),
@@ -154,7 +156,8 @@ LIGHTNING_COMPOSITIONS = {
 }
 # plain Lightning on one device, at each precision and accumulation the compositions use
 PLAIN = {"plain": dict(), "plain_16mixed": dict(precision="16-mixed"), "plain_bf16mixed": dict(precision="bf16-mixed"),
-         "plain_accumulate2": dict(accumulate=2), "plain_4blocks": dict(layers=4)}  # fmt: skip
+         "plain_accumulate2": dict(accumulate=2), "plain_4blocks": dict(layers=4),
+         "plain_bf16true": dict(precision="bf16-true")}  # fmt: skip
 
 
 def _reference_of(name: str) -> str:
@@ -268,7 +271,8 @@ def test_pipeline_composed_through_lightning_equals_plain_lightning():
         errors[name] = max(loss_error, param_error)
     # fp32 to 1e-5; the autocasts to their rounding against plain Lightning at the same precision, measured 5.1e-5
     # (16-mixed) and 4.9e-4 (bf16-mixed), as test_precision's tp=2 against fp32 (7.7e-5, 5.4e-4)
-    bounds = {"pp2_tp2_16mixed": 2e-4, "pp2_tp2_bf16mixed": 5e-3}
+    # bf16-true: one bf16 step of the loss near 5 (2^-5, measured 1.7e-2) and of a weight (measured 9.8e-4, 2^-10)
+    bounds = {"pp2_tp2_16mixed": 2e-4, "pp2_tp2_bf16mixed": 5e-3, "pp2_bf16true": 2**-5}
     # bf16's autocast ran in the stages: its losses are not fp32's (which equal plain fp32's to 1e-5)
     bf16_logged = _batch_losses(results, "pp2_tp2_bf16mixed")
     autocast_gap = max(abs(a - b) for a, b in zip(bf16_logged, references["plain"][0], strict=True))

@@ -176,7 +176,10 @@ class PipelineSteps:
         divisor = sum(self.token_counts) if counted else float(self.microbatches)
         weight = float(sum(self._targets)) if counted else 1.0  # among the replicas: its targets, or 1 (uncounted)
         total = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=device)
-        value = torch.cat([total.float().reshape(1), torch.tensor([divisor, weight], device=device)])
+        # float32 whatever the default dtype (bf16 in a bf16-true step would round a count of targets above 256)
+        value = torch.cat(
+            [total.float().reshape(1), torch.tensor([divisor, weight], device=device, dtype=torch.float32)]
+        )
         last = self.pipeline.holds_last
         loss_sum, divisor, weight = self.pipeline.from_last_stage(value if last else None, device, size=3)
         loss = loss_sum / divisor  # this replica's batch: what training_step returns

@@ -10,6 +10,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from tp_train.parallel.sharding import ShardSpec, data_parallel_split, local_part, replicated_rows
+from tp_train.parallel.widening import statistics_dtype, widened
 
 
 def global_grad_norm(
@@ -52,7 +53,7 @@ def global_grad_norm(
     # Where the reduction runs: with the parameters (NCCL needs the GPU), even on a rank with no gradients.
     device = local_part(parameters[0]).device if parameters else torch.device("cpu")
     # The norm's dtype: float32, or float64 for float64 parameters (a float32 norm would round their clipping)
-    dtype = torch.promote_types(parameters[0].dtype, torch.float32) if parameters else torch.float32
+    dtype = statistics_dtype(parameters[0].dtype if parameters else torch.get_default_dtype())
     # FSDP2's data-parallel group: where its DTensors split (HSDP's replicate axis holds copies, counted once)
     fully_sharded = next((p for p in parameters if isinstance(p, DTensor)), None)
     data_parallel = None
@@ -96,9 +97,9 @@ def _replicated_excess(grad: torch.Tensor, spec: ShardSpec, group: ProcessGroup)
     if isinstance(grad, DTensor):
         share = 1 / grad.device_mesh.size(data_parallel_split(grad)[0])
         grad = grad.full_tensor()
-    excess = torch.zeros((), device=grad.device)
+    excess = torch.zeros((), device=grad.device, dtype=statistics_dtype(grad.dtype))
     for start, rows, copies in replicated_rows(spec, world_size):
-        excess += (1 - 1 / copies) * grad.narrow(spec.dim, start, rows).float().square().sum()
+        excess += (1 - 1 / copies) * widened(grad.narrow(spec.dim, start, rows)).square().sum()
     return excess * share
 
 

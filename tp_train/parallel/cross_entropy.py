@@ -1,5 +1,6 @@
 """Cross-entropy over logits that are sharded along the vocabulary (Megatron-LM's vocab-parallel loss), computed
-in chunks of tokens so that no full-size fp32 copy of the logits ever exists."""
+in chunks of tokens so that no full-size fp32 copy of the logits ever exists. "fp32" below is `statistics_dtype`:
+float64 for float64 logits (precision=64)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import all_reduce
 from tp_train.parallel.sharding import section_slice
+from tp_train.parallel.widening import statistics_dtype, widened
 
 # fp32 bytes of logits one chunk turns into at once (the chunk's rows are this over the shard's width): small
 # beside bf16 logits of a real vocabulary (8 x 1024 tokens x 50,304 columns x 2 bytes = 786 MiB), large enough
@@ -28,16 +30,11 @@ def chunk_rows(rows: int, columns: int, chunk: int | None = None) -> int:
     return max(1, CHUNK_BYTES // (4 * max(1, columns)))
 
 
-def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the loss computes in for logits of `dtype`: float32, or float64 for float64 logits (never narrower)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def fp32_chunk(chunk: torch.Tensor, writable: bool) -> torch.Tensor:
+def statistics_chunk(chunk: torch.Tensor, writable: bool) -> torch.Tensor:
     """`chunk` in fp32 (fp64 if it is), free to overwrite: a copy, or `chunk` itself when it is already in that
     dtype and `writable`."""
     if chunk.dtype != statistics_dtype(chunk.dtype):
-        return chunk.to(statistics_dtype(chunk.dtype))
+        return widened(chunk)
     return chunk if writable else chunk.clone()
 
 
@@ -158,7 +155,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             out[:, targets.valid :] = 0  # padding columns never entered the softmax
         for start in range(0, logits.size(0) if targets.valid else 0, chunk):
             rows = slice(start, start + chunk)
-            part = fp32_chunk(logits[rows, : targets.valid], writable=ctx.in_place)
+            part = statistics_chunk(logits[rows, : targets.valid], writable=ctx.in_place)
             out[rows, : targets.valid] = targets.chunk_gradient(part, log_sum_exp, row_scale, rows)
         return out, None, None, None, None, None, None, None
 

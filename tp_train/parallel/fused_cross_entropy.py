@@ -17,8 +17,8 @@ from tp_train.parallel.cross_entropy import (
     chunk_rows,
     chunk_statistics,
     empty_statistics,
-    fp32_chunk,
     log_sum_exp_over_group,
+    statistics_chunk,
 )
 
 # The profiler range in which backward allocates the gradients it returns (a measurement's marker: from its end on,
@@ -43,7 +43,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         target_logit = hidden.new_zeros(rows, dtype=row_max.dtype)
         for start in range(0, rows if valid else 0, chunk):
             part = slice(start, start + chunk)
-            logits = fp32_chunk(hidden[part].to(dtype) @ head.T, writable=True)  # (chunk, valid): the only logits
+            logits = statistics_chunk(hidden[part].to(dtype) @ head.T, writable=True)  # (chunk, valid): the only logits
             target_logit[part] = logits.gather(-1, targets.local_target[part].unsqueeze(-1)).squeeze(-1)
             row_max[part], sum_exp[part], chunk_sum = chunk_statistics(logits, smoothing)
             if smoothing:
@@ -70,7 +70,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.size(0) if valid else 0, chunk):
             part = slice(start, start + chunk)
             inputs = hidden[part].to(dtype)
-            logits = fp32_chunk(inputs @ head.T, writable=True)
+            logits = statistics_chunk(inputs @ head.T, writable=True)
             grad = targets.chunk_gradient(logits, log_sum_exp, row_scale, part).to(dtype)  # d loss / d logits
             grad_hidden[part] = grad @ head  # cast into the input's dtype as it is written
             grad_weight[:valid] += grad.T @ inputs  # accumulated in the weight's dtype
@@ -88,9 +88,9 @@ def vocab_parallel_linear_cross_entropy(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` (a vocabulary-parallel head without bias) against `target`, computed
-    chunk by chunk of tokens: equals `vocab_parallel_cross_entropy` of the head's logits, float32, while only one
-    chunk's logits exist at a time, in forward and in backward (which recomputes them). Under autocast the matmuls
-    run in its dtype, as the head's would.
+    chunk by chunk of tokens: equals `vocab_parallel_cross_entropy` of the head's logits, float32 (float64 for float64
+    ones), while only one chunk's logits exist at a time, in forward and in backward (which recomputes them). Under
+    autocast the matmuls run in its dtype, as the head's would.
 
     Args:
         hidden: (..., H) the head's input, replicated over the group and already in the parallel region (after

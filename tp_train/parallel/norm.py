@@ -10,14 +10,10 @@ from torch.distributed import ProcessGroup
 
 from tp_train.parallel.collectives import CommunicationCounter, sum_across_tensor_parallel_region
 from tp_train.parallel.layers import Configurable
+from tp_train.parallel.widening import widened
 
 # Where RMS norms keep the epsilon added inside their rsqrt (Hugging Face's `variance_epsilon`, torch's `eps`).
 EPSILON_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon", "rms_norm_eps")
-
-
-def _widened(x: torch.Tensor) -> torch.Tensor:
-    """`x` in float32 for the norm's statistics, or as it is when wider (float64 stays float64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def norm_epsilon(module: nn.Module) -> tuple[bool, float | None]:
@@ -55,8 +51,8 @@ def hold_statistic(module: nn.Module, x: torch.Tensor, output: torch.Tensor, ref
         return _hold_moments(module, x, output, reference)
     eps = norm_epsilon(module)[1]
     eps = eps if eps is not None else torch.finfo(x.dtype).eps
-    held = _widened(reference.detach()).pow(2).mean(-1, keepdim=True)
-    now = _widened(x).pow(2).mean(-1, keepdim=True)
+    held = widened(reference.detach()).pow(2).mean(-1, keepdim=True)
+    now = widened(x).pow(2).mean(-1, keepdim=True)
     # Exactly 1 where the statistic did not move: a row nothing perturbed must not move by round-off either.
     scale = torch.where(now == held, 1.0, torch.sqrt(now + eps) * torch.rsqrt(held + eps))
     return output * scale.to(output)
@@ -65,17 +61,17 @@ def hold_statistic(module: nn.Module, x: torch.Tensor, output: torch.Tensor, ref
 def _hold_moments(module: nn.LayerNorm, x: torch.Tensor, output: torch.Tensor, reference: torch.Tensor):
     """A LayerNorm's `output` on `x` normalised with the mean and variance of `reference` instead of its own (rows
     whose moments did not move keep `output` exactly)."""
-    held_var, held_mean = torch.var_mean(_widened(reference.detach()), -1, correction=0, keepdim=True)
-    var, mean = torch.var_mean(_widened(x), -1, correction=0, keepdim=True)
-    held = _affine(module, (_widened(x) - held_mean) * torch.rsqrt(held_var + module.eps))
+    held_var, held_mean = torch.var_mean(widened(reference.detach()), -1, correction=0, keepdim=True)
+    var, mean = torch.var_mean(widened(x), -1, correction=0, keepdim=True)
+    held = _affine(module, (widened(x) - held_mean) * torch.rsqrt(held_var + module.eps))
     return torch.where((mean == held_mean) & (var == held_var), output, held.to(output))
 
 
 def _affine(module: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
     """`normalized` times the module's `weight` plus its `bias` (either may be None), in float32 or wider."""
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    scaled = normalized if weight is None else normalized * _widened(weight)
-    return scaled if bias is None else scaled + _widened(bias)
+    scaled = normalized if weight is None else normalized * widened(weight)
+    return scaled if bias is None else scaled + widened(bias)
 
 
 class _FeatureSplitNorm(Configurable):
@@ -113,9 +109,9 @@ class ParallelLayerNormRegion(_FeatureSplitNorm):
         self.group, self.eps, self.comm_counter = group, eps, comm_counter
 
     def moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, variance) over every rank's features, in float32, one value of each per row of `x`."""
+        """(mean, variance) over every rank's features, in float32 or wider, one value of each per row of `x`."""
         width, tp = x.shape[-1], dist.get_world_size(self.group)
-        var, mean = torch.var_mean(_widened(x), -1, correction=0, keepdim=True)
+        var, mean = torch.var_mean(widened(x), -1, correction=0, keepdim=True)
         local = torch.cat([mean, mean.pow(2), var * width], -1)  # its mean, the square of it, its M2
         totals = sum_across_tensor_parallel_region(local, self.group, self.comm_counter)
         means, squared_means, deviations = totals.split(1, -1)
@@ -124,7 +120,7 @@ class ParallelLayerNormRegion(_FeatureSplitNorm):
         return mean, variance
 
     def corrected(self, module, tensors, output):
-        x = _widened(tensors[0])
+        x = widened(tensors[0])
         mean, variance = self.moments(x)
         return _affine(module, (x - mean) * torch.rsqrt(variance + self.eps))
 
@@ -149,11 +145,11 @@ class ParallelRMSNormRegion(_FeatureSplitNorm):
         self.groups, self.gated = groups, gated
 
     def scale(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """sqrt(mean_local(y^2) + eps) / sqrt(mean_group(y^2) + eps), in float32, one value per row of `x`, where
-        y = x * silu(gate) (x without a gate) and the group is the one this rank's features belong to."""
+        """sqrt(mean_local(y^2) + eps) / sqrt(mean_group(y^2) + eps), in float32 or wider, one value per row of `x`,
+        where y = x * silu(gate) (x without a gate) and the group is the one this rank's features belong to."""
         width, tp, rank = x.shape[-1], dist.get_world_size(self.group), dist.get_rank(self.group)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        y = _widened(x) if gate is None else _widened(x) * F.silu(_widened(gate))
+        y = widened(x) if gate is None else widened(x) * F.silu(widened(gate))
         squares = y.pow(2).sum(-1, keepdim=True)
         mine = rank * self.groups // tp
         per_group = [squares if index == mine else torch.zeros_like(squares) for index in range(self.groups)]
@@ -163,7 +159,7 @@ class ParallelRMSNormRegion(_FeatureSplitNorm):
 
     def corrected(self, module, tensors, output):
         gate = tensors[1] if self.gated and len(tensors) > 1 else None
-        return _widened(output) * self.scale(tensors[0], gate)
+        return widened(output) * self.scale(tensors[0], gate)
 
 
 def norm_groups(module: nn.Module) -> int:
