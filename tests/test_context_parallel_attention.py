@@ -48,8 +48,9 @@ def _reference(q, k, v, grad, ids):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _rank_errors(rank, world_size, q_heads, kv_heads, documents, rotation, device="cpu"):
+def _rank_errors(rank, world_size, q_heads, kv_heads, documents, rotation, device="cpu", dtype=torch.float32):
     q, k, v, grad, ids = (None if t is None else t.to(device) for t in _inputs(q_heads, kv_heads, documents))
+    q, k, v, grad = (t.to(dtype) for t in (q, k, v, grad))
     expected = _reference(q, k, v, grad, ids)
     share = lambda t: shard_sequence(t, world_size, rank, dim=2)  # noqa: E731
     q_l, k_l, v_l = (share(t).clone().requires_grad_() for t in (q, k, v))
@@ -57,6 +58,7 @@ def _rank_errors(rank, world_size, q_heads, kv_heads, documents, rotation, devic
     out = context_parallel_attention(q_l, k_l, v_l, dist.group.WORLD, document_ids=ids_l, rotation=rotation)
     out.backward(share(grad))
     got = (out.detach(), q_l.grad, k_l.grad, v_l.grad)
+    assert all(tensor.dtype == dtype for tensor in got), [tensor.dtype for tensor in got]
     return [float((g - share(e)).abs().max()) for g, e in zip(got, expected, strict=True)]
 
 
@@ -71,20 +73,32 @@ CASES = {
 }
 
 
+FLOAT64_CASE = "documents"  # also run in float64 (precision=64): blocks merged in float64, to 1e-12
+FLOAT64_EXACT = 1e-12
+
+
 def _rank_all_errors(rank, world_size, device="cpu"):
-    """Every case under every rotation on one set of ranks: {(case, rotation): [out, dq, dk, dv max errors]}."""
-    return {
+    """Every case under every rotation on one set of ranks: {(case, rotation): [out, dq, dk, dv max errors]}, and
+    FLOAT64_CASE in float64 ("float64 documents")."""
+    errors = {
         (case, rotation): _rank_errors(rank, world_size, *CASES[case], rotation, device)
         for case in CASES
         for rotation in ROTATIONS
     }
+    if device == "cpu":  # CUDA's fused attention takes no float64
+        for rotation in ROTATIONS:
+            errors[(f"float64 {FLOAT64_CASE}", rotation)] = _rank_errors(
+                rank, world_size, *CASES[FLOAT64_CASE], rotation, device, torch.float64
+            )
+    return errors
 
 
 def check_cp_attention(world_size, device="cpu"):
     by_rank = run_on_ranks(_rank_all_errors, world_size, device, timeout=300)
     for key in by_rank[0]:
         worst = max(max(errors[key]) for errors in by_rank)
-        assert worst < 1e-5, f"cp={world_size} {key}: max error {worst:.2e} (out, dq, dk, dv per rank: " + str(
+        bound = FLOAT64_EXACT if key[0].startswith("float64") else 1e-5
+        assert worst < bound, f"cp={world_size} {key}: max error {worst:.2e} (out, dq, dk, dv per rank: " + str(
             [errors[key] for errors in by_rank]
         )
 

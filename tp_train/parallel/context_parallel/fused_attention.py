@@ -3,13 +3,15 @@ backward from the merged output and log-sum-exp: nothing of size (queries x keys
 
 The kernel is picked by the tensors' device: on CPU, `_scaled_dot_product_flash_attention_for_cpu` (grouped-query
 attention without repeating keys and values); on CUDA, the memory-efficient kernel (fp32, fp16 and bf16; its keys
-and values are repeated per query head for grouped-query attention). Blocks are merged in fp32 whatever the inputs'
-dtype, as in ring-flash-attention and TransformerEngine's context parallelism.
+and values are repeated per query head for grouped-query attention). Blocks are merged in fp32 (fp64 for fp64 inputs)
+whatever the inputs' dtype, as in ring-flash-attention and TransformerEngine's context parallelism.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tp_train.parallel.widening import widened
 
 _LSE_ALIGNMENT = 32  # the CUDA memory-efficient kernel pads its log-sum-exp's query dim to a multiple of this
 
@@ -28,12 +30,12 @@ def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, to
     """
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        return out, widened(lse)
     groups = q.shape[1] // k.shape[1]
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, _repeat_heads(k, groups), _repeat_heads(v, groups), None, True, 0.0, causal, scale=scale
     )
-    return out, lse[..., : q.shape[2]].float()
+    return out, widened(lse[..., : q.shape[2]])
 
 
 def block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
@@ -72,7 +74,7 @@ def merge_block(out, lse, block_out, block_lse) -> None:
     """
     merged = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - merged).unsqueeze(-1))
-    out.add_(block_out.float().mul_(torch.exp(block_lse - merged).unsqueeze(-1)))  # no copy of an fp32 block
+    out.add_(widened(block_out).mul_(torch.exp(block_lse - merged).unsqueeze(-1)))  # no copy of an fp32 block
     lse.copy_(merged)
 
 

@@ -20,6 +20,7 @@ from tp_train.parallel.context_parallel import (
     shard_sequence,
 )
 from tp_train.parallel.context_parallel.load_balance import check_sequence_length
+from tp_train.parallel.widening import statistics_dtype, widened
 
 HF_ATTENTION = "tp_train_context_parallel"
 # Where a module or config keeps its number of query heads (the plan reads the same names: `plan.styles`).
@@ -83,8 +84,8 @@ def mean_over_group(local_mean: torch.Tensor, local_count: torch.Tensor, group: 
     Its value is the global mean on every rank; its gradient is cp x (this rank's share of the global mean's), so
     that averaging gradients over the group (as DDP over dp x cp does) gives the global mean's gradient exactly,
     whatever number of ignored labels each rank holds."""
-    count = local_count.detach().to(torch.float32)
-    local_sum = torch.where(count > 0, local_mean.float() * count, torch.zeros_like(count))
+    count = local_count.detach().to(statistics_dtype(local_mean.dtype))
+    local_sum = torch.where(count > 0, widened(local_mean) * count, torch.zeros_like(count))
     totals = torch.stack([local_sum.detach(), count])
     dist.all_reduce(totals, group=group)
     total_count = totals[1].clamp(min=1)

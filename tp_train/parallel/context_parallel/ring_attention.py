@@ -27,6 +27,7 @@ from tp_train.parallel.context_parallel.block_pairs import TILE, BlockPairs
 from tp_train.parallel.context_parallel.fused_attention import block_backward, block_forward, merge_block
 from tp_train.parallel.context_parallel.head_exchange import heads_to_sequence, sequence_to_heads
 from tp_train.parallel.context_parallel.load_balance import unshard_sequence
+from tp_train.parallel.widening import statistics_dtype
 
 ROTATIONS = ("ring", "allgather", "alltoall")
 
@@ -139,8 +140,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         """`whole`: this rank holds the whole sequence (after "alltoall"): one process's attention, nothing sent."""
         size, rank = (1, 0) if whole else (_size(group), _rank(group))
         pairs = BlockPairs(q.shape[2], size, rank, causal, documents)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Hq, Tl, D)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # (B, Hq, Tl)
+        out = torch.zeros(q.shape, dtype=statistics_dtype(q.dtype), device=q.device)  # (B, Hq, Tl, D)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=out.dtype, device=q.device)  # (B, Hq, Tl)
         for source, (keys, values) in _visits(k, v, group, rotation, size, rank):
             for call in pairs.calls(source):
                 queries, where = q[call.batch, :, call.rows], (call.batch, slice(None), call.rows)
@@ -158,7 +159,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         pairs, scale = ctx.pairs, ctx.scale
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grad_q = torch.zeros(q.shape, dtype=statistics_dtype(q.dtype), device=q.device)
 
         def block_grads(source, keys, values, grad_k, grad_v):
             for call in pairs.calls(source):
@@ -199,7 +200,7 @@ def _ring_grads(k, v, group, size, rank, block_grads):
     """Backward of the ring: each K/V share travels the ring with its gradient, which every rank adds to; after a
     full turn the gradient is back at the share's owner."""
     shares = [k, v]
-    grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+    grads = [torch.zeros(k.shape, dtype=statistics_dtype(k.dtype), device=k.device) for _ in range(2)]
     for step in range(size):
         pending = _shift(shares, group) if step < size - 1 else None
         block_grads((rank - step) % size, *shares, *grads)
@@ -211,14 +212,14 @@ def _ring_grads(k, v, group, size, rank, block_grads):
 def _ring_free_grads(k, v, group, size, block_grads):
     """Backward of the all-gather: every rank's K/V gathered again, gradients reduce-scattered to their owners."""
     if size == 1:
-        grads = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        grads = torch.zeros((2, *k.shape), dtype=statistics_dtype(k.dtype), device=k.device)
         block_grads(0, k, v, grads[0], grads[1])
         return grads[0], grads[1]
     keys, values = _gather(k.contiguous(), group, dim=0), _gather(v.contiguous(), group, dim=0)
-    grads = torch.zeros((size, 2, *k.shape), dtype=torch.float32, device=k.device)
+    grads = torch.zeros((size, 2, *k.shape), dtype=statistics_dtype(k.dtype), device=k.device)
     for source in range(size):
         block_grads(source, keys[source], values[source], grads[source, 0], grads[source, 1])
-    mine = torch.empty((2, *k.shape), dtype=torch.float32, device=k.device)
+    mine = torch.empty((2, *k.shape), dtype=grads.dtype, device=k.device)
     reduce_scatter_single(mine, grads.flatten(0, 1), group=group)  # rank after rank along dim 0
     return mine[0], mine[1]
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from tp_train.parallel.agreement import before_collective
+from tp_train.parallel.widening import widened
 
 
 def load_balancing_loss(
@@ -43,12 +44,12 @@ def load_balancing_loss(
         own rows' share, so that averaging the gradients over the group (DDP's convention, as for the loss the
         model's rows give) yields the gradient of the loss over all rows. And (layers, E): the top-k assignments
         each layer routed to each expert, over the whole group (no gradient)."""
-    probs = [F.softmax(logits.float(), dim=-1) for logits in router_logits]
+    probs = [F.softmax(widened(logits), dim=-1) for logits in router_logits]
     loads = torch.stack(
-        [torch.bincount(p.topk(top_k, dim=-1).indices.reshape(-1), minlength=num_experts).float() for p in probs]
+        [torch.bincount(p.topk(top_k, dim=-1).indices.reshape(-1), minlength=num_experts).to(p.dtype) for p in probs]
     )  # (layers, E) assignments per expert
     prob_sums = torch.stack([p.sum(dim=0) for p in probs]).sum(dim=0)  # (E,) this rank's share of sum_rows p
-    rows = torch.tensor([float(sum(p.shape[0] for p in probs))], device=loads.device)
+    rows = torch.tensor([float(sum(p.shape[0] for p in probs))], device=loads.device, dtype=loads.dtype)
     world_size = 1 if group is None else dist.get_world_size(group)
     totals = torch.cat([loads.reshape(-1), rows, prob_sums.detach()])
     for over in (group, sequence_group):
