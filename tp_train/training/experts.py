@@ -143,7 +143,8 @@ class TrainingExperts:
             region.dropped = 0
         yield
         if regions:
-            counts = torch.tensor([float(region.dropped) for region in regions], device=device)
+            # float64, not the default dtype: bf16 in a bf16-true step, where a count above 256 would be rounded
+            counts = torch.tensor([float(region.dropped) for region in regions], device=device, dtype=torch.float64)
             dist.all_reduce(counts, group=self._replicas)
             for layer, count in enumerate(counts.tolist()):
                 log(f"train/moe/dropped_{layer}", count)
