@@ -7,7 +7,8 @@ how each data-parallel rank's share of the global batch is cut: micro-batches ac
 pipeline's microbatches. The global batch (sequences per optimizer step) is held fixed. For each set of degrees,
 schedule and mode, the cheapest way to fit is searched in order: the whole share at once, then with activation
 checkpointing, then accumulated over 2, 4, ... micro-batches (each again without, then with, checkpointing); the
-first that fits is that layout's, and a set that fits in none is reported with its smallest need.
+first that fits is that layout's (found by bisection: memory falls with the micro-batch), and a set that fits in
+none is reported with its smallest need.
 
 Not chosen yet (pinned at 1): context and expert parallelism (their steps are not simulated: a sequence's shares,
 data-dependent routing).
@@ -18,11 +19,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from tp_train.parallel.dims import ParallelDims
+from tp_train.tools.depth import Depth, simulate_at_depth
 from tp_train.tools.hardware import GIB, HardwareProfile
 from tp_train.tools.memory import MIB
 from tp_train.tools.simulate import SimulatedStep, simulate_step
@@ -70,7 +73,7 @@ class Candidate:
 
 
 def choose_layout(
-    build: Callable[[], nn.Module],
+    build: Callable[[], nn.Module] | Depth,
     world_size: int,
     global_batch: int,
     seq_len: int,
@@ -84,7 +87,8 @@ def choose_layout(
 ) -> list[Candidate]:
     """Every layout of `world_size` ranks training `build()`'s model on `global_batch` sequences of `seq_len` tokens
     per optimizer step: those that fit `memory_per_device` bytes (less `HEADROOM`) first, fastest first (predicted on
-    `profile`), then those that do not, smallest first. `pinned` fixes degrees ("tp", "pp", "dp",
+    `profile`), then those that do not, smallest first. A `Depth` for `build` simulates a deep model from shallow
+    builds of it (`tp_train.tools.depth`). `pinned` fixes degrees ("tp", "pp", "dp",
     "dp_shard") or "data_parallel" (dp per node, as the config gives it); `options` gives the rest of the strategy's
     settings (the loss, sequence parallelism). Over `num_nodes` nodes (the world split evenly), each node holds the
     same number of data-parallel ranks, and a group spanning nodes is priced at the profile's inter-node bandwidth."""
@@ -166,35 +170,48 @@ def _valid(dims: ParallelDims, num_nodes: int = 1) -> ParallelDims | None:
 
 
 def _fit(build, dims, options, global_batch, seq_len, vocab_size, budget, profile, autocast) -> Candidate:
-    """The first way of cutting this layout's share of the batch that fits (see the module docstring), or its
-    smallest need."""
+    """The first way of cutting this layout's share of the batch that fits, in the order of the module docstring, or
+    its smallest need. Memory falls as the micro-batch shrinks and with checkpointing, so the order's first fit is
+    found by bisection: the smallest micro-batch with checkpointing first (when even it does not fit, nothing does),
+    then the largest micro-batch that fits with checkpointing, then that one without it."""
     share = global_batch // dims.dp
-    smallest = None
-    for accumulation in _divisors(share):
-        micro_batch = share // accumulation
-        microbatches = _pipeline_microbatches(dims, micro_batch)
-        if microbatches is None:
-            continue
-        for checkpointing in (False, True):
-            applied = replace(
-                options, activation_checkpointing=checkpointing,
-                pipeline_microbatches=microbatches if dims.pp > 1 else None,
-            )  # fmt: skip
-            layout = Layout(dims, applied, micro_batch, accumulation, microbatches)
-            try:
-                steps = simulated_ranks(build, layout, seq_len, vocab_size, autocast)
-            except ValueError as error:  # a model these degrees cannot shard (heads tp does not divide, too few blocks)
-                return smallest or Candidate(layout, 0, None, 0.0, fits=False, unshardable=str(error))
-            memory = max(step.memory.peak for step in steps)
-            if memory <= budget:
-                time = predict_step_time(steps, dims, profile, microbatches, accumulation)
-                return Candidate(layout, memory, time, global_batch * seq_len / time.total, fits=True)
-            if smallest is None or memory < smallest.memory:
-                smallest = Candidate(layout, memory, None, 0.0, fits=False)
-    if smallest is None:  # no micro-batch of the share splits into the pipeline's microbatches
+    cuts = [(share // n, n) for n in _divisors(share) if _pipeline_microbatches(dims, share // n) is not None]
+    if not cuts:  # no micro-batch of the share splits into the pipeline's microbatches
         reason = f"no micro-batch of {share} sequences a rank divides into {dims.stages} pipeline stages"
         return Candidate(Layout(dims, options, share, 1, dims.stages), 0, None, 0.0, fits=False, unshardable=reason)
-    return smallest
+
+    def tried(index: int, checkpointing: bool) -> Candidate:
+        micro_batch, accumulation = cuts[index]
+        microbatches = _pipeline_microbatches(dims, micro_batch)
+        applied = replace(
+            options, activation_checkpointing=checkpointing,
+            pipeline_microbatches=microbatches if dims.pp > 1 else None,
+        )  # fmt: skip
+        layout = Layout(dims, applied, micro_batch, accumulation, microbatches)
+        steps = simulated_ranks(build, layout, seq_len, vocab_size, autocast)
+        memory = max(step.memory.peak for step in steps)
+        if memory > budget:
+            return Candidate(layout, memory, None, 0.0, fits=False)
+        time = predict_step_time(steps, dims, profile, microbatches, accumulation)
+        return Candidate(layout, memory, time, global_batch * seq_len / time.total, fits=True)
+
+    try:
+        smallest = tried(len(cuts) - 1, True)
+        if not smallest.fits:
+            return smallest
+        low, high, best = 0, len(cuts) - 1, smallest  # cuts[high] fits with checkpointing; find the first that does
+        while low < high:
+            middle = (low + high) // 2
+            candidate = tried(middle, True)
+            if candidate.fits:
+                high, best = middle, candidate
+            else:
+                low = middle + 1
+        without = tried(high, False)
+    except ValueError as error:  # a model these degrees cannot shard (heads tp does not divide, too few blocks)
+        layout = Layout(dims, options, share, 1, _pipeline_microbatches(dims, share) or dims.stages)
+        return Candidate(layout, 0, None, 0.0, fits=False, unshardable=str(error))
+    return without if without.fits else best
 
 
 def _pipeline_microbatches(dims: ParallelDims, micro_batch: int) -> int | None:
@@ -211,7 +228,8 @@ def simulated_ranks(build, layout: Layout, seq_len, vocab_size, autocast=None) -
     dims = layout.dims
     step = language_model_step(layout.micro_batch, seq_len, vocab_size, autocast=autocast)
     ranks = [0] if dims.pp == 1 else [0, dims.world_size - 1]
-    return tuple(simulate_step(build, dims, step, layout.options, rank=rank) for rank in ranks)
+    simulate = partial(simulate_at_depth, build) if isinstance(build, Depth) else partial(simulate_step, build)
+    return tuple(simulate(dims, step, layout.options, rank=rank) for rank in ranks)
 
 
 def table(candidates: list[Candidate], memory_per_device: float, rows: int = 5) -> str:

@@ -79,15 +79,19 @@ class StepCounts(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.operations += 1
-        kind = KIND_OF_OP.get(func.__name__.split(".")[0]) if func.namespace in ("c10d", "_c10d_functional") else None
-        if kind is not None:
-            self._collective(kind, args, kwargs)
-        elif func._overloadpacket in flop_registry:
-            # a DTensor's FLOPs are its shard's: what this rank computes
-            local_args, local_kwargs, local_out = tree_map_only(torch.Tensor, _local, (args, kwargs, out))
+        role = _ROLE_OF_OP.get(func)
+        if role is None:
+            role = _ROLE_OF_OP[func] = _role(func)
+        if role == _VIEW:
+            return out
+        if role not in (_FLOPS, _TRAFFIC):
+            self._collective(role, args, kwargs)
+            return out
+        # a DTensor's FLOPs and bytes are its shard's: what this rank computes and moves
+        local_args, local_kwargs, local_out = tree_map_only(torch.Tensor, _local, (args, kwargs, out))
+        if role == _FLOPS:
             self.flops += flop_registry[func._overloadpacket](*local_args, **local_kwargs, out_val=local_out)
-        elif not _is_view(func):
-            local_args, local_kwargs, local_out = tree_map_only(torch.Tensor, _local, (args, kwargs, out))
+        else:
             self.memory_traffic += _bytes((local_args, local_kwargs, local_out))
         return out
 
@@ -108,6 +112,20 @@ class StepCounts(TorchDispatchMode):
     @property
     def collective_bytes(self) -> int:
         return sum(count.bytes for count in self.collectives.values())
+
+
+_FLOPS, _TRAFFIC, _VIEW = "flops", "traffic", "view"
+_ROLE_OF_OP: dict = {}  # each op's role, decided on its first dispatch (the checks cost more than the counting)
+
+
+def _role(func) -> str:
+    """What an op adds to the counts: a collective's kind, FLOPs, memory traffic, or nothing (a view)."""
+    kind = KIND_OF_OP.get(func.__name__.split(".")[0]) if func.namespace in ("c10d", "_c10d_functional") else None
+    if kind is not None:
+        return kind
+    if func._overloadpacket in flop_registry:
+        return _FLOPS
+    return _VIEW if _is_view(func) else _TRAFFIC
 
 
 def _is_view(func) -> bool:

@@ -74,10 +74,7 @@ def plan_pipeline_split(
                 f"the {count} blocks of '{blocks}'"
             )
     else:
-        weights = [_parameters(block) for block in block_list]
-        first = sum(_parameters(model.get_submodule(name), recurse=False) for name in before)
-        last = sum(_parameters(model.get_submodule(name), recurse=False) for name in after)
-        sizes = _balanced(weights, num_stages, first, last)
+        sizes = balanced_sizes(*stage_weights(model, blocks, before, after), num_stages)
     starts = [sum(sizes[:stage]) for stage in range(num_stages)]
     stages = tuple(tuple(range(start, start + size)) for start, size in zip(starts, sizes, strict=True))
     return PipelineSplit(blocks, stages, tuple(before), tuple(after))
@@ -106,6 +103,20 @@ def _outside_blocks(model: nn.Module, blocks: str) -> tuple[list[str], list[str]
 
 class _BlocksReached(Exception):  # noqa: N818 - control flow: the first block is about to run
     pass
+
+
+def stage_weights(
+    model: nn.Module, blocks: str | None = None, before: list[str] | None = None, after: list[str] | None = None
+) -> tuple[list[int], int, int]:
+    """What the balanced split weighs: the parameters of each of `model`'s blocks, of the modules that run before
+    them (the first stage's) and of those after them (the last stage's)."""
+    blocks = blocks or find_blocks(model)
+    if before is None or after is None:
+        before, after = _outside_blocks(model, blocks)
+    weights = [_parameters(block) for block in model.get_submodule(blocks)]
+    first = sum(_parameters(model.get_submodule(name), recurse=False) for name in before)
+    last = sum(_parameters(model.get_submodule(name), recurse=False) for name in after)
+    return weights, first, last
 
 
 def _started_before_blocks(model: nn.Module, blocks: str) -> set[str] | None:
@@ -138,7 +149,7 @@ def _parameters(module: nn.Module, recurse: bool = True) -> int:
     return sum(p.numel() for p in module.parameters(recurse=recurse))
 
 
-def _balanced(weights: list[int], stages: int, first: int, last: int) -> list[int]:
+def balanced_sizes(weights: list[int], first: int, last: int, stages: int) -> list[int]:
     """Blocks per stage (each at least one, contiguous) minimising the heaviest stage, where the first stage also
     carries `first` and the last `last` (dynamic programming over split points)."""
     count = len(weights)
