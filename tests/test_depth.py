@@ -10,9 +10,9 @@ from functools import partial
 import pytest
 
 from models import GPT, GPTConfig
+from tp_train.app.plan_cluster import main, plan, token_count
 from tp_train.parallel.dims import ParallelDims
 from tp_train.tools.depth import Depth, simulate_at_depth
-from tp_train.app.plan_cluster import main, plan, token_count
 from tp_train.tools.simulate import simulate_step
 from tp_train.tools.steps import language_model_step
 from tp_train.training.apply_order import TrainingOptions

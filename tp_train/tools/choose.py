@@ -171,9 +171,10 @@ def _valid(dims: ParallelDims, num_nodes: int = 1) -> ParallelDims | None:
 
 def _fit(build, dims, options, global_batch, seq_len, vocab_size, budget, profile, autocast) -> Candidate:
     """The first way of cutting this layout's share of the batch that fits, in the order of the module docstring, or
-    its smallest need. Memory falls as the micro-batch shrinks and with checkpointing, so the order's first fit is
-    found by bisection: the smallest micro-batch with checkpointing first (when even it does not fit, nothing does),
-    then the largest micro-batch that fits with checkpointing, then that one without it."""
+    its smallest need. Memory falls as the micro-batch shrinks and with checkpointing, so after the whole share
+    (without, then with checkpointing) the order's first fit is found by bisection: the smallest micro-batch with
+    checkpointing (when even it does not fit, nothing does), then the largest micro-batch that fits with
+    checkpointing, then that one without it."""
     share = global_batch // dims.dp
     cuts = [(share // n, n) for n in _divisors(share) if _pipeline_microbatches(dims, share // n) is not None]
     if not cuts:  # no micro-batch of the share splits into the pipeline's microbatches
@@ -196,10 +197,14 @@ def _fit(build, dims, options, global_batch, seq_len, vocab_size, budget, profil
         return Candidate(layout, memory, time, global_batch * seq_len / time.total, fits=True)
 
     try:
-        smallest = tried(len(cuts) - 1, True)
+        for checkpointing in (False, True):  # the whole share at once: where memory is plenty, the only try
+            whole = tried(0, checkpointing)
+            if whole.fits:
+                return whole
+        smallest = tried(len(cuts) - 1, True) if len(cuts) > 1 else whole
         if not smallest.fits:
             return smallest
-        low, high, best = 0, len(cuts) - 1, smallest  # cuts[high] fits with checkpointing; find the first that does
+        low, high, best = 1, len(cuts) - 1, smallest  # cuts[high] fits with checkpointing; find the first that does
         while low < high:
             middle = (low + high) // 2
             candidate = tried(middle, True)
