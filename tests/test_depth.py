@@ -115,3 +115,36 @@ def test_bad_input_is_one_line_and_status_2(llama_config, capsys, arguments, mes
 
 def test_token_counts_take_binary_suffixes():
     assert token_count("4M") == 4 * 2**20 and token_count("8k") == 8192 and token_count("524288") == 524288
+
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (2021), Table 1:
+# (hidden size, layers, attention heads, tensor-parallel size, pipeline-parallel size); vocabulary 51,200 and
+# sequences of 2048, as the paper's GPT models.
+MEGATRON_PUBLISHED = {"175B": (12288, 96, 96, 8, 16), "1T": (25600, 128, 160, 8, 64)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MEGATRON_PUBLISHED)
+def test_the_parameters_a_rank_holds_at_megatrons_published_layouts_are_megatrons_formulas(name):
+    """The first pipeline rank's parameters, simulated from shallow builds, against Megatron-LM's own count of its most
+    loaded shard (`theoretical_memory_usage.py`: (the layers' parameters / pp + the embedding) / tp, with 12h^2 + 4h a
+    layer). Ours adds what that count leaves out: the learned positions and the linears' biases, and the LayerNorms and
+    row-parallel biases that tensor parallelism replicates rather than splits."""
+    hidden, layers, heads, tp, pp = MEGATRON_PUBLISHED[name]
+    vocab, seq = 51200, 2048
+
+    def gpt(blocks: int) -> GPT:
+        return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=blocks, n_head=heads, n_embd=hidden))
+
+    dims = ParallelDims.from_world(tp * pp, tp=tp, pp=pp)
+    options = TrainingOptions(loss_parallel=True, pipeline_microbatches=pp, pipeline_split=(layers // pp,) * pp)
+    step = simulate_at_depth(Depth(gpt, layers), dims, language_model_step(pp, 64, vocab), options, rank=0)
+    held = step.memory.parameters // 4  # fp32
+    blocks = layers // pp
+    # per block: the weights 12h^2 and the column-parallel biases 7h split; the row-parallel biases 2h and the two
+    # LayerNorms' 4h whole on every rank
+    ours = blocks * ((12 * hidden**2 + 7 * hidden) // tp + 6 * hidden) + vocab * hidden // tp + seq * hidden
+    assert held == ours
+    megatron = (layers * (12 * hidden**2 + 4 * hidden) / pp + vocab * hidden) / tp
+    without_positions = held - seq * hidden
+    assert abs(without_positions / megatron - 1) < 5e-4, (held, megatron)
