@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import torch.nn as nn
@@ -41,6 +41,7 @@ class MemoryEstimate:
     activations: int  # kept for backward, per micro-batch, with the loss's logits and their gradients
     gathered_parameters: int = 0  # FSDP2's unsharded parameters of the groups in use (fsdp only)
     attention_workspace: int = 0  # what one attention's backward allocates beyond the activations (its kernels)
+    receive_buffers: int = 0  # a pipeline stage's, one per microbatch for activations in and for gradients in (torch's)
     pipelined: bool = False  # a pipeline stage: its gradients are allocated while microbatches are still in flight
 
     @property
@@ -48,7 +49,7 @@ class MemoryEstimate:
         """The peak: gradients are allocated while the backward pass frees the activations (in a pipeline, at the
         first microbatch's backward, beside the activations of those still in flight); one attention's backward at
         a time adds its kernels' workspace to the activations."""
-        gathered = self.gradient_buckets + self.gathered_parameters
+        gathered = self.gradient_buckets + self.gathered_parameters + self.receive_buffers
         working = self.activations + self.attention_workspace
         grown = self.gradients + working if self.pipelined else max(self.gradients, working)
         return self.parameters + self.optimizer_states + gathered + grown
@@ -244,19 +245,24 @@ def estimate_memory(
             f"{micro_batch_size} sequences; use a divisor of it"
         )
     split = plan_pipeline_split(model, dims.stages)
+    # one microbatch's hidden state, as a stage sends it on (its tokens split over tp under sequence parallelism)
+    tokens = micro_batch_size // microbatches * -(-seq_len // cp) // (tp if sequence_parallel else 1)
+    boundary = tokens * model_shape(model)[1] * PRECISION_BYTES[precision][0]
     estimates = []
     for pipeline_rank in range(pp):
         stages = rank_stages(pipeline_schedule, split, pp, pipeline_rank, dims.virtual_stages)
-        estimates.append(
-            rank.estimate(
-                micro_batch_size // microbatches,
-                only=rank_parameter_ids(model, split, stages),
-                blocks=sum(len(split.stages[stage]) for stage in stages),
-                in_flight=in_flight(pipeline_schedule, pp, pipeline_rank, microbatches, pipeline_virtual_stages),
-                last=split.num_stages - 1 in stages,
-                pipelined=True,
-            )
+        estimate = rank.estimate(
+            micro_batch_size // microbatches,
+            only=rank_parameter_ids(model, split, stages),
+            blocks=sum(len(split.stages[stage]) for stage in stages),
+            in_flight=in_flight(pipeline_schedule, pp, pipeline_rank, microbatches, pipeline_virtual_stages),
+            last=split.num_stages - 1 in stages,
+            pipelined=True,
         )
+        # torch's stages hold a buffer per microbatch for what they receive: activations from the stage before
+        # (all but the first stage), gradients from the stage after (all but the last)
+        receiving = sum((stage > 0) + (stage < split.num_stages - 1) for stage in stages)
+        estimates.append(replace(estimate, receive_buffers=receiving * microbatches * boundary))
     return max(estimates, key=lambda estimate: estimate.total)
 
 
