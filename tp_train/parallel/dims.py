@@ -153,11 +153,9 @@ class ParallelDims:
         """The model's pipeline stages in all: pp x virtual_stages."""
         return self.pp * self.virtual_stages
 
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The pipeline stages `rank` runs: its pipeline rank (the mesh's outermost coordinate) and, with virtual
-        stages, every pp-th stage after it (the interleaved schedules' loop order)."""
-        first = rank // (self.world_size // self.pp)
-        return tuple(first + virtual * self.pp for virtual in range(self.virtual_stages))
+    def pipeline_rank(self, rank: int) -> int:
+        """`rank`'s place in its pipeline: its coordinate on the mesh's outermost axis."""
+        return rank // (self.world_size // self.pp)
 
     @property
     def data_parallel(self) -> str:

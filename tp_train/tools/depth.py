@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from tp_train.parallel.dims import ParallelDims
+from tp_train.tools.pipeline_memory import rank_stages
 from tp_train.tools.simulate import SimulatedMemory, SimulatedStep, simulate_step
 from tp_train.tools.step_counts import CollectiveCount
 from tp_train.training.apply_order import TrainingOptions
@@ -54,7 +55,7 @@ def simulate_at_depth(
     for a model the degrees cannot shard)."""
     options = options or TrainingOptions()
     dims.check_blocks(depth.blocks, depth.where)
-    held = _blocks_a_stage(depth, dims, options.pipeline_split, rank)
+    held = _blocks_a_stage(depth, dims, options.pipeline_split, options.pipeline_schedule, rank)
     if held <= 3:
         return simulate_step(partial(depth.build, depth.blocks), dims, forward_backward, options, rank)
     one, two = (
@@ -67,14 +68,15 @@ def simulate_at_depth(
     return along_the_line(one, two, held - 2)
 
 
-def _blocks_a_stage(depth: Depth, dims: ParallelDims, explicit, rank: int) -> int:
+def _blocks_a_stage(depth: Depth, dims: ParallelDims, explicit, schedule: str, rank: int) -> int:
     """The blocks each pipeline stage of `rank` holds (the same in each of its stages: `check_blocks`); all of them
     without a pipeline."""
     if dims.pp == 1:
         return depth.blocks
     if explicit is None:
         explicit = _balanced_split(depth, dims.stages)
-    return max(explicit[stage] for stage in dims.stages_of(rank))
+    stages = rank_stages(schedule, dims.stages, dims.pp, dims.pipeline_rank(rank), dims.virtual_stages)
+    return max(explicit[stage] for stage in stages)
 
 
 def along_the_line(first: SimulatedStep, second: SimulatedStep, steps: float) -> SimulatedStep:

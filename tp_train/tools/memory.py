@@ -250,7 +250,7 @@ def estimate_memory(
     boundary = tokens * model_shape(model)[1] * PRECISION_BYTES[precision][0]
     estimates = []
     for pipeline_rank in range(pp):
-        stages = rank_stages(pipeline_schedule, split, pp, pipeline_rank, dims.virtual_stages)
+        stages = rank_stages(pipeline_schedule, split.num_stages, pp, pipeline_rank, dims.virtual_stages)
         estimate = rank.estimate(
             micro_batch_size // microbatches,
             only=rank_parameter_ids(model, split, stages),

@@ -30,11 +30,11 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual_stag
     return microbatches
 
 
-def rank_stages(schedule: str, split: PipelineSplit, pp: int, rank: int, virtual_stages: int) -> list[int]:
+def rank_stages(schedule: str, num_stages: int, pp: int, rank: int, virtual_stages: int) -> list[int]:
     """The stages pipeline rank `rank` runs: r, r + p, ... (looped), or r and 2p - 1 - r (a V)."""
     if schedule_named(schedule, virtual_stages).placement == "v":
-        return [rank, split.num_stages - 1 - rank]
-    return list(range(rank, split.num_stages, pp))
+        return [rank, num_stages - 1 - rank]
+    return list(range(rank, num_stages, pp))
 
 
 def rank_parameter_ids(model: nn.Module, split: PipelineSplit, stages: list[int]) -> set[int]:
