@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from tp_train.app.auto_layout import AUTOCAST, TRUE_DTYPES
 from tp_train.tools.choose import HEADROOM, choose_layout, size_label, table
 from tp_train.tools.depth import Depth
 from tp_train.tools.hardware import GIB, GPU_PROFILES, profile_named
@@ -29,8 +30,6 @@ CONF = Path(__file__).resolve().parents[2] / "conf"  # the repository's configs,
 DEPTH_FIELDS = ("num_hidden_layers", "n_layer")  # where a config gives its count of repeated blocks
 PER_LAYER_FIELDS = ("layer_types",)  # config lists with one entry per block, cut with the depth
 SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30}
-AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-WEIGHT_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
 
 
 def token_count(text: str) -> int:
@@ -117,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-per-device", type=float, help="GiB a device holds (default: the profile's)")
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--global-batch-tokens", required=True, help="tokens per optimizer step: 4M, 524288")
-    parser.add_argument("--precision", default="bf16-mixed", choices=[*AUTOCAST, *WEIGHT_DTYPES])
+    parser.add_argument("--precision", default="bf16-mixed", choices=[*AUTOCAST, *TRUE_DTYPES, "32-true"])
     for degree in ("tp", "pp", "dp", "dp-shard"):
         parser.add_argument(f"--{degree}", type=int, help=f"pin {degree}")
     parser.add_argument("--data-parallel", choices=["ddp", "fsdp"], help="pin the data-parallel mode")
@@ -141,7 +140,7 @@ def plan(argv: list[str] | None = None) -> str:
             f"--global-batch-tokens={args.global_batch_tokens} ({tokens} tokens) is not a whole number of "
             f"--seq-len={args.seq_len} sequences; give a multiple of {args.seq_len}"
         )
-    dtype = WEIGHT_DTYPES.get(args.precision, torch.float32)
+    dtype = TRUE_DTYPES.get(args.precision, torch.float32)  # the weights' (mixed precision keeps them in fp32)
     if Path(args.model).expanduser().exists() or args.model.endswith(".json"):
         depth, vocab = hugging_face_depth(args.model, dtype)
     elif args.model in _conf_names():
