@@ -87,6 +87,11 @@ CASES = {
                                  "dp_shard=3 does not divide the 4 data-parallel ranks (dp per node x nodes); use "
                                  "dp_shard in [2, 4]"),
     "dp_shard_with_ddp": (["dp=4", "dp_shard=2"], "dp_shard=2 with data_parallel=ddp: HSDP needs data_parallel=fsdp"),
+    "invariant_with_dp": (["tp=2", "dp=2", "numerics=invariant"],
+                          "numerics='invariant' covers tensor parallelism so far, not dp=2; use tp alone"),
+    "invariant_in_bf16": (["numerics=invariant", "precision=bf16"],
+                          "numerics=invariant runs precision=32 or 64 so far, not precision=bf16"),
+    "unknown_numerics": (["numerics=exact"], "numerics: numerics='exact'; use one of fast, invariant"),
 }  # fmt: skip
 CASES |= PIPELINE_CASES  # python train.py pp=2's refusals, in the same start-up
 CASES |= EXPERT_CASES  # and ep=2's

@@ -24,6 +24,7 @@ from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from tp_train.lightning.nonfinite import ACTIONS
 from tp_train.parallel.context_parallel.models import check_context_parallel
 from tp_train.parallel.dims import ParallelDims
+from tp_train.parallel.invariant import INVARIANT, check_numerics
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.plan.deciding.match import match_plan
 from tp_train.plan.deciding.resolve import resolve_plan
@@ -31,6 +32,7 @@ from tp_train.plan.meta_init import deferred_init
 from tp_train.plan.probe_input import run_without_cache
 from tp_train.tools.family_configs import departures, unset_fields
 from tp_train.tools.memory import MemoryEstimate, estimate_memory
+from tp_train.training.apply_order import check_invariant_dims
 
 # Set by a launching process whose config passed `check`: the child ranks Lightning's launcher starts from it (with a
 # copy of its environment and its composed config) skip the check, which builds the model, resolves its plan and
@@ -71,6 +73,7 @@ def check(cfg: DictConfig, build_model: Callable[[], torch.nn.Module]) -> None:
         dims = config_dims(cfg)
         if dims is not None:
             dims.validate("trainer.devices", cfg.trainer.get("num_nodes", 1))
+        _check_numerics(cfg, dims)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     block_size = cfg.data.get("block_size")
@@ -269,6 +272,22 @@ def config_dims(cfg: DictConfig) -> ParallelDims | None:
         virtual_stages=_setting(cfg, "pipeline_virtual_stages", 1),
         dp_shard=_setting(cfg, "data_parallel_shard_size", key="dp_shard"),
     )  # fmt: skip
+
+
+def _check_numerics(cfg: DictConfig, dims: ParallelDims | None) -> None:
+    """numerics=invariant's reach so far, before any rank starts: tensor parallelism alone, fp32 or fp64, without
+    sequence parallelism or compile (ValueError, one line)."""
+    numerics = str(_setting(cfg, "numerics", "fast"))
+    if check_numerics(numerics, "numerics") != INVARIANT:
+        return
+    if dims is not None:
+        check_invariant_dims(dims, numerics)
+    precision = lightning_precision(cfg.precision)
+    if precision not in ("32-true", "64-true"):
+        raise ValueError(f"numerics=invariant runs precision=32 or 64 so far, not precision={cfg.precision}")
+    for name in ("sequence_parallel", "compile"):
+        if _setting(cfg, name, False):
+            raise ValueError(f"numerics=invariant does not cover {name}=true yet; leave it off, or use numerics=fast")
 
 
 def layout_label(cfg: DictConfig) -> str:

@@ -53,12 +53,19 @@ class StrategyLoss:
         loss_parallel: the head's logits are sharded along the vocabulary (`vocab_parallel_cross_entropy`, writing
             their gradient into their own buffer: nothing else reads them). The strategy sets it once the model is
             sharded, from what sharding decided (`ParallelTraining.loss_parallel`).
+        numerics: the vocabulary-parallel loss's ("invariant": its sums in one fixed order; never fused).
     """
 
     def __init__(
-        self, fused: bool | None, compile: bool | str, context_parallel: bool = False, loss_parallel: bool = False
+        self,
+        fused: bool | None,
+        compile: bool | str,
+        context_parallel: bool = False,
+        loss_parallel: bool = False,
+        numerics: str = "fast",
     ) -> None:
         self.loss_parallel = loss_parallel
+        self.numerics = numerics
         self.fused = fused
         self.context_parallel = context_parallel
         self._vocab_size: int | None = None  # of the head `loss_parallel` keeps sharded, read once sharded
@@ -133,5 +140,6 @@ class StrategyLoss:
 
     def _sharded_loss(self, logits, target, group, ignore_index, label_smoothing):
         return vocab_parallel_cross_entropy(
-            logits, target, group, self._vocab_size, ignore_index, label_smoothing, in_place_backward=True
-        )
+            logits, target, group, self._vocab_size, ignore_index, label_smoothing, in_place_backward=True,
+            numerics=self.numerics,
+        )  # fmt: skip

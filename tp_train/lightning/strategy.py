@@ -31,9 +31,11 @@ from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_par
 from tp_train.lightning.step_hooks import StepHooks
 from tp_train.lightning.steps import ModelSteps
 from tp_train.parallel.dims import ParallelDims
+from tp_train.parallel.invariant import INVARIANT
 from tp_train.parallel.mesh import backend_with_timeout
 from tp_train.plan.meta_init import deferred_init
 from tp_train.training import ParallelTraining, TrainingOptions, parallelize_for_training
+from tp_train.training.apply_order import check_invariant_dims
 from tp_train.training.experts import check_expert_parallel_arguments
 
 
@@ -95,6 +97,9 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
         expert_capacity_factor: None (dropless) or, with expert parallelism, the tokens each expert takes from each
             rank per layer, as a multiple of an even share (`tp_train.parallel.experts.expert_capacity`); those over
             it are dropped and counted (`train/moe/dropped_<layer>`).
+        numerics: "fast", or "invariant": every sum a layout splits is computed in one fixed order, so the run's
+            losses and weights are the same bits at every tensor-parallel degree (docs/invariant-numerics.md; tensor
+            parallelism alone so far, fp32 or fp64, at a cost in speed).
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis (with "ddp").
     """
 
@@ -128,6 +133,7 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
         pipeline_virtual_stages: int = 1,
         expert_parallel_size: int = 1,
         expert_capacity_factor: float | None = None,
+        numerics: str = "fast",
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)
@@ -137,7 +143,7 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
                                  pipeline_virtual_stages)  # fmt: skip
         consolidated.check_data_parallel(save_distributed_checkpoint, data_parallel)
         consolidated.check_pipeline_parallel(save_distributed_checkpoint, pipeline_parallel_size)
-        check_fused_loss(fused_loss, data_parallel)
+        check_fused_loss(fused_loss, data_parallel, numerics)
         super().__init__(
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
         )
@@ -151,14 +157,14 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
             data_parallel=data_parallel, context_parallel_rotation=context_parallel_rotation,
             pipeline_schedule=pipeline_schedule, pipeline_microbatches=pipeline_microbatches,
             pipeline_split=pipeline_split,
-            expert_capacity_factor=expert_capacity_factor,
+            expert_capacity_factor=expert_capacity_factor, numerics=numerics,
             fsdp_methods=("training_step", "validation_step", "test_step", "predict_step"),
         )  # fmt: skip
         self.async_checkpoint, self.trust_checkpoint = async_checkpoint, trust_checkpoint
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self._parallel: ParallelTraining | None = None  # the model as parallelized (setup)
         self._steps: ModelSteps | PipelineSteps = ModelSteps()  # how the step hooks run the user's steps (setup)
-        self._loss = StrategyLoss(fused_loss, compile, context_parallel=context_parallel_size > 1)
+        self._loss = StrategyLoss(fused_loss, compile, context_parallel=context_parallel_size > 1, numerics=numerics)
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -180,7 +186,10 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
     def setup_environment(self) -> None:
         dims = self.parallel_dims
         dims.validate("devices", self.num_nodes)
+        check_invariant_dims(dims, self.options.numerics)
         super().setup_environment()
+        if self.options.numerics == INVARIANT:  # a CPU kernel's reduction order may follow its threads (LayerNorm's)
+            torch.set_num_threads(1)
         # every group of the mesh times out like the world group (torch gives its sub-groups a 30-minute default)
         self._mesh = dims.build_mesh(
             self.root_device.type, backend_with_timeout(self._get_process_group_backend(), self._timeout)

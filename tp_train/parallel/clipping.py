@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from tp_train.parallel import invariant
 from tp_train.parallel.sharding import ShardSpec, data_parallel_split, local_part, replicated_rows
 from tp_train.parallel.widening import statistics_dtype, widened
 
@@ -123,6 +124,42 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(norms).square().sum()
 
 
+def invariant_grad_norm(
+    parameters: Iterable[torch.Tensor], sharded: Mapping[int, ShardSpec], group: ProcessGroup
+) -> torch.Tensor:
+    """The 2-norm of all gradients in `numerics="invariant"`'s order (`tp_train.parallel.invariant`), the same bits
+    at every tensor-parallel degree: each gradient's squares summed over its last dimension, then over its first
+    (a matrix; a vector is one column), in tiles, a split dimension's sum finished over `group`; the parameters'
+    sums added in one tree, in the order given. Each parameter counts once (tied ones share a gradient). Sizes are
+    global, as `invariant.row_sum` takes them."""
+    parameters = list({id(p): p for p in parameters if p.grad is not None}.values())
+    ranks = dist.get_world_size(group)
+    squares = []
+    for param in parameters:
+        grad, spec = param.grad.detach(), sharded.get(id(param))
+        if isinstance(grad, DTensor) or grad.dim() > 2:
+            raise ValueError(
+                f"clip_grad_norm_: numerics='invariant' takes plain 1-D and 2-D gradients, not "
+                f"{type(grad).__name__} of shape {tuple(grad.shape)}; use numerics='fast'"
+            )
+        if spec is not None:
+            if len(spec.sections) > 1 or replicated_rows(spec, ranks):
+                raise ValueError(
+                    f"clip_grad_norm_: numerics='invariant' takes parameters split evenly in one section; one of "
+                    f"shape {tuple(grad.shape)} is split in sections {spec.sections}; use numerics='fast'"
+                )
+            invariant.check_split(spec.sections[0], ranks, "clip_grad_norm_'s sharded parameter")  # so: no padding
+        matrix = widened(grad if grad.dim() == 2 else grad.reshape(-1, 1)).square()
+        split = spec.dim if spec is not None else None
+        height, width = (size * (ranks if split == dim else 1) for dim, size in enumerate(matrix.shape))
+        rows = invariant.finish_sum(invariant.row_sum(matrix, width), group if split == 1 else None)
+        total = invariant.column_sum(rows.unsqueeze(1), height)
+        squares.append(invariant.finish_sum(total, group if split == 0 else None))
+    if not squares:
+        return torch.zeros((), dtype=statistics_dtype(torch.get_default_dtype()))
+    return invariant.tree_sum(torch.cat(squares).double()).sqrt()
+
+
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
@@ -130,10 +167,17 @@ def clip_grad_norm_(
     group: ProcessGroup,
     norm_type: float = 2.0,
     experts: tuple[Collection[int], ProcessGroup] | None = None,
+    numerics: str = invariant.FAST,
 ) -> torch.Tensor:
     """Scales gradients in place so their global norm is at most `max_norm`; returns the norm before clipping
-    (`experts` as for `global_grad_norm`)."""
+    (`experts` as for `global_grad_norm`; `numerics="invariant"`: `invariant_grad_norm`, the 2-norm, no experts)."""
     parameters = list(parameters)
+    if invariant.check_numerics(numerics, "clip_grad_norm_") == invariant.INVARIANT:
+        if norm_type != 2.0 or experts is not None and experts[0]:
+            raise ValueError("clip_grad_norm_: numerics='invariant' takes norm_type=2.0 and no experts; use 'fast'")
+        total = invariant_grad_norm(parameters, sharded if isinstance(sharded, Mapping) else {}, group)
+        clip_grads_with_norm_(parameters, max_norm, total.to(parameters[0].dtype if parameters else total.dtype))
+        return total
     total = global_grad_norm(parameters, sharded, group, norm_type, experts)
     clip_grads_with_norm_(parameters, max_norm, total)
     return total

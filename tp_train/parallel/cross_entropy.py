@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel import invariant
 from tp_train.parallel.collectives import all_reduce
 from tp_train.parallel.sharding import section_slice
 from tp_train.parallel.widening import statistics_dtype, widened
@@ -124,13 +125,18 @@ def check_vocab_size(local_width: int, vocab_size: int, group: ProcessGroup) -> 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, ignore_index, label_smoothing, chunk, in_place):
+    def forward(ctx, logits, target, group, vocab_size, ignore_index, label_smoothing, chunk, in_place, numerics):
         targets = LossTargets.of(target, logits.size(-1), group, vocab_size, ignore_index, label_smoothing)
         rows, valid, smoothing = logits.size(0), targets.valid, label_smoothing > 0
         chunk = chunk_rows(rows, valid, chunk)
         dtype = statistics_dtype(logits.dtype)
         target_logit = logits.gather(-1, targets.local_target.unsqueeze(-1)).squeeze(-1).to(dtype)
         target_logit = target_logit.masked_fill(~targets.in_range, 0.0)
+        if numerics == invariant.INVARIANT:
+            log_sum_exp, summed = _invariant_log_sum_exp(logits, target_logit, chunk, smoothing, group, vocab_size)
+            ctx.save_for_backward(logits, log_sum_exp)
+            ctx.targets, ctx.chunk, ctx.in_place = targets, chunk, in_place
+            return targets.loss(log_sum_exp, summed[0], summed[1] if smoothing else None)
         row_max, sum_exp, sum_logits = empty_statistics(logits, rows, smoothing)
         for start in range(0, rows if valid else 0, chunk):
             part = slice(start, start + chunk)
@@ -157,7 +163,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk)
             part = statistics_chunk(logits[rows, : targets.valid], writable=ctx.in_place)
             out[rows, : targets.valid] = targets.chunk_gradient(part, log_sum_exp, row_scale, rows)
-        return out, None, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None, None
+
+
+def _invariant_log_sum_exp(logits, target_logit, chunk: int, smoothing: bool, group: ProcessGroup, vocab_size: int):
+    """`log_sum_exp_over_group` in `numerics="invariant"`'s order: the group's max first (a max is exact in any
+    order), then each shard's exps summed in leaves (`invariant.row_sum`) and the shards' sums finished in the tree
+    (`invariant.finish_sum`); the target logit (one shard's, zeros elsewhere: exact) all-reduced."""
+    dtype = statistics_dtype(logits.dtype)
+    row_max = logits.max(dim=-1).values.to(dtype)
+    global_max = all_reduce(row_max, group, "max")
+    sum_exp = torch.empty_like(global_max)
+    sum_logits = torch.empty_like(global_max) if smoothing else None
+    for start in range(0, logits.size(0), chunk):
+        part = slice(start, start + chunk)
+        values = logits[part].to(dtype)
+        if smoothing:
+            sum_logits[part] = invariant.row_sum(values, vocab_size)
+        sum_exp[part] = invariant.row_sum((values - global_max[part].unsqueeze(-1)).exp_(), vocab_size)
+    sum_exp = invariant.finish_sum(sum_exp, group)
+    summed = [all_reduce(target_logit, group)]
+    if smoothing:
+        summed.append(invariant.finish_sum(sum_logits, group))
+    return global_max + sum_exp.log(), summed
 
 
 def vocab_parallel_cross_entropy(
@@ -169,6 +197,7 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     in_place_backward: bool = False,
     chunk_size: int | None = None,
+    numerics: str = invariant.FAST,
 ) -> torch.Tensor:
     """Mean cross-entropy of vocab-sharded logits; equals `F.cross_entropy` on the gathered logits, and is float32
     whatever the logits' dtype (as `F.cross_entropy` under autocast), float64 for float64 logits.
@@ -189,8 +218,12 @@ def vocab_parallel_cross_entropy(
         in_place_backward: write the logits' gradient into the logits' own buffer in backward (no second
             logits-sized buffer). Only when nothing reads the logits after backward; the strategy's loss does this.
         chunk_size: tokens per fp32 chunk; by default as many as fit 32 MiB of fp32 (all of them under compile).
+        numerics: "invariant" sums over the vocabulary in one fixed order (`tp_train.parallel.invariant`): the same
+            bits at every tensor-parallel degree; a vocabulary split over ranks must then be a multiple of 8.
     """
     check_vocab_size(logits.size(-1), vocab_size, group)
+    if invariant.check_numerics(numerics, "vocab_parallel_cross_entropy") == invariant.INVARIANT:
+        invariant.check_split(vocab_size, dist.get_world_size(group), "vocab_parallel_cross_entropy's vocabulary")
     return _VocabParallelCrossEntropy.apply(
         logits.flatten(0, -2),
         target.flatten(),
@@ -200,4 +233,5 @@ def vocab_parallel_cross_entropy(
         label_smoothing,
         chunk_size,
         in_place_backward,
+        numerics,
     )

@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from tp_train.parallel import invariant
 from tp_train.parallel.collectives import (
     CommunicationCounter,
     copy_to_tensor_parallel_region,
@@ -122,8 +123,9 @@ class ColumnParallelLinear(Configurable, nn.Module):
             loss to compute this head and the loss together (`vocab_parallel_linear_cross_entropy`).
     """
 
-    SETTINGS = ("input_layout", "input_region", "comm_counter", "overlap", "loss_fusion")
+    SETTINGS = ("input_layout", "input_region", "comm_counter", "overlap", "loss_fusion", "numerics")
     feature_dim = -1  # where its input and output hold the features
+    numerics = invariant.FAST  # "invariant": `invariant.linear`, its input gradient's sum finished in this layer
 
     def __init__(
         self,
@@ -170,6 +172,8 @@ class ColumnParallelLinear(Configurable, nn.Module):
         _init_from_full(self, (self.out_features, self.in_features), lambda w, b: _linear_init(w, b, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.numerics == invariant.INVARIANT:
+            return self._gathered(invariant.linear(x, self.weight, self.bias, output_group=self.group))
         if self.loss_fusion is not None and self.loss_fusion.active:  # the loss computes this layer's output
             return self.loss_fusion.hold(
                 enter_column_parallel(x, self.group, self.input_layout, self.comm_counter)[0], self
@@ -184,6 +188,10 @@ class ColumnParallelLinear(Configurable, nn.Module):
             y = linear_with_deferred_weight_gradient(x, self.weight, self.bias, deferred)
         else:
             y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
+        return self._gathered(y)
+
+    def _gathered(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's `y`: itself, or with `gather_output` every rank's, in order."""
         if not self.gather_output:
             return y
         y = gather_from_tensor_parallel_region(y, self.group, self.comm_counter)  # (..., tp * local): rank-major
@@ -216,8 +224,9 @@ class RowParallelLinear(Configurable, nn.Module):
         sequence_parallel, comm_counter: see `Configurable`; `partial_output`: see above.
     """
 
-    SETTINGS = ("sequence_parallel", "comm_counter", "partial_output")
+    SETTINGS = ("sequence_parallel", "comm_counter", "partial_output", "numerics")
     feature_dim = -1  # where its input and output hold the features
+    numerics = invariant.FAST  # "invariant": `invariant.linear`, the partial sums finished in one fixed order
 
     def __init__(
         self,
@@ -268,6 +277,8 @@ class RowParallelLinear(Configurable, nn.Module):
     reset_parameters = ColumnParallelLinear.reset_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.numerics == invariant.INVARIANT:
+            return invariant.linear(x, self.weight, self.bias, contracted_group=self.group)
         if self.world_size == 1 and not self.partial_output:  # no collective between: the bias in the matmul
             return F.linear(x, self.weight, self.bias)
         if self.split_input:

@@ -12,12 +12,20 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from tp_train.checkpoint.pretrained import load_pretrained_modules
+from tp_train.parallel import invariant
 from tp_train.parallel.activation_checkpointing import checkpoint_blocks
 from tp_train.parallel.agreement import failures_agreed
 from tp_train.parallel.collectives import CommunicationCounter
 from tp_train.parallel.context_parallel.models import enable_context_parallel
 from tp_train.parallel.fused_cross_entropy import HeadLossFusion
-from tp_train.parallel.layers import ColumnParallelLinear, Configurable
+from tp_train.parallel.layers import (
+    REPLICATED_INPUT,
+    ColumnParallelLinear,
+    Configurable,
+    RowParallelLinear,
+    SharedInputRegion,
+    VocabParallelEmbedding,
+)
 from tp_train.parallel.mesh import as_process_group, first_rank_decides
 from tp_train.parallel.random import TensorParallelRNG, may_draw_dropout
 from tp_train.plan.applying.apply import apply_plan
@@ -61,6 +69,7 @@ def parallelize(
     cp_options: dict | None = None,
     experts_whole: bool = False,
     skip: Collection[str] = (),
+    numerics: str = invariant.FAST,
 ) -> nn.Module:
     """Shards `model` in place across `tp_group` and returns it; it then computes the same function.
 
@@ -70,10 +79,13 @@ def parallelize(
         settings = dict(plan=plan, loss_parallel=loss_parallel, device=device, verify=verify, weights=weights,
                         sequence_parallel=sequence_parallel, activation_checkpointing=activation_checkpointing,
                         compile=compile, overlap=overlap, example_input=example_input, cp_group=cp_group,
-                        cp_options=cp_options, experts_whole=experts_whole, skip=skip)  # fmt: skip
+                        cp_options=cp_options, experts_whole=experts_whole, skip=skip,
+                        numerics=numerics)  # fmt: skip
         parallelize(wrapped[1], tp_group, **settings)
         return model
     group = as_process_group(tp_group)
+    if invariant.check_numerics(numerics, "parallelize") == invariant.INVARIANT:
+        _check_invariant_options(sequence_parallel=sequence_parallel, compile=compile, cp_group=cp_group)
     resolved, source = _agreed_plan(model, plan, group, example_input, experts_whole)
     if source.endswith((INFERRED_SOURCE, COMPLETED_SOURCE)) and dist.get_rank() == 0:
         print(format_plan(resolved, source), flush=True)
@@ -119,7 +131,10 @@ def parallelize(
         model.tp_blocks = blocks  # the transformer blocks' names, for per-block wrapping (`fully_shard_data_parallel`)
         if vocab_size is not None:
             model.tp_vocab_size = vocab_size
-            model.tp_loss_fusion = _head_loss_fusion(model, heads)
+            model.tp_loss_fusion = _head_loss_fusion(model, heads) if numerics == invariant.FAST else None
+        model.tp_numerics = numerics
+        if numerics == invariant.INVARIANT:
+            _configure_invariant(model, group)
         whole_model_errors = None
         if skeleton is not None:
             reference = unsharded_reference(skeleton, model, group)
@@ -135,6 +150,46 @@ def parallelize(
     if compile:
         model.compile()
     return model
+
+
+def _check_invariant_options(**options) -> None:
+    """numerics='invariant' covers tensor parallelism's own sums so far: one line for each option it does not."""
+    for name, value in options.items():
+        if value not in (None, False):
+            raise ValueError(
+                f"parallelize: numerics='invariant' does not cover {name} yet; leave it off, or use numerics='fast'"
+            )
+
+
+def _configure_invariant(model: nn.Module, group: ProcessGroup) -> None:
+    """Every parallel layer of `model` set to `numerics="invariant"`, or one line naming the first that cannot be:
+    column layers of one section reading a replicated input, row layers of one section, vocabulary-parallel
+    embeddings (a lookup's all-reduce adds one shard's row to zeros: exact), each split as `invariant.check_split`
+    allows."""
+    ranks = dist.get_world_size(group)
+    for name, module in model.named_modules():
+        where = f"parallelize: '{name}' ({type(module).__name__})"
+        if isinstance(module, ColumnParallelLinear):
+            if len(module.shard_specs["weight"].sections) > 1 or module.input_layout != REPLICATED_INPUT:
+                raise ValueError(f"{where}: numerics='invariant' takes column layers of one section whose input is "
+                                 f"replicated; use numerics='fast' for this model")  # fmt: skip
+            invariant.check_split(module.out_features, ranks, where)
+        elif isinstance(module, RowParallelLinear):
+            if (
+                len(module.shard_specs["weight"].sections) > 1
+                or module.split_input
+                or module.scatter_output
+                or (module.partial_output)
+            ):
+                raise ValueError(f"{where}: numerics='invariant' takes row layers of one section with a split input "
+                                 f"and a replicated output; use numerics='fast' for this model")  # fmt: skip
+            invariant.check_split(module.in_features, ranks, where)
+        elif isinstance(module, Configurable) and not isinstance(module, (VocabParallelEmbedding, SharedInputRegion)):
+            raise ValueError(f"{where}: numerics='invariant' does not cover this module's collectives yet; use "
+                             f"numerics='fast'")  # fmt: skip
+        else:
+            continue
+        module.configure(numerics=invariant.INVARIANT)
 
 
 def _agreed_plan(

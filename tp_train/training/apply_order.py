@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.utils import _sync_module_states
 from torch.nn.parallel import DistributedDataParallel
 
+from tp_train.parallel import invariant
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.fake_ranks import fake_group
 from tp_train.parallel.pipeline import Pipeline, schedule_named
@@ -63,6 +64,17 @@ class TrainingOptions:
     pipeline_split: Sequence[int] | None = None  # blocks per stage; default balanced by parameters
     expert_capacity_factor: float | None = None
     fsdp_methods: tuple[str, ...] = ()  # the root's methods that gather its parameters like `forward` (FSDP2)
+    numerics: str = "fast"  # or "invariant": the same bits at every layout (`tp_train.parallel.invariant`)
+
+
+def check_invariant_dims(dims: ParallelDims, numerics: str) -> None:
+    """`numerics="invariant"` covers tensor parallelism so far: one line for any other degree above 1."""
+    others = [f"{name}={getattr(dims, name)}" for name in ("dp", "cp", "pp", "ep") if getattr(dims, name) > 1]
+    if invariant.check_numerics(numerics, "numerics") == invariant.INVARIANT and others:
+        raise ValueError(
+            f"numerics='invariant' covers tensor parallelism so far, not {', '.join(others)}; use tp alone, or "
+            f"numerics='fast'"
+        )
 
 
 def replicate(module: nn.Module, group: torch.distributed.ProcessGroup) -> DistributedDataParallel:
@@ -99,6 +111,7 @@ def parallelize_for_training(
     """
     training = getattr(root, TRAINING_ATTRIBUTE, None)
     if training is None:
+        check_invariant_dims(dims, options.numerics)
         training = _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy)
         setattr(root, TRAINING_ATTRIBUTE, training)
     replicated = wrapped_by_ddp(training, options)
@@ -160,7 +173,7 @@ def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy
     replicas = mesh.replicas.get_group() if pipeline is not None and not fsdp and dims.dp_cp > 1 else None
     return ParallelTraining(
         root=root, module=root, dims=dims, mesh=mesh, experts=experts, pipeline=pipeline,
-        loss_parallel=loss_parallel, pipeline_replicas=replicas,
+        loss_parallel=loss_parallel, pipeline_replicas=replicas, numerics=options.numerics,
     )  # fmt: skip
 
 
@@ -218,7 +231,7 @@ def _shard(root, mesh, device, options, example_inputs, experts, skip) -> bool:
             activation_checkpointing=options.activation_checkpointing, example_input=examples.get(name),
             cp_group=cp_group,
             cp_options={"rotation": options.context_parallel_rotation, "document_separator": separator},
-            experts_whole=experts.size > 1, skip=within(name, skip),
+            experts_whole=experts.size > 1, skip=within(name, skip), numerics=options.numerics,
         )  # fmt: skip
     # Whatever else was built on the meta device (outside the planned models) is replicated.
     if _any_meta(root, skip):

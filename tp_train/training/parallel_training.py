@@ -35,6 +35,7 @@ class ClippingGroups:
     pipeline_parallel: ProcessGroup | None = None  # with pipeline stages: the norm sums over them
     pipeline_duplicates: frozenset[int] = frozenset()  # id() of tied copies an earlier stage holds (counted once)
     experts: tuple[frozenset[int], ProcessGroup] | None = None  # (id() of this rank's experts, the ep group)
+    numerics: str = "fast"  # "invariant": the norm in one fixed order (`tp_train.parallel.clipping`)
 
     def clip_(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scales the gradients of `parameters` (this rank's) so that the whole model's norm is at most `max_norm`;
@@ -42,8 +43,9 @@ class ClippingGroups:
         parameters = list(parameters)
         if self.pipeline_parallel is None:
             return clip_grad_norm_(
-                parameters, max_norm, self.sharded_parameters, self.tensor_parallel, experts=self.experts
-            )
+                parameters, max_norm, self.sharded_parameters, self.tensor_parallel, experts=self.experts,
+                numerics=self.numerics,
+            )  # fmt: skip
         # each stage's parameters are its own: this stage's norm over tp (and FSDP2's dp), its square summed over
         # the stages, each tied parameter counted on the first stage holding it
         counted = [param for param in parameters if id(param) not in self.pipeline_duplicates]
@@ -74,6 +76,7 @@ class ParallelTraining:
     loss_parallel: bool = False  # the LM head's logits stay split over the vocabulary (a vocab-parallel loss)
     # the pipeline's stages, DDP's way: their gradients averaged over the replicas in `after_backward`
     pipeline_replicas: ProcessGroup | None = None
+    numerics: str = "fast"  # the training's `TrainingOptions.numerics`
     _synchronize: bool = field(default=True, repr=False)
 
     @contextmanager
@@ -127,6 +130,7 @@ class ParallelTraining:
             pipeline_parallel=None if pipeline is None else self.mesh.pipeline_parallel.get_group(),
             pipeline_duplicates=frozenset() if pipeline is None else pipeline.duplicate_parameters(),
             experts=self.experts.clipping(),
+            numerics=self.numerics,
         )
 
     def parameter_counts(self, device: torch.device) -> tuple[int, int]:

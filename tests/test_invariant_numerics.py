@@ -1,0 +1,198 @@
+"""`numerics="invariant"` (issue 57): training whose bits do not depend on the tensor-parallel degree.
+
+The oracle is `torch.equal`, not a tolerance: our GPT in fp32, 10 AdamW steps through `parallelize_for_training`,
+the vocabulary-parallel loss and the clipping norm, at tp 2 and 4 against tp 1 in the same mode (the unsharded model,
+its layers in the same tiles): every loss, every gradient norm and every final parameter equal bit for bit; and
+`python train.py numerics=invariant` at tp=2 against tp=1, through Lightning (its logged series, the checkpoint's
+weights). The same in-process run in `numerics="fast"` is not equal (the check can fail), and the primitives' claims
+about this machine's kernels are checked one by one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import train_cases
+from tests.distributed import run_on_ranks
+from tests.test_pipeline_train import _metrics
+from tp_train.parallel import invariant
+from tp_train.tools.export import export_lightning
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STEPS = 10
+VOCAB = 128  # a multiple of 4 (no padding) and of invariant.MAX_SPLIT
+SEQ, BATCH = 32, 4
+
+
+def _train(rank, world_size, numerics, steps):
+    import models.gpt as gpt
+    from tp_train import ParallelDims
+    from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from tp_train.parallel.sharding import full_state_dict
+    from tp_train.training.apply_order import TrainingOptions, parallelize_for_training
+
+    torch.manual_seed(0)
+    config = gpt.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
+    model = gpt.GPT(config)
+    dims = ParallelDims.from_world(world_size, tp=world_size)
+    mesh = dims.build_mesh("cpu")
+    options = TrainingOptions(loss_parallel=True, verify_plan=False, numerics=numerics)
+    training = parallelize_for_training(model, dims, mesh, torch.device("cpu"), options)
+    group = mesh.tensor_parallel.get_group()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    data = torch.Generator().manual_seed(1)
+    losses, norms = [], []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=data)
+        logits = training.module(tokens[:, :-1])
+        loss = vocab_parallel_cross_entropy(logits, tokens[:, 1:], group, VOCAB, numerics=numerics)
+        loss.backward()
+        training.after_backward()
+        norms.append(training.clipping().clip_(model.parameters(), 1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().clone())
+    return torch.stack([torch.stack(losses), torch.stack(norms).to(torch.float32)]), full_state_dict(model, group)
+
+
+def _runs(numerics: str, degrees=(1, 2, 4), steps: int = STEPS) -> dict[int, tuple]:
+    return {tp: run_on_ranks(_train, tp, numerics, steps)[0] for tp in degrees}
+
+
+def _differences(runs: dict[int, tuple], tp: int) -> list[str]:
+    (losses, state), (base_losses, base_state) = runs[tp], runs[1]
+    unequal = [] if torch.equal(losses, base_losses) else ["losses"]
+    return unequal + [name for name, value in base_state.items() if not torch.equal(state[name], value)]
+
+
+def test_gpt_trains_to_the_same_bits_at_every_tensor_parallel_degree():
+    runs = _runs("invariant")
+    for tp in (2, 4):
+        assert _differences(runs, tp) == [], tp
+
+
+def test_fast_numerics_differ_in_the_last_bits_so_the_check_can_fail():
+    runs = _runs("fast", (1, 2), steps=2)
+    differences = _differences(runs, 2)
+    assert differences, "fast numerics matched bit for bit: the invariant test above would prove nothing"
+    assert torch.allclose(runs[2][0], runs[1][0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_contraction_split_over_ranks_sums_to_the_whole_trees_bits(ranks):
+    torch.manual_seed(0)
+    a, b = torch.randn(40, 128), torch.randn(128, 48)
+    share = 128 // ranks
+    sizes = (40, 128, 48)  # global: the leaves are 128 / 8 wide, each rank's a subtree
+    parts = [
+        invariant.matmul(a[:, r * share : (r + 1) * share], b[r * share : (r + 1) * share], sizes) for r in range(ranks)
+    ]
+    assert torch.equal(invariant.tree_sum(torch.stack(parts)), invariant.matmul(a, b, sizes))
+    assert not torch.equal(sum(part for part in parts), invariant.matmul(a, b, sizes)) or ranks == 2
+
+
+def test_a_column_tile_gives_the_same_bits_whatever_columns_surround_it():
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 64), torch.randn(64, 96)
+    sizes = (64, 64, 96)  # tiles of 4 columns
+    whole = invariant.matmul(a, b, sizes)
+    assert torch.equal(invariant.matmul(a, b[:, 32:64], sizes), whole[:, 32:64])  # a column shard
+    assert torch.equal(invariant.matmul(a, b[:, 84:], sizes), whole[:, 84:])  # the last three tiles
+
+
+def test_a_plain_sum_split_over_ranks_sums_to_the_whole_sums_bits():
+    torch.manual_seed(0)
+    x = torch.randn(5, 96) * 1e3
+    halves = torch.stack([invariant.row_sum(x[:, :48], 96), invariant.row_sum(x[:, 48:], 96)])
+    assert torch.equal(invariant.tree_sum(halves), invariant.row_sum(x, 96))
+    assert torch.allclose(invariant.row_sum(x, 96), x.double().sum(1).float(), rtol=1e-6)
+
+
+def test_the_tree_halves_the_terms_rather_than_adding_them_in_turn():
+    p = torch.tensor([1e8, 1.0, -1e8, 1.0], dtype=torch.float32).reshape(4, 1)
+    assert torch.equal(invariant.tree_sum(p), (p[0] + p[1]) + (p[2] + p[3]))  # 0 in float32
+    assert not torch.equal(invariant.tree_sum(p), ((p[0] + p[1]) + p[2]) + p[3])  # 1
+
+
+@pytest.mark.parametrize(
+    ("size", "ranks", "says"),
+    [(96, 3, "over 1, 2, 4 or 8 ranks; got 3"), (100, 2, "multiple of 8; 100 is not"), (64, 16, "got 16")],
+)
+def test_a_split_that_cuts_a_tile_is_refused_in_one_line(size, ranks, says):
+    with pytest.raises(ValueError, match=says) as error:
+        invariant.check_split(size, ranks, "'blocks.0.mlp.proj'")
+    assert "\n" not in str(error.value) and "blocks.0.mlp.proj" in str(error.value)
+
+
+def _train_py(tmp_path: Path, tp: int):
+    """The logged series of `python train.py experiment=smoke numerics=invariant tp=<tp>` (10 steps, clipped at 1.0 by
+    the default config) and its final weights, whole, from its checkpoint."""
+    out = tmp_path / f"tp{tp}"
+    overrides = ["experiment=smoke", f"tp={tp}", "numerics=invariant", "logger=csv", "ckpt_path=null",
+                 "trainer.max_steps=10", "trainer.val_check_interval=5", "trainer.limit_val_batches=1",
+                 "trainer.log_every_n_steps=1", "data.max_files=20", f"hydra.run.dir={out}"]  # fmt: skip
+    # Lightning's threads, as a user gets them (one process: the cores; the suite's OMP_NUM_THREADS=1 would hide it)
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    env.update(WANDB_MODE="offline", TP_TRAIN_CACHE=str(tmp_path / "cache"))
+    command = [sys.executable, "train.py", *overrides]
+    result = train_cases.run(command, cwd=ROOT, env=env, timeout=300, child_ranks=tp - 1)
+    assert result.returncode == 0, result.stderr[-4000:]
+    whole = export_lightning(out / "checkpoints" / "step000010.ckpt", out / "whole.ckpt")
+    return _metrics(out), torch.load(whole, weights_only=False)["state_dict"]
+
+
+@pytest.mark.slow
+def test_train_py_at_tp2_logs_and_saves_the_bits_of_tp1(tmp_path):
+    (one, one_weights), (two, two_weights) = _train_py(tmp_path, 1), _train_py(tmp_path, 2)
+    assert one.keys() == {"train/loss", "train/grad_norm", "val/loss"} and len(one["train/loss"]) == 10
+    assert max(one["train/grad_norm"].values()) > 1.0  # the clipping scaled some steps' gradients
+    assert two == one  # every logged value, exactly
+    assert two_weights.keys() == one_weights.keys()
+    assert [name for name, value in one_weights.items() if not torch.equal(two_weights[name], value)] == []
+
+
+def _refusals(rank, world_size):
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from tp_train.parallel.layers import ColumnParallelLinear
+    from tp_train.plan.parallelize import _configure_invariant, parallelize
+
+    group = dist.group.WORLD
+    found = {}
+    model = nn.Sequential(ColumnParallelLinear(32, 96, group, sections=(32, 32, 32)))  # a fused q, k, v
+    for name, call in {
+        "sections": lambda: _configure_invariant(model, group),
+        "sequence parallel": lambda: parallelize(nn.Linear(4, 4), group, sequence_parallel=True, numerics="invariant"),
+        "vocabulary": lambda: vocab_parallel_cross_entropy(
+            torch.zeros(3, 50), torch.zeros(3, dtype=torch.long), group, 100, numerics="invariant"
+        ),
+    }.items():
+        try:
+            call()
+        except ValueError as error:
+            found[name] = str(error)
+    return found
+
+
+def test_what_invariant_numerics_does_not_cover_is_refused_in_one_line():
+    from tp_train import TensorParallelStrategy
+
+    found = run_on_ranks(_refusals, 2)[0]
+    assert "'0' (ColumnParallelLinear)" in found["sections"] and "one section" in found["sections"]
+    assert "does not cover sequence_parallel" in found["sequence parallel"]
+    assert "multiple of 8; 100 is not" in found["vocabulary"]
+    with pytest.raises(ValueError, match=r"fused_loss=True\) with numerics='invariant'") as error:
+        TensorParallelStrategy(fused_loss=True, numerics="invariant")
+    found["fused"] = str(error.value)
+    with pytest.raises(ValueError, match="numerics='exact'; use one of fast, invariant") as error:
+        TensorParallelStrategy(numerics="exact")
+    found["unknown"] = str(error.value)
+    assert all("\n" not in message for message in found.values()), found
