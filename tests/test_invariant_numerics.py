@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = 10
 VOCAB = 128  # a multiple of 4 (no padding) and of invariant.MAX_SPLIT
-SEQ, BATCH = 32, 4
+SEQ, BATCH = 32, 8  # the global batch: 8 leaves of one sample
 
 
-def _train(rank, world_size, numerics, steps):
+def _train(rank, world_size, numerics, steps, tp):
     import models.gpt as gpt
     from tp_train import ParallelDims
     from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -40,19 +40,28 @@ def _train(rank, world_size, numerics, steps):
     torch.manual_seed(0)
     config = gpt.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
     model = gpt.GPT(config)
-    dims = ParallelDims.from_world(world_size, tp=world_size)
+    dims = ParallelDims.from_world(world_size, tp=tp)
     mesh = dims.build_mesh("cpu")
     options = TrainingOptions(loss_parallel=True, verify_plan=False, numerics=numerics)
     training = parallelize_for_training(model, dims, mesh, torch.device("cpu"), options)
     group = mesh.tensor_parallel.get_group()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     data = torch.Generator().manual_seed(1)
+    share, replica = BATCH // dims.dp, mesh.replicas.get_local_rank()
+
+    def loss_of(samples):
+        logits = training.module(samples[:, :-1])
+        return vocab_parallel_cross_entropy(logits, samples[:, 1:], group, VOCAB, numerics=numerics)
+
     losses, norms = [], []
     for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=data)
-        logits = training.module(tokens[:, :-1])
-        loss = vocab_parallel_cross_entropy(logits, tokens[:, 1:], group, VOCAB, numerics=numerics)
-        loss.backward()
+        batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=data)  # the global batch: each replica's share
+        mine = batch[replica * share : (replica + 1) * share]
+        if numerics == "invariant":
+            loss = training.backward_in_leaves(mine, loss_of)
+        else:
+            loss = loss_of(mine)
+            loss.backward()
         training.after_backward()
         norms.append(training.clipping().clip_(model.parameters(), 1.0))
         optimizer.step()
@@ -61,27 +70,29 @@ def _train(rank, world_size, numerics, steps):
     return torch.stack([torch.stack(losses), torch.stack(norms).to(torch.float32)]), full_state_dict(model, group)
 
 
-def _runs(numerics: str, degrees=(1, 2, 4), steps: int = STEPS) -> dict[int, tuple]:
-    return {tp: run_on_ranks(_train, tp, numerics, steps)[0] for tp in degrees}
+def _runs(numerics: str, layouts=((1, 1), (2, 1), (4, 1)), steps: int = STEPS) -> dict[tuple, tuple]:
+    """(tp, dp) -> (losses and norms, the final parameters), as rank 0 returns them."""
+    return {(tp, dp): run_on_ranks(_train, tp * dp, numerics, steps, tp)[0] for tp, dp in layouts}
 
 
-def _differences(runs: dict[int, tuple], tp: int) -> list[str]:
-    (losses, state), (base_losses, base_state) = runs[tp], runs[1]
+def _differences(runs: dict[tuple, tuple], layout: tuple) -> list[str]:
+    (losses, state), (base_losses, base_state) = runs[layout], runs[1, 1]
     unequal = [] if torch.equal(losses, base_losses) else ["losses"]
     return unequal + [name for name, value in base_state.items() if not torch.equal(state[name], value)]
 
 
-def test_gpt_trains_to_the_same_bits_at_every_tensor_parallel_degree():
-    runs = _runs("invariant")
-    for tp in (2, 4):
-        assert _differences(runs, tp) == [], tp
+def test_gpt_trains_to_the_same_bits_at_every_tensor_and_data_parallel_degree():
+    layouts = ((2, 1), (4, 1), (1, 2), (1, 4), (2, 2))  # (tp, dp)
+    runs = _runs("invariant", ((1, 1), *layouts))
+    for layout in layouts:
+        assert _differences(runs, layout) == [], layout
 
 
 def test_fast_numerics_differ_in_the_last_bits_so_the_check_can_fail():
-    runs = _runs("fast", (1, 2), steps=2)
-    differences = _differences(runs, 2)
+    runs = _runs("fast", ((1, 1), (2, 1)), steps=2)
+    differences = _differences(runs, (2, 1))
     assert differences, "fast numerics matched bit for bit: the invariant test above would prove nothing"
-    assert torch.allclose(runs[2][0], runs[1][0], rtol=0, atol=1e-5)
+    assert torch.allclose(runs[2, 1][0], runs[1, 1][0], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -161,12 +172,34 @@ def _refusals(rank, world_size):
     import torch.distributed as dist
     import torch.nn as nn
 
+    import models.gpt as gpt
+    from tp_train import ParallelDims
     from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
     from tp_train.parallel.layers import ColumnParallelLinear
     from tp_train.plan.parallelize import _configure_invariant, parallelize
+    from tp_train.training.apply_order import TrainingOptions, parallelize_for_training
 
     group = dist.group.WORLD
     found = {}
+    dims = ParallelDims.from_world(world_size, tp=1)  # dp=2
+    gpt_model = gpt.GPT(gpt.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=2, n_embd=32))
+    options = TrainingOptions(verify_plan=False, numerics="invariant")
+    training = parallelize_for_training(gpt_model, dims, dims.build_mesh("cpu"), torch.device("cpu"), options)
+    gpt_model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    try:
+        training.after_backward()  # a plain backward: each replica's own gradients
+    except RuntimeError as error:
+        found["plain backward"] = str(error)
+    for name, value in {
+        "fsdp": lambda: parallelize_for_training(
+            gpt.GPT(gpt_model.config), dims, dims.build_mesh("cpu"), torch.device("cpu"),
+            TrainingOptions(verify_plan=False, numerics="invariant", data_parallel="fsdp"),
+        ),
+    }.items():  # fmt: skip
+        try:
+            value()
+        except ValueError as error:
+            found[name] = str(error)
     model = nn.Sequential(ColumnParallelLinear(32, 96, group, sections=(32, 32, 32)))  # a fused q, k, v
     for name, call in {
         "sections": lambda: _configure_invariant(model, group),
@@ -189,6 +222,8 @@ def test_what_invariant_numerics_does_not_cover_is_refused_in_one_line():
     assert "'0' (ColumnParallelLinear)" in found["sections"] and "one section" in found["sections"]
     assert "does not cover sequence_parallel" in found["sequence parallel"]
     assert "multiple of 8; 100 is not" in found["vocabulary"]
+    assert "sums the gradients over the replicas in ParallelTraining.backward_in_leaves" in found["plain backward"]
+    assert "not dp=2 with data_parallel=fsdp" in found["fsdp"]
     with pytest.raises(ValueError, match=r"fused_loss=True\) with numerics='invariant'") as error:
         TensorParallelStrategy(fused_loss=True, numerics="invariant")
     found["fused"] = str(error.value)

@@ -67,9 +67,14 @@ class TrainingOptions:
     numerics: str = "fast"  # or "invariant": the same bits at every layout (`tp_train.parallel.invariant`)
 
 
-def check_invariant_dims(dims: ParallelDims, numerics: str) -> None:
-    """`numerics="invariant"` covers tensor parallelism so far: one line for any other degree above 1."""
-    others = [f"{name}={getattr(dims, name)}" for name in ("dp", "cp", "pp", "ep") if getattr(dims, name) > 1]
+def check_invariant_dims(dims: ParallelDims, numerics: str, options: TrainingOptions | None = None) -> None:
+    """What `numerics="invariant"` covers so far, one line for the rest: tensor parallelism; and with `options`
+    (`parallelize_for_training`, whose caller runs the backward through `ParallelTraining.backward_in_leaves`)
+    data parallelism by DDP's replicas too."""
+    leaves = options is not None and options.data_parallel == "ddp"
+    others = [f"{name}={getattr(dims, name)}" for name in ("cp", "pp", "ep") if getattr(dims, name) > 1]
+    if dims.dp > 1 and not leaves:
+        others.insert(0, f"dp={dims.dp}" + (f" with data_parallel={options.data_parallel}" if options else ""))
     if invariant.check_numerics(numerics, "numerics") == invariant.INVARIANT and others:
         raise ValueError(
             f"numerics='invariant' covers tensor parallelism so far, not {', '.join(others)}; use tp alone, or "
@@ -111,7 +116,7 @@ def parallelize_for_training(
     """
     training = getattr(root, TRAINING_ATTRIBUTE, None)
     if training is None:
-        check_invariant_dims(dims, options.numerics)
+        check_invariant_dims(dims, options.numerics, options)
         training = _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy)
         setattr(root, TRAINING_ATTRIBUTE, training)
     replicated = wrapped_by_ddp(training, options)
@@ -121,8 +126,9 @@ def parallelize_for_training(
 
 def wrapped_by_ddp(training: ParallelTraining, options: TrainingOptions) -> bool:
     """Whether data parallelism wraps the model in DDP: replicas under `ddp`, outside a pipeline (which averages its
-    stages' gradients itself)."""
-    return training.dims.dp_cp > 1 and options.data_parallel == "ddp" and training.pipeline is None
+    stages' gradients itself) and outside `numerics="invariant"` (`ParallelTraining.backward_in_leaves` sums them)."""
+    replicated = training.dims.dp_cp > 1 and options.data_parallel == "ddp" and training.pipeline is None
+    return replicated and options.numerics == invariant.FAST
 
 
 def _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy) -> ParallelTraining:

@@ -78,6 +78,16 @@ class ParallelTraining:
     pipeline_replicas: ProcessGroup | None = None
     numerics: str = "fast"  # the training's `TrainingOptions.numerics`
     _synchronize: bool = field(default=True, repr=False)
+    _summed_in_leaves: bool = field(default=False, repr=False)  # the last backward ran through `backward_in_leaves`
+
+    def backward_in_leaves(self, inputs: torch.Tensor, loss_of) -> torch.Tensor:
+        """`numerics="invariant"`'s backward of a batch (`tp_train.training.leaves.backward_in_leaves`): `inputs`
+        this rank's consecutive share of the global batch's samples, `loss_of(samples)` their mean loss, run through
+        `module`; the gradients summed over the data-parallel replicas in a fixed order; returns the batch's loss."""
+        from tp_train.training.leaves import backward_in_leaves
+
+        self._summed_in_leaves = True
+        return backward_in_leaves(list(self.root.parameters()), inputs, loss_of, self.mesh.replicas.get_group())
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -102,6 +112,12 @@ class ParallelTraining:
         (DDP's all-reduce; FSDP2's stages reduce-scatter their own), and the experts' over the ranks holding them."""
         if not self._synchronize:
             return
+        if self.numerics != "fast" and self.dims.dp_cp > 1 and not self._summed_in_leaves:
+            raise RuntimeError(
+                "numerics='invariant' at dp > 1 sums the gradients over the replicas in ParallelTraining."
+                "backward_in_leaves; a plain backward leaves each rank its own share's"
+            )
+        self._summed_in_leaves = False
         if self.pipeline is not None and self.pipeline_replicas is not None:
             held = {id(param) for param in self.experts.held}
             dense = [param for param in self.pipeline.parameters() if id(param) not in held]

@@ -1,0 +1,74 @@
+"""A batch's backward in fixed token leaves (`numerics="invariant"` at any data-parallel size).
+
+Under data parallelism every parameter's gradient is a sum over the batch's tokens split between ranks, and most of
+those sums are not ours to order: autograd reduces a broadcast parameter (a norm's weight, a bias) over the tokens a
+rank holds, in its kernel's order. So the order is fixed one level up. The global batch is cut into
+`invariant.LEAVES` equal leaves of samples; each leaf's forward and backward runs alone, with the same shapes in every
+layout (a leaf is the same samples whatever dp is), so its gradients have the same bits; and the leaves' gradients
+are added in `invariant.tree_sum`'s halving tree. A data-parallel rank holds a consecutive run of the leaves, a whole
+subtree (dp a power of two up to `invariant.MAX_SPLIT`): it adds its own, then gathers the other ranks' subtree sums
+and finishes the tree (`invariant.finish_sum`), in place of DDP's all-reduce. The loss of the batch is summed the
+same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from tp_train.parallel import invariant
+
+
+def backward_in_leaves(
+    parameters: list[nn.Parameter],
+    inputs: torch.Tensor,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    replicas: ProcessGroup,
+) -> torch.Tensor:
+    """Sets each parameter's `.grad` to the gradient of the whole batch's mean loss, and returns that loss (detached,
+    the same on every rank), summed in fixed leaves (module docstring).
+
+    Args:
+        parameters: the trainable parameters (this rank's shards).
+        inputs: this data-parallel rank's consecutive share of the global batch's samples (dim 0), rank r holding the
+            r-th share.
+        loss_of: `loss_of(samples)` -> the mean loss over those samples' tokens, with its graph (the forward run
+            inside). Every leaf has as many tokens counted (no ignored targets), so a leaf's mean is its share of the
+            batch's mean times LEAVES.
+        replicas: the ranks holding the other shares (`mesh.replicas`).
+    """
+    ranks = dist.get_world_size(replicas)
+    invariant.check_split(inputs.size(0) * ranks, ranks, "backward_in_leaves' global batch")
+    local = invariant.LEAVES // ranks
+    if inputs.size(0) % local:
+        raise ValueError(
+            f"backward_in_leaves: {inputs.size(0)} samples a rank do not cut into its {local} leaves of the global "
+            f"batch ({invariant.LEAVES} leaves); give a global batch that is a multiple of {invariant.LEAVES}"
+        )
+    trainable = [param for param in parameters if param.requires_grad]
+    gradients, losses = [], []
+    for part in inputs.chunk(local):
+        for param in trainable:
+            param.grad = None
+        loss = loss_of(part) / invariant.LEAVES  # its share of the batch's mean: an exact power-of-two scaling
+        loss.backward()
+        losses.append(loss.detach().reshape(1))
+        gradients.append(_flat(trainable))
+    summed = invariant.finish_sum(invariant.tree_sum(torch.stack(gradients)), replicas)
+    loss = invariant.finish_sum(invariant.tree_sum(torch.stack(losses)), replicas)[0]
+    offset = 0
+    for param in trainable:
+        param.grad = summed[offset : offset + param.numel()].view_as(param).clone()
+        offset += param.numel()
+    return loss
+
+
+def _flat(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Every parameter's gradient, flattened into one vector (zeros for a parameter the leaf did not reach)."""
+    return torch.cat([
+        (param.grad if param.grad is not None else torch.zeros_like(param)).reshape(-1) for param in parameters
+    ])  # fmt: skip
