@@ -81,6 +81,7 @@ def _differences(runs: dict[tuple, tuple], layout: tuple) -> list[str]:
     return unequal + [name for name, value in base_state.items() if not torch.equal(state[name], value)]
 
 
+@pytest.mark.slow
 def test_gpt_trains_to_the_same_bits_at_every_tensor_and_data_parallel_degree():
     layouts = ((2, 1), (4, 1), (1, 2), (1, 4), (2, 2))  # (tp, dp)
     runs = _runs("invariant", ((1, 1), *layouts))
