@@ -11,7 +11,8 @@ from tests import train_cases
 
 SVG = "{http://www.w3.org/2000/svg}"
 CONTENDERS = ["plain tp=1", "ours tp=1", "native tp=1", "ours tp=2", "native tp=2", "ours tp=2 no overlap",
-              "ours tp=2 +SP", "ours tp=2 +AC", "plain tp=1 x2 threads"]  # fmt: skip
+              "ours tp=2 +SP", "ours tp=2 +AC", "plain tp=1 x2 threads", "ours tp=1 invariant",
+              "ours tp=2 invariant"]  # fmt: skip
 
 
 def _bench(module: str, arguments: list[str]) -> str:
@@ -49,6 +50,8 @@ def test_bench_smoke_writes_every_contender(tmp_path):
     assert rows["ours tp=1"]["collective_s"] == 0
     assert rows["ours tp=2"]["model_state_mib"] < 0.55 * rows["ours tp=1"]["model_state_mib"]
     assert {check["target"] for check in report["targets"]} and report["machine"]["cpus"] >= 1
+    ratios = [check for check in report["targets"] if "invariant / fast numerics step time" in check["target"]]
+    assert len(ratios) == 2 and all(check["value"] > 1 for check in ratios), ratios  # what the same bits cost
     plot = ElementTree.parse(output.with_suffix(".svg")).getroot()  # written beside the JSON by default
     titles = {line.findtext(f"{SVG}title") for line in plot.iter(f"{SVG}polyline")}
     assert titles == {"ours small", "native small", "plain small"}, titles

@@ -54,6 +54,7 @@ class Contender:
     activation_checkpointing: bool = False  # ours only
     compiled: bool = False
     overlap: bool = True  # ours only: collectives in backward overlapped with the weight gradients
+    numerics: str = "fast"  # ours only: "invariant", every split sum in one fixed order (docs/invariant-numerics.md)
 
     @property
     def name(self) -> str:
@@ -62,12 +63,14 @@ class Contender:
         suffix += " +AC" if self.activation_checkpointing else ""
         suffix += " compiled" if self.compiled else ""
         suffix += " no overlap" if not self.overlap else ""
+        suffix += f" {self.numerics}" if self.numerics != "fast" else ""
         return f"{self.kind} tp={self.tp}{suffix}"
 
     @property
     def variant(self) -> bool:
-        """Sequence parallelism, activation checkpointing or no overlap: compared with plain `ours`, not native."""
-        return self.sequence_parallel or self.activation_checkpointing or not self.overlap
+        """Sequence parallelism, activation checkpointing, no overlap or invariant numerics: compared with plain
+        `ours`, not native."""
+        return self.sequence_parallel or self.activation_checkpointing or not self.overlap or self.numerics != "fast"
 
 
 class TrainingStep:
@@ -123,10 +126,12 @@ def build(contender: Contender, size: Size, group: ProcessGroup | None, device: 
             activation_checkpointing=contender.activation_checkpointing,
             compile=contender.compiled,
             overlap=contender.overlap,
+            numerics=contender.numerics,
         )
         loss = functools.partial(
-            vocab_parallel_cross_entropy, group=group, vocab_size=size.vocab, in_place_backward=True
-        )
+            vocab_parallel_cross_entropy, group=group, vocab_size=size.vocab, in_place_backward=True,
+            numerics=contender.numerics,
+        )  # fmt: skip
         return TrainingStep(model, batch, loss)
     if contender.kind == "native":
         native_parallelize(model, DeviceMesh.from_group(group, device.type))

@@ -30,6 +30,8 @@ def contenders_for(size: Size, tps: list[int], largest: bool, compiled: bool = T
     contenders = [Contender("plain", 1)]
     for tp in tps:
         contenders += [Contender("ours", tp), Contender("native", tp)]
+        if tp <= 2:  # what the same bits at every degree cost (docs/invariant-numerics.md)
+            contenders.append(Contender("ours", tp, numerics="invariant"))
         if compiled and tp > 1:
             contenders += [Contender("ours", tp, compiled=True), Contender("native", tp, compiled=True)]
         if tp == 2:  # what overlap gains, and what sequence parallelism and activation checkpointing save and cost
@@ -127,6 +129,7 @@ def benchmark(
                 "collective_s": collective_s,
                 "collective_share": collective_share,  # of the profiled step's wall time
                 "compiled": contender.compiled,
+                "numerics": contender.numerics,
             }
             if contender.kind == "ours":
                 row["tp_bytes_per_step"] = counted_bytes
