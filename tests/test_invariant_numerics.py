@@ -142,13 +142,15 @@ def test_a_split_that_cuts_a_tile_is_refused_in_one_line(size, ranks, says):
     assert "\n" not in str(error.value) and "blocks.0.mlp.proj" in str(error.value)
 
 
-def _train_py(tmp_path: Path, tp: int, model: list[str]):
+def _train_py(tmp_path: Path, tp: int, model: list[str], resume: Path | None = None):
     """The logged series of `python train.py experiment=smoke numerics=invariant tp=<tp> <model>` (10 steps, clipped
-    at 1.0 by the default config) and its final weights, whole, from its checkpoint."""
-    out = tmp_path / f"tp{tp}"
-    overrides = ["experiment=smoke", *model, f"tp={tp}", "numerics=invariant", "logger=csv", "ckpt_path=null",
-                 "trainer.max_steps=10", "trainer.val_check_interval=5", "trainer.limit_val_batches=1",
-                 "trainer.log_every_n_steps=1", "data.max_files=20", f"hydra.run.dir={out}"]  # fmt: skip
+    at 1.0 by the default config, a checkpoint at step 5 and 10), resumed from `resume`'s checkpoint where given, and
+    its final weights, whole, from its checkpoint."""
+    out = tmp_path / f"tp{tp}{'_resumed' if resume else ''}"
+    overrides = ["experiment=smoke", *model, f"tp={tp}", "numerics=invariant", "logger=csv",
+                 f"ckpt_path={resume or 'null'}", "trainer.max_steps=10", "trainer.val_check_interval=5", "trainer.limit_val_batches=1",
+                 "trainer.log_every_n_steps=1", "data.max_files=20", "+callbacks.checkpoint.save_top_k=-1",
+                 f"hydra.run.dir={out}"]  # fmt: skip
     # Lightning's threads, as a user gets them (one process: the cores; the suite's OMP_NUM_THREADS=1 would hide it)
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     env.update(WANDB_MODE="offline", TP_TRAIN_CACHE=str(tmp_path / "cache"))
@@ -169,6 +171,11 @@ def test_train_py_at_tp2_logs_and_saves_the_bits_of_tp1(tmp_path, model):
     assert two == one  # every logged value, exactly
     assert two_weights.keys() == one_weights.keys()
     assert [name for name, value in one_weights.items() if not torch.equal(two_weights[name], value)] == []
+    if not model:  # tp=2's checkpoint at step 5, resumed at tp=1, goes on with the same bits
+        resumed, resumed_weights = _train_py(tmp_path, 1, model, tmp_path / "tp2" / "checkpoints" / "step000005.ckpt")
+        assert resumed["train/loss"] == {step: loss for step, loss in one["train/loss"].items() if step >= 5}
+        assert resumed["val/loss"] == {step: loss for step, loss in one["val/loss"].items() if step >= 5}
+        assert [name for name, value in one_weights.items() if not torch.equal(resumed_weights[name], value)] == []
 
 
 def _refusals(rank, world_size):
