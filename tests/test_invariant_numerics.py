@@ -148,8 +148,9 @@ def _train_py(tmp_path: Path, tp: int, model: list[str], resume: Path | None = N
     its final weights, whole, from its checkpoint."""
     out = tmp_path / f"tp{tp}{'_resumed' if resume else ''}"
     overrides = ["experiment=smoke", *model, f"tp={tp}", "numerics=invariant", "logger=csv",
-                 f"ckpt_path={resume or 'null'}", "trainer.max_steps=10", "trainer.val_check_interval=5", "trainer.limit_val_batches=1",
-                 "trainer.log_every_n_steps=1", "data.max_files=20", "+callbacks.checkpoint.save_top_k=-1",
+                 f"ckpt_path={resume or 'null'}", "trainer.max_steps=10", "trainer.val_check_interval=5",
+                 "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "data.max_files=20",
+                 "+callbacks.checkpoint.save_top_k=-1",
                  f"hydra.run.dir={out}"]  # fmt: skip
     # Lightning's threads, as a user gets them (one process: the cores; the suite's OMP_NUM_THREADS=1 would hide it)
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
