@@ -30,7 +30,7 @@ VOCAB = 128  # a multiple of 4 (no padding) and of invariant.MAX_SPLIT
 SEQ, BATCH = 32, 8  # the global batch: 8 leaves of one sample
 
 
-def _train(rank, world_size, numerics, steps, tp):
+def _train(rank, world_size, numerics, steps, tp, autocast=None):
     import models.gpt as gpt
     from tp_train import ParallelDims
     from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -49,9 +49,10 @@ def _train(rank, world_size, numerics, steps, tp):
     data = torch.Generator().manual_seed(1)
     share, replica = BATCH // dims.dp, mesh.replicas.get_local_rank()
 
-    def loss_of(samples):
-        logits = training.module(samples[:, :-1])
-        return vocab_parallel_cross_entropy(logits, samples[:, 1:], group, VOCAB, numerics=numerics)
+    def loss_of(samples):  # under autocast where given, as Lightning's mixed precision runs forward and loss
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            logits = training.module(samples[:, :-1])
+            return vocab_parallel_cross_entropy(logits, samples[:, 1:], group, VOCAB, numerics=numerics)
 
     losses, norms = [], []
     for _ in range(steps):
@@ -70,9 +71,9 @@ def _train(rank, world_size, numerics, steps, tp):
     return torch.stack([torch.stack(losses), torch.stack(norms).to(torch.float32)]), full_state_dict(model, group)
 
 
-def _runs(numerics: str, layouts=((1, 1), (2, 1), (4, 1)), steps: int = STEPS) -> dict[tuple, tuple]:
+def _runs(numerics: str, layouts=((1, 1), (2, 1), (4, 1)), steps: int = STEPS, autocast=None) -> dict[tuple, tuple]:
     """(tp, dp) -> (losses and norms, the final parameters), as rank 0 returns them."""
-    return {(tp, dp): run_on_ranks(_train, tp * dp, numerics, steps, tp)[0] for tp, dp in layouts}
+    return {(tp, dp): run_on_ranks(_train, tp * dp, numerics, steps, tp, autocast)[0] for tp, dp in layouts}
 
 
 def _differences(runs: dict[tuple, tuple], layout: tuple) -> list[str]:
@@ -87,6 +88,16 @@ def test_gpt_trains_to_the_same_bits_at_every_tensor_and_data_parallel_degree():
     runs = _runs("invariant", ((1, 1), *layouts))
     for layout in layouts:
         assert _differences(runs, layout) == [], layout
+
+
+@pytest.mark.slow
+def test_under_bf16_autocast_too():
+    layouts = ((2, 1), (1, 2))
+    runs = _runs("invariant", ((1, 1), *layouts), autocast=torch.bfloat16)
+    for layout in layouts:
+        assert _differences(runs, layout) == [], layout
+    fast = _runs("fast", ((1, 1),), steps=STEPS, autocast=torch.bfloat16)[1, 1][0]
+    assert torch.allclose(runs[1, 1][0], fast, rtol=0, atol=0.05)  # as close to the fast mode as bf16 allows
 
 
 def test_fast_numerics_differ_in_the_last_bits_so_the_check_can_fail():
@@ -163,7 +174,9 @@ def _train_py(tmp_path: Path, tp: int, model: list[str], resume: Path | None = N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [[], ["model=hf", "model.type=llama"], ["model=hf", "model.type=qwen2"]])
+@pytest.mark.parametrize(
+    "model", [[], ["precision=bf16"], ["model=hf", "model.type=llama"], ["model=hf", "model.type=qwen2"]]
+)
 def test_train_py_at_tp2_logs_and_saves_the_bits_of_tp1(tmp_path, model):
     (one, one_weights), (two, two_weights) = _train_py(tmp_path, 1, model), _train_py(tmp_path, 2, model)
     assert one.keys() == {"train/loss", "train/grad_norm", "val/loss"} and len(one["train/loss"]) == 10

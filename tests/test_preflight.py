@@ -89,8 +89,9 @@ CASES = {
     "dp_shard_with_ddp": (["dp=4", "dp_shard=2"], "dp_shard=2 with data_parallel=ddp: HSDP needs data_parallel=fsdp"),
     "invariant_with_dp": (["tp=2", "dp=2", "numerics=invariant"],
                           "numerics='invariant' covers tensor parallelism so far, not dp=2; use tp alone"),
-    "invariant_in_bf16": (["numerics=invariant", "precision=bf16"],
-                          "numerics=invariant runs precision=32 or 64 so far, not precision=bf16"),
+    "invariant_in_bf16_true": (["numerics=invariant", "precision=bf16-true"],
+                               "numerics=invariant runs precision=32, 64, bf16 or 16 (mixed) so far, not "
+                               "precision=bf16-true"),
     "unknown_numerics": (["numerics=exact"], "numerics: numerics='exact'; use one of fast, invariant"),
 }  # fmt: skip
 CASES |= PIPELINE_CASES  # python train.py pp=2's refusals, in the same start-up

@@ -283,8 +283,10 @@ def _check_numerics(cfg: DictConfig, dims: ParallelDims | None) -> None:
     if dims is not None:
         check_invariant_dims(dims, numerics)
     precision = lightning_precision(cfg.precision)
-    if precision not in ("32-true", "64-true"):
-        raise ValueError(f"numerics=invariant runs precision=32 or 64 so far, not precision={cfg.precision}")
+    if precision not in ("32-true", "64-true", "bf16-mixed", "16-mixed"):
+        raise ValueError(
+            f"numerics=invariant runs precision=32, 64, bf16 or 16 (mixed) so far, not precision={cfg.precision}"
+        )
     for name in ("sequence_parallel", "compile"):
         if _setting(cfg, name, False):
             raise ValueError(f"numerics=invariant does not cover {name}=true yet; leave it off, or use numerics=fast")

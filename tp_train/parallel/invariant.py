@@ -140,31 +140,46 @@ class InvariantLinear(torch.autograd.Function):
     """`F.linear(x, weight, bias)` in tiles, for a layer whose weight is one rank's shard: with `contracted_group`
     the layer's input features are split over it (row-parallel: the forward's sum is finished over the group), with
     `output_group` its output features are (column-parallel: the input gradient's sum is). Without either, the
-    unsharded layer in the same order."""
+    unsharded layer in the same order.
+
+    Under autocast (bf16-mixed, 16-mixed) the inputs and weight are rounded to its dtype, as its matmul would take
+    them, and the products and their tree run in float32 (exact products of half-precision numbers, no partial
+    sum rounded to half precision); the output is rounded to the autocast dtype once, at the end. The gradients of
+    the input, weight and bias come back in their own dtypes (float32 under mixed precision)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, contracted_group, output_group):
-        ctx.save_for_backward(x, weight)
+        low = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        ctx.low, ctx.dtypes = low, (x.dtype, bias.dtype if bias is not None else None)
         ctx.has_bias, ctx.output_group, ctx.contracted_group = bias is not None, output_group, contracted_group
-        flat = x.reshape(-1, x.size(-1))
-        # the global sizes, which fix the leaves and tiles: tokens, input features, output features
-        ctx.sizes = (flat.size(0), weight.size(1) * _ranks(contracted_group), weight.size(0) * _ranks(output_group))
-        tokens, inputs, outputs = ctx.sizes
-        y = finish_sum(matmul(flat, weight.t(), (tokens, inputs, outputs)), contracted_group)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], weight.size(0))
+        with torch.autocast(x.device.type, enabled=False):
+            x_, weight_ = _rounded(x, low), _rounded(weight, low)
+            ctx.save_for_backward(x_, weight_)
+            flat = x_.reshape(-1, x_.size(-1))
+            # the global sizes, which fix the leaves and tiles: tokens, input features, output features
+            ctx.sizes = (flat.size(0), weight.size(1) * _ranks(contracted_group), weight.size(0) * _ranks(output_group))
+            tokens, inputs, outputs = ctx.sizes
+            y = finish_sum(matmul(flat, weight_.t(), (tokens, inputs, outputs)), contracted_group)
+            if bias is not None:
+                y = y + _rounded(bias, low)
+            return y.reshape(*x.shape[:-1], weight.size(0)).to(low or y.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         tokens, inputs, outputs = ctx.sizes
-        flat = x.reshape(-1, x.size(-1))
-        grad = grad_output.reshape(-1, grad_output.size(-1))
-        grad_x = finish_sum(matmul(grad, weight, (tokens, outputs, inputs)), ctx.output_group).reshape(x.shape)
-        grad_weight = matmul(grad.t(), flat, (outputs, tokens, inputs))
-        grad_bias = column_sum(grad, tokens) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None, None
+        with torch.autocast(grad_output.device.type, enabled=False):
+            flat = x.reshape(-1, x.size(-1))
+            grad = grad_output.reshape(-1, grad_output.size(-1)).to(x.dtype)
+            grad_x = finish_sum(matmul(grad, weight, (tokens, outputs, inputs)), ctx.output_group).reshape(x.shape)
+            grad_weight = matmul(grad.t(), flat, (outputs, tokens, inputs)).to(weight.dtype)
+            grad_bias = column_sum(grad, tokens).to(ctx.dtypes[1]) if ctx.has_bias else None
+            return grad_x.to(ctx.dtypes[0]), grad_weight, grad_bias, None, None
+
+
+def _rounded(t: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
+    """`t` rounded to `low` (autocast's dtype) and back to float32, exactly representable; `t` itself without it."""
+    return t.to(low).float() if low is not None else t
 
 
 def _ranks(group: ProcessGroup | None) -> int:
