@@ -47,7 +47,7 @@ def _train(rank, world_size, numerics, steps, tp, autocast=None):
     group = mesh.tensor_parallel.get_group()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     data = torch.Generator().manual_seed(1)
-    share, replica = BATCH // dims.dp, mesh.replicas.get_local_rank()
+    replica = mesh.replicas.get_local_rank()
 
     def loss_of(samples):  # under autocast where given, as Lightning's mixed precision runs forward and loss
         with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
@@ -57,7 +57,7 @@ def _train(rank, world_size, numerics, steps, tp, autocast=None):
     losses, norms = [], []
     for _ in range(steps):
         batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=data)  # the global batch: each replica's share
-        mine = batch[replica * share : (replica + 1) * share]
+        mine = batch[replica :: dims.dp]  # as Lightning's DistributedSampler deals a global batch
         if numerics == "invariant":
             loss = training.backward_in_leaves(mine, loss_of)
         else:
@@ -153,43 +153,57 @@ def test_a_split_that_cuts_a_tile_is_refused_in_one_line(size, ranks, says):
     assert "\n" not in str(error.value) and "blocks.0.mlp.proj" in str(error.value)
 
 
-def _train_py(tmp_path: Path, tp: int, model: list[str], resume: Path | None = None):
-    """The logged series of `python train.py experiment=smoke numerics=invariant tp=<tp> <model>` (10 steps, clipped
-    at 1.0 by the default config, a checkpoint at step 5 and 10), resumed from `resume`'s checkpoint where given, and
-    its final weights, whole, from its checkpoint."""
-    out = tmp_path / f"tp{tp}{'_resumed' if resume else ''}"
-    overrides = ["experiment=smoke", *model, f"tp={tp}", "numerics=invariant", "logger=csv",
-                 f"ckpt_path={resume or 'null'}", "trainer.max_steps=10", "trainer.val_check_interval=5",
-                 "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "data.max_files=20",
-                 "+callbacks.checkpoint.save_top_k=-1",
+def _train_py(tmp_path: Path, name: str, layout: list[str], resume: Path | None = None):
+    """The logged series of `python train.py experiment=smoke numerics=invariant <layout>` (10 steps of a global batch
+    of 8, clipped at 1.0 by the default config, a checkpoint at step 5 and 10), resumed from `resume` where given,
+    and its final weights, whole, from its checkpoint."""
+    out = tmp_path / name.replace("=", "").replace(".", "_")
+    overrides = ["experiment=smoke", "numerics=invariant", "logger=csv", *layout, f"ckpt_path={resume or 'null'}",
+                 "trainer.max_steps=10", "trainer.val_check_interval=5", "trainer.limit_val_batches=1",
+                 "trainer.log_every_n_steps=1", "data.max_files=20", "+callbacks.checkpoint.save_top_k=-1",
                  f"hydra.run.dir={out}"]  # fmt: skip
     # Lightning's threads, as a user gets them (one process: the cores; the suite's OMP_NUM_THREADS=1 would hide it)
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     env.update(WANDB_MODE="offline", TP_TRAIN_CACHE=str(tmp_path / "cache"))
     command = [sys.executable, "train.py", *overrides]
-    result = train_cases.run(command, cwd=ROOT, env=env, timeout=300, child_ranks=tp - 1)
+    result = train_cases.run(command, cwd=ROOT, env=env, timeout=300, child_ranks=3)
     assert result.returncode == 0, result.stderr[-4000:]
     whole = export_lightning(out / "checkpoints" / "step000010.ckpt", out / "whole.ckpt")
     return _metrics(out), torch.load(whole, weights_only=False)["state_dict"]
 
 
+ONE, TP2, DP2 = ["tp=1", "data.batch_size=8"], ["tp=2", "data.batch_size=8"], ["tp=1", "dp=2", "data.batch_size=4"]
+
+
+def _unequal(weights: dict, reference: dict) -> list[str]:
+    assert weights.keys() == reference.keys()
+    return [name for name, value in reference.items() if not torch.equal(weights[name], value)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model", [[], ["precision=bf16"], ["model=hf", "model.type=llama"], ["model=hf", "model.type=qwen2"]]
-)
-def test_train_py_at_tp2_logs_and_saves_the_bits_of_tp1(tmp_path, model):
-    (one, one_weights), (two, two_weights) = _train_py(tmp_path, 1, model), _train_py(tmp_path, 2, model)
+    ("model", "layouts"),
+    [([], (TP2, DP2)), (["precision=bf16"], (TP2,)), (["model=hf", "model.type=llama"], (TP2, DP2)),
+     (["model=hf", "model.type=qwen2"], (TP2, DP2))],
+)  # fmt: skip
+def test_train_py_at_tp2_and_dp2_logs_and_saves_the_bits_of_one_process(tmp_path, model, layouts):
+    one, one_weights = _train_py(tmp_path, "one", model + ONE)
     assert one.keys() == {"train/loss", "train/grad_norm", "val/loss"} and len(one["train/loss"]) == 10
     if not model:  # our GPT's first gradients are above the default clip (1.0): the clipped steps are compared
         assert max(one["train/grad_norm"].values()) > 1.0
-    assert two == one  # every logged value, exactly
-    assert two_weights.keys() == one_weights.keys()
-    assert [name for name, value in one_weights.items() if not torch.equal(two_weights[name], value)] == []
-    if not model:  # tp=2's checkpoint at step 5, resumed at tp=1, goes on with the same bits
-        resumed, resumed_weights = _train_py(tmp_path, 1, model, tmp_path / "tp2" / "checkpoints" / "step000005.ckpt")
+    for layout in layouts:
+        series, weights = _train_py(tmp_path, "_".join(layout), model + layout)
+        trained = {key: series[key] for key in ("train/loss", "train/grad_norm")}
+        assert trained == {key: one[key] for key in trained}, layout  # every logged value, exactly
+        if layout == TP2:  # the same tokens on every rank: the validation loss too
+            assert series["val/loss"] == one["val/loss"]
+        assert _unequal(weights, one_weights) == [], layout
+    if not model:  # tp=2's checkpoint at step 5, resumed in one process, goes on with the same bits
+        saved = tmp_path / "_".join(TP2).replace("=", "").replace(".", "_") / "checkpoints" / "step000005.ckpt"
+        resumed, resumed_weights = _train_py(tmp_path, "resumed", model + ONE, saved)
         assert resumed["train/loss"] == {step: loss for step, loss in one["train/loss"].items() if step >= 5}
         assert resumed["val/loss"] == {step: loss for step, loss in one["val/loss"].items() if step >= 5}
-        assert [name for name, value in one_weights.items() if not torch.equal(resumed_weights[name], value)] == []
+        assert _unequal(resumed_weights, one_weights) == []
 
 
 def _refusals(rank, world_size):
@@ -247,7 +261,7 @@ def test_what_invariant_numerics_does_not_cover_is_refused_in_one_line():
     assert "does not cover sequence_parallel" in found["sequence parallel"]
     assert "multiple of 8; 100 is not" in found["vocabulary"]
     assert "sums the gradients over the replicas in ParallelTraining.backward_in_leaves" in found["plain backward"]
-    assert "not dp=2 with data_parallel=fsdp" in found["fsdp"]
+    assert "not dp=2 with data_parallel=fsdp; use numerics='fast'" in found["fsdp"]
     with pytest.raises(ValueError, match=r"fused_loss=True\) with numerics='invariant'") as error:
         TensorParallelStrategy(fused_loss=True, numerics="invariant")
     found["fused"] = str(error.value)

@@ -87,11 +87,13 @@ CASES = {
                                  "dp_shard=3 does not divide the 4 data-parallel ranks (dp per node x nodes); use "
                                  "dp_shard in [2, 4]"),
     "dp_shard_with_ddp": (["dp=4", "dp_shard=2"], "dp_shard=2 with data_parallel=ddp: HSDP needs data_parallel=fsdp"),
-    "invariant_with_dp": (["tp=2", "dp=2", "numerics=invariant"],
-                          "numerics='invariant' covers tensor parallelism so far, not dp=2; use tp alone"),
+    "invariant_with_fsdp": (["tp=2", "dp=2", "data_parallel=fsdp", "numerics=invariant"],
+                            "numerics='invariant' covers tensor parallelism and DDP's data parallelism so far, not "
+                            "dp=2 with data_parallel=fsdp"),
     "invariant_in_bf16_true": (["numerics=invariant", "precision=bf16-true"],
-                               "numerics=invariant runs precision=32, 64, bf16 or 16 (mixed) so far, not "
-                               "precision=bf16-true"),
+                               "numerics=invariant runs precision=32, 64 or bf16 so far, not precision=bf16-true"),
+    "invariant_batch_not_leaves": (["numerics=invariant", "data.batch_size=6"],
+                                   "numerics=invariant cuts the global batch (data.batch_size=6 x dp=1) into 8 leaves"),
     "unknown_numerics": (["numerics=exact"], "numerics: numerics='exact'; use one of fast, invariant"),
 }  # fmt: skip
 CASES |= PIPELINE_CASES  # python train.py pp=2's refusals, in the same start-up

@@ -24,7 +24,7 @@ from tp_train.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from tp_train.lightning.nonfinite import ACTIONS
 from tp_train.parallel.context_parallel.models import check_context_parallel
 from tp_train.parallel.dims import ParallelDims
-from tp_train.parallel.invariant import INVARIANT, check_numerics
+from tp_train.parallel.invariant import INVARIANT, LEAVES, check_numerics
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.plan.deciding.match import match_plan
 from tp_train.plan.deciding.resolve import resolve_plan
@@ -281,15 +281,27 @@ def _check_numerics(cfg: DictConfig, dims: ParallelDims | None) -> None:
     if check_numerics(numerics, "numerics") != INVARIANT:
         return
     if dims is not None:
-        check_invariant_dims(dims, numerics)
+        check_invariant_dims(dims, numerics, str(_setting(cfg, "data_parallel", "ddp")))
     precision = lightning_precision(cfg.precision)
-    if precision not in ("32-true", "64-true", "bf16-mixed", "16-mixed"):
-        raise ValueError(
-            f"numerics=invariant runs precision=32, 64, bf16 or 16 (mixed) so far, not precision={cfg.precision}"
-        )
+    if precision not in ("32-true", "64-true", "bf16-mixed"):
+        raise ValueError(f"numerics=invariant runs precision=32, 64 or bf16 so far, not precision={cfg.precision}")
     for name in ("sequence_parallel", "compile"):
         if _setting(cfg, name, False):
             raise ValueError(f"numerics=invariant does not cover {name}=true yet; leave it off, or use numerics=fast")
+    accumulated = cfg.trainer.get("accumulate_grad_batches", 1)
+    if accumulated != 1:
+        raise ValueError(
+            f"numerics=invariant sums a batch's leaves in one tree: trainer.accumulate_grad_batches={accumulated} "
+            f"would add the batches' sums in turn; use a larger data.batch_size"
+        )
+    if precision == "16-mixed":
+        raise ValueError("numerics=invariant runs without a gradient scaler: use precision=bf16, 32 or 64")
+    batch = cfg.data.get("batch_size")
+    if dims is not None and isinstance(batch, int) and batch * dims.dp % LEAVES:
+        raise ValueError(
+            f"numerics=invariant cuts the global batch (data.batch_size={batch} x dp={dims.dp}) into {LEAVES} leaves "
+            f"of samples; use a global batch that is a multiple of {LEAVES}"
+        )
 
 
 def layout_label(cfg: DictConfig) -> str:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from lightning.pytorch.strategies import Strategy
 
-from tp_train.lightning.steps import ModelSteps
+from tp_train.lightning.leaf_steps import LeafSteps
+from tp_train.lightning.steps import ModelSteps, batch_arguments, logs_kept
 from tp_train.training import ParallelTraining
 from tp_train.training.apply_order import pipelined_model
 
@@ -99,7 +100,7 @@ class PipelineSteps:
             one = torch.ones((), device=device)
             self.loss_scale = scaler.scale(one) if scaler is not None and scaler.is_enabled() else None
             held = self.pipeline.set_aside_gradients()
-            loss, divisor = self._run(self.module.training_step, *_batch_arguments(args, kwargs), device, train=True)
+            loss, divisor = self._run(self.module.training_step, *batch_arguments(args, kwargs), device, train=True)
             self.pipeline.finish_gradients({}, 1.0 / divisor)
             # Lightning zeroes the gradients after training_step and before backward: this step's wait for `backward`
             self._pending = self.pipeline.set_aside_gradients()
@@ -156,7 +157,7 @@ class PipelineSteps:
         (this replica's) on every rank, and what `step` logged logged on every rank."""
         with self.strategy.precision_plugin.val_step_context():  # the schedule's forward only
             device = self.strategy.root_device
-            return self._run(step, *_batch_arguments(args, kwargs), device, train=False)[0]
+            return self._run(step, *batch_arguments(args, kwargs), device, train=False)[0]
 
     def _run(self, step: Callable, batch: Any, batch_idx: int, device: torch.device, train: bool):
         self._batch = split_batch(batch, self.microbatches)
@@ -246,30 +247,19 @@ class PipelineSteps:
         with self._logs_kept([]):
             yield
 
-    @contextmanager
     def _logs_kept(self, into: list):
-        def record(name, value, *args, **kwargs):
-            into.append((name, value, kwargs))
-
-        self.module.log = record
-        try:
-            yield
-        finally:
-            del self.module.log
+        return logs_kept(self.module, into)
 
 
-def step_runner(strategy: Strategy, training: ParallelTraining) -> ModelSteps | PipelineSteps:
+def step_runner(strategy: Strategy, training: ParallelTraining) -> ModelSteps | PipelineSteps | LeafSteps:
     """The runner of `strategy`'s step hooks for the model `training` holds, chosen once at setup: through its
-    pipeline where it has one, else Lightning's own steps. `strategy` is the `TensorParallelStrategy`."""
-    if training.pipeline is None:
-        return ModelSteps(training)
-    return PipelineSteps(strategy, training)
-
-
-def _batch_arguments(args: tuple, kwargs: dict) -> tuple[Any, int]:
-    """(batch, batch_idx) from a step hook's arguments."""
-    batch = args[0] if args else kwargs["batch"]
-    return batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+    pipeline where it has one; in leaves under `numerics="invariant"` (at every dp, so that dp=1 runs the leaves dp=2
+    runs); else Lightning's own steps. `strategy` is the `TensorParallelStrategy`."""
+    if training.pipeline is not None:
+        return PipelineSteps(strategy, training)
+    if training.numerics != "fast":
+        return LeafSteps(strategy, training)
+    return ModelSteps(training)
 
 
 def split_batch(batch: Any, microbatches: int) -> list[Any]:

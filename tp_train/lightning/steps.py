@@ -6,9 +6,11 @@ pipeline's schedule)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 from tp_train.training import ParallelTraining
@@ -37,3 +39,23 @@ class ModelSteps:
     def batch_loss(self, loss: torch.Tensor, weight: torch.Tensor | float) -> torch.Tensor:
         """The batch's loss from this rank's `loss`, weighted by `weight` (its targets) among the replicas'."""
         return loss if self.training is None else self.training.batch_loss(loss, weight)
+
+
+def batch_arguments(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """(batch, batch_idx) from a step hook's arguments."""
+    batch = args[0] if args else kwargs["batch"]
+    return batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+
+
+@contextmanager
+def logs_kept(module: pl.LightningModule, into: list) -> Iterator[None]:
+    """Within, `module.log(name, value, **kwargs)` appends (name, value, kwargs) to `into` instead of logging."""
+
+    def record(name, value, *args, **kwargs):
+        into.append((name, value, kwargs))
+
+    module.log = record
+    try:
+        yield
+    finally:
+        del module.log

@@ -186,7 +186,7 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
     def setup_environment(self) -> None:
         dims = self.parallel_dims
         dims.validate("devices", self.num_nodes)
-        check_invariant_dims(dims, self.options.numerics)
+        check_invariant_dims(dims, self.options.numerics, self.options.data_parallel)
         super().setup_environment()
         if self.options.numerics == INVARIANT:  # a CPU kernel's reduction order may follow its threads (LayerNorm's)
             torch.set_num_threads(1)

@@ -123,9 +123,9 @@ def column_sum(x: torch.Tensor, size: int) -> torch.Tensor:
     return row_sum(x.t(), size)
 
 
-def finish_sum(partial: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def finish_sum(partial: torch.Tensor, group: ProcessGroup | None, order: list[int] | None = None) -> torch.Tensor:
     """The whole tree's sum from each rank's subtree sum `partial` (rank r holding the r-th of the group's equal,
-    consecutive shares of the leaves): all-gathered in rank order, then summed by `tree_sum`."""
+    consecutive shares of the leaves, or the `order.index(r)`-th): all-gathered, then summed by `tree_sum`."""
     ranks = 1 if group is None else group.size()
     if ranks == 1:
         return partial
@@ -133,6 +133,8 @@ def finish_sum(partial: torch.Tensor, group: ProcessGroup | None) -> torch.Tenso
     gathered = flat.new_empty((ranks, flat.size(1)))
     before_collective()
     all_gather_single(gathered, flat, group=group)
+    if order is not None:
+        gathered = gathered[order]
     return tree_sum(gathered.reshape(ranks, *partial.shape))
 
 

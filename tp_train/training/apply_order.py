@@ -67,18 +67,16 @@ class TrainingOptions:
     numerics: str = "fast"  # or "invariant": the same bits at every layout (`tp_train.parallel.invariant`)
 
 
-def check_invariant_dims(dims: ParallelDims, numerics: str, options: TrainingOptions | None = None) -> None:
-    """What `numerics="invariant"` covers so far, one line for the rest: tensor parallelism; and with `options`
-    (`parallelize_for_training`, whose caller runs the backward through `ParallelTraining.backward_in_leaves`)
-    data parallelism by DDP's replicas too."""
-    leaves = options is not None and options.data_parallel == "ddp"
+def check_invariant_dims(dims: ParallelDims, numerics: str, data_parallel: str = "ddp") -> None:
+    """What `numerics="invariant"` covers so far, one line for the rest: tensor parallelism, and data parallelism
+    over DDP's replicas (the backward in leaves: `ParallelTraining.backward_in_leaves`)."""
     others = [f"{name}={getattr(dims, name)}" for name in ("cp", "pp", "ep") if getattr(dims, name) > 1]
-    if dims.dp > 1 and not leaves:
-        others.insert(0, f"dp={dims.dp}" + (f" with data_parallel={options.data_parallel}" if options else ""))
+    if dims.dp > 1 and data_parallel != "ddp":
+        others.insert(0, f"dp={dims.dp} with data_parallel={data_parallel}")
     if invariant.check_numerics(numerics, "numerics") == invariant.INVARIANT and others:
         raise ValueError(
-            f"numerics='invariant' covers tensor parallelism so far, not {', '.join(others)}; use tp alone, or "
-            f"numerics='fast'"
+            f"numerics='invariant' covers tensor parallelism and DDP's data parallelism so far, not "
+            f"{', '.join(others)}; use numerics='fast' for them"
         )
 
 
@@ -116,7 +114,7 @@ def parallelize_for_training(
     """
     training = getattr(root, TRAINING_ATTRIBUTE, None)
     if training is None:
-        check_invariant_dims(dims, options.numerics, options)
+        check_invariant_dims(dims, options.numerics, options.data_parallel)
         training = _apply(root, dims, mesh, device, options, example_inputs, convert, mp_policy)
         setattr(root, TRAINING_ATTRIBUTE, training)
     replicated = wrapped_by_ddp(training, options)

@@ -34,8 +34,8 @@ def backward_in_leaves(
 
     Args:
         parameters: the trainable parameters (this rank's shards).
-        inputs: this data-parallel rank's consecutive share of the global batch's samples (dim 0), rank r holding the
-            r-th share.
+        inputs: this data-parallel rank's share of the global batch's samples (dim 0): rank r of dp holds positions
+            r, r + dp, r + 2 dp, ... of the global batch, as Lightning's `DistributedSampler` deals them.
         loss_of: `loss_of(samples)` -> the mean loss over those samples' tokens, with its graph (the forward run
             inside). Every leaf has as many tokens counted (no ignored targets), so a leaf's mean is its share of the
             batch's mean times LEAVES.
@@ -51,20 +51,28 @@ def backward_in_leaves(
         )
     trainable = [param for param in parameters if param.requires_grad]
     gradients, losses = [], []
-    for part in inputs.chunk(local):
+    for leaf in sorted(range(local), key=lambda q: _reversed(q, local)):  # the leaves r + dp q, in the tree's order
+        part = inputs[leaf::local]
         for param in trainable:
             param.grad = None
         loss = loss_of(part) / invariant.LEAVES  # its share of the batch's mean: an exact power-of-two scaling
         loss.backward()
         losses.append(loss.detach().reshape(1))
         gradients.append(_flat(trainable))
-    summed = invariant.finish_sum(invariant.tree_sum(torch.stack(gradients)), replicas)
-    loss = invariant.finish_sum(invariant.tree_sum(torch.stack(losses)), replicas)[0]
+    order = sorted(range(ranks), key=lambda rank: _reversed(rank, ranks))  # the ranks' subtrees, in the tree's order
+    summed = invariant.finish_sum(invariant.tree_sum(torch.stack(gradients)), replicas, order)
+    loss = invariant.finish_sum(invariant.tree_sum(torch.stack(losses)), replicas, order)[0]
     offset = 0
     for param in trainable:
         param.grad = summed[offset : offset + param.numel()].view_as(param).clone()
         offset += param.numel()
     return loss
+
+
+def _reversed(index: int, count: int) -> int:
+    """`index` with its log2(count) bits reversed (count a power of two)."""
+    bits = count.bit_length() - 1
+    return int(f"{index:0{bits}b}"[::-1], 2) if bits else 0
 
 
 def _flat(parameters: list[nn.Parameter]) -> torch.Tensor:
