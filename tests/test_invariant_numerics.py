@@ -143,6 +143,30 @@ def test_the_tree_halves_the_terms_rather_than_adding_them_in_turn():
     assert not torch.equal(invariant.tree_sum(p), ((p[0] + p[1]) + p[2]) + p[3])  # 1
 
 
+def test_the_kernels_the_rules_rely_on_give_a_shards_bits():
+    """docs/invariant-numerics.md, rule 9, on this machine's kernels at the widths tensor parallelism makes: element-
+    wise functions on a column shard, attention on a shard of the heads, AdamW on a shard of a weight."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 768)
+    functions = [torch.exp, torch.erf, torch.tanh, torch.nn.functional.gelu, torch.nn.functional.silu]
+    for function in functions:
+        for width in (96, 192, 384):  # 768 over tp 8, 4, 2
+            assert torch.equal(function(x[:, :width].contiguous()), function(x)[:, :width]), (function, width)
+    q, k, v = (torch.randn(2, 8, 32, 16) for _ in range(3))
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    half = torch.nn.functional.scaled_dot_product_attention(*(t[:, 4:].contiguous() for t in (q, k, v)), is_causal=True)
+    assert torch.equal(half, whole[:, 4:])
+    weight = torch.nn.Parameter(torch.randn(64, 96))
+    shard = torch.nn.Parameter(weight.detach()[:32].clone())
+    optimizers = [torch.optim.AdamW([weight], lr=1e-2), torch.optim.AdamW([shard], lr=1e-2)]
+    for _ in range(3):
+        gradient = torch.randn(64, 96)
+        weight.grad, shard.grad = gradient, gradient[:32].clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    assert torch.equal(shard.detach(), weight.detach()[:32])
+
+
 @pytest.mark.parametrize(
     ("size", "ranks", "says"),
     [(96, 3, "over 1, 2, 4 or 8 ranks; got 3"), (100, 2, "multiple of 8; 100 is not"), (64, 16, "got 16")],
