@@ -98,8 +98,9 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
             rank per layer, as a multiple of an even share (`tp_train.parallel.experts.expert_capacity`); those over
             it are dropped and counted (`train/moe/dropped_<layer>`).
         numerics: "fast", or "invariant": every sum a layout splits is computed in one fixed order, so the run's
-            losses and weights are the same bits at every tensor-parallel degree (docs/invariant-numerics.md; tensor
-            parallelism alone so far, fp32 or fp64, at a cost in speed).
+            losses and weights are the same bits at every tensor- and data-parallel degree (DDP's): each step runs
+            the user's training_step once per leaf of the batch (docs/invariant-numerics.md; fp32, fp64 or
+            bf16-mixed; slower).
         **kwargs: passed to torch's DistributedDataParallel for the data-parallel axis (with "ddp").
     """
 
