@@ -3,12 +3,16 @@
 Under data parallelism every parameter's gradient is a sum over the batch's tokens split between ranks, and most of
 those sums are not ours to order: autograd reduces a broadcast parameter (a norm's weight, a bias) over the tokens a
 rank holds, in its kernel's order. So the order is fixed one level up. The global batch is cut into
-`invariant.LEAVES` equal leaves of samples; each leaf's forward and backward runs alone, with the same shapes in every
-layout (a leaf is the same samples whatever dp is), so its gradients have the same bits; and the leaves' gradients
-are added in `invariant.tree_sum`'s halving tree. A data-parallel rank holds a consecutive run of the leaves, a whole
-subtree (dp a power of two up to `invariant.MAX_SPLIT`): it adds its own, then gathers the other ranks' subtree sums
-and finishes the tree (`invariant.finish_sum`), in place of DDP's all-reduce. The loss of the batch is summed the
-same way.
+`invariant.LEAVES` leaves of samples, leaf l holding the global batch's positions l, l + LEAVES, l + 2 LEAVES, ...;
+each leaf's forward and backward runs alone, with the same shapes in every layout (a leaf is the same samples whatever
+dp is), so its gradients have the same bits; and the leaves' gradients are added in `invariant.tree_sum`'s halving
+tree, the leaves in the bit-reversed order of their index.
+
+Data-parallel rank r of dp holds the positions r, r + dp, r + 2 dp, ... (Lightning's `DistributedSampler`), so the
+leaves r, r + dp, ...: in bit-reversed order a consecutive run, a whole subtree (dp a power of two up to
+`invariant.MAX_SPLIT`). The rank adds its own, then gathers the other ranks' subtree sums and finishes the tree
+(`invariant.finish_sum`, the ranks in bit-reversed order too), in place of DDP's all-reduce. The loss of the batch is
+summed the same way.
 """
 
 from __future__ import annotations
