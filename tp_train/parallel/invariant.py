@@ -10,7 +10,7 @@ only on the global problem, so the unsharded model and every tensor-parallel deg
 - a matrix product is, for each tile of its output's columns, one batched matmul over the leaves, every product of
   one shape (all the rows, a leaf, a tile): a product depends only on its inputs (not on how many leaves the batch
   holds, nor on the columns beside it; `tests/test_invariant_numerics.py` checks this on this machine). The rows
-  are whole: every tensor-parallel rank holds all of a step's tokens;
+  are whole: every tensor-parallel rank holds all of a leaf's tokens (`tp_train.training.leaves`);
 - the leaves are summed in one tree, halving: leaves [0, n) are the tree of [0, n // 2) plus the tree of
   [n // 2, n). A rank's share of the leaves is a whole subtree: it sums its own, gathers the other ranks' subtree
   sums, and finishes the tree over them (an all-gather and a fixed-order local sum, where an all-reduce's order is
@@ -18,8 +18,8 @@ only on the global problem, so the unsharded model and every tensor-parallel deg
 - a plain sum over a dimension (no product) adds within each leaf by halving too, element-wise (exact rounding, the
   same bits on any kernel), zeros padding a leaf to a power of two.
 
-Each step materialises its leaves' partial products (`LEAVES` times the output, at most) and runs one thread per
-process (a CPU kernel's own reductions, LayerNorm's, may follow its threads). Its cost is in docs/invariant-numerics.md.
+A product materialises one column tile's partial products at a time (`LEAVES` times the tile), and the mode runs one
+thread per process (a CPU kernel's own reductions, LayerNorm's, may follow its threads). Its cost is in docs/invariant-numerics.md.
 """
 
 from __future__ import annotations
