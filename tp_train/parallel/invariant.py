@@ -19,7 +19,8 @@ only on the global problem, so the unsharded model and every tensor-parallel deg
   same bits on any kernel), zeros padding a leaf to a power of two.
 
 A product materialises one column tile's partial products at a time (`LEAVES` times the tile), and the mode runs one
-thread per process (a CPU kernel's own reductions, LayerNorm's, may follow its threads). Its cost is in docs/invariant-numerics.md.
+thread per process (a CPU kernel's own reductions, LayerNorm's, may follow its threads). Its cost is in
+docs/invariant-numerics.md.
 """
 
 from __future__ import annotations
