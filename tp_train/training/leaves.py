@@ -54,7 +54,8 @@ def backward_in_leaves(
             f"batch ({invariant.LEAVES} leaves); give a global batch that is a multiple of {invariant.LEAVES}"
         )
     trainable = [param for param in parameters if param.requires_grad]
-    gradients, losses = [], []
+    gradients: list[tuple[int, torch.Tensor]] = []  # (leaves summed, their sum): a binary counter, log2 of them held
+    losses = []
     for leaf in sorted(range(local), key=lambda q: _reversed(q, local)):  # the leaves r + dp q, in the tree's order
         part = inputs[leaf::local]
         for param in trainable:
@@ -62,9 +63,12 @@ def backward_in_leaves(
         loss = loss_of(part) / invariant.LEAVES  # its share of the batch's mean: an exact power-of-two scaling
         loss.backward()
         losses.append(loss.detach().reshape(1))
-        gradients.append(_flat(trainable))
+        gradients.append((1, _flat(trainable)))
+        while len(gradients) > 1 and gradients[-1][0] == gradients[-2][0]:  # two subtrees of one size: their parent
+            (count, right), (_, left) = gradients.pop(), gradients.pop()
+            gradients.append((2 * count, left + right))
     order = sorted(range(ranks), key=lambda rank: _reversed(rank, ranks))  # the ranks' subtrees, in the tree's order
-    summed = invariant.finish_sum(invariant.tree_sum(torch.stack(gradients)), replicas, order)
+    summed = invariant.finish_sum(gradients[0][1], replicas, order)  # local: a power of two, so one subtree
     loss = invariant.finish_sum(invariant.tree_sum(torch.stack(losses)), replicas, order)[0]
     offset = 0
     for param in trainable:
