@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tp_train.parallel.context_parallel import ROTATIONS
 from tp_train.parallel.dims import check_shard_mode
-from tp_train.parallel.invariant import INVARIANT, check_numerics
+from tp_train.parallel.invariant import FAST, INVARIANT, check_numerics
 from tp_train.parallel.mesh import DATA_PARALLEL_MODES
 from tp_train.parallel.pipeline import schedule_named
 
@@ -47,7 +47,7 @@ def check_arguments(
         )
 
 
-def check_fused_loss(fused_loss: bool | None, data_parallel: str, numerics: str = "fast") -> None:
+def check_fused_loss(fused_loss: bool | None, data_parallel: str, numerics: str = FAST) -> None:
     """Raises ValueError for an unknown `numerics`, and a fused head and loss forced on with FSDP or with
     numerics="invariant"."""
     if check_numerics(numerics, "TensorParallelStrategy") == INVARIANT and fused_loss:

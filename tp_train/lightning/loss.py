@@ -18,6 +18,7 @@ from tp_train.errors import HeadOutputChangedError
 from tp_train.parallel.context_parallel.models import context_parallel_cross_entropy
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
 from tp_train.parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
+from tp_train.parallel.invariant import FAST
 from tp_train.plan.parallelize import attached
 
 # What a LightningModule sets to say that its training and validation steps pass the model's output to
@@ -62,7 +63,7 @@ class StrategyLoss:
         compile: bool | str,
         context_parallel: bool = False,
         loss_parallel: bool = False,
-        numerics: str = "fast",
+        numerics: str = FAST,
     ) -> None:
         self.loss_parallel = loss_parallel
         self.numerics = numerics

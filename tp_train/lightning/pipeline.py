@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import Strategy
 
 from tp_train.lightning.leaf_steps import LeafSteps
 from tp_train.lightning.steps import ModelSteps, batch_arguments, logs_kept
+from tp_train.parallel.invariant import FAST
 from tp_train.training import ParallelTraining
 from tp_train.training.apply_order import pipelined_model
 
@@ -257,7 +258,7 @@ def step_runner(strategy: Strategy, training: ParallelTraining) -> ModelSteps | 
     runs); else Lightning's own steps. `strategy` is the `TensorParallelStrategy`."""
     if training.pipeline is not None:
         return PipelineSteps(strategy, training)
-    if training.numerics != "fast":
+    if training.numerics != FAST:
         return LeafSteps(strategy, training)
     return ModelSteps(training)
 

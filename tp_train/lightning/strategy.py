@@ -31,7 +31,7 @@ from tp_train.lightning.precision import fsdp_mixed_precision_policy, tensor_par
 from tp_train.lightning.step_hooks import StepHooks
 from tp_train.lightning.steps import ModelSteps
 from tp_train.parallel.dims import ParallelDims
-from tp_train.parallel.invariant import INVARIANT
+from tp_train.parallel.invariant import FAST, INVARIANT
 from tp_train.parallel.mesh import backend_with_timeout
 from tp_train.plan.meta_init import deferred_init
 from tp_train.training import ParallelTraining, TrainingOptions, parallelize_for_training
@@ -134,7 +134,7 @@ class TensorParallelStrategy(StepHooks, MeshGroups, LaunchHooks, CheckpointHooks
         pipeline_virtual_stages: int = 1,
         expert_parallel_size: int = 1,
         expert_capacity_factor: float | None = None,
-        numerics: str = "fast",
+        numerics: str = FAST,
         **kwargs: Any,
     ) -> None:
         check_arguments(tensor_parallel_size, context_parallel_size, context_parallel_rotation, data_parallel, kwargs)

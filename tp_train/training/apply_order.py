@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tp_train.parallel import invariant
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.fake_ranks import fake_group
+from tp_train.parallel.invariant import FAST
 from tp_train.parallel.pipeline import Pipeline, schedule_named
 from tp_train.parallel.pipeline.runner import stage_indices
 from tp_train.parallel.pipeline.split import PipelineSplit, skipped, within
@@ -64,7 +65,7 @@ class TrainingOptions:
     pipeline_split: Sequence[int] | None = None  # blocks per stage; default balanced by parameters
     expert_capacity_factor: float | None = None
     fsdp_methods: tuple[str, ...] = ()  # the root's methods that gather its parameters like `forward` (FSDP2)
-    numerics: str = "fast"  # or "invariant": the same bits at every layout (`tp_train.parallel.invariant`)
+    numerics: str = FAST  # or "invariant": the same bits at every layout (`tp_train.parallel.invariant`)
 
 
 def check_invariant_dims(dims: ParallelDims, numerics: str, data_parallel: str = "ddp") -> None:

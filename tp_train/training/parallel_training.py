@@ -20,6 +20,7 @@ from tp_train.parallel.clipping import clip_grad_norm_, clip_grads_with_norm_, g
 from tp_train.parallel.context_parallel.models import mean_over_group
 from tp_train.parallel.dims import ParallelDims, ParallelMesh
 from tp_train.parallel.experts import named_expert_parameters
+from tp_train.parallel.invariant import FAST
 from tp_train.parallel.pipeline import Pipeline
 from tp_train.parallel.pipeline.runner import average_gradients
 from tp_train.parallel.sharding import ShardSpec, full_numel, named_sharded_parameters
@@ -35,7 +36,7 @@ class ClippingGroups:
     pipeline_parallel: ProcessGroup | None = None  # with pipeline stages: the norm sums over them
     pipeline_duplicates: frozenset[int] = frozenset()  # id() of tied copies an earlier stage holds (counted once)
     experts: tuple[frozenset[int], ProcessGroup] | None = None  # (id() of this rank's experts, the ep group)
-    numerics: str = "fast"  # "invariant": the norm in one fixed order (`tp_train.parallel.clipping`)
+    numerics: str = FAST  # "invariant": the norm in one fixed order (`tp_train.parallel.clipping`)
 
     def clip_(self, parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scales the gradients of `parameters` (this rank's) so that the whole model's norm is at most `max_norm`;
@@ -76,7 +77,7 @@ class ParallelTraining:
     loss_parallel: bool = False  # the LM head's logits stay split over the vocabulary (a vocab-parallel loss)
     # the pipeline's stages, DDP's way: their gradients averaged over the replicas in `after_backward`
     pipeline_replicas: ProcessGroup | None = None
-    numerics: str = "fast"  # the training's `TrainingOptions.numerics`
+    numerics: str = FAST  # the training's `TrainingOptions.numerics`
     _synchronize: bool = field(default=True, repr=False)
     _summed_in_leaves: bool = field(default=False, repr=False)  # the last backward ran through `backward_in_leaves`
 
@@ -112,7 +113,7 @@ class ParallelTraining:
         (DDP's all-reduce; FSDP2's stages reduce-scatter their own), and the experts' over the ranks holding them."""
         if not self._synchronize:
             return
-        if self.numerics != "fast" and self.dims.dp_cp > 1 and not self._summed_in_leaves:
+        if self.numerics != FAST and self.dims.dp_cp > 1 and not self._summed_in_leaves:
             raise RuntimeError(
                 "numerics='invariant' at dp > 1 sums the gradients over the replicas in ParallelTraining."
                 "backward_in_leaves; a plain backward leaves each rank its own share's"

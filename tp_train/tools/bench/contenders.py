@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from models import GPT, GPTConfig
 from tp_train.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tp_train.parallel.invariant import FAST
 from tp_train.parallel.sharding import local_part
 from tp_train.plan.parallelize import parallelize
 from tp_train.tools.optimizer import adamw
@@ -54,7 +55,7 @@ class Contender:
     activation_checkpointing: bool = False  # ours only
     compiled: bool = False
     overlap: bool = True  # ours only: collectives in backward overlapped with the weight gradients
-    numerics: str = "fast"  # ours only: "invariant", every split sum in one fixed order (docs/invariant-numerics.md)
+    numerics: str = FAST  # ours only: "invariant", every split sum in one fixed order (docs/invariant-numerics.md)
 
     @property
     def name(self) -> str:
@@ -63,14 +64,14 @@ class Contender:
         suffix += " +AC" if self.activation_checkpointing else ""
         suffix += " compiled" if self.compiled else ""
         suffix += " no overlap" if not self.overlap else ""
-        suffix += f" {self.numerics}" if self.numerics != "fast" else ""
+        suffix += f" {self.numerics}" if self.numerics != FAST else ""
         return f"{self.kind} tp={self.tp}{suffix}"
 
     @property
     def variant(self) -> bool:
         """Sequence parallelism, activation checkpointing, no overlap or invariant numerics: compared with plain
         `ours`, not native."""
-        return self.sequence_parallel or self.activation_checkpointing or not self.overlap or self.numerics != "fast"
+        return self.sequence_parallel or self.activation_checkpointing or not self.overlap or self.numerics != FAST
 
 
 class TrainingStep:
